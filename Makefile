@@ -1,0 +1,41 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+export UV_PYTHON_DOWNLOADS := never
+export SPARK_LOCAL_IP := 127.0.0.1
+export PYSPARK_PYTHON := $(abspath $(VENV))/bin/python
+export PYSPARK_DRIVER_PYTHON := $(abspath $(VENV))/bin/python
+export PYTHONPATH := $(abspath .)
+
+.PHONY: install system-deps test test-fast demo bench lint clean
+
+$(VENV)/.installed: pyproject.toml uv.lock
+	@command -v uv >/dev/null || python3 -m pip install --quiet "uv==0.13.8"
+	uv sync --frozen --extra dev --python python3.11
+	@touch $@
+
+install: $(VENV)/.installed
+
+# Headless Chromium renders the reports and the Airflow page in tests (Debian package).
+system-deps:
+	@command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+
+test: install system-deps
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest -q --timeout=900
+
+test-fast: install
+	$(VENV)/bin/pytest -q -m "not slow"
+
+demo: install
+	$(PY) -m jobs.demo
+
+bench: install
+	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) .demo .pytest_cache

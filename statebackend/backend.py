@@ -1,0 +1,310 @@
+"""Keyed state backend: one embedded RocksDB instance per (job, subtask).
+
+Local layout of one instance (``local_dir``)::
+
+    local_dir/
+      db/                      the working RocksDB instance (raw mode, one CF per state)
+      snapshots/<snapshot_id>/ RocksDB native checkpoints (hard links), kept for
+                               local recovery; the newest two are kept
+      instance.json            {"backend_id", "clean_snapshot_id"}: set on close when
+                               the working db equals that snapshot exactly
+
+The WAL is disabled (as in Flink): durability comes from checkpoints, and the
+synchronous part of a snapshot flushes every column family before the native
+checkpoint, so a snapshot is SST files plus small private files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import mmh3
+from rocksdict import (
+    AccessType,
+    Checkpoint,
+    Options,
+    ReadOptions,
+    Rdict,
+    WriteBatch,
+    WriteOptions,
+)
+
+from .errors import UsageError
+from .keygroups import KeyGroupRange, check_max_parallelism, key_group_prefix
+from .serialization import serialize_key
+from .state import (
+    STATE_CLASSES,
+    AggregatingState,
+    ListState,
+    MapState,
+    ReducingState,
+    StateDescriptor,
+    ValueState,
+)
+
+DB_DIR = "db"
+SNAPSHOTS_DIR = "snapshots"
+INSTANCE_FILE = "instance.json"
+LOCAL_SNAPSHOTS_KEPT = 2
+_PREFIXES = [key_group_prefix(i) for i in range(1 << 15)]
+
+
+def rocks_options(write_buffer_mb: int = 64) -> Options:
+    opts = Options(raw_mode=True)
+    opts.create_if_missing(True)
+    opts.create_missing_column_families(True)
+    opts.set_write_buffer_size(write_buffer_mb * 1024 * 1024)
+    opts.set_max_background_jobs(2)
+    opts.set_keep_log_file_num(2)
+    return opts
+
+
+def no_wal() -> WriteOptions:
+    wo = WriteOptions()
+    wo.disable_wal = True
+    return wo
+
+
+@dataclass(frozen=True)
+class LocalSnapshot:
+    """Result of the synchronous part: an immutable local checkpoint directory."""
+
+    snapshot_id: str
+    path: str
+    files: tuple[tuple[str, int], ...]  # (file name, size)
+    row_counts: dict[str, int]
+
+
+class KeyedStateBackend:
+    """Keyed state of one subtask: key groups ``key_group_range`` of ``max_parallelism``."""
+
+    def __init__(self, local_dir: str, descriptors: Sequence[StateDescriptor],
+                 max_parallelism: int, key_group_range: KeyGroupRange,
+                 backend_id: str | None = None, read_only: bool = False) -> None:
+        check_max_parallelism(max_parallelism)
+        self.local_dir = os.path.abspath(local_dir)
+        self.max_parallelism = max_parallelism
+        self.key_group_range = key_group_range
+        self.descriptors = {d.name: d for d in descriptors}
+        self.read_only = read_only
+        self.backend_id = backend_id or uuid.uuid4().hex
+        # SSTs confirmed in committed checkpoints of this lineage: local name -> FileRef.
+        self.uploaded: dict = {}
+        self.restore_mode = "new"
+        self._dirty = False
+        self._states: dict[str, object] = {}
+        os.makedirs(self.db_path, exist_ok=True)
+        names = set(self.descriptors)
+        if os.path.exists(os.path.join(self.db_path, "CURRENT")):
+            names |= set(Rdict.list_cf(self.db_path, Options(raw_mode=True))) - {"default"}
+        self._cf_names = sorted(names)
+        opts = rocks_options()
+        self.db = Rdict(
+            self.db_path, opts,
+            column_families={n: rocks_options() for n in self._cf_names},
+            access_type=AccessType.read_only() if read_only else AccessType.read_write(),
+        )
+        self.db.set_write_options(no_wal())
+        self._cfs = {n: self.db.get_column_family(n) for n in self._cf_names}
+        for cf in self._cfs.values():
+            cf.set_write_options(no_wal())
+        self._handles = {n: self.db.get_column_family_handle(n) for n in self._cf_names}
+        self._forget_clean_marker()
+
+    # -- paths -------------------------------------------------------------
+    @property
+    def db_path(self) -> str:
+        return os.path.join(self.local_dir, DB_DIR)
+
+    @property
+    def snapshots_path(self) -> str:
+        return os.path.join(self.local_dir, SNAPSHOTS_DIR)
+
+    # -- keys --------------------------------------------------------------
+    def key_group_and_bytes(self, key: str) -> tuple[int, bytes]:
+        kb = serialize_key(key)
+        kg = mmh3.hash(kb, 0, signed=False) % self.max_parallelism
+        r = self.key_group_range
+        if kg < r.start or kg > r.end:
+            raise UsageError(f"key {key!r} is in key group {kg}, outside this backend's range "
+                             f"[{r.start}, {r.end}]: route keys by key group before writing")
+        return kg, kb
+
+    def rocks_key(self, key: str) -> bytes:
+        kg, kb = self.key_group_and_bytes(key)
+        return _PREFIXES[kg] + kb
+
+    def rocks_keys(self, keys: Iterable[str]) -> list[bytes]:
+        m = self.max_parallelism
+        lo, hi = self.key_group_range.start, self.key_group_range.end
+        out = []
+        append = out.append
+        hash32 = mmh3.hash
+        prefixes = _PREFIXES
+        for key in keys:
+            kb = key.encode("utf-8")
+            kg = hash32(kb, 0, False) % m
+            if kg < lo or kg > hi:
+                self.key_group_and_bytes(key)  # raises with the full message
+            append(prefixes[kg] + kb)
+        return out
+
+    # -- states ------------------------------------------------------------
+    def state(self, name: str):
+        if name not in self._states:
+            if name not in self.descriptors:
+                raise UsageError(f"state {name!r} is not declared; declared: {sorted(self.descriptors)}")
+            desc = self.descriptors[name]
+            self._states[name] = STATE_CLASSES[desc.kind](self, desc)
+        return self._states[name]
+
+    def value_state(self, name: str) -> ValueState:
+        return self._typed(name, ValueState)
+
+    def list_state(self, name: str) -> ListState:
+        return self._typed(name, ListState)
+
+    def map_state(self, name: str) -> MapState:
+        return self._typed(name, MapState)
+
+    def reducing_state(self, name: str) -> ReducingState:
+        return self._typed(name, ReducingState)
+
+    def aggregating_state(self, name: str) -> AggregatingState:
+        return self._typed(name, AggregatingState)
+
+    def _typed(self, name: str, cls: type):
+        st = self.state(name)
+        if type(st) is not cls:
+            raise UsageError(f"state {name!r} is {self.descriptors[name].kind} state, "
+                             f"not {cls.__name__}")
+        return st
+
+    def column_family(self, name: str) -> Rdict:
+        return self._cfs[name]
+
+    def column_family_handle(self, name: str):
+        return self._handles[name]
+
+    @property
+    def column_families(self) -> list[str]:
+        return list(self._cf_names)
+
+    def write(self, batch: WriteBatch) -> None:
+        self._dirty = True
+        self.db.write(batch)
+
+    def mark_dirty(self) -> None:
+        self._dirty = True
+
+    # -- raw access (dump, validation, rescale) ----------------------------
+    def iter_raw(self, cf_name: str, key_groups: KeyGroupRange | None = None
+                 ) -> Iterator[tuple[bytes, bytes]]:
+        cf = self._cfs[cf_name]
+        ro = ReadOptions()
+        lower = b""
+        if key_groups is not None:
+            lower, upper = key_groups.byte_bounds()
+            ro.set_iterate_upper_bound(upper)
+        it = cf.iter(ro)
+        if lower:
+            it.seek(lower)
+        else:
+            it.seek_to_first()
+        while it.valid():
+            yield it.key(), it.value()
+            it.next()
+
+    def count_rows(self) -> dict[str, int]:
+        return {name: sum(1 for _ in self._cfs[name].keys()) for name in self._cf_names}
+
+    def delete_key_groups_outside(self, keep: KeyGroupRange) -> None:
+        """Clip: drop every key outside ``keep`` with two range tombstones per CF."""
+        lower, upper = keep.byte_bounds()
+        for cf in self._cfs.values():
+            if lower > b"\x00\x00":
+                cf.delete_range(b"\x00\x00", lower)
+            cf.delete_range(upper, b"\xff\xff\xff")
+        self._dirty = True
+
+    def compact(self) -> None:
+        for cf in self._cfs.values():
+            cf.compact_range(None, None)
+
+    # -- snapshot: synchronous part ----------------------------------------
+    def take_local_snapshot(self, count_rows: bool = True) -> LocalSnapshot:
+        """Flush every CF and create a RocksDB native checkpoint (hard links)."""
+        for cf in self._cfs.values():
+            cf.flush(True)
+        self.db.flush(True)
+        snapshot_id = uuid.uuid4().hex
+        os.makedirs(self.snapshots_path, exist_ok=True)
+        path = os.path.join(self.snapshots_path, snapshot_id)
+        Checkpoint(self.db).create_checkpoint(path)
+        files = tuple(sorted((n, os.path.getsize(os.path.join(path, n))) for n in os.listdir(path)))
+        rows = self.count_rows() if count_rows else {}
+        self._dirty = False
+        self._last_snapshot_id = snapshot_id
+        self._prune_local_snapshots(keep=snapshot_id)
+        return LocalSnapshot(snapshot_id, path, files, rows)
+
+    def _prune_local_snapshots(self, keep: str) -> None:
+        try:
+            entries = sorted(os.scandir(self.snapshots_path), key=lambda e: e.stat().st_mtime)
+        except FileNotFoundError:
+            return
+        old = [e for e in entries if e.name != keep][: max(0, len(entries) - LOCAL_SNAPSHOTS_KEPT)]
+        for e in old:
+            shutil.rmtree(e.path, ignore_errors=True)
+
+    def notify_checkpoint_complete(self, handle) -> None:
+        """After a commit: its shared files may be referenced by later snapshots."""
+        self.uploaded = {f.local_name: f for f in handle.shared_files}
+
+    # -- lifecycle ---------------------------------------------------------
+    def close(self) -> None:
+        """Close; if nothing changed since the last snapshot, mark the instance clean."""
+        if self.db is None:
+            return
+        clean = None if self._dirty else getattr(self, "_last_snapshot_id", None)
+        self._states.clear()
+        self._cfs.clear()
+        self._handles.clear()
+        self.db.close()
+        self.db = None
+        if clean and not self.read_only:
+            write_instance_marker(self.local_dir, self.backend_id, clean)
+
+    def __enter__(self) -> KeyedStateBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _forget_clean_marker(self) -> None:
+        if not self.read_only:
+            try:
+                os.unlink(os.path.join(self.local_dir, INSTANCE_FILE))
+            except FileNotFoundError:
+                pass
+
+
+def write_instance_marker(local_dir: str, backend_id: str, clean_snapshot_id: str) -> None:
+    tmp = os.path.join(local_dir, INSTANCE_FILE + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump({"backend_id": backend_id, "clean_snapshot_id": clean_snapshot_id}, fh)
+    os.replace(tmp, os.path.join(local_dir, INSTANCE_FILE))
+
+
+def read_instance_marker(local_dir: str) -> dict | None:
+    try:
+        with open(os.path.join(local_dir, INSTANCE_FILE)) as fh:
+            data = json.load(fh)
+        return data if isinstance(data, dict) else None
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,178 @@
+"""Checkpoints of one job: list, load, resolve, allocate ids, commit.
+
+Job root layout (see DESIGN.md)::
+
+    <root>/<job>/shared/<unique>.sst      immutable, shared by checkpoints
+    <root>/<job>/chk-<id>/<subtask>/...   private files of one checkpoint
+    <root>/<job>/chk-<id>/_metadata       commit record, written last
+    <root>/<job>/savepoints/<name>/...    self-contained, never collected
+    <root>/<job>/leases/<lease>.json      holds checkpoints against retention/GC
+    <root>/<job>/reports/chk-<id>/...     validation reports
+
+Invariants: a checkpoint exists iff its `_metadata` exists; `_metadata` is created
+exclusively (a second commit of the same id fails instead of overwriting);
+reading metadata never trusts paths (see metadata.py).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from .errors import (
+    CheckpointNotFoundError,
+    JobNotFoundError,
+    LeaseConflictError,
+    MetadataError,
+    StorageError,
+    UsageError,
+)
+from .keygroups import check_parallelism, key_group_range_for_subtask
+from .metadata import CheckpointMetadata, SubtaskHandle
+from .storage import Storage, child_storage, safe_relpath
+
+METADATA_FILE = "_metadata"
+_CHK_RE = re.compile(r"^chk-(\d+)$")
+_JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+
+
+def check_job_name(job: str) -> str:
+    if not isinstance(job, str) or not _JOB_NAME_RE.match(job) or ".." in job:
+        raise UsageError(f"job name {job!r} is invalid: use letters, digits, '_', '-', '.'")
+    return job
+
+
+def metadata_path(checkpoint_id: int) -> str:
+    return f"chk-{checkpoint_id}/{METADATA_FILE}"
+
+
+class CheckpointStore:
+    """Checkpoints of ``job`` under a storage root."""
+
+    def __init__(self, storage: Storage, job: str) -> None:
+        self.root_storage = storage
+        self.job = check_job_name(job)
+        self.storage = child_storage(storage, job)  # job root
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore({self.storage.url!r})"
+
+    # -- listing -----------------------------------------------------------
+    def job_exists(self) -> bool:
+        return bool(self.storage.list_dir(""))
+
+    def require_job(self) -> None:
+        self.root_storage.check_reachable()
+        if not self.job_exists():
+            raise JobNotFoundError(
+                f"job {self.job!r} not found under {self.root_storage.url} (no checkpoints, "
+                "savepoints or leases); check --storage and --job")
+
+    def checkpoint_dirs(self) -> list[int]:
+        """Ids of every chk-<id> folder, committed or not, ascending."""
+        ids = []
+        for name in self.storage.list_dir(""):
+            m = _CHK_RE.match(name)
+            if m:
+                ids.append(int(m.group(1)))
+        return sorted(ids)
+
+    def checkpoint_ids(self) -> list[int]:
+        """Ids of committed checkpoints (those with `_metadata`), ascending."""
+        committed = set()
+        for path in self.storage.glob(f"chk-*/{METADATA_FILE}"):
+            m = _CHK_RE.match(path.split("/")[0])
+            if m:
+                committed.add(int(m.group(1)))
+        return sorted(committed)
+
+    def load(self, checkpoint_id: int) -> CheckpointMetadata:
+        rel = metadata_path(checkpoint_id)
+        where = f"{self.storage.url}/{rel}"
+        try:
+            data = self.storage.read_bytes(rel)
+        except StorageError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):
+                raise CheckpointNotFoundError(
+                    f"checkpoint {checkpoint_id} of job {self.job!r} not found "
+                    f"(no {where}); see `ckpt list`") from exc
+            raise
+        meta = CheckpointMetadata.from_bytes(data, where)
+        if meta.checkpoint_id != checkpoint_id or meta.job != self.job:
+            raise MetadataError(
+                f"malformed metadata {where}: it describes job {meta.job!r} checkpoint "
+                f"{meta.checkpoint_id}, not job {self.job!r} checkpoint {checkpoint_id}")
+        return meta
+
+    def load_all(self) -> list[CheckpointMetadata]:
+        return [self.load(i) for i in self.checkpoint_ids()]
+
+    def latest(self) -> CheckpointMetadata | None:
+        ids = self.checkpoint_ids()
+        return self.load(ids[-1]) if ids else None
+
+    def resolve(self, ref: str | int | None) -> CheckpointMetadata:
+        """``latest`` (default), an id, or ``chk-<id>``."""
+        self.require_job()
+        if ref in (None, "", "latest"):
+            meta = self.latest()
+            if meta is None:
+                raise CheckpointNotFoundError(
+                    f"job {self.job!r} has no committed checkpoint under {self.root_storage.url}")
+            return meta
+        text = str(ref)
+        m = _CHK_RE.match(text)
+        if m:
+            text = m.group(1)
+        if not text.isdigit():
+            raise UsageError(f"checkpoint {ref!r} is not 'latest', an id or chk-<id>")
+        return self.load(int(text))
+
+    def find_by_run_id(self, run_id: str) -> CheckpointMetadata | None:
+        for cid in reversed(self.checkpoint_ids()):
+            meta = self.load(cid)
+            if meta.run_id == run_id:
+                return meta
+        return None
+
+    def next_checkpoint_id(self) -> int:
+        """One above every chk folder seen (committed or attempted)."""
+        ids = self.checkpoint_dirs()
+        return (ids[-1] + 1) if ids else 1
+
+    # -- commit ------------------------------------------------------------
+    def commit(self, meta: CheckpointMetadata) -> CheckpointMetadata:
+        """Write `_metadata` exclusively; LeaseConflictError if the id is taken."""
+        if meta.job != self.job:
+            raise UsageError(f"metadata of job {meta.job!r} cannot be committed to {self.job!r}")
+        for ref in meta.files:
+            safe_relpath(ref.path)
+        try:
+            self.storage.write_exclusive(metadata_path(meta.checkpoint_id), meta.to_bytes())
+        except FileExistsError as exc:
+            raise LeaseConflictError(
+                f"checkpoint {meta.checkpoint_id} of job {self.job!r} was committed by another "
+                "writer; this attempt is aborted") from exc
+        return meta
+
+
+def build_metadata(*, job: str, checkpoint_id: int, parent: int | None, max_parallelism: int,
+                   states: Sequence[dict], handles: Sequence[SubtaskHandle],
+                   kind: str = "checkpoint", run_id: str | None = None,
+                   inputs: Sequence[str] = (), rescaled_from: int | None = None,
+                   source: dict | None = None, extra: dict | None = None) -> CheckpointMetadata:
+    """Assemble and check a commit record from the subtask handles of one attempt."""
+    parallelism = len(handles)
+    check_parallelism(parallelism, max_parallelism)
+    ordered = sorted(handles, key=lambda h: h.index)
+    for i, h in enumerate(ordered):
+        expected = key_group_range_for_subtask(max_parallelism, parallelism, i)
+        if h.index != i or h.key_group_range != expected:
+            raise UsageError(f"subtask handle {h.index} covers key groups "
+                             f"[{h.key_group_start}, {h.key_group_end}], expected subtask {i} "
+                             f"with [{expected.start}, {expected.end}]")
+    return CheckpointMetadata(
+        job=job, checkpoint_id=checkpoint_id, parent=parent, parallelism=parallelism,
+        max_parallelism=max_parallelism, states=tuple(dict(s) for s in states),
+        subtasks=tuple(ordered), kind=kind, run_id=run_id, input=tuple(inputs),
+        rescaled_from=rescaled_from, source=source, extra=dict(extra or {}))

@@ -1,0 +1,62 @@
+"""Errors of the checkpoint lifecycle library.
+
+One base class (`CkptError`) and a few specific subclasses. Every message names
+the thing at fault, the offending value and, where there is one, the next step.
+The CLI prints `str(error)` as a single line and exits non-zero.
+"""
+
+from __future__ import annotations
+
+
+class CkptError(Exception):
+    """Base class of every error this project raises on purpose."""
+
+    exit_code = 1
+
+
+class UsageError(CkptError):
+    """Bad arguments (parallelism out of range, unknown format ...)."""
+
+    exit_code = 2
+
+
+class StorageError(CkptError):
+    """Storage unreachable, a file missing, or a write refused."""
+
+    exit_code = 2
+
+
+class StorageFullError(StorageError):
+    """A bounded storage (memory://) would exceed its maximum size."""
+
+
+class JobNotFoundError(CkptError):
+    """No job folder (no checkpoint, savepoint or lease) under the storage root."""
+
+
+class CheckpointNotFoundError(CkptError):
+    """The requested checkpoint has no committed `_metadata`."""
+
+
+class MetadataError(CkptError):
+    """Metadata that is malformed, truncated, or inconsistent."""
+
+
+class UnsafePathError(MetadataError):
+    """A path in metadata is absolute or escapes the job root."""
+
+
+class UnsupportedFormatVersionError(MetadataError):
+    """Metadata written by a newer (or unknown) format version."""
+
+
+class SerializationError(CkptError):
+    """A stored value or key that cannot be decoded."""
+
+
+class LeaseConflictError(CkptError):
+    """Another writer holds a live lease on this job or checkpoint."""
+
+
+class SnapshotError(CkptError):
+    """A snapshot attempt failed; nothing was committed."""

@@ -1,0 +1,293 @@
+"""Checkpoint metadata: the `_metadata` commit record, as frozen dataclasses.
+
+A checkpoint exists if and only if ``<job>/chk-<id>/_metadata`` exists. It is
+written last, atomically, after every file it references has been uploaded.
+The JSON carries ``format_version``; readers refuse versions they do not know
+(naming the version), and every path in it is checked to be relative to the job
+root with no ``..``. Changes must stay backward-compatible: add optional keys
+with defaults, bump FORMAT_VERSION only for incompatible changes.
+
+Layout of one record (format 1)::
+
+    {"format_version": 1, "job": "orders", "checkpoint_id": 7, "parent": 6,
+     "kind": "checkpoint" | "rescale" | "savepoint",
+     "created_at": "2026-11-21T10:00:00.123456+00:00",
+     "run_id": "...", "input": ["..."], "parallelism": 4, "max_parallelism": 128,
+     "rescaled_from": null, "source": null,
+     "states": [{"name": "totals", "kind": "value", "codec": {...}}],
+     "subtasks": [{"index": 0, "key_group_start": 0, "key_group_end": 31,
+                   "backend_id": "...", "snapshot_id": "...", "bytes_uploaded": 123,
+                   "shared_files": [{"path": "shared/<uuid>-000012.sst",
+                                     "local_name": "000012.sst", "size": 1, "checksum": "crc32:..."}],
+                   "private_files": [...], "row_counts": {"totals": 10}}],
+     "extra": {}}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any
+
+from .errors import MetadataError, UnsupportedFormatVersionError
+from .keygroups import KeyGroupRange
+from .storage import safe_relpath
+
+FORMAT_VERSION = 1
+SUPPORTED_FORMAT_VERSIONS = (1,)
+CHECKPOINT_KINDS = ("checkpoint", "rescale", "savepoint")
+
+
+def utc_now_iso() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+@dataclass(frozen=True)
+class FileRef:
+    """One stored file: path relative to the job root, its name in the RocksDB dir."""
+
+    path: str
+    local_name: str
+    size: int
+    checksum: str
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "local_name": self.local_name, "size": self.size,
+                "checksum": self.checksum}
+
+    @staticmethod
+    def from_json(data: Any, where: str) -> FileRef:
+        _require(isinstance(data, dict), where, "file reference is not an object")
+        path = safe_relpath(_get(data, "path", str, where), f"{where} path")
+        local_name = _get(data, "local_name", str, where)
+        _require("/" not in local_name and local_name not in ("", ".", ".."), where,
+                 f"local_name {local_name!r} must be a plain file name")
+        size = _get(data, "size", int, where)
+        _require(size >= 0, where, f"size {size} is negative")
+        return FileRef(path, local_name, size, _get(data, "checksum", str, where))
+
+
+@dataclass(frozen=True)
+class SubtaskHandle:
+    """State of one subtask in one checkpoint: the files that restore it."""
+
+    index: int
+    key_group_start: int
+    key_group_end: int
+    backend_id: str
+    snapshot_id: str
+    shared_files: tuple[FileRef, ...]
+    private_files: tuple[FileRef, ...]
+    row_counts: dict[str, int] = field(default_factory=dict)
+    bytes_uploaded: int = 0
+
+    @property
+    def key_group_range(self) -> KeyGroupRange:
+        return KeyGroupRange(self.key_group_start, self.key_group_end)
+
+    @property
+    def files(self) -> tuple[FileRef, ...]:
+        return self.shared_files + self.private_files
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_json(self) -> dict:
+        return {
+            "index": self.index,
+            "key_group_start": self.key_group_start,
+            "key_group_end": self.key_group_end,
+            "backend_id": self.backend_id,
+            "snapshot_id": self.snapshot_id,
+            "bytes_uploaded": self.bytes_uploaded,
+            "shared_files": [f.to_json() for f in self.shared_files],
+            "private_files": [f.to_json() for f in self.private_files],
+            "row_counts": dict(self.row_counts),
+        }
+
+    @staticmethod
+    def from_json(data: Any, where: str) -> SubtaskHandle:
+        _require(isinstance(data, dict), where, "subtask is not an object")
+        index = _get(data, "index", int, where)
+        w = f"{where} subtask {index}"
+        shared = _get(data, "shared_files", list, w)
+        private = _get(data, "private_files", list, w)
+        counts = data.get("row_counts", {})
+        _require(isinstance(counts, dict) and all(
+            isinstance(k, str) and isinstance(v, int) for k, v in counts.items()), w,
+            "row_counts must map state names to integers")
+        return SubtaskHandle(
+            index=index,
+            key_group_start=_get(data, "key_group_start", int, w),
+            key_group_end=_get(data, "key_group_end", int, w),
+            backend_id=_get(data, "backend_id", str, w),
+            snapshot_id=_get(data, "snapshot_id", str, w),
+            shared_files=tuple(FileRef.from_json(f, w) for f in shared),
+            private_files=tuple(FileRef.from_json(f, w) for f in private),
+            row_counts=dict(counts),
+            bytes_uploaded=int(data.get("bytes_uploaded", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class CheckpointMetadata:
+    """The commit record of one checkpoint (or savepoint)."""
+
+    job: str
+    checkpoint_id: int
+    parent: int | None
+    parallelism: int
+    max_parallelism: int
+    states: tuple[dict, ...]
+    subtasks: tuple[SubtaskHandle, ...]
+    created_at: str = field(default_factory=utc_now_iso)
+    kind: str = "checkpoint"
+    run_id: str | None = None
+    input: tuple[str, ...] = ()
+    rescaled_from: int | None = None
+    source: dict | None = None
+    extra: dict = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    # -- derived figures ---------------------------------------------------
+    @property
+    def files(self) -> tuple[FileRef, ...]:
+        return tuple(f for s in self.subtasks for f in s.files)
+
+    @property
+    def bytes_referenced(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def bytes_uploaded(self) -> int:
+        return sum(s.bytes_uploaded for s in self.subtasks)
+
+    @property
+    def created_at_epoch(self) -> float:
+        return datetime.fromisoformat(self.created_at).timestamp()
+
+    def with_changes(self, **changes: Any) -> CheckpointMetadata:
+        return replace(self, **changes)
+
+    def summary(self) -> dict:
+        """The stable JSON shape of `ckpt show --json` / `ckpt list --json`."""
+        return {
+            "id": self.checkpoint_id,
+            "job": self.job,
+            "kind": self.kind,
+            "parent": self.parent,
+            "created_at": self.created_at,
+            "run_id": self.run_id,
+            "parallelism": self.parallelism,
+            "max_parallelism": self.max_parallelism,
+            "rescaled_from": self.rescaled_from,
+            "source": self.source,
+            "files_referenced": len(self.files),
+            "bytes_referenced": self.bytes_referenced,
+            "bytes_uploaded": self.bytes_uploaded,
+            "rows": sum(sum(s.row_counts.values()) for s in self.subtasks),
+            "states": [s["name"] for s in self.states],
+            "subtasks": [
+                {"index": s.index, "key_group_start": s.key_group_start,
+                 "key_group_end": s.key_group_end, "files": len(s.files),
+                 "bytes": s.size, "bytes_uploaded": s.bytes_uploaded,
+                 "rows": sum(s.row_counts.values())}
+                for s in self.subtasks
+            ],
+        }
+
+    # -- serialization -----------------------------------------------------
+    def to_json(self) -> dict:
+        return {
+            "format_version": self.format_version,
+            "job": self.job,
+            "checkpoint_id": self.checkpoint_id,
+            "parent": self.parent,
+            "kind": self.kind,
+            "created_at": self.created_at,
+            "run_id": self.run_id,
+            "input": list(self.input),
+            "parallelism": self.parallelism,
+            "max_parallelism": self.max_parallelism,
+            "rescaled_from": self.rescaled_from,
+            "source": self.source,
+            "states": [dict(s) for s in self.states],
+            "subtasks": [s.to_json() for s in self.subtasks],
+            "extra": self.extra,
+        }
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.to_json(), indent=1, sort_keys=True).encode()
+
+    @staticmethod
+    def from_bytes(data: bytes, where: str) -> CheckpointMetadata:
+        """Parse and check a `_metadata` file; ``where`` names it in errors."""
+        try:
+            obj = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise MetadataError(
+                f"malformed or truncated metadata {where}: not valid JSON ({exc})") from exc
+        return CheckpointMetadata.from_json(obj, where)
+
+    @staticmethod
+    def from_json(obj: Any, where: str) -> CheckpointMetadata:
+        _require(isinstance(obj, dict), where, "top level is not an object")
+        version = obj.get("format_version")
+        if version not in SUPPORTED_FORMAT_VERSIONS:
+            raise UnsupportedFormatVersionError(
+                f"metadata {where} has format version {version!r}; this tool reads "
+                f"{list(SUPPORTED_FORMAT_VERSIONS)} (upgrade the tool to read newer checkpoints)")
+        kind = obj.get("kind", "checkpoint")
+        _require(kind in CHECKPOINT_KINDS, where, f"unknown kind {kind!r}")
+        states = _get(obj, "states", list, where)
+        _require(all(isinstance(s, dict) and isinstance(s.get("name"), str) for s in states),
+                 where, "states must be objects with a name")
+        subtasks = tuple(SubtaskHandle.from_json(s, where) for s in _get(obj, "subtasks", list, where))
+        parent = obj.get("parent")
+        _require(parent is None or isinstance(parent, int), where, "parent must be an id or null")
+        run_id = obj.get("run_id")
+        _require(run_id is None or isinstance(run_id, str), where, "run_id must be a string")
+        inputs = obj.get("input") or []
+        _require(isinstance(inputs, list), where, "input must be a list")
+        created_at = _get(obj, "created_at", str, where)
+        try:
+            datetime.fromisoformat(created_at)
+        except ValueError as exc:
+            raise MetadataError(f"malformed metadata {where}: created_at {created_at!r}") from exc
+        meta = CheckpointMetadata(
+            job=_get(obj, "job", str, where),
+            checkpoint_id=_get(obj, "checkpoint_id", int, where),
+            parent=parent,
+            parallelism=_get(obj, "parallelism", int, where),
+            max_parallelism=_get(obj, "max_parallelism", int, where),
+            states=tuple(states),
+            subtasks=subtasks,
+            created_at=created_at,
+            kind=kind,
+            run_id=run_id,
+            input=tuple(str(i) for i in inputs),
+            rescaled_from=obj.get("rescaled_from"),
+            source=obj.get("source"),
+            extra=obj.get("extra") or {},
+            format_version=version,
+        )
+        _require(len(meta.subtasks) == meta.parallelism, where,
+                 f"{len(meta.subtasks)} subtasks recorded for parallelism {meta.parallelism}")
+        return meta
+
+
+def _require(condition: bool, where: str, message: str) -> None:
+    if not condition:
+        raise MetadataError(f"malformed metadata {where}: {message}")
+
+
+def _get(obj: dict, key: str, typ: type, where: str) -> Any:
+    if key not in obj:
+        raise MetadataError(f"malformed metadata {where}: missing key {key!r}")
+    value = obj[key]
+    if typ is int and isinstance(value, bool) or not isinstance(value, typ):
+        raise MetadataError(
+            f"malformed metadata {where}: {key!r} should be {typ.__name__}, got {value!r}")
+    return value

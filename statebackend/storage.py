@@ -1,0 +1,384 @@
+"""Checkpoint storage over fsspec: ``file://`` (default), ``memory://``, ``s3://``.
+
+A `Storage` is a root URL plus a handful of primitives over paths *relative to
+that root*; everything else in the library is built from them. Relative paths
+are checked by `safe_relpath`: absolute paths and ``..`` are refused, so nothing
+read from metadata can reach outside the root.
+
+Contracts:
+- `write_exclusive` is atomic and refuses to overwrite: temp file + hard link on
+  a local FS, a conditional single PUT (If-None-Match) on S3, a locked check on
+  memory. `_metadata` and leases are written with it.
+- `put_file` / `get_file` stream in chunks and return (size, checksum) computed
+  on the bytes that went through, so a checksum costs no second read.
+- `memory://` has a maximum size (``?max_bytes=N``, default 512 MiB); a write
+  that would exceed it raises StorageFullError naming the limit.
+- S3 credentials come only from the environment (the standard AWS variables or
+  an Airflow connection exported to them); the endpoint from
+  ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``. Nothing secret is logged.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import threading
+import uuid
+import zlib
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from urllib.parse import parse_qs, urlsplit
+
+import fsspec
+
+from .errors import StorageError, StorageFullError, UnsafePathError, UsageError
+
+CHUNK = 4 * 1024 * 1024
+DEFAULT_MEMORY_MAX_BYTES = 512 * 1024 * 1024
+
+
+def safe_relpath(path: str, what: str = "path") -> str:
+    """Normalise a relative '/'-path; refuse absolute paths and '..' segments."""
+    if not isinstance(path, str) or not path:
+        raise UnsafePathError(f"{what} {path!r} is empty or not a string")
+    if path.startswith(("/", "\\")) or "://" in path or (len(path) > 1 and path[1] == ":"):
+        raise UnsafePathError(f"{what} {path!r} is absolute; paths must be relative to the job root")
+    parts = path.replace("\\", "/").split("/")
+    if any(p == ".." for p in parts):
+        raise UnsafePathError(f"{what} {path!r} escapes the job root ('..' is not allowed)")
+    clean = [p for p in parts if p not in ("", ".")]
+    if not clean:
+        raise UnsafePathError(f"{what} {path!r} names no file")
+    return "/".join(clean)
+
+
+def crc32_hex(value: int) -> str:
+    return f"crc32:{value & 0xFFFFFFFF:08x}"
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """One listing entry: path relative to the storage root, size, mtime (epoch s)."""
+
+    path: str
+    size: int
+    mtime: float | None
+
+
+class Storage:
+    """Primitives over an fsspec filesystem rooted at ``url``."""
+
+    def __init__(self, url: str, fs: fsspec.AbstractFileSystem, root: str,
+                 quota: _Quota | None = None) -> None:
+        self.url = url
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.protocol = _protocol_of(url)
+        self._quota = quota
+        self._lock = quota.lock if quota else threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"Storage({self.url!r})"
+
+    # -- paths -------------------------------------------------------------
+    def abspath(self, rel: str) -> str:
+        """Absolute fsspec path of ``rel`` ("" is the root itself)."""
+        return f"{self.root}/{safe_relpath(rel)}" if rel else self.root
+
+    def relpath(self, absolute: str) -> str:
+        absolute = absolute.rstrip("/")
+        root = self.root.lstrip("/") if not absolute.startswith("/") else self.root
+        if not absolute.startswith(root):
+            raise StorageError(f"listing entry {absolute!r} lies outside the root {self.url}")
+        return absolute[len(root):].lstrip("/")
+
+    # -- primitives -------------------------------------------------------
+    def exists(self, rel: str) -> bool:
+        with self._errors(rel):
+            return self.fs.exists(self.abspath(rel))
+
+    def read_bytes(self, rel: str) -> bytes:
+        with self._errors(rel):
+            return self.fs.cat_file(self.abspath(rel))
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        self._reserve(len(data))
+        with self._errors(rel):
+            path = self.abspath(rel)
+            if self.protocol == "file":
+                self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+            self.fs.pipe_file(path, data)
+
+    def write_exclusive(self, rel: str, data: bytes) -> None:
+        """Atomically create ``rel``; FileExistsError if it already exists."""
+        path = self.abspath(rel)
+        self._reserve(len(data))
+        with self._errors(rel):
+            if self.protocol == "file":
+                directory = posixpath.dirname(path)
+                os.makedirs(directory, exist_ok=True)
+                tmp = posixpath.join(directory, f".{posixpath.basename(path)}.{uuid.uuid4().hex}.tmp")
+                with open(tmp, "wb") as fh:
+                    fh.write(data)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                try:
+                    os.link(tmp, path)  # atomic, and fails if the target exists
+                finally:
+                    os.unlink(tmp)
+            elif self.protocol == "memory":
+                with self._lock:
+                    if self.fs.exists(path):
+                        raise FileExistsError(path)
+                    self.fs.pipe_file(path, data)
+            else:
+                self.fs.pipe_file(path, data, mode="create")
+
+    def put_file(self, local_path: str, rel: str) -> tuple[int, str]:
+        """Upload a local file; return (size, checksum) of the bytes sent."""
+        self._reserve(os.path.getsize(local_path))
+        crc = 0
+        size = 0
+        with self._errors(rel):
+            path = self.abspath(rel)
+            if self.protocol == "file":
+                self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+            with open(local_path, "rb") as src, self.fs.open(path, "wb") as dst:
+                while chunk := src.read(CHUNK):
+                    crc = zlib.crc32(chunk, crc)
+                    size += len(chunk)
+                    dst.write(chunk)
+        return size, crc32_hex(crc)
+
+    def get_file(self, rel: str, local_path: str) -> tuple[int, str]:
+        """Download to a local file; return (size, checksum) of the bytes received."""
+        crc = 0
+        size = 0
+        with self._errors(rel):
+            with self.fs.open(self.abspath(rel), "rb") as src, open(local_path, "wb") as dst:
+                while chunk := src.read(CHUNK):
+                    crc = zlib.crc32(chunk, crc)
+                    size += len(chunk)
+                    dst.write(chunk)
+        return size, crc32_hex(crc)
+
+    def copy(self, src_rel: str, dst_rel: str) -> None:
+        with self._errors(src_rel):
+            src = self.abspath(src_rel)
+            self._reserve(self.fs.size(src))
+            dst = self.abspath(dst_rel)
+            if self.protocol == "file":
+                self.fs.makedirs(posixpath.dirname(dst), exist_ok=True)
+            self.fs.copy(src, dst)
+
+    def checksum(self, rel: str) -> tuple[int, str]:
+        """(size, checksum) of a stored file, streamed."""
+        crc = 0
+        size = 0
+        with self._errors(rel), self.fs.open(self.abspath(rel), "rb") as src:
+            while chunk := src.read(CHUNK):
+                crc = zlib.crc32(chunk, crc)
+                size += len(chunk)
+        return size, crc32_hex(crc)
+
+    def info(self, rel: str) -> FileInfo | None:
+        """Size and mtime of one file, or None if it does not exist."""
+        try:
+            with self._errors(rel):
+                entry = self.fs.info(self.abspath(rel))
+        except StorageError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):
+                return None
+            raise
+        return FileInfo(rel, int(entry.get("size") or 0), _mtime_of(entry))
+
+    def list_dir(self, rel: str = "") -> list[str]:
+        """Names directly under ``rel`` (files and folders); empty if absent."""
+        path = self.abspath(rel)
+        with self._errors(rel or "/"):
+            try:
+                entries = self.fs.ls(path, detail=False)
+            except FileNotFoundError:
+                return []
+        return sorted({posixpath.basename(e.rstrip("/")) for e in entries} - {""})
+
+    def walk_files(self, rel: str) -> list[FileInfo]:
+        """Every file under ``rel`` with size and mtime; empty if absent."""
+        path = self.abspath(rel)
+        with self._errors(rel):
+            try:
+                found = self.fs.find(path, detail=True)
+            except FileNotFoundError:
+                return []
+        out = []
+        for name, entry in found.items():
+            if entry.get("type") == "directory":
+                continue
+            out.append(FileInfo(self.relpath(name), int(entry.get("size") or 0), _mtime_of(entry)))
+        return sorted(out, key=lambda f: f.path)
+
+    def glob(self, pattern: str) -> list[str]:
+        """Relative paths matching a glob pattern under the root."""
+        with self._errors(pattern):
+            return sorted(self.relpath(p) for p in self.fs.glob(f"{self.root}/{pattern}"))
+
+    def delete_many(self, rels: Iterable[str]) -> list[tuple[str, str]]:
+        """Best-effort delete; S3 deletes go out in batches. Returns failures."""
+        paths = [self.abspath(r) for r in rels]
+        failures: list[tuple[str, str]] = []
+        if not paths:
+            return failures
+        if self.protocol in ("s3", "s3a"):
+            for i in range(0, len(paths), 1000):
+                batch = paths[i : i + 1000]
+                try:
+                    self.fs.rm(batch)
+                except FileNotFoundError:
+                    pass
+                except Exception as exc:  # noqa: BLE001 - best effort, reported
+                    failures.extend((self.relpath(p), str(exc)) for p in batch)
+            return failures
+        for p in paths:
+            try:
+                self.fs.rm_file(p)
+            except FileNotFoundError:
+                pass
+            except Exception as exc:  # noqa: BLE001 - best effort, reported
+                failures.append((self.relpath(p), str(exc)))
+        return failures
+
+    def delete_tree(self, rel: str) -> None:
+        with self._errors(rel):
+            try:
+                self.fs.rm(self.abspath(rel), recursive=True)
+            except FileNotFoundError:
+                pass
+
+    def check_reachable(self) -> None:
+        """Raise StorageError if the root cannot be listed (bad bucket, no server)."""
+        with self._errors("/"):
+            try:
+                self.fs.ls(self.root, detail=False)
+            except FileNotFoundError:
+                if self.protocol in ("s3", "s3a"):
+                    bucket = self.root.split("/", 1)[0]
+                    if not self.fs.exists(bucket):
+                        raise
+                # a missing root folder on a local or memory FS is fine: it is created on write
+
+    # -- internals --------------------------------------------------------
+    def _reserve(self, nbytes: int) -> None:
+        quota = self._quota
+        if quota is None:
+            return
+        with quota.lock:
+            used = quota.used(self.fs)
+            if used + nbytes > quota.max_bytes:
+                raise StorageFullError(
+                    f"storage {quota.url} is full: writing {nbytes} bytes would exceed its "
+                    f"maximum size of {quota.max_bytes} bytes ({used} in use; "
+                    "raise it with ?max_bytes=N)"
+                )
+
+    @contextmanager
+    def _errors(self, rel: str) -> Iterator[None]:
+        try:
+            yield
+        except (StorageError, UnsafePathError, FileExistsError):
+            raise
+        except FileNotFoundError as exc:
+            raise StorageError(f"{self.url}: {rel} does not exist") from exc
+        except PermissionError as exc:
+            raise StorageError(f"{self.url}: permission denied for {rel}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - every backend error becomes one line
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise StorageError(f"storage {self.url} is unreachable or failed on {rel}: {text}") from exc
+
+
+@dataclass
+class _Quota:
+    """Maximum size of a memory:// root; usage is measured at each write."""
+
+    url: str
+    root: str
+    max_bytes: int
+    lock: threading.Lock
+
+    def used(self, fs: fsspec.AbstractFileSystem) -> int:
+        try:
+            found = fs.find(self.root, detail=True)
+        except FileNotFoundError:
+            return 0
+        return sum(int(v.get("size") or 0) for v in found.values() if v.get("type") != "directory")
+
+
+def _protocol_of(url: str) -> str:
+    scheme = urlsplit(url).scheme
+    return scheme or "file"
+
+
+def _mtime_of(entry: dict) -> float | None:
+    for key in ("mtime", "LastModified", "created"):
+        value = entry.get(key)
+        if value is None:
+            continue
+        if hasattr(value, "timestamp"):
+            return float(value.timestamp())
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            continue
+    return None
+
+
+def s3_storage_options() -> dict:
+    """fsspec options for S3 from the environment only (never from code)."""
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    options: dict = {
+        "config_kwargs": {"connect_timeout": 5, "read_timeout": 60,
+                          "retries": {"max_attempts": 3, "mode": "standard"}},
+    }
+    if endpoint:
+        options["client_kwargs"] = {"endpoint_url": endpoint}
+    return options
+
+
+def open_storage(url: str) -> Storage:
+    """Open a storage root. ``url`` is a path, file://, memory:// or s3:// URL."""
+    if not url:
+        raise UsageError("storage URL is empty")
+    parts = urlsplit(url)
+    protocol = parts.scheme or "file"
+    if protocol == "file" or (len(protocol) == 1 and url[1:3] in (":\\", ":/")):
+        path = parts.path if parts.scheme else url
+        root = os.path.abspath(os.path.expanduser(path))
+        return Storage(f"file://{root}", fsspec.filesystem("file"), root)
+    if protocol == "memory":
+        query = parse_qs(parts.query)
+        try:
+            max_bytes = int(query.get("max_bytes", [DEFAULT_MEMORY_MAX_BYTES])[0])
+        except ValueError as exc:
+            raise UsageError(f"memory storage {url}: max_bytes must be an integer") from exc
+        root = "/" + (parts.netloc + parts.path).strip("/")
+        quota = _Quota(url, root, max_bytes, threading.Lock())
+        return Storage(url, fsspec.filesystem("memory"), root, quota)
+    if protocol in ("s3", "s3a"):
+        if not parts.netloc:
+            raise UsageError(f"S3 storage URL {url!r} names no bucket")
+        try:
+            fs = fsspec.filesystem("s3", **s3_storage_options())
+        except ImportError as exc:
+            raise UsageError("s3:// storage needs s3fs: pip install s3fs") from exc
+        return Storage(url, fs, (parts.netloc + parts.path).rstrip("/"))
+    raise UsageError(f"storage URL {url!r} has unsupported scheme {protocol!r}; "
+                     "use file://, memory:// or s3://")
+
+
+def child_storage(storage: Storage, name: str) -> Storage:
+    """The storage rooted at ``<root>/<name>`` (a job root); ``name`` must be one segment."""
+    clean = safe_relpath(name, "job name")
+    if "/" in clean:
+        raise UsageError(f"job name {name!r} must not contain '/'")
+    return Storage(f"{storage.url.rstrip('/')}/{clean}", storage.fs, f"{storage.root}/{clean}",
+                   storage._quota)
