@@ -25,8 +25,10 @@ def get_spark(master: str | None = None, app_name: str = "ckpt-job", conf: dict 
 
     builder = SparkSession.builder.appName(app_name).master(master or DEFAULT_MASTER)
     settings = {
-        "spark.driver.host": "127.0.0.1",
-        "spark.driver.bindAddress": "127.0.0.1",
+        # On a real cluster executors must reach the driver: the deployment names it
+        # (docker-compose sets the task container's hostname); loopback otherwise.
+        "spark.driver.host": os.environ.get("CKPT_SPARK_DRIVER_HOST", "127.0.0.1"),
+        "spark.driver.bindAddress": os.environ.get("CKPT_SPARK_DRIVER_BIND_ADDRESS", "127.0.0.1"),
         "spark.ui.enabled": "false",
         "spark.sql.shuffle.partitions": "8",
         "spark.sql.execution.arrow.pyspark.enabled": "true",

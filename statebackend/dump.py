@@ -39,8 +39,11 @@ def decode_entry(desc: StateDescriptor, rocks_key: bytes, raw: bytes) -> tuple[s
         value: object = [desc.codec.decode(e) for e in decode_list(raw)]
     else:
         value = desc.codec.decode(raw)
-    if isinstance(desc.codec, BytesCodec):
-        value = value.hex() if isinstance(value, bytes) else value
+    if isinstance(desc.codec, BytesCodec):  # bytes are not JSON: dump them as hex
+        if isinstance(value, bytes):
+            value = value.hex()
+        elif isinstance(value, list):
+            value = [v.hex() if isinstance(v, bytes) else v for v in value]
     return key, user_key, value
 
 

@@ -86,7 +86,9 @@ def upload_snapshot(job_storage: Storage, snapshot: LocalSnapshot, *, checkpoint
                 errors.append(exc)
     uploaded_paths = tuple(ref.path for ref, _ in done)
     if errors:
-        job_storage.delete_many(uploaded_paths)
+        # Every path this attempt wrote to, not only the finished ones: a transfer
+        # that broke half-way can leave a partial object behind.
+        job_storage.delete_many(remote for _, remote, _ in to_upload)
         causes = sorted({f"{type(e).__name__}: {e}" for e in errors})
         raise SnapshotError(
             f"snapshot of subtask {subtask} for checkpoint {checkpoint_id} failed; "
@@ -162,7 +164,7 @@ def checkpoint_backends(store: CheckpointStore, backends: Sequence[KeyedStateBac
     for p in pending:
         try:
             results.append(p.result())
-        except SnapshotError as exc:
+        except Exception as exc:  # noqa: BLE001 - wait for every subtask, then clean up
             errors.append(exc)
     first = backends[0]
     try:

@@ -1,0 +1,225 @@
+"""Bench: our keyed aggregation job vs Spark Structured Streaming with its RocksDB state store.
+
+Same workload, same generated input (default 4 daily batches x 250,000 events over
+100,000 keys, local[2], same number of state partitions P for both):
+
+- ours:  ``jobs.keyed_aggregation`` once per day (incremental RocksDB checkpoints);
+- spark: ``readStream.parquet(dir).groupBy(key).agg(count, sum, min, max)``,
+  ``writeStream.outputMode("update").foreachBatch(write parquet)``,
+  ``trigger(availableNow=True)``, one query start per daily batch (the day's files are
+  linked into the source folder first), RocksDBStateStoreProvider with changelog
+  checkpointing on and off.
+
+Two ways a scheduler runs them: a new process per run (like an Airflow task; the
+wall time includes JVM start-up) and consecutive runs in one session. Prints per-run
+wall time, events/s and bytes written to checkpoint storage (growth of the
+checkpoint folder), then the ratios ours/spark. Goal: events/s >= 1.5x Spark's,
+bytes per incremental run <= Spark's.
+
+    python bench/bench_keyed_aggregation.py            # full (several minutes)
+    python bench/bench_keyed_aggregation.py --quick    # 3 x 50,000 events, 20,000 keys
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
+VARIANTS = ("ours", "spark-changelog", "spark-no-changelog")
+
+
+def dir_bytes(path: str) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(dirpath, f))
+            except OSError:
+                pass
+    return total
+
+
+def child_env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    env.setdefault("PYSPARK_PYTHON", sys.executable)
+    env.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+# -- one run of each engine (inside a worker process) -----------------------
+def ours_run(spark, spec: dict, day: int) -> dict:
+    from jobs.keyed_aggregation import JobConfig, run
+
+    store = os.path.join(spec["work"], "store")
+    before = dir_bytes(store)
+    started = time.perf_counter()
+    s = run(JobConfig(input=spec["days"][day], storage=f"file://{store}", job="bench",
+                      run_id=f"day-{day}", output=os.path.join(spec["work"], "output"),
+                      parallelism=spec["parallelism"], master=spec["master"],
+                      local_dir=os.path.join(spec["work"], "local")), spark)
+    wall = time.perf_counter() - started
+    return {"wall_s": wall, "events": s["events_read"], "bytes": dir_bytes(store) - before,
+            "timings": s["timings"]}
+
+
+def spark_run(spark, spec: dict, day: int) -> dict:
+    from pyspark.sql import functions as F
+
+    work = spec["work"]
+    source, ckpt, out = (os.path.join(work, n) for n in ("source", "checkpoint", "output"))
+    os.makedirs(source, exist_ok=True)
+    for name in sorted(os.listdir(spec["days"][day])):
+        if name.endswith(".parquet"):
+            os.link(os.path.join(spec["days"][day], name),
+                    os.path.join(source, f"day{day}-{name}"))
+    before = dir_bytes(ckpt)
+    started = time.perf_counter()
+    spark.conf.set("spark.sql.streaming.stateStore.providerClass", ROCKSDB_PROVIDER)
+    spark.conf.set("spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled",
+                   "true" if spec["changelog"] else "false")
+    spark.conf.set("spark.sql.shuffle.partitions", str(spec["parallelism"]))
+    events = (spark.readStream.schema("key string, ts long, value double").parquet(source))
+    totals = events.groupBy("key").agg(F.count("*").alias("count"), F.sum("value").alias("sum"),
+                                       F.min("ts").alias("min_ts"), F.max("ts").alias("max_ts"))
+
+    def write_batch(df, batch_id: int) -> None:
+        df.write.mode("overwrite").parquet(os.path.join(out, f"batch={batch_id}"))
+
+    query = (totals.writeStream.outputMode("update").foreachBatch(write_batch)
+             .option("checkpointLocation", ckpt).trigger(availableNow=True).start())
+    query.awaitTermination()
+    wall = time.perf_counter() - started
+    progress = query.recentProgress
+    rows = sum(p["numInputRows"] for p in progress) if progress else spec["events"]
+    return {"wall_s": wall, "events": rows, "bytes": dir_bytes(ckpt) - before}
+
+
+def worker(spec: dict) -> None:
+    """Run days ``spec['run_days']`` of one variant in this process; print JSON lines."""
+    from jobs.spark_session import get_spark
+
+    t0 = time.perf_counter()
+    spark = get_spark(spec["master"], app_name=f"bench-{spec['variant']}",
+                      conf={"spark.sql.shuffle.partitions": str(spec["parallelism"])})
+    startup = time.perf_counter() - t0
+    fn = ours_run if spec["variant"] == "ours" else spark_run
+    for day in spec["run_days"]:
+        result = fn(spark, spec, day)
+        result.update(day=day, startup_s=startup)
+        print("RESULT " + json.dumps(result), flush=True)
+        startup = 0.0
+    spark.stop()
+
+
+def spawn(spec: dict) -> tuple[list[dict], float]:
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker",
+                           json.dumps(spec)], env=child_env(), capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"{spec['variant']} worker failed:\n{proc.stderr[-4000:]}")
+    results = [json.loads(line[7:]) for line in proc.stdout.splitlines()
+               if line.startswith("RESULT ")]
+    return results, wall
+
+
+# -- orchestration ------------------------------------------------------------
+def bench(args: argparse.Namespace) -> dict:
+    from jobs.sample_data import generate_days
+
+    work = os.path.abspath(args.workdir)
+    shutil.rmtree(work, ignore_errors=True)
+    days = [f for f, _ in generate_days(os.path.join(work, "input"), args.runs,
+                                        events_per_day=args.events, n_keys=args.keys, seed=3)]
+    table: dict[str, dict[str, list[dict]]] = {}
+    for mode in args.modes:
+        for variant in VARIANTS:
+            base = {"variant": variant, "days": days, "parallelism": args.parallelism,
+                    "master": args.master, "events": args.events,
+                    "changelog": variant == "spark-changelog",
+                    "work": os.path.join(work, mode, variant)}
+            runs: list[dict] = []
+            if mode == "process":
+                for day in range(args.runs):
+                    results, wall = spawn({**base, "run_days": [day]})
+                    res = results[0]
+                    res["wall_s"] = wall  # whole process: JVM start, query, shutdown
+                    runs.append(res)
+                    _print_run(mode, variant, res)
+            else:
+                results, _ = spawn({**base, "run_days": list(range(args.runs))})
+                for res in results:
+                    runs.append(res)
+                    _print_run(mode, variant, res)
+            table.setdefault(mode, {})[variant] = runs
+    return table
+
+
+def _print_run(mode: str, variant: str, r: dict) -> None:
+    print(f"{mode:8} {variant:19} day {r['day']}: {r['wall_s']:7.2f} s  "
+          f"{r['events'] / r['wall_s']:10.0f} events/s  {r['bytes']:>12,} bytes written",
+          flush=True)
+
+
+def report(table: dict, args: argparse.Namespace) -> None:
+    print("\nsummary (incremental = runs after the first)")
+    print(f"{'mode':8} {'variant':19} {'events/s':>10} {'events/s incr':>14} "
+          f"{'bytes first':>13} {'bytes/incr run':>15}")
+    agg = {}
+    for mode, variants in table.items():
+        for variant, runs in variants.items():
+            incr = runs[1:] or runs
+            eps = sum(r["events"] for r in runs) / sum(r["wall_s"] for r in runs)
+            eps_incr = sum(r["events"] for r in incr) / sum(r["wall_s"] for r in incr)
+            bytes_incr = sum(r["bytes"] for r in incr) / len(incr)
+            agg[(mode, variant)] = (eps, eps_incr, bytes_incr)
+            print(f"{mode:8} {variant:19} {eps:10.0f} {eps_incr:14.0f} {runs[0]['bytes']:>13,} "
+                  f"{bytes_incr:>15,.0f}")
+    print("\nratios ours / spark (events/s: higher is better, goal >= 1.5; "
+          "bytes: lower is better, goal <= 1.0)")
+    for mode in table:
+        ours = agg[(mode, "ours")]
+        for variant in VARIANTS[1:]:
+            sp = agg[(mode, variant)]
+            print(f"{mode:8} vs {variant:19} events/s x{ours[0] / sp[0]:.2f} "
+                  f"(incremental runs x{ours[1] / sp[1]:.2f}), bytes per incremental run "
+                  f"x{ours[2] / sp[2]:.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=4)
+    p.add_argument("--events", type=int, default=250_000, help="events per run")
+    p.add_argument("--keys", type=int, default=100_000)
+    p.add_argument("--parallelism", type=int, default=4, help="state partitions (both engines)")
+    p.add_argument("--master", default="local[2]")
+    p.add_argument("--modes", default="process,session")
+    p.add_argument("--workdir", default=os.path.join(ROOT, "bench", "out", "keyed_aggregation"))
+    p.add_argument("--quick", action="store_true", help="3 runs x 50,000 events, 20,000 keys")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(json.loads(args.worker))
+        return 0
+    if args.quick:
+        args.runs, args.events, args.keys = 3, 50_000, 20_000
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    print(f"workload: {args.runs} runs x {args.events:,} events over {args.keys:,} keys, "
+          f"{args.master}, P={args.parallelism}", flush=True)
+    report(bench(args), args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,323 @@
+"""Benchmark: rescale-restore vs. naive iterate-and-put vs. Spark's offline state repartition.
+
+Same state for everyone: the keyed aggregation workload's value state ``totals``
+(count, sum, min_ts, max_ts per key) for N keys (default 120,000), one event per key.
+
+- ours:   ``statebackend.rescale.rescale`` (Spark job, one task per new subtask:
+          restore base + delete_range clip + SST export/ingest, incremental upload)
+- naive:  the same Spark job shape, but each new subtask starts an empty instance and
+          copies every key of its range from the overlapping old handles with one put
+          per key, then uploads everything
+- spark:  the equivalent Structured Streaming checkpoint (groupBy(key).agg with the
+          RocksDB state store provider, availableNow, spark.sql.shuffle.partitions=P),
+          then ``spark._streamingCheckpointManager.repartition(location, Q)``
+          (PySpark 4.3, private accessor) on a fresh copy of it
+- copy:   the time to simply copy the bytes involved: (a) every file each new subtask
+          downloads, copied storage -> local -> storage by the same Spark job shape
+          (the I/O floor of our approach), and (b) the source checkpoint's files copied
+          once in-process with 4 threads (no Spark at all)
+
+Everything is timed after the SparkSession has started (and one trivial Python job
+warmed the workers). Each figure is the best of ``--repeats`` runs. Storage is
+file:// under ``--workdir``. Run: ``python bench/bench_rescale.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pandas as pd
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jobs.keyed_aggregation import DESCRIPTORS, TOTALS  # noqa: E402
+from jobs.spark_session import get_spark  # noqa: E402
+from statebackend.backend import KeyedStateBackend  # noqa: E402
+from statebackend.checkpoints import CheckpointStore, build_metadata  # noqa: E402
+from statebackend.keygroups import key_group_range_for_subtask  # noqa: E402
+from statebackend.metadata import SubtaskHandle  # noqa: E402
+from statebackend.rescale import plan_rescale, rescale  # noqa: E402
+from statebackend.restore import download_files  # noqa: E402
+from statebackend.snapshot import checkpoint_backends, upload_snapshot  # noqa: E402
+from statebackend.state import StateDescriptor  # noqa: E402
+from statebackend.storage import open_storage  # noqa: E402
+from tests.statebackend.helpers import route  # noqa: E402
+
+M = 128
+START_TS = 1_798_761_600_000
+ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
+
+
+# -- the shared workload -----------------------------------------------------------
+
+def make_events(n_keys: int, seed: int = 7) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    return pd.DataFrame({
+        "key": [f"k{i}" for i in range(n_keys)],
+        "ts": START_TS + rng.integers(0, 86_400_000, size=n_keys, dtype=np.int64),
+        "value": np.round(rng.normal(50.0, 20.0, size=n_keys), 3),
+    })
+
+
+def build_our_checkpoint(workdir: str, url: str, job: str, p: int,
+                         events: pd.DataFrame) -> CheckpointStore:
+    """One checkpoint with P subtasks holding the totals of every key (one event each)."""
+    store = CheckpointStore(open_storage(url), job)
+    keys = events["key"].tolist()
+    ts = events["ts"].to_numpy()
+    val = events["value"].to_numpy()
+    backends = [KeyedStateBackend(os.path.join(workdir, f"{job}-src", str(i)), DESCRIPTORS, M,
+                                  key_group_range_for_subtask(M, p, i)) for i in range(p)]
+    try:
+        for b, idx in zip(backends, route(keys, M, p), strict=True):
+            ix = np.asarray(idx, dtype=np.int64)
+            b.value_state(TOTALS.name).put_columns([keys[i] for i in idx], {
+                "count": np.ones(len(ix), dtype=np.int64), "sum": val[ix],
+                "min_ts": ts[ix], "max_ts": ts[ix]})
+        checkpoint_backends(store, backends, parent=None, run_id="bench-load")
+    finally:
+        for b in backends:
+            b.close()
+    return store
+
+
+# -- naive iterate-and-put (a Spark task per new subtask, like ours) ---------------
+
+def naive_subtask(spec: dict) -> dict:
+    store = CheckpointStore(open_storage(spec["storage"]), spec["job"])
+    descriptors = [StateDescriptor.from_json(s) for s in spec["states"]]
+    target = key_group_range_for_subtask(M, spec["q"], spec["index"])
+    work = tempfile.mkdtemp(prefix="naive-")
+    try:
+        new = KeyedStateBackend(os.path.join(work, "new"), descriptors, M, target)
+        for hj in spec["handles"]:
+            h = SubtaskHandle.from_json(hj, "bench")
+            d = os.path.join(work, f"old-{h.index}")
+            download_files(store.storage, h.files, os.path.join(d, "db"))
+            old = KeyedStateBackend(d, descriptors, M, h.key_group_range, read_only=True)
+            part = target.intersect(h.key_group_range)
+            for cf in old.column_families:
+                dst = new.column_family(cf)
+                for k, v in old.iter_raw(cf, part):
+                    dst[k] = v  # one put per key
+            old.close()
+        new.mark_dirty()
+        local = new.take_local_snapshot()
+        res = upload_snapshot(store.storage, local, checkpoint_id=spec["checkpoint_id"],
+                              subtask=spec["index"], backend=new)
+        new.close()
+        return res.handle.to_json()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def naive_rescale(spark, store: CheckpointStore, source_id: int, q: int) -> dict:
+    meta = store.load(source_id)
+    plan = plan_rescale(meta, q)
+    cid = store.next_checkpoint_id()
+    by_index = {h.index: h for h in meta.subtasks}
+    specs = [{"storage": store.root_storage.url, "job": store.job, "states": list(meta.states),
+              "q": q, "index": s.index, "checkpoint_id": cid,
+              "handles": [by_index[i].to_json() for i in s.sources]} for s in plan.subtasks]
+    out = spark.sparkContext.parallelize(specs, len(specs)).map(naive_subtask).collect()
+    handles = [SubtaskHandle.from_json(h, "bench") for h in out]
+    new_meta = build_metadata(job=store.job, checkpoint_id=cid, parent=source_id,
+                              max_parallelism=M, states=meta.states, handles=handles,
+                              kind="rescale", rescaled_from=meta.parallelism)
+    store.commit(new_meta)
+    return {"rows": sum(sum(h.row_counts.values()) for h in handles),
+            "bytes_uploaded": new_meta.bytes_uploaded}
+
+
+# -- copy baselines ----------------------------------------------------------------
+
+def copy_files_task(spec: dict) -> int:
+    storage = CheckpointStore(open_storage(spec["storage"]), spec["job"]).storage
+    work = tempfile.mkdtemp(prefix="copy-")
+    try:
+        handles = [SubtaskHandle.from_json(h, "bench") for h in spec["handles"]]
+        for h in handles:
+            download_files(storage, h.files, os.path.join(work, str(h.index)))
+        dest = f"copy-bench/{uuid.uuid4().hex}"
+        uploads = [(os.path.join(work, str(h.index), f.local_name), f"{dest}/{h.index}/"
+                    f"{f.local_name}") for h in handles for f in h.files]
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            return sum(size for size, _ in pool.map(lambda a: storage.put_file(*a), uploads))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def copy_as_spark_job(spark, store: CheckpointStore, source_id: int, q: int) -> int:
+    meta = store.load(source_id)
+    by_index = {h.index: h for h in meta.subtasks}
+    specs = [{"storage": store.root_storage.url, "job": store.job,
+              "handles": [by_index[i].to_json() for i in s.sources]}
+             for s in plan_rescale(meta, q).subtasks]
+    return sum(spark.sparkContext.parallelize(specs, len(specs)).map(copy_files_task).collect())
+
+
+def copy_in_process(store: CheckpointStore, source_id: int) -> int:
+    meta = store.load(source_id)
+    work = tempfile.mkdtemp(prefix="copy-")
+    try:
+        dest = f"copy-bench/{uuid.uuid4().hex}"
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            list(pool.map(lambda f: store.storage.get_file(f.path, os.path.join(
+                work, f.path.replace("/", "_"))), meta.files))
+            return sum(s for s, _ in pool.map(lambda f: store.storage.put_file(
+                os.path.join(work, f.path.replace("/", "_")), f"{dest}/{f.path}"), meta.files))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# -- Spark Structured Streaming ----------------------------------------------------
+
+def build_streaming_checkpoint(spark, events_dir: str, location: str, p: int) -> None:
+    from pyspark.sql import functions as F
+
+    spark.conf.set("spark.sql.streaming.stateStore.providerClass", ROCKSDB_PROVIDER)
+    spark.conf.set("spark.sql.shuffle.partitions", str(p))
+    try:
+        query = (spark.readStream.schema("key string, ts long, value double").parquet(events_dir)
+                 .groupBy("key")
+                 .agg(F.count("*").alias("count"), F.sum("value").alias("sum"),
+                      F.min("ts").alias("min_ts"), F.max("ts").alias("max_ts"))
+                 .writeStream.outputMode("update").format("noop")
+                 .option("checkpointLocation", location).trigger(availableNow=True).start())
+        query.awaitTermination()
+    finally:
+        spark.conf.set("spark.sql.shuffle.partitions", "8")
+
+
+def state_rows(spark, location: str) -> tuple[int, int]:
+    """(rows, partitions) of the aggregation's state, via the state data source."""
+    df = spark.read.format("statestore").load(location)
+    return df.count(), df.select("partition_id").distinct().count()
+
+
+def time_spark_repartition(spark, location: str, q: int, repeats: int, workdir: str
+                           ) -> tuple[float, str]:
+    best = float("inf")
+    last = ""
+    for r in range(repeats):
+        copy = os.path.join(workdir, f"sss-copy-{q}-{r}")
+        shutil.copytree(location, copy)
+        t = time.perf_counter()
+        spark._streamingCheckpointManager.repartition(copy, q)
+        best = min(best, time.perf_counter() - t)
+        last = copy
+    return best, last
+
+
+# -- main --------------------------------------------------------------------------
+
+def best_of(repeats: int, fn):
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--keys", type=int, default=120_000)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="20,000 keys, one repeat")
+    ap.add_argument("--workdir", default=None, help="scratch folder (default: a temp dir)")
+    ap.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    args = ap.parse_args(argv)
+    n_keys, repeats = (20_000, 1) if args.quick else (args.keys, args.repeats)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="bench-rescale-")
+    os.makedirs(workdir, exist_ok=True)
+    url = f"file://{workdir}/store"
+
+    events = make_events(n_keys)
+    events_dir = os.path.join(workdir, "events")
+    os.makedirs(events_dir, exist_ok=True)
+    events.to_parquet(os.path.join(events_dir, "part-0.parquet"), index=False)
+
+    t = time.perf_counter()
+    spark = get_spark("local[2]", app_name="bench-rescale")
+    spark.sparkContext.setLogLevel("ERROR")
+    session_s = time.perf_counter() - t
+    spark.sparkContext.parallelize(range(2), 2).map(lambda x: x).collect()  # warm workers
+    print(f"bench_rescale: {n_keys} keys, max parallelism {M}, best of {repeats}, "
+          f"storage {url}, SparkSession start {session_s:.1f} s (not counted)")
+
+    results = []
+    for p, q in ((4, 8), (8, 3)):
+        store = build_our_checkpoint(workdir, url, f"ours-{p}", p, events)
+        src = store.latest()
+        ours_s, summary = best_of(repeats, lambda: rescale(store, src.checkpoint_id, q,  # noqa: B023
+                                                           spark=spark))
+        assert summary["rows"] == n_keys, summary["rows"]
+        naive_s, naive = best_of(repeats, lambda: naive_rescale(spark, store,  # noqa: B023
+                                                                src.checkpoint_id, q))
+        assert naive["rows"] == n_keys, naive["rows"]
+        copy_job_s, copied_job = best_of(repeats, lambda: copy_as_spark_job(  # noqa: B023
+            spark, store, src.checkpoint_id, q))
+        copy_local_s, copied_local = best_of(repeats, lambda: copy_in_process(  # noqa: B023
+            store, src.checkpoint_id))
+
+        location = os.path.join(workdir, f"sss-{p}")
+        t = time.perf_counter()
+        build_streaming_checkpoint(spark, events_dir, location, p)
+        build_s = time.perf_counter() - t
+        spark_s, repartitioned = time_spark_repartition(spark, location, q, repeats, workdir)
+        rows_before, parts_before = state_rows(spark, location)
+        rows_after, parts_after = state_rows(spark, repartitioned)
+
+        row = {
+            "from": p, "to": q, "keys": n_keys,
+            "ours_s": round(ours_s, 3), "naive_s": round(naive_s, 3),
+            "spark_repartition_s": round(spark_s, 3),
+            "copy_spark_job_s": round(copy_job_s, 3), "copy_in_process_s": round(copy_local_s, 3),
+            "bytes_source": src.bytes_referenced,
+            "bytes_downloaded": summary["bytes_downloaded"],
+            "bytes_uploaded": summary["bytes_uploaded"],
+            "bytes_copied_job": copied_job, "bytes_copied_in_process": copied_local,
+            "naive_bytes_uploaded": naive["bytes_uploaded"],
+            "spark_state_rows": [rows_before, rows_after],
+            "spark_state_partitions": [parts_before, parts_after],
+            "spark_streaming_build_s": round(build_s, 2),
+            "ours_subtask_timings": [s["timings"] for s in summary["subtasks"]],
+            "ratio_spark_over_ours": round(spark_s / ours_s, 2),
+            "ratio_naive_over_ours": round(naive_s / ours_s, 2),
+            "ratio_ours_over_copy_job": round(ours_s / copy_job_s, 2),
+            "ratio_ours_over_copy_in_process": round(ours_s / copy_local_s, 2),
+        }
+        results.append(row)
+        print(f"\n{p} -> {q}: ours {ours_s:.3f} s | naive iterate-and-put {naive_s:.3f} s | "
+              f"Spark repartition {spark_s:.3f} s | copy as Spark job {copy_job_s:.3f} s | "
+              f"copy in-process {copy_local_s:.3f} s")
+        print(f"  bytes: source checkpoint {src.bytes_referenced}, ours downloaded "
+              f"{summary['bytes_downloaded']} uploaded {summary['bytes_uploaded']}; copy job "
+              f"moved {copied_job}; naive uploaded {naive['bytes_uploaded']}")
+        print(f"  Spark state rows before/after {rows_before}/{rows_after}, partitions "
+              f"{parts_before} -> {parts_after} (streaming query to build it: {build_s:.1f} s)")
+        print(f"  ratios: Spark/ours {row['ratio_spark_over_ours']}x (goal >= 5) | "
+              f"naive/ours {row['ratio_naive_over_ours']}x | ours/copy-job "
+              f"{row['ratio_ours_over_copy_job']}x (goal <= 2) | ours/copy-in-process "
+              f"{row['ratio_ours_over_copy_in_process']}x")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+    spark.stop()
+    if not args.workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

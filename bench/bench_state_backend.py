@@ -1,0 +1,294 @@
+"""Benchmark of the keyed state backend against raw RocksDB and plain file copies.
+
+Prints, side by side, for one run (each timing is the best of ``--repeat``):
+
+1. batch upsert throughput: the state API (``ValueState.put_columns`` with a record
+   codec, and ``put_many`` with JSON values) vs raw rocksdict ``WriteBatch`` puts of
+   the very same RocksDB key/value bytes, same DB options, WAL off (goal >= 0.7);
+2. checkpoint upload (``upload_snapshot``: parallel, checksummed) of a full local
+   snapshot vs a plain copy of the same files (goal <= 1.3x);
+3. restore (``restore_subtask``, download mode: parallel, verified, then opened) vs a
+   plain copy of the same stored files (goal <= 1.3x).
+
+Storage is file:// by default; ``--s3`` adds the same two rows against a moto S3
+server on 127.0.0.1 (plain copy = s3fs put/get of the same files).
+
+    python bench/bench_state_backend.py [--keys N] [--quick] [--s3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rocksdict import Rdict, WriteBatch  # noqa: E402
+
+from statebackend.backend import KeyedStateBackend, no_wal, rocks_options  # noqa: E402
+from statebackend.keygroups import KeyGroupRange  # noqa: E402
+from statebackend.restore import download_files, restore_subtask  # noqa: E402
+from statebackend.serialization import JsonCodec, RecordCodec  # noqa: E402
+from statebackend.snapshot import upload_snapshot  # noqa: E402
+from statebackend.state import StateDescriptor  # noqa: E402
+from statebackend.storage import open_storage  # noqa: E402
+
+M = 128
+BATCH = 10_000
+RECORD = RecordCodec((("count", "int64"), ("sum", "float64"), ("flag", "bool")))
+DESCRIPTORS = [StateDescriptor("totals", "value", RECORD), StateDescriptor("json", "value")]
+GOALS = {"upsert": (">=", 0.7), "upload": ("<=", 1.3), "restore": ("<=", 1.3)}
+
+
+def best(fn: Callable[[], object], repeat: int, setup: Callable[[], object] | None = None
+         ) -> float:
+    times = []
+    for _ in range(repeat):
+        if setup:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def verdict(kind: str, ratio: float) -> str:
+    op, goal = GOALS[kind]
+    ok = ratio >= goal if op == ">=" else ratio <= goal
+    return f"{ratio:6.2f}  (goal {op} {goal}: {'ok' if ok else 'MISSED'})"
+
+
+# -- 1. upserts ----------------------------------------------------------------
+def bench_upserts(work: str, n: int, repeat: int) -> list[tuple[str, float]]:
+    keys = [f"user-{i:09d}" for i in range(n)]
+    counts = np.arange(n, dtype=np.int64)
+    columns = {"count": counts, "sum": counts * 0.25, "flag": counts % 2 == 0}
+    json_values = [{"n": i, "tag": "x"} for i in range(n)]
+    batches = [(i, min(n, i + BATCH)) for i in range(0, n, BATCH)]
+
+    rng = KeyGroupRange(0, M - 1)
+    path = os.path.join(work, "api")
+    shutil.rmtree(path, ignore_errors=True)
+    backend = KeyedStateBackend(path, DESCRIPTORS, M, rng)
+    totals, js = backend.value_state("totals"), backend.value_state("json")
+
+    # Identical bytes for the raw baseline, prepared outside the timed loop.
+    raw_keys = backend.rocks_keys(keys)
+    raw_record = RECORD.encode_columns(columns)
+    raw_json = [JsonCodec().encode(v) for v in json_values]
+
+    raw_path = os.path.join(work, "raw")
+    shutil.rmtree(raw_path, ignore_errors=True)
+    raw_db = Rdict(raw_path, rocks_options(),
+                   column_families={"totals": rocks_options(), "json": rocks_options()})
+    raw_db.set_write_options(no_wal())
+    handles = {n_: raw_db.get_column_family_handle(n_) for n_ in ("totals", "json")}
+
+    def raw_put(cf: str, values: list[bytes]) -> Callable[[], None]:
+        def run() -> None:
+            for a, b in batches:
+                wb = WriteBatch(raw_mode=True)
+                wb.set_default_column_family(handles[cf])
+                for k, v in zip(raw_keys[a:b], values[a:b], strict=True):
+                    wb.put(k, v)
+                raw_db.write(wb)
+        return run
+
+    def api_columns() -> None:
+        for a, b in batches:
+            totals.put_columns(keys[a:b], {c: v[a:b] for c, v in columns.items()})
+
+    def api_json() -> None:
+        for a, b in batches:
+            js.put_many(keys[a:b], json_values[a:b])
+
+    def api_json_raw_values() -> None:
+        for a, b in batches:
+            js.put_many_raw(keys[a:b], raw_json[a:b])
+
+    rows = [
+        ("raw WriteBatch, record bytes", n / best(raw_put("totals", raw_record), repeat)),
+        ("ValueState.put_columns (record)", n / best(api_columns, repeat)),
+        ("raw WriteBatch, JSON bytes", n / best(raw_put("json", raw_json), repeat)),
+        ("ValueState.put_many (JSON encode)", n / best(api_json, repeat)),
+        ("ValueState.put_many_raw (encoded)", n / best(api_json_raw_values, repeat)),
+    ]
+    backend.close()
+    raw_db.close()
+    return rows
+
+
+# -- 2./3. upload and restore ----------------------------------------------------
+def build_snapshot(work: str, n: int):
+    backend = KeyedStateBackend(os.path.join(work, "snap"), DESCRIPTORS, M, KeyGroupRange(0, M - 1))
+    keys = [f"user-{i:09d}" for i in range(n)]
+    counts = np.arange(n, dtype=np.int64)
+    st, js = backend.value_state("totals"), backend.value_state("json")
+    for a in range(0, n, 50_000):
+        b = min(n, a + 50_000)
+        st.put_columns(keys[a:b], {"count": counts[a:b], "sum": counts[a:b] * 0.5,
+                                   "flag": counts[a:b] % 3 == 0})
+        js.put_many(keys[a:b], [{"n": i, "s": f"value-{i}"} for i in range(a, b)])
+    return backend, backend.take_local_snapshot(count_rows=False)
+
+
+def plain_copy_local(files: list[tuple[str, str]]) -> None:
+    for src, dst in files:
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        shutil.copyfile(src, dst)
+
+
+def bench_transfer(label: str, url: str, work: str, backend, local, repeat: int,
+                   plain_upload: Callable, plain_download: Callable) -> list[tuple[str, float]]:
+    from statebackend.checkpoints import CheckpointStore
+
+    store = CheckpointStore(open_storage(url), "bench")
+    job = store.storage
+    names = [name for name, _ in local.files]
+    total = sum(size for _, size in local.files)
+    attempt = {"n": 0}
+    result = {}
+
+    def clear_remote() -> None:
+        job.delete_tree("")
+
+    def upload() -> None:
+        attempt["n"] += 1
+        result["r"] = upload_snapshot(job, local, checkpoint_id=attempt["n"], subtask=0,
+                                      backend=backend)
+
+    def copy_up() -> None:
+        plain_upload([(os.path.join(local.path, name), f"plain/{name}") for name in names])
+
+    t_plain_up = best(copy_up, repeat, setup=clear_remote)
+    t_upload = best(upload, repeat, setup=clear_remote)
+    handle = result["r"].handle
+    # keep the last upload for the restore runs (plain copy reads the same objects)
+    target = os.path.join(work, f"restore-{label}")
+
+    def reset_target() -> None:
+        shutil.rmtree(target, ignore_errors=True)
+
+    def restore() -> None:
+        restore_subtask(job, handle, target, DESCRIPTORS, M, allow_local=False).close()
+
+    def copy_down() -> None:
+        os.makedirs(target, exist_ok=True)
+        plain_download([(f.path, os.path.join(target, f.local_name)) for f in handle.files])
+
+    def download() -> None:
+        download_files(job, handle.files, target)
+
+    t_plain_down = best(copy_down, repeat, setup=reset_target)
+    t_download = best(download, repeat, setup=reset_target)
+    t_restore = best(restore, repeat, setup=reset_target)
+    mb = total / 1e6
+    print(f"\n[{label}] snapshot: {len(names)} files, {mb:.1f} MB; restore = download "
+          f"{t_download:.3f} s + open RocksDB {max(0.0, t_restore - t_download):.3f} s")
+    return [(f"{label} upload", t_upload, t_plain_up, mb),
+            (f"{label} download", t_download, t_plain_down, mb),
+            (f"{label} restore+open", t_restore, t_plain_down, mb)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--keys", type=int, default=500_000, help="keys for the upsert part")
+    ap.add_argument("--snapshot-keys", type=int, default=1_000_000,
+                    help="keys in the snapshot that is uploaded and restored")
+    ap.add_argument("--repeat", type=int, default=3, help="timings keep the best of N")
+    ap.add_argument("--quick", action="store_true", help="small sizes (~10 s)")
+    ap.add_argument("--s3", action="store_true", help="also run against a moto S3 server")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.keys, args.snapshot_keys, args.repeat = 200_000, 200_000, 2
+
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"machine: {os.cpu_count()} cores, load average {load:.1f} at start "
+          "(timings on a busy machine are noisy)")
+    work = tempfile.mkdtemp(prefix="bench-state-")
+    try:
+        print(f"== upserts: {args.keys} keys in batches of {BATCH} (best of {args.repeat})")
+        rows = bench_upserts(work, args.keys, args.repeat)
+        for name, rate in rows:
+            print(f"  {name:38} {rate / 1e6:6.2f} M keys/s")
+        r_rec = rows[1][1] / rows[0][1]
+        r_json = rows[3][1] / rows[2][1]
+        r_json_raw = rows[4][1] / rows[2][1]
+        print(f"  ratio put_columns / raw            {verdict('upsert', r_rec)}")
+        print(f"  ratio put_many_raw / raw           {verdict('upsert', r_json_raw)}")
+        print(f"  ratio put_many (incl. JSON) / raw  {r_json:6.2f}  (includes encoding "
+              "that the raw baseline did beforehand)")
+
+        backend, local = build_snapshot(work, args.snapshot_keys)
+        results = []
+        file_root = os.path.join(work, "store")
+
+        def file_put(pairs):
+            plain_copy_local([(src, os.path.join(file_root, "bench", rel)) for src, rel in pairs])
+
+        def file_get(pairs):
+            plain_copy_local([(os.path.join(file_root, "bench", rel), dst) for rel, dst in pairs])
+
+        results += bench_transfer("file://", f"file://{file_root}", work, backend, local,
+                                  args.repeat, file_put, file_get)
+        if args.s3:
+            results += run_s3(work, backend, local, args.repeat)
+        backend.close()
+
+        print(f"\n== checkpoint transfer (best of {args.repeat}); plain copy = sequential "
+              "shutil.copyfile (file://) or s3fs put/get with 4 threads (s3://)")
+        print(f"  {'':22} {'library s':>10} {'plain copy s':>13} {'MB/s':>8}  ratio")
+        for name, t_lib, t_plain, mb in results:
+            kind = "upload" if "upload" in name else "restore"
+            if "open" in name:  # fixed cost of opening RocksDB (~20-50 ms here) included
+                print(f"  {name:22} {t_lib:10.3f} {t_plain:13.3f} {mb / t_lib:8.1f}  "
+                      f"{t_lib / t_plain:6.2f}  (info: includes opening the instance)")
+                continue
+            print(f"  {name:22} {t_lib:10.3f} {t_plain:13.3f} {mb / t_lib:8.1f}  "
+                  f"{verdict(kind, t_lib / t_plain)}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def run_s3(work: str, backend, local, repeat: int) -> list:
+    import fsspec
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+                           "AWS_ENDPOINT_URL": endpoint, "AWS_DEFAULT_REGION": "us-east-1"})
+        fs = fsspec.filesystem("s3", client_kwargs={"endpoint_url": endpoint})
+        fs.mkdir("bench-bucket")
+        prefix = "bench-bucket/root/bench"
+
+        def s3_put(pairs):
+            with ThreadPoolExecutor(4) as pool:
+                list(pool.map(lambda p: fs.put_file(p[0], f"{prefix}/{p[1]}"), pairs))
+
+        def s3_get(pairs):
+            with ThreadPoolExecutor(4) as pool:
+                list(pool.map(lambda p: fs.get_file(f"{prefix}/{p[0]}", p[1]), pairs))
+
+        return bench_transfer("s3:// (moto)", "s3://bench-bucket/root", work, backend, local,
+                              repeat, s3_put, s3_get)
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

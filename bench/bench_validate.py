@@ -1,0 +1,155 @@
+"""Benchmark: validating a checkpoint vs restoring it.
+
+Builds a checkpoint of N keys (default 1,000,000) at P=4, M=128 on file:// storage
+with the keyed-aggregation job's state (``totals``: record count/sum/min_ts/max_ts,
+so the job's own checks run too), then times:
+
+- restore: every subtask downloaded and opened read-only (what a job restart costs);
+- restore + scan: the same plus reading every entry once (the floor of any content
+  check: listing 1M entries from RocksDB into Python already costs more than the
+  download on a local disk);
+- manifest validation (existence, sizes, streamed CRC32 of every file, ranges ...);
+- deep validation (downloads with CRC32, read-only open, every entry's key group
+  recomputed and value decoded, row counts, job checks, GE runs, Data Docs).
+
+Great Expectations' one-off import is timed apart (a long-lived worker pays it
+once). Goal: deep validation <= 2x restore. Usage::
+
+    python bench/bench_validate.py [--keys N] [--quick] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from statebackend.backend import KeyedStateBackend  # noqa: E402
+from statebackend.checkpoints import CheckpointStore  # noqa: E402
+from statebackend.dump import descriptors_of  # noqa: E402
+from statebackend.keygroups import key_group_range_for_subtask  # noqa: E402
+from statebackend.restore import restored_readonly  # noqa: E402
+from statebackend.serialization import RecordCodec  # noqa: E402
+from statebackend.snapshot import checkpoint_backends  # noqa: E402
+from statebackend.state import StateDescriptor  # noqa: E402
+from statebackend.storage import open_storage  # noqa: E402
+
+P, M = 4, 128
+TOTALS = StateDescriptor("totals", "value", RecordCodec(
+    (("count", "int64"), ("sum", "float64"), ("min_ts", "int64"), ("max_ts", "int64"))))
+
+
+def build(base: str, n_keys: int) -> tuple[CheckpointStore, object, float]:
+    import mmh3
+
+    store = CheckpointStore(open_storage(f"file://{base}/store"), "bench")
+    started = time.perf_counter()
+    keys = [f"user-{i:09d}" for i in range(n_keys)]
+    kgs = np.fromiter((mmh3.hash(k.encode(), 0, False) % M for k in keys), np.int64, n_keys)
+    owner = kgs * P // M
+    backends = []
+    for i in range(P):
+        b = KeyedStateBackend(f"{base}/work/{i}", [TOTALS], M, key_group_range_for_subtask(M, P, i))
+        idx = np.nonzero(owner == i)[0]
+        for lo in range(0, len(idx), 100_000):
+            part = idx[lo:lo + 100_000]
+            b.value_state("totals").put_columns([keys[j] for j in part], {
+                "count": 1 + part % 7, "sum": part * 0.25, "min_ts": 1_000 + part,
+                "max_ts": 2_000 + part})
+        backends.append(b)
+    meta = checkpoint_backends(store, backends, parent=None)
+    for b in backends:
+        b.close()
+    return store, meta, time.perf_counter() - started
+
+
+def time_restore(store: CheckpointStore, meta, scan: bool = False) -> float:
+    """Restore every subtask read-only; with ``scan`` also read every entry once."""
+    descriptors = descriptors_of(meta)
+    started = time.perf_counter()
+    for handle in meta.subtasks:
+        with restored_readonly(store.storage, handle, descriptors, meta.max_parallelism) as b:
+            if scan:
+                for name in b.column_families:
+                    cf = b.column_family(name)
+                    list(cf.keys())
+                    list(cf.values())
+    return time.perf_counter() - started
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keys", type=int, default=1_000_000)
+    parser.add_argument("--quick", action="store_true", help="100,000 keys")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    n_keys = 100_000 if args.quick else args.keys
+    base = tempfile.mkdtemp(prefix="bench-validate-")
+    try:
+        from statebackend.validate import validate_checkpoint
+        from statebackend.validation.suites import load_great_expectations
+
+        t0 = time.perf_counter()
+        load_great_expectations()
+        ge_import = time.perf_counter() - t0
+        store, meta, build_s = build(base, n_keys)
+        mib = meta.bytes_referenced / 2**20
+        restore_runs = [time_restore(store, meta) for _ in range(3)]
+        restore_s = min(restore_runs)
+        scan_s = min(time_restore(store, meta, scan=True) for _ in range(3))
+        runs = {}
+        for deep in (False, True):
+            best = None
+            for _ in range(2):
+                t0 = time.perf_counter()
+                result = validate_checkpoint(store, meta.checkpoint_id, deep=deep,
+                                             report_dir=f"{base}/reports")
+                wall = time.perf_counter() - t0
+                assert result.success, result.summary["failed_checks"]
+                if best is None or wall < best[0]:
+                    best = (wall, result.summary["timings"])
+            runs["deep" if deep else "manifest"] = best
+        figures = {
+            "keys": n_keys, "parallelism": P, "max_parallelism": M,
+            "checkpoint_mib": round(mib, 1), "files": len(meta.files),
+            "build_seconds": round(build_s, 2), "ge_import_seconds": round(ge_import, 2),
+            "restore_seconds": round(restore_s, 3),
+            "restore_and_scan_seconds": round(scan_s, 3),
+            "manifest_seconds": round(runs["manifest"][0], 3),
+            "deep_seconds": round(runs["deep"][0], 3),
+            "manifest_timings": runs["manifest"][1], "deep_timings": runs["deep"][1],
+            "manifest_over_restore": round(runs["manifest"][0] / restore_s, 2),
+            "deep_over_restore": round(runs["deep"][0] / restore_s, 2),
+            "deep_over_restore_and_scan": round(runs["deep"][0] / scan_s, 2),
+            "goal_deep_over_restore": 2.0,
+        }
+        if args.json:
+            print(json.dumps(figures, indent=1))
+        else:
+            print(f"checkpoint: {n_keys:,} keys, P={P}, M={M}, {mib:.1f} MiB in "
+                  f"{len(meta.files)} files (built in {build_s:.1f} s)")
+            print(f"GE import (once per process): {ge_import:.2f} s")
+            print(f"restore (download + open read-only, all subtasks): {restore_s:.3f} s")
+            print(f"restore + read every entry once (lower bound of any content check): "
+                  f"{scan_s:.3f} s")
+            print(f"manifest validation: {runs['manifest'][0]:.3f} s  "
+                  f"({figures['manifest_over_restore']}x restore)  {runs['manifest'][1]}")
+            print(f"deep validation:     {runs['deep'][0]:.3f} s  "
+                  f"({figures['deep_over_restore']}x restore; goal <= 2x)  {runs['deep'][1]}")
+            print(f"ratio deep/restore: {figures['deep_over_restore']}; "
+                  f"deep/(restore + scan): {figures['deep_over_restore_and_scan']}")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

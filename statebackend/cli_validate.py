@@ -1,0 +1,77 @@
+"""``ckpt validate [ID|latest] [--deep] [--report-dir DIR] [--json]``.
+
+Exit codes: 0 when every critical expectation passes, 1 when any fails, 2 for
+usage or access errors (bad storage URL or access, unknown job, unknown
+checkpoint, bad id): nothing was validated then.
+Great Expectations is imported only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .checkpoints import CheckpointStore
+from .cli import emit_json, json_flag
+from .errors import CheckpointNotFoundError, JobNotFoundError
+
+MAX_ROWS_PRINTED = 5
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "validate", parents=[json_flag()], help="validate a checkpoint, write a report",
+        description="Check a checkpoint with Great Expectations suites: the manifest (files "
+                    "exist, sizes and checksums match, key-group ranges tile [0, M), P and M "
+                    "consistent, parent present, paths inside the job root) and with --deep "
+                    "its content (keys in the right key group, values decode, row counts, "
+                    "job checks). Writes Data Docs and summary.json under "
+                    "<job>/reports/chk-<id>/ (or --report-dir). Exit 0 when every critical "
+                    "check passes, 1 when one fails, 2 on usage or access errors. Never "
+                    "modifies the checkpoint.")
+    p.add_argument("checkpoint", nargs="?", default="latest", help="ID, chk-ID or latest")
+    p.add_argument("--deep", action="store_true",
+                   help="also restore every subtask read-only and check the state content")
+    p.add_argument("--report-dir", default=None,
+                   help="write the report to DIR/chk-<id>/ instead of the checkpoint storage")
+    p.set_defaults(handler=cmd_validate)
+
+
+def cmd_validate(args: argparse.Namespace, store: CheckpointStore) -> int:
+    from .validate import validate_checkpoint
+
+    try:
+        result = validate_checkpoint(store, args.checkpoint, deep=args.deep,
+                                     report_dir=args.report_dir)
+    except (JobNotFoundError, CheckpointNotFoundError) as exc:
+        # nothing was validated: exit 1 is reserved for "a check failed"
+        print(f"ckpt: error: {exc}", file=sys.stderr)
+        return 2
+    summary = result.summary
+    if args.json:
+        emit_json(summary)
+        return 0 if result.success else 1
+    level = "deep" if args.deep else "manifest"
+    status = "PASSED" if result.success else "FAILED"
+    print(f"checkpoint {result.checkpoint_id} of job {store.job}: {status} ({level} validation, "
+          f"{sum(s['checks'] for s in summary['suites'])} checks in "
+          f"{len(summary['suites'])} suites, {summary['duration_seconds']} s)")
+    for suite in summary["suites"]:
+        mark = "ok  " if suite["success"] else "FAIL"
+        print(f"  {mark} {suite['name']:28} {suite['rows']:>9} rows  "
+              f"{suite['checks'] - suite['failed']}/{suite['checks']} passed")
+    for check in summary["checks"]:
+        if check["success"]:
+            continue
+        kind = "critical" if check["critical"] else "warning"
+        print(f"  {kind}: {check['name']} ({check['suite']}): {check['description']}; "
+              f"{check['unexpected_count']} of {check['element_count']} rows"
+              + (f"; error: {check['error']}" if check["error"] else ""))
+        for row in check["offending_rows"][:MAX_ROWS_PRINTED]:
+            print(f"      {row}")
+        if len(check["offending_rows"]) > MAX_ROWS_PRINTED:
+            print(f"      ... (see summary.json: up to {len(check['offending_rows'])} rows)")
+    print(f"  report: {result.report_location}")
+    if result.data_docs_index:
+        print(f"  data docs: {result.data_docs_index}")
+    return 0 if result.success else 1

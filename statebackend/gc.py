@@ -1,0 +1,290 @@
+"""Compaction-aware garbage collection of one job's ``shared/`` and ``chk-*/`` files.
+
+Rule: a file dies only when no committed checkpoint, no savepoint and no live
+lease references it, and -- unless it is a commit record of nothing -- only
+once it is older than the grace period (default 1 h) by *storage* mtime.
+Committed ``_metadata`` files are never collected here (retention retires
+checkpoints); ``savepoints/``, ``leases/``, ``reports/`` and anything outside
+``shared/`` and ``chk-<id>/`` are never touched. GC never looks outside its own
+job root, so it cannot harm another job, and another job's GC cannot harm
+state this job imported (imports copy, see savepoint.py).
+
+Classification of each listed file in scope (reasons appear in the report):
+
+- ``referenced``          listed by a committed checkpoint or savepoint: keep
+- ``commit-record``       ``chk-<id>/_metadata`` of a committed checkpoint: keep
+- ``orphan-leased``       orphan inside ``chk-<id>/`` of an id a live lease names: keep
+- ``orphan-writer-active`` orphan written after a live writer lease was taken: keep
+- ``orphan-no-mtime``     orphan whose age the storage cannot tell: keep
+- ``orphan-pending``      orphan younger than the grace period: keep
+- ``orphan-shared``       expired orphan under ``shared/``: delete
+- ``orphan-uncommitted``  expired file of a ``chk-<id>/`` that never committed: delete
+- ``orphan-unreferenced`` expired file in a committed ``chk-<id>/`` that its
+                          ``_metadata`` does not list (an overlapping attempt): delete
+
+Failure scenarios this design handles (numbered; tests name them):
+
+1. *Upload in progress.* An attempt is still uploading while GC runs: its files
+   are listed but no `_metadata` references them yet. They are younger than
+   the grace period, so they stay (``orphan-pending``); with a live writer lease
+   they stay whatever the grace (``orphan-writer-active``), so ``--grace-seconds
+   0`` is safe while the job runs.
+2. *Commit between listing and reading.* The registry lists files *first* and
+   reads metadata *after* (registry.py): a checkpoint committed in between is
+   read, so its files are ``referenced``. The reverse order would see its files
+   but not its metadata and call them orphans.
+3. *Commit after reading, before deleting.* Its new files are young (scenario 1);
+   the files it reuses belong to its base checkpoint, which is the newest
+   committed one (retention keeps at least one) or is held by the writer's
+   lease. And the executor re-reads the committed ids just before deleting and
+   spares every file a checkpoint committed since planning references.
+4. *Aborted attempt whose files a later checkpoint references* (Flink lost
+   data this way when discarding an aborted checkpoint deleted shared state).
+   Classification is by reference first: where a file was uploaded and which
+   attempt uploaded it never matter, and aborts never delete shared files
+   another checkpoint lists.
+5. *Two overlapping attempts with the same id.* `_metadata` is created
+   exclusively, so the second commit fails; its files sit in ``chk-<id>/`` of a
+   committed checkpoint but are not listed by it (``orphan-unreferenced``) and
+   go after the grace period; the committed checkpoint's files are
+   ``referenced`` and stay.
+6. *Interrupted retention.* `_metadata` is deleted before the files, so a crash
+   leaves unreferenced, old files: ordinary orphans, collected here.
+7. *Malformed metadata or lease.* The registry raises MetadataError and
+   nothing is planned: an unreadable checkpoint could reference any file.
+8. *Clock skew.* Ages use the storage's mtime against ``now``; a writer lease's
+   ``created_at`` comes from the writer's clock, so it is compared with
+   ``WRITER_SKEW_SECONDS`` of slack.
+9. *Reader without a lease.* A restore, rescale or validation must hold a lease
+   on what it reads (leases.py); one that does not may see its checkpoint
+   retired and then fails loudly (missing file or checksum), never silently.
+
+`plan_gc` is pure; `execute_gc` deletes best effort (batched on S3) after the
+re-check of scenario 3; `collect_garbage` = registry + plan + execute.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import datetime
+
+from .checkpoints import CheckpointStore
+from .errors import CheckpointNotFoundError, UsageError
+from .registry import (
+    Registry,
+    build_registry,
+    chk_id_of,
+    in_gc_scope,
+    is_commit_record,
+)
+from .retention import prune_empty_dirs
+
+DEFAULT_GRACE_SECONDS = 3600.0
+WRITER_SKEW_SECONDS = 300.0
+LIST_CAP = 50
+
+KEEP_REFERENCED = "referenced"
+KEEP_COMMIT_RECORD = "commit-record"
+KEEP_LEASED = "orphan-leased"
+KEEP_WRITER_ACTIVE = "orphan-writer-active"
+KEEP_NO_MTIME = "orphan-no-mtime"
+KEEP_PENDING = "orphan-pending"
+DEL_SHARED = "orphan-shared"
+DEL_UNCOMMITTED = "orphan-uncommitted"
+DEL_UNREFERENCED = "orphan-unreferenced"
+ORPHAN_KEEP_REASONS = (KEEP_LEASED, KEEP_WRITER_ACTIVE, KEEP_NO_MTIME, KEEP_PENDING)
+
+
+@dataclass(frozen=True)
+class GcFile:
+    path: str
+    size: int
+    age_seconds: float | None
+    reason: str
+
+    def to_json(self) -> dict:
+        age = None if self.age_seconds is None else round(self.age_seconds, 3)
+        return {"path": self.path, "size": self.size, "age_seconds": age, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class GcPlan:
+    job: str
+    grace_seconds: float
+    deletions: tuple[GcFile, ...]
+    kept: tuple[GcFile, ...]
+
+    @property
+    def bytes_to_delete(self) -> int:
+        return sum(f.size for f in self.deletions)
+
+    @property
+    def pending(self) -> tuple[GcFile, ...]:
+        """Orphans kept for now (grace period, lease, active writer, unknown age)."""
+        return tuple(f for f in self.kept if f.reason in ORPHAN_KEEP_REASONS)
+
+    def to_json(self) -> dict:
+        return {
+            "job": self.job, "grace_seconds": self.grace_seconds,
+            "files_to_delete": len(self.deletions), "bytes_to_delete": self.bytes_to_delete,
+            "files_kept": len(self.kept), "bytes_kept": sum(f.size for f in self.kept),
+            "orphans_pending": len(self.pending),
+            "by_reason": _by_reason(self.deletions + self.kept),
+            "deletions": [f.to_json() for f in self.deletions],
+            "pending": [f.to_json() for f in self.pending],
+        }
+
+
+@dataclass(frozen=True)
+class GcReport:
+    job: str
+    dry_run: bool
+    plan: GcPlan
+    deleted: tuple[GcFile, ...]
+    failures: tuple[tuple[str, str], ...] = ()
+    spared: tuple[str, ...] = ()
+    seconds: float = 0.0
+
+    @property
+    def files_deleted(self) -> int:
+        return len(self.deleted)
+
+    @property
+    def bytes_deleted(self) -> int:
+        return sum(f.size for f in self.deleted)
+
+    def to_json(self) -> dict:
+        plan = self.plan
+        pending = plan.pending
+        return {
+            "operation": "gc", "job": self.job, "dry_run": self.dry_run,
+            "grace_seconds": plan.grace_seconds,
+            "files_planned": len(plan.deletions), "bytes_planned": plan.bytes_to_delete,
+            "files_deleted": self.files_deleted, "bytes_deleted": self.bytes_deleted,
+            "files_kept": len(plan.kept), "bytes_kept": sum(f.size for f in plan.kept),
+            "orphans_pending": len(pending), "orphan_bytes_pending": sum(f.size for f in pending),
+            "by_reason": _by_reason(plan.deletions + plan.kept, deleted={
+                f.path for f in self.deleted}, dry_run=self.dry_run),
+            "deletions": [f.to_json() for f in (plan.deletions if self.dry_run else self.deleted)],
+            "pending": [f.to_json() for f in pending],
+            "spared": list(self.spared),
+            "failures": [{"path": p, "error": e} for p, e in self.failures],
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def plan_gc(registry: Registry, *, grace_seconds: float = DEFAULT_GRACE_SECONDS) -> GcPlan:
+    """Classify every listed file under shared/ and chk-*/ (see the module docstring)."""
+    if grace_seconds is None or grace_seconds < 0:
+        raise UsageError(f"--grace-seconds {grace_seconds!r} is invalid: use 0 or more")
+    now = registry.now.timestamp()
+    leased_ids = set(registry.held_ids())
+    writer = registry.live_writer()
+    writer_since = None
+    if writer is not None:
+        try:
+            writer_since = datetime.fromisoformat(writer.created_at).timestamp() \
+                - WRITER_SKEW_SECONDS
+        except ValueError:
+            writer_since = float("-inf")  # unknown start: protect every orphan
+    deletions: list[GcFile] = []
+    kept: list[GcFile] = []
+    for path, info in sorted(registry.files.items()):
+        if not in_gc_scope(path):
+            continue
+        age = None if info.mtime is None else now - info.mtime
+        cid = chk_id_of(path)
+        if path in registry.referenced:
+            kept.append(GcFile(path, info.size, age, KEEP_REFERENCED))
+            continue
+        if is_commit_record(path) and cid in registry.checkpoints:
+            kept.append(GcFile(path, info.size, age, KEEP_COMMIT_RECORD))
+            continue
+        if cid is not None and cid in leased_ids:
+            reason = KEEP_LEASED
+        elif writer_since is not None and (info.mtime is None or info.mtime >= writer_since):
+            reason = KEEP_WRITER_ACTIVE
+        elif age is None:
+            reason = KEEP_NO_MTIME
+        elif age < grace_seconds:
+            reason = KEEP_PENDING
+        elif cid is None:
+            reason = DEL_SHARED
+        elif cid in registry.checkpoints:
+            reason = DEL_UNREFERENCED
+        else:
+            reason = DEL_UNCOMMITTED
+        target = kept if reason in ORPHAN_KEEP_REASONS else deletions
+        target.append(GcFile(path, info.size, age, reason))
+    return GcPlan(registry.job, float(grace_seconds), tuple(deletions), tuple(kept))
+
+
+def execute_gc(store: CheckpointStore, plan: GcPlan, known_ids: set[int] | None = None
+               ) -> GcReport:
+    """Delete the planned files (best effort, batched), sparing late commits (scenario 3)."""
+    started = time.perf_counter()
+    spare: set[str] = set()
+    if known_ids is not None:
+        for cid in set(store.checkpoint_ids()) - known_ids:
+            try:
+                spare.update(f.path for f in store.load(cid).files)
+            except CheckpointNotFoundError:
+                continue
+    todo = [f for f in plan.deletions if f.path not in spare]
+    failures = store.storage.delete_many(f.path for f in todo)
+    failed = {p for p, _ in failures}
+    deleted = tuple(f for f in todo if f.path not in failed)
+    prune_empty_dirs(store.storage, [f.path for f in deleted])
+    spared = tuple(sorted(f.path for f in plan.deletions if f.path in spare))
+    return GcReport(store.job, False, plan, deleted, tuple(failures), spared,
+                    time.perf_counter() - started)
+
+
+def collect_garbage(store: CheckpointStore, *, grace_seconds: float = DEFAULT_GRACE_SECONDS,
+                    dry_run: bool = False, now: datetime | float | None = None) -> GcReport:
+    """Plan GC over a fresh registry; execute it unless ``dry_run``."""
+    started = time.perf_counter()
+    registry = build_registry(store, now=now)
+    plan = plan_gc(registry, grace_seconds=grace_seconds)
+    if dry_run:
+        return GcReport(store.job, True, plan, (), seconds=time.perf_counter() - started)
+    report = execute_gc(store, plan, known_ids=set(registry.checkpoints))
+    return GcReport(report.job, False, plan, report.deleted, report.failures, report.spared,
+                    time.perf_counter() - started)
+
+
+def _by_reason(files, deleted: set[str] | None = None, dry_run: bool = True
+               ) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for f in files:
+        is_delete = f.reason not in ORPHAN_KEEP_REASONS + (KEEP_REFERENCED, KEEP_COMMIT_RECORD)
+        slot = out.setdefault(f.reason, {"action": "delete" if is_delete else "keep",
+                                         "files": 0, "bytes": 0})
+        if is_delete and deleted is not None and not dry_run and f.path not in deleted:
+            continue  # planned but spared or failed: counted in spared / failures
+        slot["files"] += 1
+        slot["bytes"] += f.size
+    return out
+
+
+def summarize_text(report: GcReport) -> list[str]:
+    plan = report.plan
+    verb = "would delete" if report.dry_run else "deleted"
+    files = plan.deletions if report.dry_run else report.deleted
+    pending = plan.pending
+    lines = [
+        f"gc job {report.job} (grace {plan.grace_seconds:g} s): {verb} {len(files)} files, "
+        f"{sum(f.size for f in files)} bytes; kept {len(plan.kept)} files; "
+        f"{len(pending)} orphans pending ({sum(f.size for f in pending)} bytes)",
+    ]
+    for reason, slot in sorted(_by_reason(plan.deletions + plan.kept).items()):
+        lines.append(f"  {slot['action']:6} {reason:22} {slot['files']:>7} files "
+                     f"{slot['bytes']:>14} bytes")
+    for f in files[:LIST_CAP]:
+        lines.append(f"  {verb} {f.path} ({f.size} bytes, {f.reason})")
+    if len(files) > LIST_CAP:
+        lines.append(f"  ... and {len(files) - LIST_CAP} more (use --json for the full list)")
+    for p, e in report.failures[:LIST_CAP]:
+        lines.append(f"  FAILED {p}: {e}")
+    return lines

@@ -1,0 +1,316 @@
+"""Retention: keep the newest N committed checkpoints, retire the rest.
+
+Kept, always:
+- the newest ``keep`` committed checkpoints (by id; ``keep`` >= 1, so the
+  checkpoint a running writer builds on is never retired);
+- every savepoint (they live outside ``chk-*`` and are never touched here);
+- every checkpoint named by a *live* lease (an expired lease protects nothing).
+
+Retiring checkpoint C, in this order:
+1. delete ``chk-<C>/_metadata``: C stops existing atomically, so no reader can
+   start from a checkpoint whose files are going away;
+2. delete the files C lists that no kept checkpoint, savepoint or live lease
+   references: its private files and the shared files only retired checkpoints
+   referenced (Flink's shared-state registry: a file dies with its last
+   reference). This is what reclaims SSTs replaced by RocksDB compaction.
+
+A file referenced by anything kept is never deleted, whatever folder it is in.
+Files in ``chk-<C>/`` that C does not list (uploads of a failed attempt with the
+same id) are orphans: GC removes them after the grace period (gc.py).
+
+`plan_retention` is pure (registry in, frozen plan out, each checkpoint and
+file with a reason). `execute_retention` is best effort and re-reads the
+committed ids and leases just before deleting: a checkpoint held by a lease
+taken since planning is spared, and files referenced by a checkpoint committed
+since planning are spared. A metadata deletion that fails leaves that
+checkpoint's files alone. `retain` = registry + plan + execute (or dry run).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from .checkpoints import CheckpointStore, metadata_path
+from .errors import CheckpointNotFoundError, UsageError
+from .metadata import CheckpointMetadata
+from .registry import (
+    Registry,
+    as_datetime,
+    build_registry,
+    checkpoint_label,
+    chk_id_of,
+    read_live_leases,
+)
+from .storage import Storage
+
+# reasons (stable strings: they appear in JSON reports)
+KEEP_NEWEST = "newest"
+KEEP_LEASED = "leased"
+RETIRE_BEYOND_KEEP = "beyond-keep"
+DEL_METADATA = "retired-metadata"
+DEL_PRIVATE = "retired-private"
+DEL_RELEASED_SHARED = "released-shared"
+LIST_CAP = 50
+
+
+@dataclass(frozen=True)
+class CheckpointDecision:
+    checkpoint_id: int
+    action: str          # "keep" | "retire"
+    reason: str          # newest | leased | beyond-keep
+    leases: tuple[str, ...] = ()
+
+    def to_json(self) -> dict:
+        return {"id": self.checkpoint_id, "action": self.action, "reason": self.reason,
+                "leases": list(self.leases)}
+
+
+@dataclass(frozen=True)
+class FileAction:
+    path: str
+    size: int
+    reason: str
+    checkpoint_id: int | None = None  # the retired checkpoint it belongs to, if any
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "size": self.size, "reason": self.reason,
+                "checkpoint": self.checkpoint_id}
+
+
+@dataclass(frozen=True)
+class RetentionPlan:
+    job: str
+    keep: int
+    decisions: tuple[CheckpointDecision, ...]
+    deletions: tuple[FileAction, ...]   # metadata first, then files
+    savepoints: tuple[str, ...]
+    bytes_kept: int
+
+    @property
+    def retained(self) -> tuple[int, ...]:
+        return tuple(d.checkpoint_id for d in self.decisions if d.action == "keep")
+
+    @property
+    def retired(self) -> tuple[int, ...]:
+        return tuple(d.checkpoint_id for d in self.decisions if d.action == "retire")
+
+    @property
+    def bytes_to_delete(self) -> int:
+        return sum(a.size for a in self.deletions)
+
+    def to_json(self) -> dict:
+        return {
+            "job": self.job, "keep": self.keep,
+            "retained": list(self.retained), "retired": list(self.retired),
+            "savepoints": list(self.savepoints),
+            "checkpoints": [d.to_json() for d in self.decisions],
+            "files_to_delete": len(self.deletions), "bytes_to_delete": self.bytes_to_delete,
+            "bytes_kept": self.bytes_kept,
+            "by_reason": _by_reason(self.deletions),
+            "deletions": [a.to_json() for a in self.deletions],
+        }
+
+
+@dataclass(frozen=True)
+class RetentionReport:
+    job: str
+    dry_run: bool
+    plan: RetentionPlan
+    deleted: tuple[FileAction, ...]
+    failures: tuple[tuple[str, str], ...] = ()
+    spared: tuple[str, ...] = ()     # planned deletions skipped by the last-moment re-check
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def files_deleted(self) -> int:
+        return len(self.deleted)
+
+    @property
+    def bytes_deleted(self) -> int:
+        return sum(a.size for a in self.deleted)
+
+    def to_json(self) -> dict:
+        return {
+            "operation": "retain", "job": self.job, "dry_run": self.dry_run,
+            "keep": self.plan.keep,
+            "retained": list(self.plan.retained), "retired": list(self.plan.retired),
+            "savepoints": list(self.plan.savepoints),
+            "checkpoints": [d.to_json() for d in self.plan.decisions],
+            "files_planned": len(self.plan.deletions), "bytes_planned": self.plan.bytes_to_delete,
+            "files_deleted": self.files_deleted, "bytes_deleted": self.bytes_deleted,
+            "bytes_kept": self.plan.bytes_kept,
+            "by_reason": _by_reason(self.plan.deletions if self.dry_run else self.deleted),
+            "spared": list(self.spared), "failures": [
+                {"path": p, "error": e} for p, e in self.failures],
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def plan_retention(registry: Registry, keep: int) -> RetentionPlan:
+    """Decide, per committed checkpoint and per file, what retention keeps and deletes."""
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+        raise UsageError(f"--keep {keep!r} is invalid: keep at least 1 checkpoint (the newest "
+                         "is the base of the next run)")
+    ids = sorted(registry.checkpoints)
+    newest = set(ids[-keep:])
+    held = registry.held_ids()
+    decisions = []
+    for cid in ids:
+        if cid in newest:
+            decisions.append(CheckpointDecision(cid, "keep", KEEP_NEWEST, held.get(cid, ())))
+        elif cid in held:
+            decisions.append(CheckpointDecision(cid, "keep", KEEP_LEASED, held[cid]))
+        else:
+            decisions.append(CheckpointDecision(cid, "retire", RETIRE_BEYOND_KEEP))
+    retired = [d.checkpoint_id for d in decisions if d.action == "retire"]
+    retired_labels = {checkpoint_label(c) for c in retired}
+    kept_paths: set[str] = set()
+    for label, paths in registry.owner_paths.items():
+        if label not in retired_labels:
+            kept_paths.update(paths)
+    candidates: set[str] = set()
+    for cid in retired:
+        candidates.update(registry.owner_paths[checkpoint_label(cid)])
+    released = candidates - kept_paths  # set algebra: no per-reference Python loop
+    metadata_actions = []
+    for cid in retired:
+        rel = metadata_path(cid)
+        metadata_actions.append(FileAction(rel, registry.size_of(rel), DEL_METADATA, cid))
+    file_actions = []
+    for path in sorted(released):
+        folder = chk_id_of(path)  # a private file lives in some chk-<id>/ folder
+        reason = DEL_RELEASED_SHARED if folder is None else DEL_PRIVATE
+        file_actions.append(FileAction(path, registry.size_of(path), reason, folder))
+    bytes_kept = sum(registry.size_of(p) for p in kept_paths)
+    return RetentionPlan(
+        job=registry.job, keep=keep, decisions=tuple(decisions),
+        deletions=tuple(metadata_actions + file_actions),
+        savepoints=tuple(sorted(registry.savepoints)), bytes_kept=bytes_kept)
+
+
+def execute_retention(store: CheckpointStore, plan: RetentionPlan, *,
+                      now: datetime | float | None = None) -> RetentionReport:
+    """Best effort: metadata of retired checkpoints first, then their files."""
+    started = time.perf_counter()
+    storage = store.storage
+    spare_ids, spare_paths = _recheck(store, plan, now)
+    meta_actions = [a for a in plan.deletions if a.reason == DEL_METADATA
+                    and a.checkpoint_id not in spare_ids]
+    failures = storage.delete_many(a.path for a in meta_actions)
+    failed = {p for p, _ in failures}
+    # a checkpoint whose _metadata could not be deleted still exists: keep all it lists
+    for a in meta_actions:
+        if a.path in failed:
+            meta = _load_or_none(store, a.checkpoint_id)
+            if meta is not None:
+                spare_paths.update(f.path for f in meta.files)
+    file_actions = [a for a in plan.deletions if a.reason != DEL_METADATA
+                    and a.path not in spare_paths
+                    and not (a.reason == DEL_PRIVATE and a.checkpoint_id in spare_ids)]
+    file_failures = storage.delete_many(a.path for a in file_actions)
+    failures += file_failures
+    failed |= {p for p, _ in file_failures}
+    deleted = tuple(a for a in meta_actions + file_actions if a.path not in failed)
+    prune_empty_dirs(storage, [a.path for a in deleted])
+    spared = tuple(sorted({a.path for a in plan.deletions} - {a.path for a in deleted}
+                          - failed))
+    return RetentionReport(store.job, False, plan, deleted, tuple(failures), spared,
+                           time.perf_counter() - started)
+
+
+def retain(store: CheckpointStore, keep: int, *, dry_run: bool = False,
+           now: datetime | float | None = None) -> RetentionReport:
+    """Plan retention over a fresh registry; execute it unless ``dry_run``."""
+    started = time.perf_counter()
+    registry = build_registry(store, now=now)
+    plan = plan_retention(registry, keep)
+    if dry_run:
+        return RetentionReport(store.job, True, plan, (), seconds=time.perf_counter() - started)
+    report = execute_retention(store, plan, now=now)
+    return RetentionReport(report.job, False, plan, report.deleted, report.failures,
+                           report.spared, time.perf_counter() - started)
+
+
+# -- helpers ------------------------------------------------------------------
+def _recheck(store: CheckpointStore, plan: RetentionPlan,
+             now: datetime | float | None) -> tuple[set[int], set[str]]:
+    """Ids held by leases taken since planning; paths of checkpoints committed since."""
+    when = as_datetime(now)
+    held = {cid for lease in read_live_leases(store.storage, when)
+            for cid in lease.checkpoint_ids}
+    spare_ids = held & set(plan.retired)
+    known = {d.checkpoint_id for d in plan.decisions}
+    spare_paths: set[str] = set()
+    for cid in set(store.checkpoint_ids()) - known:
+        meta = _load_or_none(store, cid)
+        if meta is not None:
+            spare_paths.update(f.path for f in meta.files)
+    # files of spared checkpoints stay, including shared ones the plan released
+    for cid in spare_ids:
+        meta = _load_or_none(store, cid)
+        if meta is not None:
+            spare_paths.update(f.path for f in meta.files)
+    return spare_ids, spare_paths
+
+
+def _load_or_none(store: CheckpointStore, cid: int) -> CheckpointMetadata | None:
+    try:
+        return store.load(cid)
+    except CheckpointNotFoundError:
+        return None
+
+
+def _by_reason(actions) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for a in actions:
+        slot = out.setdefault(a.reason, {"files": 0, "bytes": 0})
+        slot["files"] += 1
+        slot["bytes"] += a.size
+    return out
+
+
+def prune_empty_dirs(storage: Storage, deleted_paths: list[str]) -> None:
+    """Remove folders left empty by deletions (file:// and memory:// only; S3 has none)."""
+    if storage.protocol not in ("file", "memory"):
+        return
+    dirs: set[str] = set()
+    for p in deleted_paths:
+        parts = p.split("/")[:-1]
+        while parts:
+            dirs.add("/".join(parts))
+            parts.pop()
+    for d in sorted(dirs, key=lambda x: x.count("/"), reverse=True):
+        if d in ("shared", "leases", "savepoints"):
+            continue
+        try:
+            storage.fs.rmdir(storage.abspath(d))  # refuses a non-empty folder: race-safe
+        except (OSError, ValueError):
+            pass
+        except Exception:  # noqa: BLE001 - pruning is cosmetic
+            pass
+
+
+def summarize_text(report: RetentionReport) -> list[str]:
+    """Human lines for the CLI (lists capped)."""
+    plan = report.plan
+    verb = "would delete" if report.dry_run else "deleted"
+    files = plan.deletions if report.dry_run else report.deleted
+    lines = [
+        f"retain job {report.job}: keep newest {plan.keep}; retained {list(plan.retained)}; "
+        f"retired {list(plan.retired)}; savepoints {len(plan.savepoints)}",
+        f"{verb} {len(files)} files, {sum(a.size for a in files)} bytes; "
+        f"{plan.bytes_kept} bytes still referenced",
+    ]
+    for d in plan.decisions:
+        if d.reason == KEEP_LEASED:
+            lines.append(f"  keep chk-{d.checkpoint_id}: held by lease {', '.join(d.leases)}")
+    for a in files[:LIST_CAP]:
+        lines.append(f"  {verb} {a.path} ({a.size} bytes, {a.reason})")
+    if len(files) > LIST_CAP:
+        lines.append(f"  ... and {len(files) - LIST_CAP} more (use --json for the full list)")
+    for p, e in report.failures[:LIST_CAP]:
+        lines.append(f"  FAILED {p}: {e}")
+    return lines

@@ -1,0 +1,242 @@
+"""Savepoints and start points: self-contained copies a new lineage can start from.
+
+Savepoint layout (paths in its `_metadata` are relative to the job root)::
+
+    <job>/savepoints/<name>/_claim                 who creates it (written first, exclusive)
+    <job>/savepoints/<name>/<subtask>/<file>       its own copy of every file
+    <job>/savepoints/<name>/_metadata              kind "savepoint", written last
+
+- `create_savepoint(store, ref, name)` copies every file of checkpoint ``ref``
+  while holding a lease on it (retention and GC cannot take it away mid-copy),
+  then writes `_metadata` exclusively. Nothing in a savepoint points into
+  ``shared/``; GC and retention never touch ``savepoints/``. The name is claimed
+  first with an exclusive ``_claim`` file, so two creators of one name cannot
+  mix their files; an interrupted creation leaves an incomplete folder that
+  blocks the name until removed (listed by the registry, never collected).
+- `import_start_point(storage, target_job, spec)` copies a savepoint or another
+  job's checkpoint into ``target_job`` and commits it as that job's *first*
+  checkpoint (parent None, ``source`` naming where it came from). Shared files
+  get fresh unique names under the target's ``shared/``, private files go to
+  ``chk-<id>/<subtask>/<snapshot>/``. Because it is a copy, the two lineages
+  never share a file: neither job's retention or GC can hurt the other.
+
+Start-point specs (``--start-from``), all within the same storage root:
+
+- ``<job>/savepoints/<name>`` -- a savepoint by path (a trailing ``/_metadata``
+  is accepted);
+- ``<name>`` -- a savepoint by name, searched in every job of the root; refused
+  when no job or several jobs have it;
+- ``<job>:<id>``, ``<job>:chk-<id>``, ``<job>:latest`` -- a committed checkpoint
+  of another job (held by a lease while it is copied).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from .checkpoints import METADATA_FILE, CheckpointStore, check_job_name
+from .errors import CheckpointNotFoundError, StorageError, UsageError
+from .leases import default_holder, hold
+from .metadata import CheckpointMetadata, FileRef, SubtaskHandle, utc_now_iso
+from .registry import SAVEPOINTS_DIR, check_savepoint_name, load_savepoint, savepoint_metadata_path
+from .snapshot import private_dir
+from .storage import Storage
+
+COPY_THREADS = 8
+CLAIM_FILE = "_claim"
+
+
+def savepoint_dir(name: str) -> str:
+    return f"{SAVEPOINTS_DIR}/{name}"
+
+
+def create_savepoint(store: CheckpointStore, ref: str | int | None,
+                     name: str) -> CheckpointMetadata:
+    """Copy checkpoint ``ref`` (id, chk-<id> or latest) to ``savepoints/<name>/``."""
+    check_savepoint_name(name)
+    storage = store.storage
+    meta = store.resolve(ref)
+    base = savepoint_dir(name)
+    claim = f"{base}/{CLAIM_FILE}"
+    if storage.exists(savepoint_metadata_path(name)) or storage.list_dir(base):
+        raise UsageError(f"savepoint {name!r} of job {store.job!r} already exists (or an "
+                         f"interrupted attempt left {storage.url}/{base}); choose another name "
+                         "or delete that folder")
+    try:
+        storage.write_exclusive(claim, json.dumps(
+            {"holder": default_holder(), "checkpoint": meta.checkpoint_id,
+             "created_at": utc_now_iso()}).encode())
+    except FileExistsError as exc:
+        raise UsageError(f"savepoint {name!r} of job {store.job!r} is being created by "
+                         "another process") from exc
+    try:
+        with hold(storage, f"savepoint {name}", [meta.checkpoint_id]):
+            # the checkpoint may have been retired between resolve and hold: re-read it
+            meta = store.load(meta.checkpoint_id)
+            copies: list[tuple[str, str]] = []
+            subtasks = []
+            for sub in meta.subtasks:
+                def moved(refs: Sequence[FileRef], sub: SubtaskHandle = sub) -> tuple[FileRef, ...]:
+                    out = []
+                    for f in refs:
+                        dst = f"{base}/{sub.index}/{f.local_name}"
+                        copies.append((f.path, dst))
+                        out.append(FileRef(dst, f.local_name, f.size, f.checksum))
+                    return tuple(out)
+
+                subtasks.append(SubtaskHandle(
+                    index=sub.index, key_group_start=sub.key_group_start,
+                    key_group_end=sub.key_group_end, backend_id=sub.backend_id,
+                    snapshot_id=sub.snapshot_id, shared_files=moved(sub.shared_files),
+                    private_files=moved(sub.private_files), row_counts=dict(sub.row_counts),
+                    bytes_uploaded=sub.size))
+            _check_unique([dst for _, dst in copies], f"savepoint {name!r}")
+            _copy_all(storage, copies)
+            saved = meta.with_changes(
+                kind="savepoint", parent=None, subtasks=tuple(subtasks), created_at=utc_now_iso(),
+                source={"job": store.job, "checkpoint": meta.checkpoint_id, "savepoint": None},
+                extra=dict(meta.extra, savepoint=name))
+            try:
+                storage.write_exclusive(savepoint_metadata_path(name), saved.to_bytes())
+            except FileExistsError as exc:
+                raise UsageError(f"savepoint {name!r} of job {store.job!r} was committed by "
+                                 "another process") from exc
+    except BaseException:
+        # nothing committed: free the name again (copied files were removed by _copy_all
+        # or are removed here)
+        if not storage.exists(savepoint_metadata_path(name)):
+            storage.delete_tree(base)
+        raise
+    return saved
+
+
+def parse_start_spec(storage: Storage, spec: str) -> tuple[str, str, str]:
+    """(kind, job, what) of a start-point spec: ("savepoint", job, name) or
+    ("checkpoint", job, "latest" | id)."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise UsageError("start point is empty: use <job>/savepoints/<name>, <name> or "
+                         "<job>:<id|latest>")
+    spec = spec.strip().rstrip("/")
+    if ":" in spec and "/" not in spec:
+        job, what = spec.split(":", 1)
+        check_job_name(job)
+        what = what.removeprefix("chk-")
+        if what != "latest" and not what.isdigit():
+            raise UsageError(f"start point {spec!r}: checkpoint must be an id, chk-<id> or "
+                             "latest")
+        return "checkpoint", job, what
+    if spec.endswith("/" + METADATA_FILE):
+        spec = spec[: -len(METADATA_FILE) - 1]
+    parts = spec.split("/")
+    if len(parts) == 3 and parts[1] == SAVEPOINTS_DIR:
+        return "savepoint", check_job_name(parts[0]), check_savepoint_name(parts[2])
+    if len(parts) == 1:
+        name = check_savepoint_name(parts[0])
+        # one existence check per job folder (a glob over '*' is unreliable on S3)
+        found = [job for job in storage.list_dir("")
+                 if storage.exists(f"{job}/{savepoint_metadata_path(name)}")]
+        if not found:
+            raise CheckpointNotFoundError(
+                f"no savepoint named {name!r} under {storage.url}; use <job>/savepoints/<name> "
+                "or <job>:<id|latest> for a checkpoint")
+        if len(found) > 1:
+            raise UsageError(f"savepoint name {name!r} exists in several jobs {found}; "
+                             f"say which: <job>/savepoints/{name}")
+        return "savepoint", found[0], name
+    raise UsageError(f"start point {spec!r} is not <job>/savepoints/<name>, <name> or "
+                     "<job>:<id|latest>")
+
+
+def import_start_point(storage: Storage, target_job: str, spec: str) -> CheckpointMetadata:
+    """Copy a savepoint or another job's checkpoint into ``target_job`` as its first checkpoint."""
+    target = CheckpointStore(storage, target_job)
+    if target.checkpoint_ids():
+        raise UsageError(f"job {target_job!r} already has checkpoints; a start point can only "
+                         "seed a new job (use another --job, or restore from its own latest)")
+    kind, source_job, what = parse_start_spec(storage, spec)
+    source = CheckpointStore(storage, source_job)
+    if kind == "savepoint":
+        meta = load_savepoint(source, what)
+        return _import(storage, target, meta, {
+            "job": source_job, "checkpoint": meta.checkpoint_id, "savepoint": what})
+    if source_job == target.job:
+        raise UsageError(f"start point {spec!r} names job {target_job!r} itself")
+    meta = source.resolve(what)
+    with hold(source.storage, f"import into {target_job}", [meta.checkpoint_id]):
+        meta = source.load(meta.checkpoint_id)  # may have been retired before the hold
+        return _import(storage, target, meta, {
+            "job": source_job, "checkpoint": meta.checkpoint_id, "savepoint": None})
+
+
+def _import(root: Storage, target: CheckpointStore, meta: CheckpointMetadata,
+            source: dict) -> CheckpointMetadata:
+    cid = target.next_checkpoint_id()
+    copies: list[tuple[str, str]] = []
+    subtasks = []
+    for sub in meta.subtasks:
+        prefix = private_dir(cid, sub.index, sub.snapshot_id)
+
+        def moved(refs: Sequence[FileRef], name_of: Callable[[FileRef], str]
+                  ) -> tuple[FileRef, ...]:
+            out = []
+            for f in refs:
+                dst = name_of(f)
+                copies.append((f.path, dst))
+                out.append(FileRef(dst, f.local_name, f.size, f.checksum))
+            return tuple(out)
+
+        subtasks.append(SubtaskHandle(
+            index=sub.index, key_group_start=sub.key_group_start,
+            key_group_end=sub.key_group_end, backend_id=sub.backend_id,
+            snapshot_id=sub.snapshot_id,
+            shared_files=moved(sub.shared_files,
+                               lambda f: f"shared/{uuid.uuid4().hex}-{f.local_name}"),
+            private_files=moved(sub.private_files, lambda f, p=prefix: f"{p}/{f.local_name}"),
+            row_counts=dict(sub.row_counts), bytes_uploaded=sub.size))
+    _check_unique([dst for _, dst in copies], f"checkpoint {cid} of job {target.job!r}")
+    first = CheckpointMetadata(
+        job=target.job, checkpoint_id=cid, parent=None, parallelism=meta.parallelism,
+        max_parallelism=meta.max_parallelism, states=meta.states, subtasks=tuple(subtasks),
+        kind="checkpoint", run_id=None, input=(), source=source,
+        extra={"imported_at": utc_now_iso()})
+    # copy through the common root: both jobs are folders of it
+    src_job = source["job"]
+    _copy_all(root, [(f"{src_job}/{s}", f"{target.job}/{d}") for s, d in copies])
+    try:
+        if target.checkpoint_ids():
+            raise UsageError(f"job {target.job!r} got a checkpoint while the start point was "
+                             "copied; nothing imported")
+        target.commit(first)
+    except BaseException:
+        target.storage.delete_many(dst for _, dst in copies)
+        raise
+    return first
+
+
+def _check_unique(paths: list[str], what: str) -> None:
+    if len(set(paths)) != len(paths):
+        raise UsageError(f"{what}: two files would land on the same path (duplicate local "
+                         "names in one subtask)")
+
+
+def _copy_all(storage: Storage, copies: list[tuple[str, str]]) -> None:
+    """Copy (src, dst) pairs of ``storage`` in parallel (server-side on S3); on failure
+    remove what was copied and raise one error listing the distinct causes."""
+    done: list[str] = []
+    errors: list[BaseException] = []
+    with ThreadPoolExecutor(max_workers=COPY_THREADS) as pool:
+        futures = [(pool.submit(storage.copy, src, dst), dst) for src, dst in copies]
+        for fut, dst in futures:
+            try:
+                fut.result()
+                done.append(dst)
+            except Exception as exc:  # noqa: BLE001 - collected below
+                errors.append(exc)
+    if errors:
+        storage.delete_many(done)
+        causes = sorted({str(e) for e in errors})
+        raise StorageError(f"copy failed for {len(errors)} of {len(copies)} files: "
+                           + "; ".join(causes[:5])) from errors[0]

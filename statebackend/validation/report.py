@@ -1,0 +1,266 @@
+"""JSON summary and Data Docs of one validation, and where they are stored.
+
+Layout (on the checkpoint storage, next to the checkpoints)::
+
+    <job root>/reports/chk-<id>/summary.json     the JSON summary (below)
+    <job root>/reports/chk-<id>/index.html       overview page: self-contained (no scripts,
+                                                 no CDN), status, suites, offending rows,
+                                                 links to the GE validation pages
+    <job root>/reports/chk-<id>/data_docs/...    Great Expectations Data Docs
+    <job root>/reports/chk-<id>/data_docs/index.html
+
+With ``--report-dir DIR`` the same tree is written to ``DIR/chk-<id>/`` instead.
+On file:// the docs are built in place; on other storages they are built in a
+temp folder and uploaded with `Storage.put_file`. A new validation replaces the
+checkpoint's previous report. Only ``reports/`` is ever written.
+
+Summary (``SUMMARY_VERSION`` 1; changes must stay backward-compatible)::
+
+    {"summary_version": 1, "job", "checkpoint_id", "validated_at", "deep",
+     "success", "critical_failures", "failed_checks": [names],
+     "suites": [{"name", "table", "success", "rows", "checks", "failed"}],
+     "checks": [{"name", "suite", "table", "critical", "success", "description",
+                 "element_count", "unexpected_count", "offending_rows": [<= 20 rows],
+                 "error"}],
+     "figures": {...}, "timings": {...}, "report_location", "data_docs_index",
+     "report_index", "duration_seconds"}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..checkpoints import CheckpointStore
+from ..errors import StorageError
+from ..storage import Storage
+from .suites import MAX_OFFENDING_ROWS
+
+SUMMARY_VERSION = 1
+SUMMARY_FILE = "summary.json"
+OVERVIEW_FILE = "index.html"
+DOCS_DIR = "data_docs"
+
+
+def report_rel(checkpoint_id: int) -> str:
+    return f"reports/chk-{checkpoint_id}"
+
+
+def plain(value: Any) -> Any:
+    """JSON-safe copy of a GE result fragment (numpy scalars, NaN, nested)."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)
+
+
+def check_entries(results: list[tuple[Any, Any]]) -> tuple[list[dict], list[dict]]:
+    """(suites, checks) of the summary from (TableRun, suite result) pairs."""
+    suites, checks = [], []
+    for run, suite_result in results:
+        failed = 0
+        for er in suite_result.results:
+            cfg = er.expectation_config
+            meta = dict(cfg.meta or {})
+            res = er.result or {}
+            rows = res.get("partial_unexpected_index_list")
+            if rows is None:
+                rows = [{"value": v} for v in res.get("partial_unexpected_list") or []]
+            info = er.exception_info or {}
+            error = info.get("exception_message") if info.get("raised_exception") else None
+            entry = {
+                "name": meta.get("check", cfg.type),
+                "suite": run.suite_name,
+                "table": run.table,
+                "expectation": cfg.type,
+                "critical": bool(meta.get("critical", True)),
+                "success": bool(er.success),
+                "description": cfg.description,
+                "element_count": plain(res.get("element_count")),
+                "unexpected_count": plain(res.get("unexpected_count")),
+                "offending_rows": plain(list(rows)[:MAX_OFFENDING_ROWS]),
+                "error": error,
+            }
+            failed += not entry["success"]
+            checks.append(entry)
+        suites.append({"name": run.suite_name, "table": run.table,
+                       "success": bool(suite_result.success), "rows": len(run.frame),
+                       "checks": len(suite_result.results), "failed": failed})
+    return suites, checks
+
+
+@dataclass(frozen=True)
+class ReportTarget:
+    """Where one report is built locally and where it ends up."""
+
+    local_dir: str
+    location: str
+    upload_rel: str | None  # set when the local dir is a temp copy to upload
+
+    @property
+    def docs_dir(self) -> str:
+        return os.path.join(self.local_dir, DOCS_DIR)
+
+    @property
+    def index_url(self) -> str:
+        return f"{self.location}/{DOCS_DIR}/index.html"
+
+
+def prepare_report(storage: Storage, checkpoint_id: int, report_dir: str | None) -> ReportTarget:
+    """An empty local folder for the report (replacing the checkpoint's previous one)."""
+    if report_dir:
+        local = os.path.join(os.path.abspath(report_dir), f"chk-{checkpoint_id}")
+        target = ReportTarget(local, f"file://{local}", None)
+    else:
+        rel = report_rel(checkpoint_id)
+        storage.delete_tree(rel)
+        if storage.protocol == "file":
+            target = ReportTarget(storage.abspath(rel), f"{storage.url}/{rel}", None)
+        else:
+            target = ReportTarget(tempfile.mkdtemp(prefix="ckpt-report-"),
+                                  f"{storage.url}/{rel}", rel)
+    shutil.rmtree(target.local_dir, ignore_errors=True)
+    os.makedirs(target.docs_dir, exist_ok=True)
+    return target
+
+
+def finish_report(storage: Storage, target: ReportTarget, summary: dict) -> str | None:
+    """Write the summary next to the docs and upload when needed; the index URL or None."""
+    index = target.index_url if os.path.exists(os.path.join(target.docs_dir, "index.html")) \
+        else None
+    summary["report_location"] = target.location
+    summary["data_docs_index"] = index
+    summary["report_index"] = f"{target.location}/{OVERVIEW_FILE}"
+    with open(os.path.join(target.local_dir, OVERVIEW_FILE), "w", encoding="utf-8") as fh:
+        fh.write(overview_html(summary, suite_pages(target.docs_dir)))
+    with open(os.path.join(target.local_dir, SUMMARY_FILE), "w", encoding="utf-8") as fh:
+        json.dump(summary, fh, indent=1, sort_keys=True)
+    if target.upload_rel is not None:
+        try:
+            # summary last: a reader that sees it finds the docs complete
+            files = [os.path.join(d, n) for d, _, names in os.walk(target.local_dir)
+                     for n in names]
+            files.sort(key=lambda f: f.endswith(SUMMARY_FILE))
+            for local in files:
+                rel = os.path.relpath(local, target.local_dir).replace(os.sep, "/")
+                storage.put_file(local, f"{target.upload_rel}/{rel}")
+        finally:
+            shutil.rmtree(target.local_dir, ignore_errors=True)
+    return index
+
+
+def discard_report(target: ReportTarget) -> None:
+    if target.upload_rel is not None:
+        shutil.rmtree(target.local_dir, ignore_errors=True)
+
+
+def read_report_summary(store: CheckpointStore, checkpoint_id: int) -> dict | None:
+    """The stored JSON summary of a checkpoint's last validation, or None."""
+    rel = f"{report_rel(checkpoint_id)}/{SUMMARY_FILE}"
+    try:
+        data = store.storage.read_bytes(rel)
+    except StorageError as exc:
+        if isinstance(exc.__cause__, FileNotFoundError):
+            return None
+        raise
+    try:
+        summary = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+_STYLE = """
+body{font-family:system-ui,sans-serif;margin:2em;color:#222;max-width:1200px}
+h1{font-size:1.5em} .pass{color:#0a7d2c;font-weight:bold} .fail{color:#b00020;font-weight:bold}
+.warn{color:#a66300;font-weight:bold}
+table{border-collapse:collapse;margin:1em 0;width:100%} th,td{border:1px solid #ccc;
+padding:4px 8px;text-align:left;vertical-align:top;font-size:.9em} th{background:#f3f3f3}
+code,pre{font-size:.85em} pre{white-space:pre-wrap;margin:0}
+"""
+
+
+def overview_html(summary: dict, suite_pages: dict[str, str]) -> str:
+    """A self-contained page (no scripts, no external assets): status, suites, failures."""
+    from html import escape
+
+    def status(ok: bool, critical: bool = True) -> str:
+        if ok:
+            return '<span class="pass">PASSED</span>'
+        if critical:
+            return '<span class="fail">FAILED</span>'
+        return '<span class="warn">WARNING</span>'
+
+    title = f"Checkpoint {summary['checkpoint_id']} of job {summary['job']}"
+    level = "deep (manifest + content)" if summary["deep"] else "manifest"
+    out = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{escape(title)} - "
+           f"validation</title><style>{_STYLE}</style></head><body>",
+           f"<h1>{escape(title)}: <span id='status'>{status(summary['success'])}</span></h1>",
+           f"<p>Validation level: {level}. Validated at {escape(summary['validated_at'])} in "
+           f"{summary['duration_seconds']} s. Critical failures: "
+           f"{summary['critical_failures']}. Full Great Expectations Data Docs: "
+           f"<a href='{DOCS_DIR}/index.html'>{DOCS_DIR}/index.html</a> "
+           "(its index needs internet access for its scripts; the pages below do not).</p>",
+           "<h2>Expectation suites</h2><table id='suites'><tr><th>Suite</th><th>Table</th>"
+           "<th>Rows</th><th>Checks passed</th><th>Status</th></tr>"]
+    for s in summary["suites"]:
+        name = escape(s["name"])
+        link = suite_pages.get(s["name"])
+        cell = f"<a href='{escape(link)}'>{name}</a>" if link else name
+        out.append(f"<tr><td>{cell}</td><td>{escape(s['table'])}</td><td>{s['rows']}</td>"
+                   f"<td>{s['checks'] - s['failed']}/{s['checks']}</td>"
+                   f"<td>{status(s['success'])}</td></tr>")
+    out.append("</table><h2>Checks</h2><table id='checks'><tr><th>Check</th><th>Suite</th>"
+               "<th>Description</th><th>Unexpected</th><th>Status</th></tr>")
+    for c in summary["checks"]:
+        out.append(f"<tr><td><code>{escape(c['name'])}</code></td><td>{escape(c['suite'])}</td>"
+                   f"<td>{escape(str(c['description'] or ''))}</td>"
+                   f"<td>{c['unexpected_count'] if c['unexpected_count'] is not None else ''}"
+                   f" / {c['element_count'] if c['element_count'] is not None else ''}</td>"
+                   f"<td>{status(c['success'], c['critical'])}</td></tr>")
+    out.append("</table>")
+    failed = [c for c in summary["checks"] if not c["success"]]
+    if failed:
+        out.append("<h2>Failed checks and offending rows</h2>")
+    for c in failed:
+        out.append(f"<h3><code>{escape(c['name'])}</code> ({escape(c['suite'])})</h3>")
+        if c.get("error"):
+            out.append(f"<p>Error: {escape(str(c['error']))}</p>")
+        rows = c["offending_rows"]
+        if rows:
+            cols = list(dict.fromkeys(k for r in rows for k in r))
+            out.append("<table><tr>" + "".join(f"<th>{escape(k)}</th>" for k in cols) + "</tr>")
+            for r in rows:
+                out.append("<tr>" + "".join(f"<td><pre>{escape(str(r.get(k, '')))}</pre></td>"
+                                            for k in cols) + "</tr>")
+            out.append(f"</table><p>{len(rows)} of {c['unexpected_count']} rows shown.</p>")
+    out.append("</body></html>")
+    return "\n".join(out)
+
+
+def suite_pages(docs_dir: str) -> dict[str, str]:
+    """Suite name -> its GE validation page, relative to the report folder."""
+    pages = {}
+    root = os.path.join(docs_dir, "validations")
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            if n.endswith(".html"):
+                rel = os.path.relpath(dirpath, root).split(os.sep)
+                # validations/<suite name split on '.'>/<run name>/<run time>/<batch>.html
+                suite = ".".join(rel[:-2])
+                pages[suite] = f"{DOCS_DIR}/validations/" + "/".join(rel + [n])
+    return pages

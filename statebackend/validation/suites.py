@@ -1,0 +1,222 @@
+"""Expectation suites per table, and their runs in one ephemeral GE context.
+
+Every built-in expectation is *critical* and carries ``meta={"check": name,
+"critical": True}``; the check name is what the JSON summary and the CLI report.
+Most checks are ``expect_column_values_to_be_in_set([True])`` or ``..._between``
+over a column the table builders computed, so each check is one vectorised
+column test and its failed rows (bounded) come back with the table's identifying
+columns (path, subtask, key ...). Null cells mean "not checked" and are skipped.
+
+Suites (table -> suite name):
+
+==========  =========================  ==========================================
+checkpoint  ckpt.manifest.checkpoint   metadata_parses, parallelism_matches_subtasks,
+                                       max_parallelism_in_range, parent_chain_intact
+files       ckpt.manifest.files        paths_inside_job_root, files_exist,
+                                       file_sizes_match, file_checksums_match
+subtasks    ckpt.manifest.subtasks     key_group_ranges_match_formula,
+                                       key_group_ranges_no_gap, key_group_ranges_no_overlap
+restore     ckpt.content.restore       subtasks_restore (deep)
+state       ckpt.content.state         key_group_prefix_matches_hash,
+                                       keys_in_subtask_range, values_decode (deep)
+counts      ckpt.content.counts        row_counts_match (deep)
+job:<state> ckpt.job.<state>           the job's registered checks (deep)
+==========  =========================  ==========================================
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+MAX_OFFENDING_ROWS = 20
+
+# (check name, description, column, kind, args) per table; kind "true" or "between".
+_BUILTIN: dict[str, list[tuple[str, str, str, str, tuple]]] = {
+    "checkpoint": [
+        ("metadata_parses", "the _metadata record passes the strict parser (format, types, "
+         "paths relative to the job root, id and job match)", "metadata_ok", "true", ()),
+        ("parallelism_matches_subtasks", "parallelism P equals the number of subtask records",
+         "parallelism_ok", "true", ()),
+        ("max_parallelism_in_range", "max parallelism M is within 1..32768 and P <= M",
+         "max_parallelism_ok", "true", ()),
+        ("parent_chain_intact", "the parent checkpoint's _metadata exists, or the parent is "
+         "null or was retired (older than every committed checkpoint)",
+         "parent_ok", "true", ()),
+    ],
+    "files": [
+        ("paths_inside_job_root", "no referenced path is absolute or contains '..'",
+         "path_safe", "true", ()),
+        ("files_exist", "every referenced file exists", "exists", "true", ()),
+        ("file_sizes_match", "every file's size equals its recorded size", "size_ok", "true", ()),
+        ("file_checksums_match", "every file's CRC32 equals its recorded checksum",
+         "checksum_ok", "true", ()),
+    ],
+    "subtasks": [
+        ("key_group_ranges_match_formula", "each subtask's key-group range equals Flink's "
+         "formula for (P, M)", "range_ok", "true", ()),
+        ("key_group_ranges_no_gap", "the ranges cover [0, M) with no gap",
+         "uncovered_key_groups", "between", (0, 0)),
+        ("key_group_ranges_no_overlap", "no two subtask ranges overlap",
+         "overlap_before", "between", (0, 0)),
+    ],
+    "restore": [
+        ("subtasks_restore", "every subtask downloads intact and opens read-only",
+         "restored", "true", ()),
+    ],
+    "state": [
+        ("key_group_prefix_matches_hash", "each entry's stored key-group prefix equals "
+         "murmur3(key) mod M", "prefix_ok", "true", ()),
+        ("keys_in_subtask_range", "each entry's key group lies in its subtask's range",
+         "in_range", "true", ()),
+        ("values_decode", "every stored key and value decodes with the state's codec",
+         "decodes", "true", ()),
+    ],
+    "counts": [
+        ("row_counts_match", "per subtask and state, the entries read equal the metadata's "
+         "row_counts", "counts_ok", "true", ()),
+    ],
+}
+
+INDEX_COLUMNS = {
+    "checkpoint": ["checkpoint_id", "metadata_error", "parallelism", "subtask_count",
+                   "max_parallelism", "parent"],
+    "files": ["subtask", "path", "recorded_size", "actual_size", "recorded_checksum",
+              "actual_checksum"],
+    "subtasks": ["subtask", "key_group_start", "key_group_end", "expected_start",
+                 "expected_end", "gap_before", "gap_after"],
+    "restore": ["subtask", "restore_error"],
+    "state": ["subtask", "state", "key", "user_key", "key_group", "computed_key_group",
+              "range_start", "range_end", "decode_error"],
+    "counts": ["subtask", "state", "recorded_rows", "counted_rows"],
+}
+
+SUITE_NAMES = {
+    "checkpoint": "ckpt.manifest.checkpoint",
+    "files": "ckpt.manifest.files",
+    "subtasks": "ckpt.manifest.subtasks",
+    "restore": "ckpt.content.restore",
+    "state": "ckpt.content.state",
+    "counts": "ckpt.content.counts",
+}
+
+
+@dataclass(frozen=True)
+class TableRun:
+    """One table to validate: its frame and expectations (GE objects)."""
+
+    table: str
+    suite_name: str
+    frame: pd.DataFrame
+    expectations: list
+    index_columns: list[str]
+
+
+def builtin_expectations(table: str) -> list:
+    import great_expectations.expectations as gxe
+
+    out = []
+    for name, description, column, kind, args in _BUILTIN[table]:
+        meta = {"check": name, "critical": True, "table": table}
+        if kind == "true":
+            out.append(gxe.ExpectColumnValuesToBeInSet(
+                column=column, value_set=[True], description=description, meta=meta))
+        else:
+            lo, hi = args
+            out.append(gxe.ExpectColumnValuesToBeBetween(
+                column=column, min_value=lo, max_value=hi, description=description, meta=meta))
+    return out
+
+
+def builtin_run(table: str, frame: pd.DataFrame) -> TableRun:
+    return TableRun(table, SUITE_NAMES[table], frame, builtin_expectations(table),
+                    INDEX_COLUMNS[table])
+
+
+def job_run(state_name: str, frame: pd.DataFrame, expectations: list) -> TableRun:
+    for exp in expectations:
+        meta = dict(exp.meta or {})
+        meta.setdefault("check", f"{state_name}.{exp.expectation_type}")
+        meta.setdefault("critical", True)
+        meta["table"] = f"job:{state_name}"
+        exp.meta = meta
+    cols = [c for c in ("subtask", "key", "user_key", "key_group") if c in frame.columns]
+    return TableRun(f"job:{state_name}", f"ckpt.job.{state_name}", frame, expectations, cols)
+
+
+def load_great_expectations() -> None:
+    """Import GE now (about 5 s cold) so the caller can time it apart."""
+    import great_expectations  # noqa: F401
+    import great_expectations.expectations  # noqa: F401
+
+    quiet_ge()
+
+
+def quiet_ge() -> None:
+    for name in ("great_expectations", "great_expectations.core",
+                 "great_expectations.data_context"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def run_suites(runs: list[TableRun], docs_dir: str | None, site_name: str = "ckpt_reports",
+               on_result: Callable[[TableRun, Any], None] | None = None
+               ) -> list[tuple[TableRun, Any]]:
+    """Run every table's suite; build Data Docs into ``docs_dir``; return (run, result)."""
+    import great_expectations as gx
+    from great_expectations.data_context.types.base import ProgressBarsConfig
+
+    quiet_ge()
+    with _no_batch_fingerprint():
+        return _run_suites(gx, ProgressBarsConfig, runs, docs_dir, site_name, on_result)
+
+
+@contextmanager
+def _no_batch_fingerprint() -> Iterator[None]:
+    # GE hashes every pandas batch (pd.util.hash_pandas_object over all columns) for a
+    # "pandas_data_fingerprint" marker we never use: two thirds of GE's time on a
+    # 1M-row state table. It skips the hash above HASH_THRESHOLD bytes, so lower it.
+    from great_expectations.execution_engine import pandas_execution_engine as engine
+
+    saved = engine.HASH_THRESHOLD
+    engine.HASH_THRESHOLD = 0
+    try:
+        yield
+    finally:
+        engine.HASH_THRESHOLD = saved
+
+
+def _run_suites(gx, ProgressBarsConfig, runs, docs_dir, site_name, on_result):  # noqa: N803
+    ctx = gx.get_context(mode="ephemeral")
+    ctx.variables.progress_bars = ProgressBarsConfig(globally=False)
+    source = ctx.data_sources.add_pandas("checkpoint")
+    results = []
+    for run in runs:
+        asset = source.add_dataframe_asset(run.table.replace(":", "_"))
+        batch = asset.add_batch_definition_whole_dataframe("whole")
+        suite = ctx.suites.add(gx.ExpectationSuite(name=run.suite_name))
+        for exp in run.expectations:
+            suite.add_expectation(exp)
+        vd = ctx.validation_definitions.add(
+            gx.ValidationDefinition(name=f"validate {run.suite_name}", data=batch, suite=suite))
+        index_cols = [c for c in run.index_columns if c in run.frame.columns]
+        result = vd.run(batch_parameters={"dataframe": run.frame}, result_format={
+            "result_format": "SUMMARY", "partial_unexpected_count": MAX_OFFENDING_ROWS,
+            "unexpected_index_column_names": index_cols, "return_unexpected_index_query": False,
+        })
+        results.append((run, result))
+        if on_result:
+            on_result(run, result)
+    if docs_dir:
+        ctx.add_data_docs_site(site_name, {
+            "class_name": "SiteBuilder",
+            "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
+            "store_backend": {"class_name": "TupleFilesystemStoreBackend",
+                              "base_directory": docs_dir},
+        })
+        ctx.build_data_docs(site_names=[site_name])
+    return results

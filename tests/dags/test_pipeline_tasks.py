@@ -1,0 +1,107 @@
+"""Task logic of the DAGs without Airflow: run keys, templates, credentials, refusals."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from types import SimpleNamespace
+
+import pytest
+
+from jobs import pipeline_tasks as steps
+from jobs.pipeline_config import specs_from_config
+from statebackend.errors import CkptError
+
+
+def make_spec(tmp_path, **over):
+    job = {"input": str(tmp_path / "in/day={{ ds }}"), "output": str(tmp_path / "out/{{ ds }}"),
+           "storage": f"file://{tmp_path}/store", "parallelism": 2, **over}
+    return specs_from_config({"jobs": {"clicks": job}})[0]
+
+
+def test_run_key_is_per_interval_and_falls_back_to_run_id():
+    day = datetime(2027, 1, 1, tzinfo=UTC)
+    assert steps.run_key(day, "manual__x") == steps.run_key(day, "scheduled__y")
+    assert steps.run_key(day, "a") == "interval__2027-01-01T00:00:00+00:00"
+    assert steps.run_key(None, "manual__2027") == "manual__2027"
+
+
+def test_build_job_config_renders_the_interval(tmp_path):
+    spec = make_spec(tmp_path, quarantine=str(tmp_path / "q/{{ ds_nodash }}"))
+    cfg = steps.build_job_config(spec, logical_date=datetime(2027, 1, 2, tzinfo=UTC),
+                                 airflow_run_id="manual__1")
+    assert cfg.input.endswith("in/day=2027-01-02") and cfg.output.endswith("out/2027-01-02")
+    assert cfg.quarantine.endswith("q/20270102")
+    assert cfg.run_id == "interval__2027-01-02T00:00:00+00:00"
+    assert (cfg.job, cfg.parallelism, cfg.max_parallelism) == ("clicks", 2, 128)
+
+
+def test_unknown_template_field_is_a_clear_error():
+    with pytest.raises(CkptError, match="available fields"):
+        steps.render("/in/{{ nope }}", {"ds": "x"})
+
+
+def test_spark_submit_args_carry_the_run_key_template(tmp_path):
+    args = steps.spark_submit_args(make_spec(tmp_path))
+    assert args[args.index("--run-id") + 1].startswith("{{ 'interval__' ~ ts")
+    assert args[args.index("--job") + 1] == "clicks" and "--json" in args
+    assert steps.job_application().endswith("jobs/keyed_aggregation.py")
+
+
+def test_credentials_exported_to_env_and_never_returned(tmp_path, caplog):
+    spec = make_spec(tmp_path, storage_conn_id="ckpt_s3")
+    conn = SimpleNamespace(login="AKIA", password="s3cr3t-value",
+                           extra_dejson={"endpoint_url": "http://minio:9000",
+                                         "region_name": "eu-west-1"})
+    env: dict = {}
+    with caplog.at_level("INFO"):
+        names = steps.export_storage_credentials(spec, lambda cid: conn, env)
+    assert env == {"AWS_ACCESS_KEY_ID": "AKIA", "AWS_SECRET_ACCESS_KEY": "s3cr3t-value",
+                   "AWS_ENDPOINT_URL": "http://minio:9000", "AWS_DEFAULT_REGION": "eu-west-1"}
+    assert "s3cr3t-value" not in caplog.text and "s3cr3t-value" not in str(names)
+    assert steps.export_storage_credentials(make_spec(tmp_path), None, env) == []
+
+
+def test_rescale_refused_while_pipeline_runs(tmp_path):
+    spec = make_spec(tmp_path)
+    asked = []
+    with pytest.raises(steps.PipelineRefusedError, match="clicks_pipeline has 1 active"):
+        steps.check_no_running_pipeline(spec, lambda d: asked.append(d) or 1)
+    assert asked == ["clicks_pipeline"]
+    assert steps.check_no_running_pipeline(spec, lambda d: 0)["active_runs"] == 0
+
+
+def test_rescale_parallelism_checked_before_touching_storage(tmp_path):
+    with pytest.raises(CkptError, match="1..128"):
+        steps.rescale_step(make_spec(tmp_path), parallelism=0)
+
+
+def test_validate_step_names_a_missing_run(tmp_path):
+    spec = make_spec(tmp_path)
+    with pytest.raises(CkptError, match="no checkpoint of job 'clicks' was committed by run"):
+        steps.validate_step(spec, run_id="interval__2027-01-01T00:00:00+00:00")
+
+
+def test_run_job_refuses_missing_input(tmp_path):
+    with pytest.raises(CkptError, match="does not exist"):
+        steps.run_pipeline_job(make_spec(tmp_path), logical_date=datetime(2027, 1, 1, tzinfo=UTC),
+                               airflow_run_id="r")
+
+
+def test_publish_extra_is_small():
+    extra = steps.publish_extra({"success": True, "data_docs_index": "file:///r/index.html",
+                                 "checkpoint": {"id": 3, "run_id": "r", "parallelism": 2,
+                                                "bytes_referenced": 10, "bytes_uploaded": 5}})
+    assert extra == {"checkpoint_id": 3, "run_id": "r", "parallelism": 2,
+                     "bytes_referenced": 10, "bytes_uploaded": 5, "validated": True,
+                     "report": "file:///r/index.html"}
+
+
+def test_spark_submit_run_key_renders_like_the_local_one(tmp_path):
+    import jinja2
+
+    args = steps.spark_submit_args(make_spec(tmp_path))
+    template = jinja2.Environment().from_string(args[args.index("--run-id") + 1])
+    day = datetime(2027, 1, 3, tzinfo=UTC)
+    rendered = template.render(ts=day.isoformat(), logical_date=day, run_id="manual__x")
+    assert rendered == steps.run_key(day, "manual__x")
+    assert template.render(ts=None, logical_date=None, run_id="manual__x") == "manual__x"

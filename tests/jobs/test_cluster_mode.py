@@ -1,0 +1,89 @@
+"""The job on a Spark standalone cluster (master + 2 workers on 127.0.0.1) with S3 storage.
+
+Run 1 goes through ``spark-submit jobs/keyed_aggregation.py`` (the --master comes from
+spark-submit), runs 2-3 through one driver session; every executor has its own
+local-recovery folder, so state reaches executors only through the moto S3 server.
+The final state must be identical to local mode on the same inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from jobs.keyed_aggregation import JobConfig, run
+from jobs.sample_data import expected_totals, generate_events
+from tests.jobs.conftest import spark_home
+from tests.jobs.helpers import assert_state_equals, dump_latest, store_of
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+DRIVER = """
+import json, sys
+from jobs.keyed_aggregation import JobConfig, run
+from jobs.spark_session import get_spark
+args = json.loads(sys.argv[1])
+spark = get_spark(args["master"], app_name="cluster-test")
+for inp, run_id in args["runs"]:
+    s = run(JobConfig(input=inp, storage=args["storage"], job="agg", run_id=run_id,
+                      output=args["output"], master=args["master"]), spark)
+    print(json.dumps(s), flush=True)
+spark.stop()
+"""
+
+
+@pytest.mark.slow
+def test_cluster_with_s3_equals_local_mode(standalone_cluster, s3_server, spark, tmp_path):
+    from tests.conftest import S3_BUCKET
+
+    days = [generate_events(str(tmp_path / f"in{d}"), n_events=4000, n_keys=1500, seed=40 + d,
+                            start_ts_ms=1_800_000_000_000 + d * 86_400_000,
+                            bad_fraction=0.002 if d == 1 else 0.0)
+            for d in range(3)]
+    s3_url = f"s3://{S3_BUCKET}/cluster-{uuid.uuid4().hex[:8]}"
+    env = {**standalone_cluster.env, "PYTHONPATH": ROOT}
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL",
+                "AWS_DEFAULT_REGION"):
+        env[var] = os.environ[var]
+    master = standalone_cluster.master_url
+
+    submit = subprocess.run(
+        [os.path.join(spark_home(), "bin", "spark-submit"), "--master", master,
+         "--conf", "spark.ui.enabled=false", os.path.join(ROOT, "jobs", "keyed_aggregation.py"),
+         "--input", str(tmp_path / "in0"), "--storage", s3_url, "--job", "agg",
+         "--run-id", "d0", "--output", str(tmp_path / "out"), "--parallelism", "3", "--json"],
+        env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert submit.returncode == 0, submit.stderr[-4000:]
+    first = json.loads(submit.stdout.strip().splitlines()[-1])
+    assert (first["checkpoint_id"], first["parallelism"], first["events_read"]) == (1, 3, 4000)
+
+    args = {"master": master, "storage": s3_url, "output": str(tmp_path / "out"),
+            "runs": [[str(tmp_path / "in1"), "d1"], [str(tmp_path / "in2"), "d2"],
+                     [str(tmp_path / "in1"), "d1"]]}
+    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(args)], env=env,
+                          capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summaries = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    assert [s["checkpoint_id"] for s in summaries] == [2, 3, 2]
+    assert [s["skipped"] for s in summaries] == [False, False, True]
+    assert summaries[0]["events_rejected"] == 8
+    # Executors restored from S3 or from their own local folder, never from another's.
+    assert set(summaries[1]["restore_modes"]) <= {"download", "local-instance",
+                                                  "local-snapshot"}
+    assert all(os.path.isdir(d) for d in standalone_cluster.worker_local_dirs)
+
+    cluster_state = dump_latest(s3_url, "agg")
+    assert_state_equals(cluster_state, expected_totals(days))
+
+    # The same inputs in local mode give the identical final state.
+    local_url = f"file://{tmp_path}/local-store"
+    for d in range(3):
+        run(JobConfig(input=str(tmp_path / f"in{d}"), storage=local_url, job="agg",
+                      run_id=f"d{d}", output=str(tmp_path / "local-out"), parallelism=3), spark)
+    assert dump_latest(local_url, "agg") == cluster_state
+    assert store_of(s3_url, "agg").latest().parallelism == 3

@@ -1,0 +1,77 @@
+"""Runs inside the test's network namespace (via nsenter): talks to `airflow standalone`.
+
+Usage: standalone_client.py BASE_URL PASSWORD_FILE DAG_ID CONF_JSON BAD_CONF_JSON TIMEOUT
+Prints one JSON document (prefix CLIENT-RESULT) with what it saw.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+
+
+def call(base: str, method: str, path: str, token: str | None = None, body=None):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(base + path, data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            raw = resp.read()
+            status = resp.status
+    except urllib.error.HTTPError as exc:
+        raw, status = exc.read(), exc.code
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+def main() -> int:
+    base, pw_file, dag_id, conf, bad_conf, timeout = sys.argv[1:7]
+    deadline = time.time() + float(timeout)
+    out: dict = {}
+    password = json.load(open(pw_file))["admin"]
+    status, tok = call(base, "POST", "/auth/token", body={"username": "admin",
+                                                          "password": password})
+    out["token_status"] = status
+    token = tok["access_token"]
+    while time.time() < deadline:  # the dag-processor parses the files first
+        status, _ = call(base, "GET", f"/api/v2/dags/{dag_id}", token)
+        if status == 200:
+            break
+        time.sleep(2)
+    out["unpause"] = call(base, "PATCH", f"/api/v2/dags/{dag_id}", token,
+                          {"is_paused": False})[0]
+    status, body = call(base, "POST", f"/api/v2/dags/{dag_id}/dagRuns", token,
+                        {"logical_date": None, "conf": json.loads(bad_conf)})
+    out["bad_trigger"] = {"status": status, "body": body}
+    status, body = call(base, "POST", f"/api/v2/dags/{dag_id}/dagRuns", token,
+                        {"logical_date": None, "conf": json.loads(conf)})
+    out["trigger"] = {"status": status, "body": body}
+    run_id = body.get("dag_run_id") if isinstance(body, dict) else None
+    state = None
+    while run_id and time.time() < deadline:
+        _, run = call(base, "GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}", token)
+        state = run.get("state")
+        if state in ("success", "failed"):
+            break
+        time.sleep(3)
+    out["run_state"] = state
+    if run_id:
+        _, tis = call(base, "GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances", token)
+        out["tasks"] = {t["task_id"]: t["state"] for t in tis.get("task_instances", [])}
+    status, plugins = call(base, "GET", "/api/v2/plugins", token)
+    out["plugins"] = plugins if status == 200 else status
+    status, page = call(base, "GET", "/ckpt/")
+    out["page_status"], out["page"] = status, page if isinstance(page, str) else str(page)
+    print("CLIENT-RESULT" + json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

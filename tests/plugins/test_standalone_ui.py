@@ -1,0 +1,216 @@
+"""`airflow standalone` in its own network namespace: REST-triggered rescale, page in Chromium.
+
+The test starts the server on 127.0.0.1 inside ``unshare -n`` (its log servers bind
+every interface whatever the config says), reaches it with ``nsenter``, triggers a
+rescale-restore through REST API v2 with conf (a bad conf is answered 400), waits
+for success, then renders the Checkpoints page in headless Chromium and checks the
+DOM and the screenshot for the job name and the chart. Stopped by SIGINT to its PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+import zlib
+
+import pytest
+
+from jobs.sample_data import generate_events
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+PORT = 8080  # the namespace is private, no clash with anything on the host
+BASE = f"http://127.0.0.1:{PORT}"
+START_MS = 1_798_761_600_000  # 2027-01-01T00:00:00Z
+
+
+def can_unshare() -> bool:
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "-n", "true"], capture_output=True).returncode == 0
+
+
+def nsenter(pid: int, args: list[str], timeout: float, env: dict | None = None):
+    return subprocess.run(["nsenter", "-t", str(pid), "-n", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def wait_healthy(pid: int, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"airflow standalone exited with {proc.returncode}")
+        res = nsenter(pid, ["curl", "-sf", f"{BASE}/api/v2/monitor/health"], 30)
+        if res.returncode == 0 and '"healthy"' in res.stdout:
+            try:
+                health = json.loads(res.stdout)
+            except ValueError:
+                health = {}
+            if health.get("scheduler", {}).get("status") == "healthy":
+                return
+        time.sleep(2)
+    raise AssertionError("airflow standalone did not become healthy in time")
+
+
+def png_pixels(path: str) -> tuple[int, int, list[bytes]]:
+    """Decode an 8-bit RGB/RGBA non-interlaced PNG (what Chromium writes) into rows."""
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, width = 8, b"", 0
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        chunk = data[pos + 8:pos + 8 + length]
+        if kind == b"IHDR":
+            width, height, depth, color = struct.unpack(">IIBB", chunk[:10])
+            assert depth == 8 and color in (2, 6)
+            bpp = 3 if color == 2 else 4
+        elif kind == b"IDAT":
+            idat += chunk
+        pos += 12 + length
+    raw = zlib.decompress(idat)
+    stride = width * bpp
+    rows, prev = [], bytearray(stride)
+    for y in range(height):
+        f = raw[y * (stride + 1)]
+        line = bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        for i in range(stride):
+            a = line[i - bpp] if i >= bpp else 0
+            b, c = prev[i], (prev[i - bpp] if i >= bpp else 0)
+            if f == 1:
+                line[i] = (line[i] + a) & 255
+            elif f == 2:
+                line[i] = (line[i] + b) & 255
+            elif f == 3:
+                line[i] = (line[i] + (a + b) // 2) & 255
+            elif f == 4:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        rows.append(bytes(line) if bpp == 3 else bytes(
+            v for j in range(0, stride, 4) for v in line[j:j + 3]))
+        prev = line
+    return width, height, rows
+
+
+def count_color(rows: list[bytes], rgb: tuple[int, int, int], tol: int = 40) -> int:
+    n = 0
+    for row in rows:
+        for j in range(0, len(row), 3):
+            if all(abs(row[j + k] - rgb[k]) <= tol for k in range(3)):
+                n += 1
+    return n
+
+
+@pytest.fixture(scope="module")
+def standalone(tmp_path_factory):
+    if not can_unshare():
+        pytest.skip("needs `unshare -n` (root or user namespaces) for an isolated standalone")
+    base = tmp_path_factory.mktemp("standalone")
+    home, data = base / "airflow_home", base / "data"
+    generate_events(str(data / "events" / "day=2027-01-01"), n_events=2000, n_keys=300,
+                    seed=5, start_ts_ms=START_MS)
+    storage = f"file://{base}/store"
+    config = base / "ckpt_jobs.yaml"
+    config.write_text(json.dumps({"defaults": {"spark": {"master": "local[2]"}}, "jobs": {
+        "clicks": {"input": f"{data}/events/day={{{{ ds }}}}",
+                   "output": f"{data}/out/day={{{{ ds }}}}", "storage": storage,
+                   "parallelism": 2, "retries": 0}}}))
+    env = {**os.environ, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+           "AIRFLOW__CORE__DAGS_FOLDER": os.path.join(ROOT, "dags"),
+           "AIRFLOW__CORE__PLUGINS_FOLDER": os.path.join(ROOT, "plugins"),
+           "AIRFLOW__CORE__PARALLELISM": "4", "AIRFLOW__API__HOST": "127.0.0.1",
+           "AIRFLOW__API__PORT": str(PORT), "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+           "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "True",
+           "CKPT_JOBS_FILE": str(config), "CKPT_JOBS_SKIP_VARIABLE": "1",
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    # One committed checkpoint for the rescale (the job run itself is tested elsewhere).
+    seed = subprocess.run([sys.executable, "-m", "jobs.keyed_aggregation", "--input",
+                           str(data / "events" / "day=2027-01-01"), "--storage", storage,
+                           "--job", "clicks", "--run-id", "seed", "--output", str(data / "out"),
+                           "--parallelism", "2", "--master", "local[2]", "--json"],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert seed.returncode == 0, seed.stderr[-3000:]
+    log = open(base / "standalone.log", "w")
+    proc = subprocess.Popen(
+        ["unshare", "-n", "--", "bash", "-c",
+         "ip link set lo up && exec env --default-signal=INT airflow standalone"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(base))
+    try:
+        wait_healthy(proc.pid, proc, 300)
+        yield {"pid": proc.pid, "home": home, "base": base, "env": env, "storage": storage}
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def client_result(standalone):
+    res = nsenter(standalone["pid"], [
+        sys.executable, os.path.join(os.path.dirname(__file__), "standalone_client.py"), BASE,
+        str(standalone["home"] / "simple_auth_manager_passwords.json.generated"),
+        "clicks_rescale_restore", json.dumps({"parallelism": 3}),
+        json.dumps({"parallelism": 0}), "420"], timeout=480)
+    lines = [x for x in res.stdout.splitlines() if x.startswith("CLIENT-RESULT")]
+    tail = open(standalone["base"] / "standalone.log").read()[-4000:]
+    assert res.returncode == 0 and lines, (res.stderr[-3000:], tail)
+    return json.loads(lines[0][len("CLIENT-RESULT"):])
+
+
+def test_rest_trigger_with_conf_runs_the_rescale(client_result, standalone):
+    out = client_result
+    assert out["token_status"] in (200, 201) and out["unpause"] == 200
+    bad = out["bad_trigger"]
+    assert bad["status"] == 400 and "parallelism" in json.dumps(bad["body"])
+    assert out["trigger"]["status"] == 200, out["trigger"]
+    assert out["run_state"] == "success", out
+    assert out["tasks"] == {"check_no_running_pipeline": "success", "rescale": "success",
+                            "validate": "success"}
+    from statebackend.checkpoints import CheckpointStore
+    from statebackend.storage import open_storage
+
+    latest = CheckpointStore(open_storage(standalone["storage"]), "clicks").latest()
+    assert (latest.checkpoint_id, latest.kind, latest.parallelism) == (2, "rescale", 3)
+
+
+def test_plugin_registered_with_nav_view(client_result):
+    plugins = client_result["plugins"]["plugins"]
+    ours = [p for p in plugins if p["name"] == "ckpt_checkpoints"]
+    assert ours, plugins
+    assert ours[0]["external_views"][0]["href"] == "/ckpt/"
+    assert ours[0]["fastapi_apps"][0]["url_prefix"] == "/ckpt"
+    assert client_result["page_status"] == 200 and 'id="chart-clicks"' in client_result["page"]
+
+
+def test_checkpoints_page_renders_in_chromium(client_result, standalone, tmp_path):
+    assert os.path.exists(CHROMIUM), "chromium missing: `make system-deps` installs it"
+    shot = tmp_path / "checkpoints.png"
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "--hide-scrollbars", "--window-size=1000,800"]
+    url = f"{BASE}/ckpt/"
+    dom = nsenter(standalone["pid"], [CHROMIUM, *flags, f"--user-data-dir={tmp_path}/u1",
+                                      "--dump-dom", url], timeout=120)
+    assert "<h1>Checkpoints</h1>" in dom.stdout, dom.stderr[-2000:]
+    assert 'id="job-clicks"' in dom.stdout and 'id="chart-clicks"' in dom.stdout
+    assert dom.stdout.count("<circle") >= 4 and "chk-2" in dom.stdout
+    res = nsenter(standalone["pid"], [CHROMIUM, *flags, f"--user-data-dir={tmp_path}/u2",
+                                      f"--screenshot={shot}", url], timeout=120)
+    assert shot.exists(), res.stderr[-2000:]
+    width, height, rows = png_pixels(str(shot))
+    assert (width, height) == (1000, 800)
+    # The chart's two series colors are drawn (state size blue, uploaded orange).
+    assert count_color(rows, (0x1F, 0x77, 0xB4), tol=24) > 50
+    assert count_color(rows, (0xFF, 0x7F, 0x0E), tol=24) > 50

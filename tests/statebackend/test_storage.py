@@ -1,0 +1,197 @@
+"""Storage contract suite: the same tests on file://, memory:// and s3:// (moto server)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import zlib
+
+import pytest
+
+from statebackend.errors import StorageError, StorageFullError, UnsafePathError, UsageError
+from statebackend.storage import child_storage, crc32_hex, open_storage, safe_relpath
+
+
+@pytest.fixture
+def storage(storage_url):
+    return open_storage(storage_url)
+
+
+def test_write_read_exists(storage):
+    assert not storage.exists("a/b.bin")
+    storage.write_bytes("a/b.bin", b"hello")
+    assert storage.exists("a/b.bin")
+    assert storage.read_bytes("a/b.bin") == b"hello"
+    storage.write_bytes("a/b.bin", b"replaced")  # plain writes may overwrite
+    assert storage.read_bytes("a/b.bin") == b"replaced"
+    info = storage.info("a/b.bin")
+    assert info.path == "a/b.bin" and info.size == 8
+    assert storage.info("a/missing") is None
+
+
+def test_read_missing_is_storage_error(storage):
+    with pytest.raises(StorageError, match="missing.bin does not exist") as err:
+        storage.read_bytes("x/missing.bin")
+    assert isinstance(err.value.__cause__, FileNotFoundError)
+
+
+def test_write_exclusive_refuses_overwrite(storage):
+    storage.write_exclusive("chk-1/_metadata", b"first")
+    with pytest.raises(FileExistsError):
+        storage.write_exclusive("chk-1/_metadata", b"second")
+    assert storage.read_bytes("chk-1/_metadata") == b"first"
+    # no temp files left beside it
+    assert [f.path for f in storage.walk_files("chk-1")] == ["chk-1/_metadata"]
+
+
+def test_put_get_file_checksums(storage, tmp_path):
+    data = os.urandom(300_000) + b"tail"
+    src = tmp_path / "src.sst"
+    src.write_bytes(data)
+    size, checksum = storage.put_file(str(src), "shared/x-000001.sst")
+    assert size == len(data) and checksum == crc32_hex(zlib.crc32(data))
+    assert storage.checksum("shared/x-000001.sst") == (size, checksum)
+    dst = tmp_path / "dst.sst"
+    assert storage.get_file("shared/x-000001.sst", str(dst)) == (size, checksum)
+    assert dst.read_bytes() == data
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    assert storage.put_file(str(empty), "p/empty") == (0, crc32_hex(0))
+    with pytest.raises(StorageError, match="does not exist"):
+        storage.get_file("shared/none.sst", str(tmp_path / "none"))
+
+
+def test_copy(storage):
+    storage.write_bytes("a/one", b"1")
+    storage.copy("a/one", "b/two")
+    assert storage.read_bytes("b/two") == b"1"
+
+
+def test_walk_list_glob_delete_many(storage):
+    files = {"job/shared/a.sst": b"aa", "job/shared/b.sst": b"bbb",
+             "job/chk-1/0/s/CURRENT": b"c", "job/chk-1/_metadata": b"{}",
+             "job/chk-2/_metadata": b"{}", "other/x": b"x"}
+    for rel, data in files.items():
+        storage.write_bytes(rel, data)
+    walked = storage.walk_files("job")
+    assert [f.path for f in walked] == sorted(r for r in files if r.startswith("job/"))
+    assert {f.path: f.size for f in walked}["job/shared/b.sst"] == 3
+    assert all(f.mtime is None or f.mtime > 0 for f in walked)
+    assert storage.list_dir("job") == ["chk-1", "chk-2", "shared"]
+    assert storage.list_dir("") == ["job", "other"]
+    assert storage.list_dir("nothing-here") == []
+    assert storage.walk_files("nothing-here") == []
+    assert storage.glob("job/chk-*/_metadata") == ["job/chk-1/_metadata", "job/chk-2/_metadata"]
+    failures = storage.delete_many(["job/shared/a.sst", "job/shared/b.sst", "job/shared/gone"])
+    assert failures == []
+    assert [f.path for f in storage.walk_files("job/shared")] == []
+    assert storage.delete_many([]) == []
+    storage.delete_tree("job")
+    assert storage.walk_files("job") == []
+    assert storage.read_bytes("other/x") == b"x"
+
+
+def test_child_storage_is_rooted(storage):
+    job = child_storage(storage, "orders")
+    job.write_bytes("chk-1/_metadata", b"m")
+    assert storage.read_bytes("orders/chk-1/_metadata") == b"m"
+    assert [f.path for f in job.walk_files("")] == ["chk-1/_metadata"]
+    assert job.glob("chk-*/_metadata") == ["chk-1/_metadata"]
+    with pytest.raises(UnsafePathError):
+        child_storage(storage, "..")
+    with pytest.raises(UsageError):
+        child_storage(storage, "a/b")
+
+
+@pytest.mark.parametrize("bad", ["/etc/passwd", "../x", "a/../../x", "a/..", "s3://b/k",
+                                 "C:/x", "\\\\host\\x", ".", "./"])
+def test_unsafe_paths_rejected(storage, bad):
+    # ("" is not in the list: it names the root itself, by contract)
+    with pytest.raises(UnsafePathError):
+        storage.write_bytes(bad, b"x")
+    with pytest.raises(UnsafePathError):
+        storage.read_bytes(bad)
+
+
+def test_safe_relpath_normalises():
+    assert safe_relpath("a//b/./c") == "a/b/c"
+    assert safe_relpath("a\\b") == "a/b"
+    with pytest.raises(UnsafePathError, match="'..' is not allowed"):
+        safe_relpath("shared/../../etc")
+    with pytest.raises(UnsafePathError, match="is absolute"):
+        safe_relpath("/abs")
+
+
+def test_listings_see_other_writers(storage):
+    """Objects written by another client (another process) show up at once."""
+    storage.write_bytes("job/chk-1/_metadata", b"1")
+    assert storage.list_dir("job") == ["chk-1"]
+    other = storage.fs
+    if storage.protocol == "s3":
+        import s3fs
+
+        other = s3fs.S3FileSystem(skip_instance_cache=True, client_kwargs={
+            "endpoint_url": os.environ["AWS_ENDPOINT_URL"]})
+    if storage.protocol == "file":
+        other.makedirs(f"{storage.root}/job/chk-2", exist_ok=True)
+    other.pipe_file(f"{storage.root}/job/chk-2/_metadata", b"2")
+    assert storage.list_dir("job") == ["chk-1", "chk-2"]
+    assert storage.glob("job/chk-*/_metadata") == ["job/chk-1/_metadata", "job/chk-2/_metadata"]
+    other.rm_file(f"{storage.root}/job/chk-1/_metadata")
+    assert storage.glob("job/chk-*/_metadata") == ["job/chk-2/_metadata"]
+    assert not storage.exists("job/chk-1/_metadata")
+
+
+def test_check_reachable_ok(storage):
+    storage.check_reachable()
+
+
+def test_memory_max_size_error_names_the_limit(tmp_path):
+    storage = open_storage("memory://quota-test-1?max_bytes=1000")
+    storage.write_bytes("a", b"x" * 600)
+    with pytest.raises(StorageFullError, match="maximum size of 1000 bytes"):
+        storage.write_bytes("b", b"x" * 600)
+    src = tmp_path / "f"
+    src.write_bytes(b"y" * 500)
+    with pytest.raises(StorageFullError, match="1000"):
+        storage.put_file(str(src), "c")
+    with pytest.raises(StorageFullError, match="1000"):
+        child_storage(storage, "job").write_exclusive("m", b"z" * 401)
+    storage.write_bytes("d", b"x" * 400)  # exactly at the limit is fine
+    assert not storage.exists("b") and not storage.exists("c")
+    storage.delete_tree("")
+    with pytest.raises(UsageError, match="max_bytes must be an integer"):
+        open_storage("memory://q?max_bytes=lots")
+
+
+def test_open_storage_urls(tmp_path):
+    assert open_storage(str(tmp_path)).url == f"file://{tmp_path}"
+    assert open_storage(f"file://{tmp_path}").protocol == "file"
+    with pytest.raises(UsageError, match="unsupported scheme 'ftp'"):
+        open_storage("ftp://host/x")
+    with pytest.raises(UsageError, match="names no bucket"):
+        open_storage("s3:///prefix")
+    with pytest.raises(UsageError, match="empty"):
+        open_storage("")
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_s3_fails_fast_with_storage_error(monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_closed_port()}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    storage = open_storage("s3://no-server-bucket/prefix")
+    started = time.monotonic()
+    with pytest.raises(StorageError, match="unreachable") as err:
+        storage.check_reachable()
+    assert "\n" not in str(err.value)
+    with pytest.raises(StorageError):
+        storage.read_bytes("x")
+    # generous bound: the point is "seconds, not minutes of retries"
+    assert time.monotonic() - started < 30

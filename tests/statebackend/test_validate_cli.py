@@ -1,0 +1,135 @@
+"""`ckpt validate`: exit codes 0 / 1 / 2, --json, --deep, --report-dir; job checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from statebackend.cli import main
+from statebackend.validate import validate_checkpoint
+from statebackend.validation.checks import registered_state_checks
+from tests.statebackend.test_validate_support import (
+    JOB,
+    build_checkpoint,
+    first_shared,
+    job_dir,
+)
+
+
+@pytest.fixture(scope="module")
+def lineage(tmp_path_factory):
+    base = tmp_path_factory.mktemp("validate-cli")
+    store, meta = build_checkpoint(f"file://{base}/store", str(base / "w"), parallelism=2,
+                                   n_keys=150)
+    return f"file://{base}/store", store, meta
+
+
+def run(url, *args):
+    return main(["--storage", url, "--job", JOB, "validate", *args])
+
+
+def test_exit_0_and_json(lineage, capsys):
+    url, _, meta = lineage
+    assert run(url, "--json") == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["success"] and out["checkpoint_id"] == meta.checkpoint_id
+    assert run(url, "1", "--deep") == 0
+    text = capsys.readouterr().out
+    assert "checkpoint 1 of job orders: PASSED (deep validation" in text
+    assert "ckpt.content.state" in text and "data docs: file://" in text
+
+
+def test_exit_1_names_the_failed_check(tmp_path, capsys):
+    store, meta = build_checkpoint(f"file://{tmp_path}/store", str(tmp_path / "w"),
+                                   parallelism=2, n_keys=150)
+    os.unlink(os.path.join(job_dir(store), first_shared(meta)))
+    url = f"file://{tmp_path}/store"
+    assert run(url, "--report-dir", str(tmp_path / "r")) == 1
+    text = capsys.readouterr().out
+    assert "FAILED" in text and "critical: files_exist" in text and first_shared(meta) in text
+    assert os.path.exists(tmp_path / "r" / f"chk-{meta.checkpoint_id}" / "summary.json")
+    assert run(url, "--json") == 1
+    assert json.loads(capsys.readouterr().out)["failed_checks"] == ["files_exist"]
+
+
+def test_exit_2_for_usage_and_access_errors(lineage, tmp_path, capsys):
+    url, _, _ = lineage
+    assert run(url, "not-an-id") == 2
+    assert run(url, "99") == 2
+    assert "checkpoint 99" in capsys.readouterr().err
+    assert main(["--storage", f"file://{tmp_path}/empty", "--job", JOB, "validate"]) == 2
+    assert main(["--storage", "ftp://host/x", "--job", JOB, "validate"]) == 2
+    with pytest.raises(SystemExit) as exc:
+        main(["--storage", url, "--job", JOB, "validate", "--bogus"])
+    assert exc.value.code == 2
+
+
+def test_cli_import_does_not_load_great_expectations():
+    code = ("import sys, statebackend.cli as c; c.build_parser(); import statebackend.validate; "
+            "print(any(m.startswith('great_expectations') for m in sys.modules), "
+            "'pandas' in sys.modules)")
+    started = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                             os.path.abspath(__file__))))).stdout.split()
+    assert out == ["False", "False"], out
+    assert time.perf_counter() - started < 60
+
+
+# -- job checks (jobs/keyed_aggregation_checks.py) ---------------------------------
+def test_keyed_aggregation_checks_are_registered_and_run(tmp_path):
+    assert "totals" in registered_state_checks()
+    store, meta = build_checkpoint(f"file://{tmp_path}/store", str(tmp_path / "w"),
+                                   parallelism=2, n_keys=150, job_totals=True)
+    result = validate_checkpoint(store, deep=True)
+    assert result.success, result.summary["failed_checks"]
+    names = {c["name"] for c in result.summary["checks"]}
+    assert {"totals_count_at_least_1", "totals_min_ts_le_max_ts"} <= names
+    assert "ckpt.job.totals" in {s["name"] for s in result.summary["suites"]}
+
+
+def _bad_totals(backends):
+    b = backends[0]
+    b.value_state("totals").put(_key_in(b), {"count": 0, "sum": 0.0, "min_ts": 9, "max_ts": 3})
+
+
+def _key_in(backend):
+    from statebackend.keygroups import key_group_for_bytes
+
+    return next(f"z{i}" for i in range(10_000) if key_group_for_bytes(
+        f"z{i}".encode(), backend.max_parallelism) in backend.key_group_range)
+
+
+def test_keyed_aggregation_checks_fail_on_bad_totals(tmp_path):
+    store, _ = build_checkpoint(f"file://{tmp_path}/store", str(tmp_path / "w"), parallelism=2,
+                                n_keys=150, job_totals=True, tamper=_bad_totals)
+    result = validate_checkpoint(store, deep=True)
+    assert set(result.summary["failed_checks"]) == {"totals_count_at_least_1",
+                                                     "totals_min_ts_le_max_ts"}
+    for name in result.summary["failed_checks"]:
+        c = next(c for c in result.summary["checks"] if c["name"] == name)
+        assert c["unexpected_count"] == 1
+        assert c["offending_rows"] and c["offending_rows"][0]["key"].startswith("z")
+
+
+def test_explicit_state_checks_argument(tmp_path):
+    import great_expectations.expectations as gxe
+
+    store, _ = build_checkpoint(f"file://{tmp_path}/store", str(tmp_path / "w"), parallelism=2,
+                                n_keys=150)
+
+    def events_checks(descriptor):
+        return [gxe.ExpectColumnValuesToNotBeNull(
+            column="value", meta={"check": "events_not_null", "critical": False}),
+            gxe.ExpectColumnValuesToBeBetween(
+            column="key_group", min_value=0, max_value=0,
+            meta={"check": "events_all_in_group_0", "critical": False})]
+
+    result = validate_checkpoint(store, deep=True, state_checks={"events": events_checks})
+    assert result.success  # non-critical failures do not fail the validation
+    assert result.summary["failed_checks"] == ["events_all_in_group_0"]
