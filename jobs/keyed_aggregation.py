@@ -206,7 +206,7 @@ def _run_attempt(spark, config: JobConfig, store: CheckpointStore,
         rows = [r.asDict() for r in tasks.collect()]
     except Exception as exc:  # noqa: BLE001 - Py4J/PythonException: re-raised as one line
         _wait_for_tasks(spark, group)
-        _discard_attempt(store.storage, checkpoint_id, [])
+        _discard_attempt(store.storage, checkpoint_id, [], (config.output, run_dir))
         where = f"checkpoint {parent.checkpoint_id} stays latest" if parent else \
             "no checkpoint was committed"
         raise JobRunError(f"run {config.run_id!r} of job {config.job!r} failed in a Spark task: "
@@ -227,7 +227,8 @@ def _commit(config: JobConfig, store: CheckpointStore, parent: CheckpointMetadat
             rows: list[dict], started: float) -> dict:
     by_subtask = {r["subtask"]: r for r in rows}
     if sorted(by_subtask) != list(range(parallelism)):
-        _discard_attempt(store.storage, checkpoint_id, rows)
+        _discard_attempt(store.storage, checkpoint_id, rows,
+                         (config.output, run_dir_name(config.run_id)))
         raise JobRunError(f"run {config.run_id!r}: subtasks {sorted(by_subtask)} reported, "
                           f"expected 0..{parallelism - 1}; nothing committed")
     handles = []
@@ -244,7 +245,8 @@ def _commit(config: JobConfig, store: CheckpointStore, parent: CheckpointMetadat
             reasons[k] = reasons.get(k, 0) + v
     read = events + rejected
     if rejected and rejected > config.max_reject_fraction * read:
-        _discard_attempt(store.storage, checkpoint_id, rows)
+        _discard_attempt(store.storage, checkpoint_id, rows,
+                         (config.output, run_dir_name(config.run_id)))
         detail = ", ".join(f"{k}={v}" for k, v in sorted(reasons.items()))
         raise RejectThresholdError(
             f"run {config.run_id!r}: {rejected} of {read} input rows rejected "
@@ -265,7 +267,8 @@ def _commit(config: JobConfig, store: CheckpointStore, parent: CheckpointMetadat
     try:
         store.commit(meta)
     except BaseException:
-        _discard_attempt(store.storage, checkpoint_id, rows)
+        _discard_attempt(store.storage, checkpoint_id, rows,
+                         (config.output, run_dir_name(config.run_id)))
         raise
     _cleanup_attempts(store.storage, checkpoint_id, rows)
     out = open_storage(config.output)
@@ -291,8 +294,14 @@ def _attempt_records(job_storage: Storage, checkpoint_id: int) -> list[dict]:
     return records
 
 
-def _discard_attempt(job_storage: Storage, checkpoint_id: int, rows: list[dict]) -> None:
-    """Best effort: remove everything this uncommitted attempt uploaded."""
+def _discard_attempt(job_storage: Storage, checkpoint_id: int, rows: list[dict],
+                     output: tuple[str, str] | None = None) -> None:
+    """Best effort: remove everything this uncommitted attempt uploaded (and its output)."""
+    if output is not None:
+        try:
+            open_storage(output[0]).delete_tree(output[1])
+        except CkptError:
+            pass
     paths = {p for r in rows for p in json.loads(r.get("uploaded") or "[]")}
     for rec in _attempt_records(job_storage, checkpoint_id):
         paths.update(p for p in rec.get("uploaded", []) if isinstance(p, str))

@@ -107,7 +107,9 @@ def job_history(spec) -> dict:
             summary = None
         index = _report_index(reports, meta.checkpoint_id)
         rows.append({
-            "id": meta.checkpoint_id, "kind": meta.kind, "run_id": meta.run_id,
+            "id": meta.checkpoint_id, "kind": meta.kind,
+            "run_id": meta.run_id or (f"rescale of chk-{meta.parent} (P={meta.rescaled_from})"
+                                      if meta.kind == "rescale" else None),
             "created_at": meta.created_at, "parallelism": meta.parallelism,
             "state_bytes": meta.bytes_referenced, "bytes_uploaded": meta.bytes_uploaded,
             "validation": _status(summary),

@@ -1,8 +1,10 @@
 """Compaction-aware garbage collection of one job's ``shared/`` and ``chk-*/`` files.
 
 Rule: a file dies only when no committed checkpoint, no savepoint and no live
-lease references it, and -- unless it is a commit record of nothing -- only
-once it is older than the grace period (default 1 h) by *storage* mtime.
+lease references it (an *orphan*), and only once it is older than the grace
+period (default 1 h) by *storage* mtime. Files that retired checkpoints
+released are deleted by retention itself (retention.py), without a grace
+period: they were committed, so no attempt can still be uploading them.
 Committed ``_metadata`` files are never collected here (retention retires
 checkpoints); ``savepoints/``, ``leases/``, ``reports/`` and anything outside
 ``shared/`` and ``chk-<id>/`` are never touched. GC never looks outside its own

@@ -291,13 +291,13 @@ def run_subtask(spec: dict) -> dict:
         backend = KeyedStateBackend(os.path.dirname(dirs[base.index]), descriptors, m, target)
         # Only files of the committed source may be referenced instead of uploaded.
         backend.uploaded = {f.local_name: f for f in base.shared_files}
-        backend.delete_key_groups_outside(target)
-        timings["restore_clip"] = time.perf_counter() - t
-
-        # 3. export the other handles' ranges to SSTs and ingest them
-        t_export = t_ingest = 0.0
-        entries_imported = 0
         try:
+            backend.delete_key_groups_outside(target)
+            timings["restore_clip"] = time.perf_counter() - t
+
+            # 3. export the other handles' ranges to SSTs and ingest them
+            t_export = t_ingest = 0.0
+            entries_imported = 0
             for h, kg in imports:
                 t = time.perf_counter()
                 src = KeyedStateBackend(os.path.dirname(dirs[h.index]), descriptors, m,

@@ -105,8 +105,7 @@ class Storage:
             return self.fs.cat_file(self.abspath(rel))
 
     def write_bytes(self, rel: str, data: bytes) -> None:
-        self._reserve(len(data))
-        with self._errors(rel):
+        with self._reserved(len(data)), self._errors(rel):
             path = self.abspath(rel)
             if self.protocol == "file":
                 self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
@@ -115,8 +114,7 @@ class Storage:
     def write_exclusive(self, rel: str, data: bytes) -> None:
         """Atomically create ``rel``; FileExistsError if it already exists."""
         path = self.abspath(rel)
-        self._reserve(len(data))
-        with self._errors(rel):
+        with self._reserved(len(data)), self._errors(rel):
             if self.protocol == "file":
                 directory = posixpath.dirname(path)
                 os.makedirs(directory, exist_ok=True)
@@ -140,10 +138,9 @@ class Storage:
 
     def put_file(self, local_path: str, rel: str) -> tuple[int, str]:
         """Upload a local file; return (size, checksum) of the bytes sent."""
-        self._reserve(os.path.getsize(local_path))
         crc = 0
         size = 0
-        with self._errors(rel):
+        with self._reserved(os.path.getsize(local_path)), self._errors(rel):
             path = self.abspath(rel)
             if self.protocol == "file":
                 self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
@@ -174,11 +171,11 @@ class Storage:
     def copy(self, src_rel: str, dst_rel: str) -> None:
         with self._errors(src_rel):
             src = self.abspath(src_rel)
-            self._reserve(self.fs.size(src))
-            dst = self.abspath(dst_rel)
-            if self.protocol == "file":
-                self.fs.makedirs(posixpath.dirname(dst), exist_ok=True)
-            self.fs.copy(src, dst)
+            with self._reserved(self.fs.size(src)):
+                dst = self.abspath(dst_rel)
+                if self.protocol == "file":
+                    self.fs.makedirs(posixpath.dirname(dst), exist_ok=True)
+                self.fs.copy(src, dst)
 
     def checksum(self, rel: str) -> tuple[int, str]:
         """(size, checksum) of a stored file, streamed."""
@@ -277,8 +274,16 @@ class Storage:
 
     # -- internals --------------------------------------------------------
     def _reserve(self, nbytes: int) -> None:
+        with self._reserved(nbytes):
+            pass
+
+    @contextmanager
+    def _reserved(self, nbytes: int) -> Iterator[None]:
+        """Check the quota and hold it while writing, so concurrent writers
+        (parallel uploads) cannot together exceed the maximum size."""
         quota = self._quota
         if quota is None:
+            yield
             return
         with quota.lock:
             used = quota.used(self.fs)
@@ -288,6 +293,7 @@ class Storage:
                     f"maximum size of {quota.max_bytes} bytes ({used} in use; "
                     "raise it with ?max_bytes=N)"
                 )
+            yield
 
     @contextmanager
     def _errors(self, rel: str) -> Iterator[None]:
@@ -312,7 +318,7 @@ class _Quota:
     url: str
     root: str
     max_bytes: int
-    lock: threading.Lock
+    lock: threading.RLock  # re-entered by write_exclusive's existence check
 
     def used(self, fs: fsspec.AbstractFileSystem) -> int:
         try:
@@ -390,7 +396,7 @@ def open_storage(url: str) -> Storage:
         except ValueError as exc:
             raise UsageError(f"memory storage {url}: max_bytes must be an integer") from exc
         root = "/" + (parts.netloc + parts.path).strip("/")
-        quota = _Quota(url, root, max_bytes, threading.Lock())
+        quota = _Quota(url, root, max_bytes, threading.RLock())
         return Storage(url, fsspec.filesystem("memory"), root, quota)
     if protocol in ("s3", "s3a"):
         if not parts.netloc:

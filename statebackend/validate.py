@@ -142,6 +142,8 @@ def validate_checkpoint(store: CheckpointStore, ref: str | int | None = "latest"
         t0 = time.perf_counter()
         results = suites_mod.run_suites(runs, target.docs_dir)
         suites, checks = report_mod.check_entries(results)
+        if results:
+            timings["data_docs_seconds"] = results[0][1].meta.get("ckpt_docs_seconds")
         failed = [c for c in checks if not c["success"]]
         critical = [c for c in failed if c["critical"]]
         timings["report_seconds"] = round(time.perf_counter() - t0, 3)

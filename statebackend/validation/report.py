@@ -99,7 +99,8 @@ def check_entries(results: list[tuple[Any, Any]]) -> tuple[list[dict], list[dict
             checks.append(entry)
         suites.append({"name": run.suite_name, "table": run.table,
                        "success": bool(suite_result.success), "rows": len(run.frame),
-                       "checks": len(suite_result.results), "failed": failed})
+                       "checks": len(suite_result.results), "failed": failed,
+                       "seconds": suite_result.meta.get("ckpt_seconds")})
     return suites, checks
 
 

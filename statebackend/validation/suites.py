@@ -27,6 +27,7 @@ job:<state> ckpt.job.<state>           the job's registered checks (deep)
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -204,10 +205,12 @@ def _run_suites(gx, ProgressBarsConfig, runs, docs_dir, site_name, on_result):  
         vd = ctx.validation_definitions.add(
             gx.ValidationDefinition(name=f"validate {run.suite_name}", data=batch, suite=suite))
         index_cols = [c for c in run.index_columns if c in run.frame.columns]
+        started = time.perf_counter()
         result = vd.run(batch_parameters={"dataframe": run.frame}, result_format={
             "result_format": "SUMMARY", "partial_unexpected_count": MAX_OFFENDING_ROWS,
             "unexpected_index_column_names": index_cols, "return_unexpected_index_query": False,
         })
+        result.meta["ckpt_seconds"] = round(time.perf_counter() - started, 3)
         results.append((run, result))
         if on_result:
             on_result(run, result)
@@ -218,5 +221,8 @@ def _run_suites(gx, ProgressBarsConfig, runs, docs_dir, site_name, on_result):  
             "store_backend": {"class_name": "TupleFilesystemStoreBackend",
                               "base_directory": docs_dir},
         })
+        started = time.perf_counter()
         ctx.build_data_docs(site_names=[site_name])
+        for _, result in results:
+            result.meta["ckpt_docs_seconds"] = round(time.perf_counter() - started, 3)
     return results

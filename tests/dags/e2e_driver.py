@@ -1,7 +1,8 @@
 """Driven by test_dags_e2e.py in a fresh process (Airflow reads AIRFLOW_HOME at import).
 
 Runs the DAGs in-process with ``dag.test`` (one Spark session, one GE import for
-all runs) and prints one JSON document of observations; the test asserts on it.
+all runs) and writes one JSON document of observations to argv[2]; the test asserts
+on it. Task logs go to stdout/stderr.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def main() -> int:
     state = state_totals(spec)
     out["state"] = {k: [int(r["count"]), float(r["sum"]), int(r["min_ts"]), int(r["max_ts"])]
                     for k, r in state.iterrows()}
-    print("E2E-RESULT" + json.dumps(out, default=str))
+    with open(sys.argv[2], "w", encoding="utf-8") as fh:
+        json.dump(out, fh, default=str)
     return 0
 
 

@@ -48,19 +48,23 @@ def e2e(tmp_path_factory):
     env = airflow_env(str(home), {"CKPT_JOBS_FILE": str(config)})
     subprocess.run([os.path.join(os.path.dirname(sys.executable), "airflow"), "db", "migrate"],
                    env=env, check=True, capture_output=True, timeout=300)
-    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__),
-                                                        "e2e_driver.py"), DAGS],
-                          env=env, capture_output=True, text=True, timeout=900)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("E2E-RESULT")]
-    assert proc.returncode == 0 and lines, (proc.stdout[-4000:], proc.stderr[-6000:])
-    return json.loads(lines[0][len("E2E-RESULT"):]), frames
+    log_path, result_path = base / "driver.log", base / "result.json"
+    with open(log_path, "w") as log:  # task logs of every dag.test run (kept on failure)
+        proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__),
+                                                            "e2e_driver.py"), DAGS,
+                               str(result_path)],
+                              env=env, stdout=log, stderr=subprocess.STDOUT, timeout=900)
+    assert proc.returncode == 0 and result_path.exists(), f"driver failed, log: {log_path}"
+    result = json.loads(result_path.read_text())
+    result["log"] = str(log_path)
+    return result, frames
 
 
 def test_pipeline_runs_two_intervals(e2e):
     out, _ = e2e
     assert out["import_errors"] == {}
     for key in ("day1", "day2"):
-        assert out[key]["state"] == "success", out[key]
+        assert out[key]["state"] == "success", (out[key], out["log"])
         assert set(out[key]["tasks"].values()) == {"success"}, out[key]
     assert out["after_day1"] == [{"id": 1, "kind": "checkpoint", "parallelism": 2,
                                   "run_id": "interval__2027-01-01T00:00:00+00:00"}]

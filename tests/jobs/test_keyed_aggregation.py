@@ -146,6 +146,8 @@ def test_too_many_rejects_fail_without_commit(spark, tmp_path):
     assert "--max-reject-fraction 0.01" in msg
     store = store_of(f"file://{tmp_path}/store", "agg")
     assert store.checkpoint_ids() == [] and stored_files(store, "shared") == set()
+    assert not (tmp_path / "out" / "run=r1").exists()  # no output of an uncommitted run
+    assert len(pq.read_table(tmp_path / "out" / "_quarantine" / "run=r1")) == 20
     # a looser threshold accepts the same input
     s = run(config(tmp_path, tmp_path / "in", "r1", parallelism=2, max_reject_fraction=0.1),
             spark)
@@ -235,3 +237,33 @@ def test_cli_json_and_skip(tmp_path):
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines()[-1].startswith(
         "keyed_aggregation: error: input folder")
+
+
+def test_start_from_savepoint_seeds_a_new_job(spark, tmp_path):
+    from statebackend.savepoint import create_savepoint
+
+    a = generate_events(str(tmp_path / "a"), n_events=600, n_keys=120, seed=12)
+    b = generate_events(str(tmp_path / "b"), n_events=600, n_keys=120, seed=13)
+    url = f"file://{tmp_path}/store"
+    run(config(tmp_path, tmp_path / "a", "a", job="src", parallelism=3), spark)
+    create_savepoint(store_of(url, "src"), "latest", "sp1")
+    s = run(config(tmp_path, tmp_path / "b", "b", job="dst", start_from="src/savepoints/sp1"),
+            spark)
+    dst = store_of(url, "dst")
+    assert (s["checkpoint_id"], s["parent"], s["parallelism"]) == (2, 1, 3)
+    assert dst.load(1).source["savepoint"] == "sp1"
+    assert_state_equals(dump_latest(url, "dst"), expected_totals([a, b]))
+    assert_state_equals(dump_latest(url, "src"), expected_totals([a]))
+
+
+def test_demo_runs_each_day_and_lists(spark, tmp_path, capsys):
+    from jobs.demo import run_demo
+
+    summaries = run_demo(str(tmp_path / "demo"), days=3, events_per_day=1000, n_keys=200,
+                         spark=spark)
+    assert [s["checkpoint_id"] for s in summaries] == [1, 2, 3]
+    out = capsys.readouterr().out
+    assert "run 2027-01-01: checkpoint 1" in out and "ckpt --storage" in out
+    again = run_demo(str(tmp_path / "demo"), days=3, events_per_day=1000, n_keys=200,
+                     spark=spark)
+    assert all(s["skipped"] for s in again)

@@ -31,6 +31,22 @@ def call(base: str, method: str, path: str, token: str | None = None, body=None)
         return status, raw.decode(errors="replace")
 
 
+def wait_run(base: str, token: str, dag_id: str, run_id: str | None, deadline: float) -> dict:
+    """Poll a run until it ends; its state and task states."""
+    state = None
+    while run_id and time.time() < deadline:
+        _, run = call(base, "GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}", token)
+        state = run.get("state")
+        if state in ("success", "failed"):
+            break
+        time.sleep(3)
+    tasks = {}
+    if run_id:
+        _, tis = call(base, "GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances", token)
+        tasks = {t["task_id"]: t["state"] for t in tis.get("task_instances", [])}
+    return {"state": state, "tasks": tasks}
+
+
 def main() -> int:
     base, pw_file, dag_id, conf, bad_conf, timeout = sys.argv[1:7]
     deadline = time.time() + float(timeout)
@@ -47,6 +63,18 @@ def main() -> int:
         time.sleep(2)
     out["unpause"] = call(base, "PATCH", f"/api/v2/dags/{dag_id}", token,
                           {"is_paused": False})[0]
+    # A run of the (paused) pipeline DAG stays queued: the rescale must refuse meanwhile.
+    pipeline = dag_id.replace("_rescale_restore", "_pipeline")
+    status, body = call(base, "POST", f"/api/v2/dags/{pipeline}/dagRuns", token,
+                        {"logical_date": None, "conf": {}})
+    blocker = body.get("dag_run_id") if isinstance(body, dict) else None
+    out["blocker"] = {"status": status, "state": body.get("state") if blocker else body}
+    _, body = call(base, "POST", f"/api/v2/dags/{dag_id}/dagRuns", token,
+                   {"logical_date": None, "conf": json.loads(conf)})
+    out["refused"] = wait_run(base, token, dag_id, body.get("dag_run_id"), deadline)
+    if blocker:
+        out["blocker_deleted"] = call(base, "DELETE",
+                                      f"/api/v2/dags/{pipeline}/dagRuns/{blocker}", token)[0]
     status, body = call(base, "POST", f"/api/v2/dags/{dag_id}/dagRuns", token,
                         {"logical_date": None, "conf": json.loads(bad_conf)})
     out["bad_trigger"] = {"status": status, "body": body}
@@ -54,17 +82,8 @@ def main() -> int:
                         {"logical_date": None, "conf": json.loads(conf)})
     out["trigger"] = {"status": status, "body": body}
     run_id = body.get("dag_run_id") if isinstance(body, dict) else None
-    state = None
-    while run_id and time.time() < deadline:
-        _, run = call(base, "GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}", token)
-        state = run.get("state")
-        if state in ("success", "failed"):
-            break
-        time.sleep(3)
-    out["run_state"] = state
-    if run_id:
-        _, tis = call(base, "GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances", token)
-        out["tasks"] = {t["task_id"]: t["state"] for t in tis.get("task_instances", [])}
+    done = wait_run(base, token, dag_id, run_id, deadline)
+    out["run_state"], out["tasks"] = done["state"], done["tasks"]
     status, plugins = call(base, "GET", "/api/v2/plugins", token)
     out["plugins"] = plugins if status == 200 else status
     status, page = call(base, "GET", "/ckpt/")

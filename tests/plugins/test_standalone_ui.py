@@ -4,7 +4,8 @@ The test starts the server on 127.0.0.1 inside ``unshare -n`` (its log servers b
 every interface whatever the config says), reaches it with ``nsenter``, triggers a
 rescale-restore through REST API v2 with conf (a bad conf is answered 400), waits
 for success, then renders the Checkpoints page in headless Chromium and checks the
-DOM and the screenshot for the job name and the chart. Stopped by SIGINT to its PID.
+DOM and the screenshot for the job name and the chart. Before that, a queued run of
+the (paused) pipeline DAG makes the rescale refuse. Stopped by SIGINT to its PID.
 """
 
 from __future__ import annotations
@@ -167,6 +168,15 @@ def client_result(standalone):
     tail = open(standalone["base"] / "standalone.log").read()[-4000:]
     assert res.returncode == 0 and lines, (res.stderr[-3000:], tail)
     return json.loads(lines[0][len("CLIENT-RESULT"):])
+
+
+def test_rescale_refused_while_pipeline_has_an_active_run(client_result):
+    out = client_result
+    assert out["blocker"] == {"status": 200, "state": "queued"}, out["blocker"]
+    assert out["refused"]["state"] == "failed", out["refused"]
+    assert out["refused"]["tasks"]["check_no_running_pipeline"] == "failed"
+    assert out["refused"]["tasks"]["rescale"] == "upstream_failed"
+    assert out["blocker_deleted"] == 204
 
 
 def test_rest_trigger_with_conf_runs_the_rescale(client_result, standalone):

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import uuid
 
 import pyarrow.parquet as pq
 import pytest
@@ -207,3 +208,21 @@ def test_unreachable_storage(capsys, monkeypatch):
 def test_missing_bucket_on_a_live_server(s3_server, capsys):
     msg = _error(capsys, "--storage", "s3://no-such-bucket-xyz/root", "--job", JOB, "list")
     assert "no-such-bucket-xyz" in msg
+
+
+def test_list_show_dump_on_s3(s3_server, capsys, tmp_path):
+    url = f"s3://ckpt-test/{uuid.uuid4().hex}"  # the bucket tests/conftest.py creates
+    store = CheckpointStore(open_storage(url), JOB)
+    (backend,) = open_backends(str(tmp_path / "work"), 1)
+    fill([backend], keys(300))
+    checkpoint_backends(store, [backend], parent=None)
+    rows = dump_backends([backend])
+    backend.close()
+    code, out, _ = run(capsys, "--storage", url, "--job", JOB, "list", "--json")
+    assert code == 0 and [i["id"] for i in json.loads(out)] == [1]
+    out_path = tmp_path / "rows.jsonl"
+    code, _, _ = run(capsys, "--storage", url, "--job", JOB, "dump", "latest", "--out",
+                     str(out_path))
+    assert code == 0
+    dumped = [json.loads(line) for line in out_path.read_text().splitlines()]
+    assert _canonical(dumped) == _canonical(rows)

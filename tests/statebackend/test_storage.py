@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -195,3 +197,24 @@ def test_unreachable_s3_fails_fast_with_storage_error(monkeypatch):
         storage.read_bytes("x")
     # generous bound: the point is "seconds, not minutes of retries"
     assert time.monotonic() - started < 30
+
+
+def test_memory_max_size_holds_under_concurrent_writes(tmp_path):
+    storage = open_storage(f"memory://quota-race-{os.getpid()}?max_bytes=1000")
+    src = tmp_path / "f"
+    src.write_bytes(b"z" * 300)
+    barrier = threading.Barrier(8)
+
+    def upload(i: int) -> bool:
+        barrier.wait()
+        try:
+            storage.put_file(str(src), f"f{i}")
+            return True
+        except StorageFullError:
+            return False
+
+    with ThreadPoolExecutor(8) as pool:
+        ok = list(pool.map(upload, range(8)))
+    assert sum(ok) == 3
+    assert sum(f.size for f in storage.walk_files("")) <= 1000
+    storage.delete_tree("")

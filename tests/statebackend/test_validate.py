@@ -85,6 +85,8 @@ def test_missing_shared_file(copy):
     assert failed(result) == {"files_exist"}
     rows = check(result, "files_exist")["offending_rows"]
     assert [r["path"] for r in rows] == [path]
+    page = open(result.report_index.removeprefix("file://")).read()
+    assert "FAILED" in page and "Failed checks and offending rows" in page and path in page
     deep = validate_checkpoint(store, 2, deep=True)
     assert {"files_exist", "subtasks_restore"} <= failed(deep)
 

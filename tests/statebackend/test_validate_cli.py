@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -73,12 +72,10 @@ def test_cli_import_does_not_load_great_expectations():
     code = ("import sys, statebackend.cli as c; c.build_parser(); import statebackend.validate; "
             "print(any(m.startswith('great_expectations') for m in sys.modules), "
             "'pandas' in sys.modules)")
-    started = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
                              os.path.abspath(__file__))))).stdout.split()
     assert out == ["False", "False"], out
-    assert time.perf_counter() - started < 60
 
 
 # -- job checks (jobs/keyed_aggregation_checks.py) ---------------------------------
