@@ -167,8 +167,11 @@ def bench(args: argparse.Namespace) -> dict:
 
 
 def _print_run(mode: str, variant: str, r: dict) -> None:
+    where = ""
+    if r.get("timings"):
+        where = "  (" + ", ".join(f"{k} {v:.2f}" for k, v in r["timings"].items()) + ")"
     print(f"{mode:8} {variant:19} day {r['day']}: {r['wall_s']:7.2f} s  "
-          f"{r['events'] / r['wall_s']:10.0f} events/s  {r['bytes']:>12,} bytes written",
+          f"{r['events'] / r['wall_s']:10.0f} events/s  {r['bytes']:>12,} bytes written{where}",
           flush=True)
 
 

@@ -1,6 +1,7 @@
 """Benchmark: validating a checkpoint vs restoring it.
 
 Builds a checkpoint of N keys (default 1,000,000) at P=4, M=128 on file:// storage
+(or, with ``--s3``, on a local S3 API server: moto on 127.0.0.1)
 with the keyed-aggregation job's state (``totals``: record count/sum/min_ts/max_ts,
 so the job's own checks run too), then times:
 
@@ -15,7 +16,7 @@ so the job's own checks run too), then times:
 Great Expectations' one-off import is timed apart (a long-lived worker pays it
 once). Goal: deep validation <= 2x restore. Usage::
 
-    python bench/bench_validate.py [--keys N] [--quick] [--json]
+    python bench/bench_validate.py [--keys N] [--quick] [--s3] [--json]
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ TOTALS = StateDescriptor("totals", "value", RecordCodec(
     (("count", "int64"), ("sum", "float64"), ("min_ts", "int64"), ("max_ts", "int64"))))
 
 
-def build(base: str, n_keys: int) -> tuple[CheckpointStore, object, float]:
+def build(base: str, n_keys: int, url: str | None = None
+          ) -> tuple[CheckpointStore, object, float]:
     import mmh3
 
-    store = CheckpointStore(open_storage(f"file://{base}/store"), "bench")
+    store = CheckpointStore(open_storage(url or f"file://{base}/store"), "bench")
     started = time.perf_counter()
     keys = [f"user-{i:09d}" for i in range(n_keys)]
     kgs = np.fromiter((mmh3.hash(k.encode(), 0, False) % M for k in keys), np.int64, n_keys)
@@ -90,9 +92,12 @@ def main() -> int:
     parser.add_argument("--keys", type=int, default=1_000_000)
     parser.add_argument("--quick", action="store_true", help="100,000 keys")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--s3", action="store_true",
+                        help="store the checkpoint on a local S3 API server (moto on 127.0.0.1)")
     args = parser.parse_args()
     n_keys = 100_000 if args.quick else args.keys
     base = tempfile.mkdtemp(prefix="bench-validate-")
+    server = start_s3() if args.s3 else None
     try:
         from statebackend.validate import validate_checkpoint
         from statebackend.validation.suites import load_great_expectations
@@ -100,7 +105,7 @@ def main() -> int:
         t0 = time.perf_counter()
         load_great_expectations()
         ge_import = time.perf_counter() - t0
-        store, meta, build_s = build(base, n_keys)
+        store, meta, build_s = build(base, n_keys, "s3://bench-validate/run" if server else None)
         mib = meta.bytes_referenced / 2**20
         restore_runs = [time_restore(store, meta) for _ in range(3)]
         restore_s = min(restore_runs)
@@ -135,7 +140,7 @@ def main() -> int:
             print(json.dumps(figures, indent=1))
         else:
             print(f"checkpoint: {n_keys:,} keys, P={P}, M={M}, {mib:.1f} MiB in "
-                  f"{len(meta.files)} files (built in {build_s:.1f} s)")
+                  f"{len(meta.files)} files on {store.storage.url} (built in {build_s:.1f} s)")
             print(f"GE import (once per process): {ge_import:.2f} s")
             print(f"restore (download + open read-only, all subtasks): {restore_s:.3f} s")
             print(f"restore + read every entry once (lower bound of any content check): "
@@ -148,7 +153,28 @@ def main() -> int:
                   f"deep/(restore + scan): {figures['deep_over_restore_and_scan']}")
     finally:
         shutil.rmtree(base, ignore_errors=True)
+        if server is not None:
+            server.stop()
     return 0
+
+
+def start_s3():
+    """moto's S3 API on 127.0.0.1 (free port), credentials through the environment."""
+    import logging
+
+    import fsspec
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+                       "AWS_ENDPOINT_URL": endpoint, "AWS_DEFAULT_REGION": "us-east-1"})
+    fsspec.filesystem("s3", client_kwargs={"endpoint_url": endpoint}).mkdir("bench-validate")
+    return server
 
 
 if __name__ == "__main__":

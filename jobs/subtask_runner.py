@@ -35,6 +35,7 @@ import mmh3
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from rocksdict import WriteBatch
 
 from jobs.quarantine import MARKER
 from statebackend.backend import KeyedStateBackend
@@ -176,6 +177,7 @@ class _SubtaskRun:
             kg = key_group_range_for_subtask(p.max_parallelism, p.parallelism, self.subtask)
             self.backend = KeyedStateBackend(local_dir, p.descriptors, p.max_parallelism, kg)
             self.restore_mode = "new"
+        _tune(self.backend)
         self.t["restoring"] += time.perf_counter() - started
         return self.backend
 
@@ -305,12 +307,26 @@ class _SubtaskRun:
             self.backend = None
 
 
+def _tune(backend: KeyedStateBackend) -> None:
+    # Totals are small fixed-width records: ZSTD makes new SSTs (the bytes every
+    # checkpoint uploads) about 20% smaller than the default Snappy. A mutable option,
+    # so restored instances switch too; RocksDB reads blocks of any compression.
+    for name in backend.column_families:
+        backend.column_family(name).set_options({"compression": "kZSTD"})
+
+
 def _fold_batch(state, good: pa.RecordBatch) -> tuple[list, dict]:
-    """Pre-aggregate one batch per key, then one multi-get and one write batch."""
+    """Pre-aggregate one batch per key, then one multi-get and one write batch.
+
+    The columnar get_columns/put_columns steps, with the RocksDB keys computed once
+    for both (key-group hashing is the costliest Python loop of a batch).
+    """
     g = pa.Table.from_batches([good]).group_by("key", use_threads=False).aggregate(
         [("ts", "count"), ("value", "sum"), ("ts", "min"), ("ts", "max")])
     keys = g.column("key").to_pylist()
-    found, old = state.get_columns(keys)
+    backend, codec = state.backend, state.codec
+    rkeys = backend.rocks_keys(keys)
+    found, old = codec.decode_columns(state.cf.get(rkeys))
     cnt = g.column("ts_count").to_numpy()
     total = g.column("value_sum").to_numpy()
     lo = g.column("ts_min").to_numpy()
@@ -321,7 +337,11 @@ def _fold_batch(state, good: pa.RecordBatch) -> tuple[list, dict]:
         "min_ts": np.where(found, np.minimum(old["min_ts"], lo), lo),
         "max_ts": np.where(found, np.maximum(old["max_ts"], hi), hi),
     }
-    state.put_columns(keys, new)
+    wb = WriteBatch(raw_mode=True)
+    wb.set_default_column_family(backend.column_family_handle(state.descriptor.name))
+    for k, v in zip(rkeys, codec.encode_columns(new), strict=True):
+        wb.put(k, v)
+    backend.write(wb)
     return keys, new
 
 
