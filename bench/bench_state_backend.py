@@ -1,6 +1,7 @@
 """Benchmark of the keyed state backend against raw RocksDB and plain file copies.
 
-Prints, side by side, for one run (each timing is the best of ``--repeat``):
+Prints, side by side, for one run (each timing is the best of several rounds;
+transfer variants run interleaved so that load changes hit them alike):
 
 1. batch upsert throughput: the state API (``ValueState.put_columns`` with a record
    codec, and ``put_many`` with JSON values) vs raw rocksdict ``WriteBatch`` puts of
@@ -74,6 +75,27 @@ def best(fn: Callable[[], object], repeat: int, setup: Callable[[], object] | No
     return timing
 
 
+def best_interleaved(fns: list[Callable[[], object]], repeat: int,
+                     setup: Callable[[], object]) -> list[Timing]:
+    """Best timings of several variants run in turn, round after round, so that a
+    change of machine load hits every variant alike."""
+    walls: list[list[float]] = [[] for _ in fns]
+    cpus: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeat):
+        for i, fn in enumerate(fns):
+            setup()
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            walls[i].append(time.perf_counter() - t0)
+            cpus[i].append(time.process_time() - c0)
+    out = []
+    for w, c in zip(walls, cpus, strict=True):
+        timing = Timing(min(w))
+        timing.cpu = min(c)
+        out.append(timing)
+    return out
+
+
 def verdict(kind: str, ratio: float) -> str:
     op, goal = GOALS[kind]
     ok = ratio >= goal if op == ">=" else ratio <= goal
@@ -81,63 +103,67 @@ def verdict(kind: str, ratio: float) -> str:
 
 
 # -- 1. upserts ----------------------------------------------------------------
-def bench_upserts(work: str, n: int, repeat: int) -> list[tuple[str, float]]:
+def bench_upserts(work: str, n: int, repeat: int) -> list[tuple[str, Timing]]:
+    """Each variant writes into its own fresh instance (same options), so no variant
+    pays for the flushes and compactions caused by an earlier one."""
     keys = [f"user-{i:09d}" for i in range(n)]
     counts = np.arange(n, dtype=np.int64)
     columns = {"count": counts, "sum": counts * 0.25, "flag": counts % 2 == 0}
     json_values = [{"n": i, "tag": "x"} for i in range(n)]
     batches = [(i, min(n, i + BATCH)) for i in range(0, n, BATCH)]
-
     rng = KeyGroupRange(0, M - 1)
-    path = os.path.join(work, "api")
-    shutil.rmtree(path, ignore_errors=True)
-    backend = KeyedStateBackend(path, DESCRIPTORS, M, rng)
-    totals, js = backend.value_state("totals"), backend.value_state("json")
+    fresh = iter(range(1_000))
+
+    def new_backend() -> KeyedStateBackend:
+        return KeyedStateBackend(os.path.join(work, f"api-{next(fresh)}"), DESCRIPTORS, M, rng)
 
     # Identical bytes for the raw baseline, prepared outside the timed loop.
-    raw_keys = backend.rocks_keys(keys)
+    probe = new_backend()
+    raw_keys = probe.rocks_keys(keys)
+    probe.close()
     raw_record = RECORD.encode_columns(columns)
     raw_json = [JsonCodec().encode(v) for v in json_values]
 
-    raw_path = os.path.join(work, "raw")
-    shutil.rmtree(raw_path, ignore_errors=True)
-    raw_db = Rdict(raw_path, rocks_options(),
+    def raw_put(cf: str, values: list[bytes]) -> Timing:
+        db = Rdict(os.path.join(work, f"raw-{next(fresh)}"), rocks_options(),
                    column_families={"totals": rocks_options(), "json": rocks_options()})
-    raw_db.set_write_options(no_wal())
-    handles = {n_: raw_db.get_column_family_handle(n_) for n_ in ("totals", "json")}
+        db.set_write_options(no_wal())
+        handle = db.get_column_family_handle(cf)
 
-    def raw_put(cf: str, values: list[bytes]) -> Callable[[], None]:
         def run() -> None:
             for a, b in batches:
                 wb = WriteBatch(raw_mode=True)
-                wb.set_default_column_family(handles[cf])
+                wb.set_default_column_family(handle)
                 for k, v in zip(raw_keys[a:b], values[a:b], strict=True):
                     wb.put(k, v)
-                raw_db.write(wb)
-        return run
+                db.write(wb)
+        try:
+            return best(run, repeat)
+        finally:
+            db.close()
 
-    def api_columns() -> None:
-        for a, b in batches:
-            totals.put_columns(keys[a:b], {c: v[a:b] for c, v in columns.items()})
+    def api(write: Callable[[KeyedStateBackend, int, int], None]) -> Timing:
+        backend = new_backend()
 
-    def api_json() -> None:
-        for a, b in batches:
-            js.put_many(keys[a:b], json_values[a:b])
+        def run() -> None:
+            for a, b in batches:
+                write(backend, a, b)
+        try:
+            return best(run, repeat)
+        finally:
+            backend.close()
 
-    def api_json_raw_values() -> None:
-        for a, b in batches:
-            js.put_many_raw(keys[a:b], raw_json[a:b])
-
-    rows = [
-        ("raw WriteBatch, record bytes", best(raw_put("totals", raw_record), repeat)),
-        ("ValueState.put_columns (record)", best(api_columns, repeat)),
-        ("raw WriteBatch, JSON bytes", best(raw_put("json", raw_json), repeat)),
-        ("ValueState.put_many (JSON encode)", best(api_json, repeat)),
-        ("ValueState.put_many_raw (encoded)", best(api_json_raw_values, repeat)),
+    return [
+        ("raw WriteBatch, record bytes", raw_put("totals", raw_record)),
+        ("ValueState.put_columns (record)", api(lambda be, a, b: be.value_state("totals")
+                                                .put_columns(keys[a:b], {
+                                                    c: v[a:b] for c, v in columns.items()}))),
+        ("raw WriteBatch, JSON bytes", raw_put("json", raw_json)),
+        ("ValueState.put_many (JSON encode)", api(lambda be, a, b: be.value_state("json")
+                                                  .put_many(keys[a:b], json_values[a:b]))),
+        ("ValueState.put_many_raw (encoded)", api(lambda be, a, b: be.value_state("json")
+                                                  .put_many_raw(keys[a:b], raw_json[a:b]))),
     ]
-    backend.close()
-    raw_db.close()
-    return rows
 
 
 # -- 2./3. upload and restore ----------------------------------------------------
@@ -182,8 +208,8 @@ def bench_transfer(label: str, url: str, work: str, backend, local, repeat: int,
     def copy_up() -> None:
         plain_upload([(os.path.join(local.path, name), f"plain/{name}") for name in names])
 
-    t_plain_up = best(copy_up, repeat, setup=clear_remote)
-    t_upload = best(upload, repeat, setup=clear_remote)
+    # upload last in each round: its files stay for the restore runs below
+    t_plain_up, t_upload = best_interleaved([copy_up, upload], repeat, setup=clear_remote)
     handle = result["r"].handle
     # keep the last upload for the restore runs (plain copy reads the same objects)
     target = os.path.join(work, f"restore-{label}")
@@ -201,9 +227,8 @@ def bench_transfer(label: str, url: str, work: str, backend, local, repeat: int,
     def download() -> None:
         download_files(job, handle.files, target)
 
-    t_plain_down = best(copy_down, repeat, setup=reset_target)
-    t_download = best(download, repeat, setup=reset_target)
-    t_restore = best(restore, repeat, setup=reset_target)
+    t_plain_down, t_download, t_restore = best_interleaved([copy_down, download, restore],
+                                                           repeat, setup=reset_target)
     mb = total / 1e6
     print(f"\n[{label}] snapshot: {len(names)} files, {mb:.1f} MB; restore = download "
           f"{t_download:.3f} s + open RocksDB {max(0.0, t_restore - t_download):.3f} s")
@@ -253,13 +278,14 @@ def main(argv: list[str] | None = None) -> int:
         def file_get(pairs):
             plain_copy_local([(os.path.join(file_root, "bench", rel), dst) for rel, dst in pairs])
 
+        rounds = max(5, args.repeat)  # transfers are short: more rounds, less noise
         results += bench_transfer("file://", f"file://{file_root}", work, backend, local,
-                                  args.repeat, file_put, file_get)
+                                  rounds, file_put, file_get)
         if args.s3:
-            results += run_s3(work, backend, local, args.repeat)
+            results += run_s3(work, backend, local, rounds)
         backend.close()
 
-        print(f"\n== checkpoint transfer (best of {args.repeat}); plain copy = sequential "
+        print(f"\n== checkpoint transfer (best of {rounds}, interleaved); plain copy = sequential "
               "shutil.copyfile (file://) or s3fs put/get with 4 threads (s3://)")
         print(f"  {'':22} {'library s':>10} {'plain copy s':>13} {'MB/s':>8}  ratio")
         for name, t_lib, t_plain, mb in results:

@@ -72,6 +72,7 @@ class JobSpec:
     max_parallelism: int = 128
     max_reject_fraction: float = 0.01
     quarantine: str | None = None
+    start_from: str | None = None  # first run only: <job>/savepoints/<name> or <job>:<id|latest>
     storage_conn_id: str | None = None  # Airflow AWS connection exported as AWS_* env vars
     spark: SparkSettings = field(default_factory=SparkSettings)
     schedule: str = "@daily"
@@ -188,8 +189,9 @@ def spec_from_dict(name: str, raw: dict, defaults: dict | None = None,
     merged["tags"] = tuple(merged.get("tags") or ())
     if merged.get("storage_conn_id") == "":
         merged["storage_conn_id"] = None
-    if merged.get("quarantine") == "":
-        merged["quarantine"] = None
+    for optional in ("quarantine", "start_from"):
+        if merged.get(optional) == "":
+            merged[optional] = None
     try:
         spec = JobSpec(name=name, spark=settings, **merged)
         _check_numbers(spec)

@@ -144,7 +144,8 @@ def build_job_config(spec: JobSpec, *, logical_date: datetime | None, airflow_ru
         run_id=run_key(logical_date, airflow_run_id), output=render(spec.output, values),
         parallelism=parallelism or spec.parallelism, max_parallelism=spec.max_parallelism,
         master=spec.spark.master, max_reject_fraction=spec.max_reject_fraction,
-        quarantine=render(spec.quarantine, values), local_dir=local_dir)
+        quarantine=render(spec.quarantine, values), start_from=spec.start_from,
+        local_dir=local_dir)
 
 
 def spark_submit_args(spec: JobSpec) -> list[str]:
@@ -152,9 +153,14 @@ def spark_submit_args(spec: JobSpec) -> list[str]:
     key = "{{ 'interval__' ~ ts if logical_date else run_id }}"
     args = ["--input", spec.input, "--storage", spec.storage, "--job", spec.name,
             "--run-id", key, "--output", spec.output, "--master", spec.spark.master,
-            "--json"]
+            "--max-parallelism", str(spec.max_parallelism),
+            "--max-reject-fraction", str(spec.max_reject_fraction), "--json"]
     if spec.parallelism:
         args += ["--parallelism", str(spec.parallelism)]
+    if spec.quarantine:
+        args += ["--quarantine", spec.quarantine]
+    if spec.start_from:
+        args += ["--start-from", spec.start_from]
     return args
 
 
@@ -269,8 +275,7 @@ def spark_submit_operator(spec: JobSpec, *, task_id: str, **kwargs):
             export_storage_credentials(spec)
             return super().execute(context)
 
-    conf = {"spark.driver.bindAddress": "0.0.0.0", "spark.ui.enabled": "false",
-            **dict(spec.spark.conf)}
+    conf = {"spark.ui.enabled": "false", **{k: str(v) for k, v in spec.spark.conf.items()}}
     return CkptSparkSubmitOperator(
         task_id=task_id, application=job_application(), conn_id=spec.spark.conn_id,
         application_args=spark_submit_args(spec), conf=conf, name=f"ckpt-{spec.name}",

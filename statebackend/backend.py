@@ -28,8 +28,8 @@ from rocksdict import (
     AccessType,
     Checkpoint,
     Options,
-    ReadOptions,
     Rdict,
+    ReadOptions,
     WriteBatch,
     WriteOptions,
 )
@@ -158,7 +158,8 @@ class KeyedStateBackend:
     def state(self, name: str):
         if name not in self._states:
             if name not in self.descriptors:
-                raise UsageError(f"state {name!r} is not declared; declared: {sorted(self.descriptors)}")
+                raise UsageError(
+                    f"state {name!r} is not declared; declared: {sorted(self.descriptors)}")
             desc = self.descriptors[name]
             self._states[name] = STATE_CLASSES[desc.kind](self, desc)
         return self._states[name]

@@ -47,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ckpt",
         description="Inspect and maintain incremental RocksDB checkpoints of stateful jobs.",
-        epilog="Storage URLs: a path or file:///dir, memory://name[?max_bytes=N], s3://bucket/prefix "
-               "(credentials and endpoint from AWS_* environment variables).",
+        epilog="Storage URLs: a path or file:///dir, memory://name[?max_bytes=N], "
+               "s3://bucket/prefix (credentials and endpoint from AWS_* environment variables).",
     )
     parser.add_argument("--storage", default=os.environ.get("CKPT_STORAGE"),
                         help="checkpoint storage root URL (env CKPT_STORAGE)")

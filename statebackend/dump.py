@@ -27,7 +27,8 @@ def descriptors_of(meta: CheckpointMetadata) -> list[StateDescriptor]:
     return [StateDescriptor.from_json(s) for s in meta.states]
 
 
-def decode_entry(desc: StateDescriptor, rocks_key: bytes, raw: bytes) -> tuple[str, str | None, object]:
+def decode_entry(desc: StateDescriptor, rocks_key: bytes, raw: bytes
+                 ) -> tuple[str, str | None, object]:
     """(key, user_key, value) of one stored entry; raises SerializationError."""
     body = rocks_key[2:]
     if desc.kind == "map":

@@ -77,6 +77,7 @@ from .registry import (
     Registry,
     build_registry,
     chk_id_of,
+    committed_ids,
     in_gc_scope,
     is_commit_record,
 )
@@ -112,27 +113,55 @@ class GcFile:
 
 @dataclass(frozen=True)
 class GcPlan:
+    """Deletions and pending orphans file by file; kept referenced files by path only
+    (there are as many as the job has live files)."""
+
     job: str
     grace_seconds: float
     deletions: tuple[GcFile, ...]
-    kept: tuple[GcFile, ...]
+    pending: tuple[GcFile, ...]          # orphans kept for now (grace, lease, writer, no mtime)
+    referenced: tuple[str, ...]          # kept: listed by a checkpoint or savepoint
+    commit_records: tuple[str, ...]      # kept: _metadata of committed checkpoints
+    referenced_bytes: int = 0
+    commit_record_bytes: int = 0
 
     @property
     def bytes_to_delete(self) -> int:
         return sum(f.size for f in self.deletions)
 
     @property
-    def pending(self) -> tuple[GcFile, ...]:
-        """Orphans kept for now (grace period, lease, active writer, unknown age)."""
-        return tuple(f for f in self.kept if f.reason in ORPHAN_KEEP_REASONS)
+    def files_kept(self) -> int:
+        return len(self.pending) + len(self.referenced) + len(self.commit_records)
+
+    @property
+    def bytes_kept(self) -> int:
+        return (sum(f.size for f in self.pending) + self.referenced_bytes
+                + self.commit_record_bytes)
+
+    def by_reason(self, deleted: set[str] | None = None) -> dict[str, dict]:
+        """{reason: {action, files, bytes}}; with ``deleted``, deletions actually done."""
+        out = {KEEP_REFERENCED: {"action": "keep", "files": len(self.referenced),
+                                 "bytes": self.referenced_bytes},
+               KEEP_COMMIT_RECORD: {"action": "keep", "files": len(self.commit_records),
+                                    "bytes": self.commit_record_bytes}}
+        for f in self.pending:
+            slot = out.setdefault(f.reason, {"action": "keep", "files": 0, "bytes": 0})
+            slot["files"] += 1
+            slot["bytes"] += f.size
+        for f in self.deletions:
+            slot = out.setdefault(f.reason, {"action": "delete", "files": 0, "bytes": 0})
+            if deleted is None or f.path in deleted:
+                slot["files"] += 1
+                slot["bytes"] += f.size
+        return out
 
     def to_json(self) -> dict:
         return {
             "job": self.job, "grace_seconds": self.grace_seconds,
             "files_to_delete": len(self.deletions), "bytes_to_delete": self.bytes_to_delete,
-            "files_kept": len(self.kept), "bytes_kept": sum(f.size for f in self.kept),
+            "files_kept": self.files_kept, "bytes_kept": self.bytes_kept,
             "orphans_pending": len(self.pending),
-            "by_reason": _by_reason(self.deletions + self.kept),
+            "by_reason": self.by_reason(),
             "deletions": [f.to_json() for f in self.deletions],
             "pending": [f.to_json() for f in self.pending],
         }
@@ -164,10 +193,10 @@ class GcReport:
             "grace_seconds": plan.grace_seconds,
             "files_planned": len(plan.deletions), "bytes_planned": plan.bytes_to_delete,
             "files_deleted": self.files_deleted, "bytes_deleted": self.bytes_deleted,
-            "files_kept": len(plan.kept), "bytes_kept": sum(f.size for f in plan.kept),
+            "files_kept": plan.files_kept, "bytes_kept": plan.bytes_kept,
             "orphans_pending": len(pending), "orphan_bytes_pending": sum(f.size for f in pending),
-            "by_reason": _by_reason(plan.deletions + plan.kept, deleted={
-                f.path for f in self.deleted}, dry_run=self.dry_run),
+            "by_reason": plan.by_reason(None if self.dry_run else {
+                f.path for f in self.deleted}),
             "deletions": [f.to_json() for f in (plan.deletions if self.dry_run else self.deleted)],
             "pending": [f.to_json() for f in pending],
             "spared": list(self.spared),
@@ -191,18 +220,23 @@ def plan_gc(registry: Registry, *, grace_seconds: float = DEFAULT_GRACE_SECONDS)
         except ValueError:
             writer_since = float("-inf")  # unknown start: protect every orphan
     deletions: list[GcFile] = []
-    kept: list[GcFile] = []
+    pending: list[GcFile] = []
+    referenced: list[str] = []
+    records: list[str] = []
+    referenced_bytes = record_bytes = 0
     for path, info in sorted(registry.files.items()):
+        if path in registry.referenced:
+            referenced.append(path)
+            referenced_bytes += info.size
+            continue
         if not in_gc_scope(path):
             continue
-        age = None if info.mtime is None else now - info.mtime
         cid = chk_id_of(path)
-        if path in registry.referenced:
-            kept.append(GcFile(path, info.size, age, KEEP_REFERENCED))
-            continue
         if is_commit_record(path) and cid in registry.checkpoints:
-            kept.append(GcFile(path, info.size, age, KEEP_COMMIT_RECORD))
+            records.append(path)
+            record_bytes += info.size
             continue
+        age = None if info.mtime is None else now - info.mtime
         if cid is not None and cid in leased_ids:
             reason = KEEP_LEASED
         elif writer_since is not None and (info.mtime is None or info.mtime >= writer_since):
@@ -217,9 +251,10 @@ def plan_gc(registry: Registry, *, grace_seconds: float = DEFAULT_GRACE_SECONDS)
             reason = DEL_UNREFERENCED
         else:
             reason = DEL_UNCOMMITTED
-        target = kept if reason in ORPHAN_KEEP_REASONS else deletions
+        target = pending if reason in ORPHAN_KEEP_REASONS else deletions
         target.append(GcFile(path, info.size, age, reason))
-    return GcPlan(registry.job, float(grace_seconds), tuple(deletions), tuple(kept))
+    return GcPlan(registry.job, float(grace_seconds), tuple(deletions), tuple(pending),
+                  tuple(referenced), tuple(records), referenced_bytes, record_bytes)
 
 
 def execute_gc(store: CheckpointStore, plan: GcPlan, known_ids: set[int] | None = None
@@ -228,7 +263,7 @@ def execute_gc(store: CheckpointStore, plan: GcPlan, known_ids: set[int] | None 
     started = time.perf_counter()
     spare: set[str] = set()
     if known_ids is not None:
-        for cid in set(store.checkpoint_ids()) - known_ids:
+        for cid in set(committed_ids(store, known=known_ids)) - known_ids:
             try:
                 spare.update(f.path for f in store.load(cid).files)
             except CheckpointNotFoundError:
@@ -256,20 +291,6 @@ def collect_garbage(store: CheckpointStore, *, grace_seconds: float = DEFAULT_GR
                     time.perf_counter() - started)
 
 
-def _by_reason(files, deleted: set[str] | None = None, dry_run: bool = True
-               ) -> dict[str, dict]:
-    out: dict[str, dict] = {}
-    for f in files:
-        is_delete = f.reason not in ORPHAN_KEEP_REASONS + (KEEP_REFERENCED, KEEP_COMMIT_RECORD)
-        slot = out.setdefault(f.reason, {"action": "delete" if is_delete else "keep",
-                                         "files": 0, "bytes": 0})
-        if is_delete and deleted is not None and not dry_run and f.path not in deleted:
-            continue  # planned but spared or failed: counted in spared / failures
-        slot["files"] += 1
-        slot["bytes"] += f.size
-    return out
-
-
 def summarize_text(report: GcReport) -> list[str]:
     plan = report.plan
     verb = "would delete" if report.dry_run else "deleted"
@@ -277,10 +298,10 @@ def summarize_text(report: GcReport) -> list[str]:
     pending = plan.pending
     lines = [
         f"gc job {report.job} (grace {plan.grace_seconds:g} s): {verb} {len(files)} files, "
-        f"{sum(f.size for f in files)} bytes; kept {len(plan.kept)} files; "
+        f"{sum(f.size for f in files)} bytes; kept {plan.files_kept} files; "
         f"{len(pending)} orphans pending ({sum(f.size for f in pending)} bytes)",
     ]
-    for reason, slot in sorted(_by_reason(plan.deletions + plan.kept).items()):
+    for reason, slot in sorted(plan.by_reason().items()):
         lines.append(f"  {slot['action']:6} {reason:22} {slot['files']:>7} files "
                      f"{slot['bytes']:>14} bytes")
     for f in files[:LIST_CAP]:

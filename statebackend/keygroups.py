@@ -45,7 +45,8 @@ class KeyGroupRange:
 def check_max_parallelism(max_parallelism: int) -> None:
     if not 1 <= max_parallelism <= MAX_MAX_PARALLELISM:
         raise UsageError(
-            f"max parallelism {max_parallelism} is out of range: it must be 1..{MAX_MAX_PARALLELISM}"
+            f"max parallelism {max_parallelism} is out of range: "
+            f"it must be 1..{MAX_MAX_PARALLELISM}"
         )
 
 

@@ -18,7 +18,8 @@ Layout of one record (format 1)::
      "subtasks": [{"index": 0, "key_group_start": 0, "key_group_end": 31,
                    "backend_id": "...", "snapshot_id": "...", "bytes_uploaded": 123,
                    "shared_files": [{"path": "shared/<uuid>-000012.sst",
-                                     "local_name": "000012.sst", "size": 1, "checksum": "crc32:..."}],
+                                     "local_name": "000012.sst", "size": 1,
+                                     "checksum": "crc32:..."}],
                    "private_files": [...], "row_counts": {"totals": 10}}],
      "extra": {}}
 """
@@ -244,7 +245,8 @@ class CheckpointMetadata:
         states = _get(obj, "states", list, where)
         _require(all(isinstance(s, dict) and isinstance(s.get("name"), str) for s in states),
                  where, "states must be objects with a name")
-        subtasks = tuple(SubtaskHandle.from_json(s, where) for s in _get(obj, "subtasks", list, where))
+        subtasks = tuple(SubtaskHandle.from_json(s, where)
+                         for s in _get(obj, "subtasks", list, where))
         parent = obj.get("parent")
         _require(parent is None or isinstance(parent, int), where, "parent must be an id or null")
         run_id = obj.get("run_id")

@@ -33,7 +33,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 from .checkpoints import METADATA_FILE, CheckpointStore, metadata_path
@@ -115,6 +115,7 @@ class Registry:
     leases: tuple[Lease, ...]                      # every lease, live or expired
     owner_paths: Mapping[str, tuple[str, ...]]     # owner label -> paths it lists
     referenced: frozenset[str]                     # paths listed by at least one owner
+    _recorded_sizes: dict = field(default_factory=dict, compare=False, repr=False)
 
     # -- leases ---------------------------------------------------------------
     @property
@@ -138,11 +139,11 @@ class Registry:
         info = self.files.get(path)
         if info is not None:
             return info.size
-        for meta in list(self.checkpoints.values()) + list(self.savepoints.values()):
-            for ref in meta.files:
-                if ref.path == path:
-                    return ref.size
-        return 0
+        if not self._recorded_sizes:  # built once, on the first unlisted path
+            for meta in list(self.checkpoints.values()) + list(self.savepoints.values()):
+                self._recorded_sizes.update((ref.path, ref.size) for ref in meta.files)
+            self._recorded_sizes.setdefault("", 0)
+        return self._recorded_sizes.get(path, 0)
 
     def owners_of(self, path: str) -> tuple[str, ...]:
         """Labels of the owners listing ``path`` (a scan: for reports and tests)."""
@@ -190,8 +191,8 @@ def build_registry(store: CheckpointStore, *, now: datetime | float | None = Non
     listing = list_job_files(storage)
     files = {info.path: info for info in listing}
     # 2. committed ids from a fresh listing, so commits after step 1 are owners too
-    ids = sorted(set(committed_ids(store)) | {
-        cid for p in files if is_commit_record(p) and (cid := chk_id_of(p)) is not None})
+    listed = {cid for p in files if is_commit_record(p) and (cid := chk_id_of(p)) is not None}
+    ids = sorted(set(committed_ids(store, known=listed)) | listed)
     savepoint_names: set[str] = set()
     savepoint_dirs: set[str] = set()
     lease_paths = []
@@ -312,17 +313,18 @@ def parse_metadata(data: bytes, where: str, memo: dict) -> CheckpointMetadata:
 
 
 def _memo_ref(entry: object, where: str, memo: dict) -> FileRef:
-    if type(entry) is dict and len(entry) == 4:
-        path, name = entry.get("path"), entry.get("local_name")
-        size, checksum = entry.get("size"), entry.get("checksum")
-        if type(path) is str and type(name) is str and type(size) is int \
-                and type(checksum) is str:
-            key = (path, name, size, checksum)
-            ref = memo.get(key)
-            if ref is None:
-                ref = memo[key] = FileRef.from_json(entry, where)
-            return ref
-    return FileRef.from_json(entry, where)  # uncommon shape: validate, never memoize
+    try:
+        key = (entry["path"], entry["local_name"], entry["size"], entry["checksum"])
+        ref = memo.get(key)
+    except (TypeError, KeyError, IndexError):  # not a dict, or unhashable values
+        key, ref = None, None
+    # strings only equal strings, but True == 1.0 == 1: re-check the size's type
+    if ref is not None and type(entry["size"]) is int and len(entry) == 4:
+        return ref
+    ref = FileRef.from_json(entry, where)  # raises on anything malformed
+    if key is not None and type(entry) is dict and len(entry) == 4:
+        memo[key] = ref
+    return ref
 
 
 def list_job_files(storage: Storage) -> list[FileInfo]:
@@ -352,15 +354,27 @@ def list_job_files(storage: Storage) -> list[FileInfo]:
     return out
 
 
-def committed_ids(store: CheckpointStore) -> list[int]:
-    """`store.checkpoint_ids()`, without fsspec's glob on file:// (slow at 10,000 ids)."""
+def committed_ids(store: CheckpointStore, known: Iterable[int] = ()) -> list[int]:
+    """Ids of committed checkpoints, from one listing of the job root's folders.
+
+    Ids in ``known`` (committed when the caller last looked) are taken as they are
+    (a retired one is skipped later, when its `_metadata` cannot be read); every
+    other ``chk-<id>`` folder costs one existence check of its `_metadata`. That
+    is a handful of requests instead of a glob over every file of the job.
+    """
     storage = store.storage
-    if storage.protocol != "file":
-        return store.checkpoint_ids()
+    known = set(known)
     ids = []
     for name in storage.list_dir(""):
         cid = chk_id_of(name)
-        if cid is not None and os.path.isfile(os.path.join(storage.root, name, METADATA_FILE)):
+        if cid is None:
+            continue
+        if cid in known:
+            ids.append(cid)
+        elif storage.protocol == "file":
+            if os.path.isfile(os.path.join(storage.root, name, METADATA_FILE)):
+                ids.append(cid)
+        elif storage.exists(metadata_path(cid)):
             ids.append(cid)
     return sorted(ids)
 

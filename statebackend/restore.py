@@ -21,8 +21,8 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 from .backend import DB_DIR, SNAPSHOTS_DIR, KeyedStateBackend, read_instance_marker
 from .errors import StorageError

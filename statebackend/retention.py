@@ -41,6 +41,7 @@ from .registry import (
     build_registry,
     checkpoint_label,
     chk_id_of,
+    committed_ids,
     read_live_leases,
 )
 from .storage import Storage
@@ -244,7 +245,7 @@ def _recheck(store: CheckpointStore, plan: RetentionPlan,
     spare_ids = held & set(plan.retired)
     known = {d.checkpoint_id for d in plan.decisions}
     spare_paths: set[str] = set()
-    for cid in set(store.checkpoint_ids()) - known:
+    for cid in set(committed_ids(store, known=known)) - known:
         meta = _load_or_none(store, cid)
         if meta is not None:
             spare_paths.update(f.path for f in meta.files)

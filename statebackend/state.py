@@ -220,8 +220,8 @@ class ListState(_State):
         uniq = list(appended)
         rkeys = self.backend.rocks_keys(uniq)
         current = self.cf.get(rkeys)
-        self._write(zip(rkeys, ((c or b"") + appended[k] for c, k in zip(current, uniq,
-                                                                          strict=True)), strict=True))
+        merged = ((c or b"") + appended[k] for c, k in zip(current, uniq, strict=True))
+        self._write(zip(rkeys, merged, strict=True))
 
     def get_many(self, keys: Sequence[str]) -> list[list]:
         decode = self.codec.decode

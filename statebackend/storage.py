@@ -155,17 +155,15 @@ class Storage:
 
     def get_file(self, rel: str, local_path: str) -> tuple[int, str]:
         """Download to a local file; return (size, checksum) of the bytes received."""
-        crc = 0
-        size = 0
         with self._errors(rel):
             if self.protocol == "file":
                 size, crc = _copy_local_file(self.abspath(rel), local_path)
                 return size, crc32_hex(crc)
-            with self.fs.open(self.abspath(rel), "rb") as src, open(local_path, "wb") as dst:
-                while chunk := src.read(CHUNK):
-                    crc = zlib.crc32(chunk, crc)
-                    size += len(chunk)
-                    dst.write(chunk)
+            # The backend's own streaming download (one GET, no buffered-file cache),
+            # then the checksum over the bytes that landed, read back from the page
+            # cache: faster than a buffered read loop (bench/bench_state_backend.py).
+            self.fs.get_file(self.abspath(rel), local_path)
+        size, crc = _crc_local_file(local_path)
         return size, crc32_hex(crc)
 
     def copy(self, src_rel: str, dst_rel: str) -> None:
@@ -343,6 +341,16 @@ def _copy_local_file(src: str, dst: str) -> tuple[int, int]:
             crc = zlib.crc32(view)
             fout.write(view)
         return size, crc
+
+
+def _crc_local_file(path: str) -> tuple[int, int]:
+    """(size, crc32) of a local file, read through a memory map."""
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size == 0:
+            return 0, 0
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            return size, zlib.crc32(view)
 
 
 def _protocol_of(url: str) -> str:

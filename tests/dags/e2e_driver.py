@@ -13,8 +13,13 @@ import traceback
 from datetime import UTC, datetime
 
 
-def run(bag, dag_id: str, logical_date: datetime | None = None, conf: dict | None = None) -> dict:
-    dag = bag.dags[dag_id]
+def run(folder: str, dag_id: str, logical_date: datetime | None = None,
+        conf: dict | None = None) -> dict:
+    # A fresh DAG object per run, like a worker parsing the file: in-process dag.test
+    # otherwise carries one run's conf into the next run's params.
+    from airflow.dag_processing.dagbag import DagBag
+
+    dag = DagBag(dag_folder=folder).dags[dag_id]
     try:
         kwargs = {"run_conf": conf}
         if logical_date is not None:
@@ -34,32 +39,32 @@ def checkpoints(spec) -> list[dict]:
 
 
 def main() -> int:
-    dags_folder = sys.argv[1]
+    folder = sys.argv[1]
     from airflow.dag_processing.dagbag import DagBag
 
     from jobs.pipeline_config import find_spec
     from jobs.pipeline_tasks import state_totals
     from statebackend.validate import read_report_summary
 
-    bag = DagBag(dag_folder=dags_folder)
+    bag = DagBag(dag_folder=folder)
     spec = find_spec("clicks")
     out: dict = {"import_errors": {k: str(v) for k, v in bag.import_errors.items()}}
     day1, day2 = datetime(2027, 1, 1, tzinfo=UTC), datetime(2027, 1, 2, tzinfo=UTC)
-    out["day1"] = run(bag, "clicks_pipeline", day1)
+    out["day1"] = run(folder, "clicks_pipeline", day1)
     out["after_day1"] = checkpoints(spec)
-    out["day2"] = run(bag, "clicks_pipeline", day2)
-    out["rerun_day1"] = run(bag, "clicks_pipeline", day1)
+    out["day2"] = run(folder, "clicks_pipeline", day2)
+    out["rerun_day1"] = run(folder, "clicks_pipeline", day1)
     out["after_rerun"] = checkpoints(spec)
-    out["rescale_bad_zero"] = run(bag, "clicks_rescale_restore", conf={"parallelism": 0})
-    out["rescale_bad_type"] = run(bag, "clicks_rescale_restore", conf={"parallelism": "four"})
-    out["rescale_bad_ref"] = run(bag, "clicks_rescale_restore",
+    out["rescale_bad_zero"] = run(folder, "clicks_rescale_restore", conf={"parallelism": 0})
+    out["rescale_bad_type"] = run(folder, "clicks_rescale_restore", conf={"parallelism": "four"})
+    out["rescale_bad_ref"] = run(folder, "clicks_rescale_restore",
                                  conf={"parallelism": 3, "checkpoint": "../etc"})
     out["after_bad"] = checkpoints(spec)
-    out["rescale_dry"] = run(bag, "clicks_rescale_restore",
+    out["rescale_dry"] = run(folder, "clicks_rescale_restore",
                              conf={"parallelism": 3, "dry_run": True})
-    out["rescale"] = run(bag, "clicks_rescale_restore", conf={"parallelism": 3})
+    out["rescale"] = run(folder, "clicks_rescale_restore", conf={"parallelism": 3})
     out["after_rescale"] = checkpoints(spec)
-    out["maintenance"] = run(bag, "clicks_maintenance", day2)
+    out["maintenance"] = run(folder, "clicks_maintenance", day2)
     from jobs.pipeline_tasks import open_store
 
     store = open_store(spec)

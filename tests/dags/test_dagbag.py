@@ -118,3 +118,14 @@ def test_submit_mode_uses_spark_submit_operator(monkeypatch):
     assert args[args.index("--master") + 1] == "spark://spark-master:7077"
     assert "application_args" in op.template_fields
     assert not any("secret" in str(v).lower() for v in (op.env_vars or {}).values())
+    from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
+
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", json.dumps(
+        {"conn_type": "spark", "host": "spark://spark-master", "port": 7077,
+         "extra": {"deploy-mode": "client", "spark-binary": "spark-submit"}}))
+    hook = SparkSubmitHook(conf=op.conf, conn_id=op._conn_id, name=op.name,
+                           application_args=op.application_args)
+    cmd = hook._build_spark_submit_command(op.application)
+    assert cmd[:3] == ["spark-submit", "--master", "spark://spark-master:7077"]
+    assert cmd[cmd.index("--deploy-mode") + 1] == "client"
+    assert any(c.endswith("jobs/keyed_aggregation.py") for c in cmd)

@@ -33,6 +33,12 @@ def test_build_job_config_renders_the_interval(tmp_path):
     assert cfg.quarantine.endswith("q/20270102")
     assert cfg.run_id == "interval__2027-01-02T00:00:00+00:00"
     assert (cfg.job, cfg.parallelism, cfg.max_parallelism) == ("clicks", 2, 128)
+    assert cfg.start_from is None
+    seeded = make_spec(tmp_path, start_from="clicks_old/savepoints/before-upgrade")
+    cfg = steps.build_job_config(seeded, logical_date=None, airflow_run_id="manual__1")
+    assert cfg.start_from == "clicks_old/savepoints/before-upgrade" and cfg.run_id == "manual__1"
+    args = steps.spark_submit_args(seeded)
+    assert args[args.index("--start-from") + 1] == "clicks_old/savepoints/before-upgrade"
 
 
 def test_unknown_template_field_is_a_clear_error():

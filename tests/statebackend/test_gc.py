@@ -33,7 +33,10 @@ def classify(files, leases=(), grace=3600.0, checkpoints=None):
     checkpoints = checkpoints if checkpoints is not None else [meta(1, ["shared/a.sst"])]
     reg = make_registry(job="j", now=NOW, files=files, checkpoints=checkpoints, leases=leases)
     plan = plan_gc(reg, grace_seconds=grace)
-    return {f.path: f.reason for f in plan.deletions + plan.kept}, plan
+    reasons = {f.path: f.reason for f in plan.deletions + plan.pending}
+    reasons.update({p: KEEP_REFERENCED for p in plan.referenced})
+    reasons.update({p: KEEP_COMMIT_RECORD for p in plan.commit_records})
+    return reasons, plan
 
 
 def test_every_reason():
@@ -118,7 +121,7 @@ def test_writer_lease_on_storage(store):
     with writer_lease(store.storage, "job run"):
         store.storage.write_bytes("shared/uploading.sst", b"u")
         report = collect_garbage(store, grace_seconds=0)
-    reasons = {f.path: f.reason for f in report.plan.kept}
+    reasons = {f.path: f.reason for f in report.plan.pending}
     assert reasons["shared/uploading.sst"] == KEEP_WRITER_ACTIVE
     assert store.storage.exists("shared/uploading.sst")
 

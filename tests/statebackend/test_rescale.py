@@ -216,3 +216,38 @@ def test_key_groups_of_test_keys_spread(tmp_path):
     # guards the fixture: the test keys must populate every key group range we cut
     groups = {key_group_for_bytes(k.encode(), M) for k in keys(N_KEYS)}
     assert len(groups) == M
+
+
+def test_memory_storage_runs_tasks_in_the_driver(tmp_path):
+    # no Spark: a worker process could not see this process's memory:// filesystem
+    store = build_source(tmp_path, f"memory://rescale-{os.getpid()}-{tmp_path.name}", 2)
+    before = content(store, store.latest())
+    summary = rescale(store, "latest", 3)
+    assert summary["to_parallelism"] == 3
+    assert content(store, store.latest()) == before
+    check_ranges_and_clip(store, store.latest())
+
+
+def test_export_key_groups_writes_exactly_the_range(tmp_path):
+    from rocksdict import IngestExternalFileOptions
+
+    from statebackend.keygroups import KeyGroupRange, key_group_of_rocks_key
+    from statebackend.rescale import count_keys, export_key_groups
+
+    (src,) = open_backends(str(tmp_path / "src"), 1, M, DESCRIPTORS)
+    (dst,) = open_backends(str(tmp_path / "dst"), 1, M, DESCRIPTORS)
+    try:
+        fill([src], keys(N_KEYS))
+        part = KeyGroupRange(40, 70)
+        ssts = export_key_groups(src, part, str(tmp_path / "export"))
+        for cf, (path, n) in ssts.items():
+            assert n == count_keys(src, cf, part) > 0
+            opts = IngestExternalFileOptions()
+            opts.set_move_files(True)
+            dst.column_family(cf).ingest_external_file([path], opts)
+        for cf in src.column_families:
+            got = list(dst.iter_raw(cf))
+            assert got == list(src.iter_raw(cf, part))
+            assert all(key_group_of_rocks_key(k) in part for k, _ in got)
+    finally:
+        close_all([src, dst])
