@@ -17,8 +17,11 @@ Same state for everyone: the keyed aggregation workload's value state ``totals``
           (the I/O floor of our approach), and (b) the source checkpoint's files copied
           once in-process with 4 threads (no Spark at all)
 
-Everything is timed after the SparkSession has started (and one trivial Python job
-warmed the workers). Each figure is the best of ``--repeats`` runs. Storage is
+Everything is timed after the SparkSession has started (and a tiny untimed rescale
+warmed the Python workers). The contenders run in interleaved rounds (the machine may be
+shared: drifting load hits them alike); each figure is the best of ``--repeats`` rounds,
+and the JSON output (``--json``) keeps every round. An empty Spark job with Q tasks is
+timed too: it is the scheduling floor every Spark-based contender pays. Storage is
 file:// under ``--workdir``. Run: ``python bench/bench_rescale.py [--quick]``.
 """
 
@@ -204,35 +207,22 @@ def state_rows(spark, location: str) -> tuple[int, int]:
     return df.count(), df.select("partition_id").distinct().count()
 
 
-def time_spark_repartition(spark, location: str, q: int, repeats: int, workdir: str
-                           ) -> tuple[float, str]:
-    best = float("inf")
-    last = ""
-    for r in range(repeats):
-        copy = os.path.join(workdir, f"sss-copy-{q}-{r}")
-        shutil.copytree(location, copy)
-        t = time.perf_counter()
-        spark._streamingCheckpointManager.repartition(copy, q)
-        best = min(best, time.perf_counter() - t)
-        last = copy
-    return best, last
+def fresh_copy(location: str, copy: str) -> str:
+    """A fresh copy of the streaming checkpoint to repartition (not timed)."""
+    shutil.copytree(location, copy)
+    return copy
+
+
+def empty_job(spark, tasks: int) -> None:
+    spark.sparkContext.parallelize(range(tasks), tasks).map(lambda x: x).collect()
 
 
 # -- main --------------------------------------------------------------------------
 
-def best_of(repeats: int, fn, *args):
-    best, out = float("inf"), None
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn(*args)
-        best = min(best, time.perf_counter() - t)
-    return best, out
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--keys", type=int, default=120_000)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
     ap.add_argument("--quick", action="store_true", help="20,000 keys, one repeat")
     ap.add_argument("--workdir", default=None, help="scratch folder (default: a temp dir)")
     ap.add_argument("--json", default=None, help="also write the figures to this JSON file")
@@ -264,18 +254,42 @@ def main(argv: list[str] | None = None) -> int:
         store = build_our_checkpoint(workdir, url, f"ours-{p}", p, events)
         src = store.latest()
         sid = src.checkpoint_id
-        ours_s, summary = best_of(repeats, lambda *a: rescale(*a, spark=spark), store, sid, q)
-        assert summary["rows"] == n_keys, summary["rows"]
-        naive_s, naive = best_of(repeats, naive_rescale, spark, store, sid, q)
-        assert naive["rows"] == n_keys, naive["rows"]
-        copy_job_s, copied_job = best_of(repeats, copy_as_spark_job, spark, store, sid, q)
-        copy_local_s, copied_local = best_of(repeats, copy_in_process, store, sid)
-
         location = os.path.join(workdir, f"sss-{p}")
         t = time.perf_counter()
         build_streaming_checkpoint(spark, events_dir, location, p)
         build_s = time.perf_counter() - t
-        spark_s, repartitioned = time_spark_repartition(spark, location, q, repeats, workdir)
+
+        # Rounds interleave the contenders so that load drifting on a shared machine
+        # hits them alike; each figure is the best round.
+        times: dict[str, list[float]] = {k: [] for k in
+                                         ("ours", "naive", "spark", "copy_job", "copy_local",
+                                          "empty_job")}
+        repartitioned = ""
+        for r in range(repeats):
+            t = time.perf_counter()
+            summary = rescale(store, sid, q, spark=spark)
+            times["ours"].append(time.perf_counter() - t)
+            assert summary["rows"] == n_keys, summary["rows"]
+            t = time.perf_counter()
+            naive = naive_rescale(spark, store, sid, q)
+            times["naive"].append(time.perf_counter() - t)
+            assert naive["rows"] == n_keys, naive["rows"]
+            repartitioned = fresh_copy(location, os.path.join(workdir, f"sss-{p}-{q}-{r}"))
+            t = time.perf_counter()
+            spark._streamingCheckpointManager.repartition(repartitioned, q)
+            times["spark"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            copied_job = copy_as_spark_job(spark, store, sid, q)
+            times["copy_job"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            copied_local = copy_in_process(store, sid)
+            times["copy_local"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            empty_job(spark, q)
+            times["empty_job"].append(time.perf_counter() - t)
+        best = {k: min(v) for k, v in times.items()}
+        ours_s, naive_s, spark_s = best["ours"], best["naive"], best["spark"]
+        copy_job_s, copy_local_s = best["copy_job"], best["copy_local"]
         rows_before, parts_before = state_rows(spark, location)
         rows_after, parts_after = state_rows(spark, repartitioned)
 
@@ -292,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
             "spark_state_rows": [rows_before, rows_after],
             "spark_state_partitions": [parts_before, parts_after],
             "spark_streaming_build_s": round(build_s, 2),
+            "empty_spark_job_s": round(best["empty_job"], 3),
+            "all_rounds_s": {k: [round(x, 3) for x in v] for k, v in times.items()},
             "ours_subtask_timings": [s["timings"] for s in summary["subtasks"]],
             "ratio_spark_over_ours": round(spark_s / ours_s, 2),
             "ratio_naive_over_ours": round(naive_s / ours_s, 2),
@@ -301,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(row)
         print(f"\n{p} -> {q}: ours {ours_s:.3f} s | naive iterate-and-put {naive_s:.3f} s | "
               f"Spark repartition {spark_s:.3f} s | copy as Spark job {copy_job_s:.3f} s | "
-              f"copy in-process {copy_local_s:.3f} s")
+              f"copy in-process {copy_local_s:.3f} s | empty {q}-task Spark job "
+              f"{best['empty_job']:.3f} s")
         print(f"  bytes: source checkpoint {src.bytes_referenced}, ours downloaded "
               f"{summary['bytes_downloaded']} uploaded {summary['bytes_uploaded']}; copy job "
               f"moved {copied_job}; naive uploaded {naive['bytes_uploaded']}")

@@ -291,22 +291,29 @@ def parse_metadata(data: bytes, where: str, memo: dict) -> CheckpointMetadata:
     if not isinstance(obj, dict) or not isinstance(obj.get("subtasks"), list) \
             or not all(isinstance(s, dict) for s in obj["subtasks"]):
         return CheckpointMetadata.from_json(obj, where)  # raises the precise error
-    stripped = dict(obj)
-    stripped["subtasks"] = []
+    # obj is ours (freshly decoded): take the file lists out in place
+    get = memo.get
     refs: list[tuple[tuple[FileRef, ...], tuple[FileRef, ...]]] = []
     for sub in obj["subtasks"]:
-        light = dict(sub)
         pair = []
         for key in ("shared_files", "private_files"):
             entries = sub.get(key)
-            if isinstance(entries, list):
-                pair.append(tuple(_memo_ref(e, where, memo) for e in entries))
-                light[key] = []
-            else:
+            if not isinstance(entries, list):
                 pair.append(())
-        stripped["subtasks"].append(light)
+                continue
+            out = []
+            for e in entries:  # the fast path of _memo_ref, inlined: 1M references
+                try:
+                    ref = get((e["path"], e["local_name"], e["size"], e["checksum"]))
+                except (TypeError, KeyError, IndexError):
+                    ref = None
+                if ref is None or type(e["size"]) is not int or len(e) != 4:
+                    ref = _memo_ref(e, where, memo)
+                out.append(ref)
+            pair.append(tuple(out))
+            sub[key] = []
         refs.append((pair[0], pair[1]))
-    meta = CheckpointMetadata.from_json(stripped, where)
+    meta = CheckpointMetadata.from_json(obj, where)
     subtasks = tuple(replace(s, shared_files=shared, private_files=private)
                      for s, (shared, private) in zip(meta.subtasks, refs, strict=True))
     return replace(meta, subtasks=subtasks)

@@ -35,8 +35,11 @@ def test_build_job_config_renders_the_interval(tmp_path):
     assert (cfg.job, cfg.parallelism, cfg.max_parallelism) == ("clicks", 2, 128)
     assert cfg.start_from is None
     seeded = make_spec(tmp_path, start_from="clicks_old/savepoints/before-upgrade")
-    cfg = steps.build_job_config(seeded, logical_date=None, airflow_run_id="manual__1")
-    assert cfg.start_from == "clicks_old/savepoints/before-upgrade" and cfg.run_id == "manual__1"
+    cfg = steps.build_job_config(seeded, logical_date=datetime(2027, 1, 2, tzinfo=UTC),
+                                 airflow_run_id="manual__1")
+    assert cfg.start_from == "clicks_old/savepoints/before-upgrade"
+    with pytest.raises(CkptError, match="'ds' is undefined"):  # no logical date: no interval
+        steps.build_job_config(seeded, logical_date=None, airflow_run_id="manual__1")
     args = steps.spark_submit_args(seeded)
     assert args[args.index("--start-from") + 1] == "clicks_old/savepoints/before-upgrade"
 

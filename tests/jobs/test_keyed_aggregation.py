@@ -267,3 +267,12 @@ def test_demo_runs_each_day_and_lists(spark, tmp_path, capsys):
     again = run_demo(str(tmp_path / "demo"), days=3, events_per_day=1000, n_keys=200,
                      spark=spark)
     assert all(s["skipped"] for s in again)
+
+
+def test_memory_storage_and_bad_options_are_refused(tmp_path):
+    from statebackend.errors import UsageError
+
+    with pytest.raises(UsageError, match="memory://x lives in one process"):
+        run(config(tmp_path, tmp_path, "r", storage="memory://x"))
+    with pytest.raises(UsageError, match="max-reject-fraction 2.0"):
+        run(config(tmp_path, tmp_path, "r", max_reject_fraction=2.0))

@@ -14,17 +14,26 @@ import urllib.request
 
 
 def call(base: str, method: str, path: str, token: str | None = None, body=None):
+    """One request; reads (GET) are retried when a busy server answers too slowly."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(base + path, data=data, method=method)
-    req.add_header("Content-Type", "application/json")
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            raw = resp.read()
-            status = resp.status
-    except urllib.error.HTTPError as exc:
-        raw, status = exc.read(), exc.code
+    attempts = 4 if method == "GET" else 1
+    for attempt in range(attempts):
+        req = urllib.request.Request(base + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        if token:
+            req.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                raw = resp.read()
+                status = resp.status
+            break
+        except urllib.error.HTTPError as exc:
+            raw, status = exc.read(), exc.code
+            break
+        except (TimeoutError, urllib.error.URLError) as exc:
+            if attempt == attempts - 1:
+                raise RuntimeError(f"{method} {path}: {exc}") from exc
+            time.sleep(5)
     try:
         return status, json.loads(raw)
     except ValueError:
