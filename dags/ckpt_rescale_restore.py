@@ -8,15 +8,20 @@ has an active run; validates the new checkpoint.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from airflow.sdk import Param, dag, task
 
 from jobs.pipeline_config import JobSpec, load_job_specs
 
 CHECKPOINT_PATTERN = r"^(latest|chk-[0-9]+|[0-9]+)$"
+# Manual runs are created "now": a start_date after that (the job's first interval may lie
+# in the future) would leave a triggered run with no task to run.
+MANUAL_START = datetime(2020, 1, 1, tzinfo=UTC)
 
 
 def build_rescale(spec: JobSpec):
-    @dag(dag_id=spec.rescale_dag_id, schedule=None, start_date=spec.start_datetime(),
+    @dag(dag_id=spec.rescale_dag_id, schedule=None, start_date=MANUAL_START,
          catchup=False, max_active_runs=1, tags=["ckpt", spec.name, "rescale"],
          default_args={"owner": "ckpt", "retries": 0},
          params={

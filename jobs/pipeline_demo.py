@@ -122,7 +122,11 @@ def main() -> int:
     conf = json.dumps({"parallelism": RESCALE_TO, "checkpoint": "latest", "dry_run": False})
     step(f"{JOB}_rescale_restore with conf {conf}",
          airflow("dags", "test", f"{JOB}_rescale_restore", "-c", conf), "05-rescale.log", env)
-    print(f"    latest: {describe_latest(env)}")
+    latest = describe_latest(env)
+    print(f"    latest: {latest}")
+    if f"P={RESCALE_TO}" not in latest:
+        raise SystemExit(f"demo: the rescale committed no checkpoint with P={RESCALE_TO}; "
+                         f"see {os.path.join(LOGS, '05-rescale.log')}")
     step(f"{JOB}_maintenance (retention, GC, deep validation of the latest)",
          airflow("dags", "test", f"{JOB}_maintenance", dates[-1]), "06-maintenance.log", env)
 

@@ -24,6 +24,11 @@ every planner built on the registry refuses to plan (it cannot know what an
 unreadable checkpoint references). A `_metadata` or lease that disappears
 between listing and reading (a concurrent retention or release) is skipped:
 it no longer exists. Metadata is read by a thread pool (I/O bound on S3).
+
+Scale (10,000 checkpoints x 100 references): each distinct file reference is
+validated once (`parse_metadata`), committed ids come from one listing of the
+job's folders (`committed_ids`), ``file://`` is listed with ``os.scandir``, and
+planners use set algebra over `owner_paths` instead of per-reference loops.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from datetime import UTC, datetime
 
 import pytest
 
@@ -87,6 +88,9 @@ def test_dag_shapes_params_and_retries():
     outlets = pipe.get_task("validate").outlets
     assert [a.name for a in outlets] == ["ckpt_clicks"]
     res = bag.dags["clicks_rescale_restore"]
+    # Manual runs are created "now": a future start_date would leave them without tasks.
+    assert res.start_date <= datetime.now(UTC)
+    assert all(t.start_date is None or t.start_date <= datetime.now(UTC) for t in res.tasks)
     assert res.schedule is None if hasattr(res, "schedule") else True
     assert set(res.params) == {"parallelism", "checkpoint", "dry_run"}
     schema = res.params.get_param("parallelism").schema
