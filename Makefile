@@ -29,7 +29,7 @@ test-fast: install
 	$(VENV)/bin/pytest -q -m "not slow"
 
 demo: install
-	$(PY) -m jobs.demo
+	$(PY) -m jobs.pipeline_demo
 
 bench: install
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

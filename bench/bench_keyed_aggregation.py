@@ -143,26 +143,30 @@ def bench(args: argparse.Namespace) -> dict:
     days = [f for f, _ in generate_days(os.path.join(work, "input"), args.runs,
                                         events_per_day=args.events, n_keys=args.keys, seed=3)]
     table: dict[str, dict[str, list[dict]]] = {}
+
+    def spec(mode: str, variant: str) -> dict:
+        return {"variant": variant, "days": days, "parallelism": args.parallelism,
+                "master": args.master, "events": args.events,
+                "changelog": variant == "spark-changelog",
+                "work": os.path.join(work, mode, variant)}
+
     for mode in args.modes:
-        for variant in VARIANTS:
-            base = {"variant": variant, "days": days, "parallelism": args.parallelism,
-                    "master": args.master, "events": args.events,
-                    "changelog": variant == "spark-changelog",
-                    "work": os.path.join(work, mode, variant)}
-            runs: list[dict] = []
-            if mode == "process":
-                for day in range(args.runs):
-                    results, wall = spawn({**base, "run_days": [day]})
+        runs = table.setdefault(mode, {v: [] for v in VARIANTS})
+        if mode == "process":
+            # Interleaved by day, so load changes on a shared machine hit every variant alike.
+            for day in range(args.runs):
+                for variant in VARIANTS:
+                    results, wall = spawn({**spec(mode, variant), "run_days": [day]})
                     res = results[0]
                     res["wall_s"] = wall  # whole process: JVM start, query, shutdown
-                    runs.append(res)
+                    runs[variant].append(res)
                     _print_run(mode, variant, res)
-            else:
-                results, _ = spawn({**base, "run_days": list(range(args.runs))})
+        else:
+            for variant in VARIANTS:
+                results, _ = spawn({**spec(mode, variant), "run_days": list(range(args.runs))})
                 for res in results:
-                    runs.append(res)
+                    runs[variant].append(res)
                     _print_run(mode, variant, res)
-            table.setdefault(mode, {})[variant] = runs
     return table
 
 

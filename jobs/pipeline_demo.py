@@ -92,8 +92,14 @@ def describe_latest(env: dict) -> str:
     meta = open_store(find_spec(JOB)).latest()
     if meta is None:
         return "no checkpoint"
-    return (f"chk-{meta.checkpoint_id} ({meta.kind}, P={meta.parallelism}, run "
-            f"{meta.run_id}): state {meta.bytes_referenced} B, uploaded {meta.bytes_uploaded} B")
+    return (f"chk-{meta.checkpoint_id} ({meta.kind}, P={meta.parallelism}, {origin(meta)}): "
+            f"state {meta.bytes_referenced} B, uploaded {meta.bytes_uploaded} B")
+
+
+def origin(meta) -> str:
+    if meta.kind == "rescale":
+        return f"rescale of chk-{meta.parent} from P={meta.rescaled_from}"
+    return f"run {meta.run_id}"
 
 
 def main() -> int:
@@ -147,7 +153,7 @@ def main() -> int:
     for meta in store.load_all():
         print(f"  chk-{meta.checkpoint_id:<3} {meta.kind:<10} P={meta.parallelism:<2} "
               f"state {meta.bytes_referenced:>9} B  uploaded {meta.bytes_uploaded:>9} B  "
-              f"run {meta.run_id}")
+              f"{origin(meta)}")
     reports = sorted({p.path.split("/")[1] for p in store.storage.walk_files("reports")})
     chk_dir = os.path.relpath(os.path.join(DEMO, "checkpoints", JOB), ROOT)
     rel = os.path.relpath
