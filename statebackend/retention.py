@@ -215,6 +215,10 @@ def execute_retention(store: CheckpointStore, plan: RetentionPlan, *,
     failures += file_failures
     failed |= {p for p, _ in file_failures}
     deleted = tuple(a for a in meta_actions + file_actions if a.path not in failed)
+    # A retired checkpoint's validation report describes state that no longer exists.
+    for a in meta_actions:
+        if a.path not in failed:
+            storage.delete_tree(f"reports/chk-{a.checkpoint_id}")
     prune_empty_dirs(storage, [a.path for a in deleted])
     spared = tuple(sorted({a.path for a in plan.deletions} - {a.path for a in deleted}
                           - failed))

@@ -117,3 +117,14 @@ def test_malformed_metadata_refuses_the_whole_plan(tmp_path):
     with pytest.raises(MetadataError):
         retain(store, 1)
     assert sorted(f.path for f in store.storage.walk_files("")) == before
+
+
+def test_retiring_a_checkpoint_removes_its_validation_report(tmp_path):
+    store = CheckpointStore(open_storage(f"file://{tmp_path}/s"), "j")
+    for m in chain():
+        write_meta(store, m)
+    store.storage.write_bytes("reports/chk-1/summary.json", b"{}")
+    store.storage.write_bytes("reports/chk-4/summary.json", b"{}")
+    retain(store, 2)
+    assert not store.storage.exists("reports/chk-1/summary.json")
+    assert store.storage.exists("reports/chk-4/summary.json")
