@@ -158,8 +158,10 @@ def _lineage_shape(config: JobConfig, parent: CheckpointMetadata | None, spark) 
                 print(f"keyed_aggregation: {name} {asked} ignored: the lineage keeps {kept} "
                       "(use rescale-restore to change parallelism)", file=sys.stderr)
         return parent.parallelism, parent.max_parallelism
-    p = config.parallelism or spark.sparkContext.defaultParallelism
-    p = min(p, config.max_parallelism)
+    if config.parallelism is not None:
+        check_parallelism(config.parallelism, config.max_parallelism)
+        return config.parallelism, config.max_parallelism
+    p = min(spark.sparkContext.defaultParallelism, config.max_parallelism)
     check_parallelism(p, config.max_parallelism)
     return p, config.max_parallelism
 

@@ -36,7 +36,7 @@ Order and failure handling (upload first, commit last):
 4. else write ``chk-<id>/_metadata`` (exclusive create), release the leases.
 
 A Spark worker cannot see this process's ``memory://`` filesystem, so memory
-storage runs the same tasks in a thread pool of the driver.
+storage runs the same tasks one after the other in the driver.
 """
 
 from __future__ import annotations
@@ -407,8 +407,9 @@ def _task_specs(store: CheckpointStore, meta: CheckpointMetadata, plan: RescaleP
 def _run_tasks(specs: list[dict], store: CheckpointStore, master: str | None, spark,
                description: str) -> list[dict]:
     if store.storage.protocol == "memory":
-        with ThreadPoolExecutor(max_workers=min(4, len(specs))) as pool:
-            return list(pool.map(run_subtask, specs))
+        # One after the other: fsspec's memory filesystem hands every reader of a file
+        # the same file object, so two subtasks reading one old handle would collide.
+        return [run_subtask(spec) for spec in specs]
     if spark is None:
         from jobs.spark_session import get_spark
 
