@@ -159,6 +159,13 @@ class Storage:
             if self.protocol == "file":
                 size, crc = _copy_local_file(self.abspath(rel), local_path)
                 return size, crc32_hex(crc)
+            if self.protocol == "memory":
+                # fsspec's memory FS hands every "rb" opener the same file object, so
+                # concurrent streamed reads corrupt each other; take the bytes whole.
+                data = self.fs.cat_file(self.abspath(rel))
+                with open(local_path, "wb") as fh:
+                    fh.write(data)
+                return len(data), crc32_hex(zlib.crc32(data))
             # The backend's own streaming download (one GET, no buffered-file cache),
             # then the checksum over the bytes that landed, read back from the page
             # cache: faster than a buffered read loop (bench/bench_state_backend.py).
@@ -177,6 +184,9 @@ class Storage:
 
     def checksum(self, rel: str) -> tuple[int, str]:
         """(size, checksum) of a stored file, streamed."""
+        if self.protocol == "memory":  # shared file objects: see get_file
+            data = self.read_bytes(rel)
+            return len(data), crc32_hex(zlib.crc32(data))
         crc = 0
         size = 0
         with self._errors(rel), self.fs.open(self.abspath(rel), "rb") as src:
