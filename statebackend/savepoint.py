@@ -36,6 +36,7 @@ import json
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 from .checkpoints import METADATA_FILE, CheckpointStore, check_job_name
 from .errors import CheckpointNotFoundError, StorageError, UsageError
@@ -77,22 +78,11 @@ def create_savepoint(store: CheckpointStore, ref: str | int | None,
             # the checkpoint may have been retired between resolve and hold: re-read it
             meta = store.load(meta.checkpoint_id)
             copies: list[tuple[str, str]] = []
-            subtasks = []
-            for sub in meta.subtasks:
-                def moved(refs: Sequence[FileRef], sub: SubtaskHandle = sub) -> tuple[FileRef, ...]:
-                    out = []
-                    for f in refs:
-                        dst = f"{base}/{sub.index}/{f.local_name}"
-                        copies.append((f.path, dst))
-                        out.append(FileRef(dst, f.local_name, f.size, f.checksum))
-                    return tuple(out)
-
-                subtasks.append(SubtaskHandle(
-                    index=sub.index, key_group_start=sub.key_group_start,
-                    key_group_end=sub.key_group_end, backend_id=sub.backend_id,
-                    snapshot_id=sub.snapshot_id, shared_files=moved(sub.shared_files),
-                    private_files=moved(sub.private_files), row_counts=dict(sub.row_counts),
-                    bytes_uploaded=sub.size))
+            subtasks = [
+                _relocated(sub, copies,
+                           shared_to=lambda f, i=sub.index: f"{base}/{i}/{f.local_name}",
+                           private_to=lambda f, i=sub.index: f"{base}/{i}/{f.local_name}")
+                for sub in meta.subtasks]
             _check_unique([dst for _, dst in copies], f"savepoint {name!r}")
             _copy_all(storage, copies)
             saved = meta.with_changes(
@@ -178,24 +168,9 @@ def _import(root: Storage, target: CheckpointStore, meta: CheckpointMetadata,
     subtasks = []
     for sub in meta.subtasks:
         prefix = private_dir(cid, sub.index, sub.snapshot_id)
-
-        def moved(refs: Sequence[FileRef], name_of: Callable[[FileRef], str]
-                  ) -> tuple[FileRef, ...]:
-            out = []
-            for f in refs:
-                dst = name_of(f)
-                copies.append((f.path, dst))
-                out.append(FileRef(dst, f.local_name, f.size, f.checksum))
-            return tuple(out)
-
-        subtasks.append(SubtaskHandle(
-            index=sub.index, key_group_start=sub.key_group_start,
-            key_group_end=sub.key_group_end, backend_id=sub.backend_id,
-            snapshot_id=sub.snapshot_id,
-            shared_files=moved(sub.shared_files,
-                               lambda f: f"shared/{uuid.uuid4().hex}-{f.local_name}"),
-            private_files=moved(sub.private_files, lambda f, p=prefix: f"{p}/{f.local_name}"),
-            row_counts=dict(sub.row_counts), bytes_uploaded=sub.size))
+        subtasks.append(_relocated(
+            sub, copies, shared_to=lambda f: f"shared/{uuid.uuid4().hex}-{f.local_name}",
+            private_to=lambda f, p=prefix: f"{p}/{f.local_name}"))
     _check_unique([dst for _, dst in copies], f"checkpoint {cid} of job {target.job!r}")
     first = CheckpointMetadata(
         job=target.job, checkpoint_id=cid, parent=None, parallelism=meta.parallelism,
@@ -214,6 +189,26 @@ def _import(root: Storage, target: CheckpointStore, meta: CheckpointMetadata,
         target.storage.delete_many(dst for _, dst in copies)
         raise
     return first
+
+
+def _relocated(sub: SubtaskHandle, copies: list[tuple[str, str]], *,
+               shared_to: Callable[[FileRef], str],
+               private_to: Callable[[FileRef], str]) -> SubtaskHandle:
+    """The handle with every file at its new path; appends (src, dst) to ``copies``.
+
+    The copy is self-contained, so all its bytes count as uploaded by it.
+    """
+    def moved(refs: Sequence[FileRef], name_of: Callable[[FileRef], str]) -> tuple[FileRef, ...]:
+        out = []
+        for f in refs:
+            dst = name_of(f)
+            copies.append((f.path, dst))
+            out.append(FileRef(dst, f.local_name, f.size, f.checksum))
+        return tuple(out)
+
+    return replace(sub, shared_files=moved(sub.shared_files, shared_to),
+                   private_files=moved(sub.private_files, private_to),
+                   row_counts=dict(sub.row_counts), bytes_uploaded=sub.size)
 
 
 def _check_unique(paths: list[str], what: str) -> None:
