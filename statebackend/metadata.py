@@ -19,7 +19,7 @@ Layout of one record (format 1)::
                    "backend_id": "...", "snapshot_id": "...", "bytes_uploaded": 123,
                    "shared_files": [{"path": "shared/<uuid>-000012.sst",
                                      "local_name": "000012.sst", "size": 1,
-                                     "checksum": "crc32:..."}],
+                                     "checksum": "crc32c:..."}],
                    "private_files": [...], "row_counts": {"totals": 10}}],
      "extra": {}}
 """

@@ -29,7 +29,7 @@ from .errors import StorageError
 from .keygroups import KeyGroupRange
 from .metadata import FileRef, SubtaskHandle
 from .state import StateDescriptor
-from .storage import Storage
+from .storage import Storage, checksum_algorithm
 
 DOWNLOAD_THREADS = 4
 
@@ -40,7 +40,8 @@ def download_files(job_storage: Storage, files: Sequence[FileRef], target_dir: s
     os.makedirs(target_dir, exist_ok=True)
 
     def fetch(ref: FileRef) -> None:
-        size, checksum = job_storage.get_file(ref.path, os.path.join(target_dir, ref.local_name))
+        size, checksum = job_storage.get_file(ref.path, os.path.join(target_dir, ref.local_name),
+                                              checksum_algorithm(ref.checksum))
         if verify and (size != ref.size or checksum != ref.checksum):
             raise StorageError(
                 f"{ref.path}: downloaded {size} bytes with {checksum}, metadata records "

@@ -44,7 +44,7 @@ from ..metadata import CheckpointMetadata, FileRef, SubtaskHandle
 from ..serialization import RECORD_FORMAT, RecordCodec, decode_list, split_map_key
 from ..state import StateDescriptor
 from ..storage import Storage
-from .manifest import FileFacts
+from .manifest import FileFacts, recorded_algorithm
 
 DOWNLOAD_THREADS = 4
 STATE_COLUMNS = ["subtask", "state", "key", "user_key", "key_group", "computed_key_group",
@@ -68,7 +68,8 @@ def download_checked(storage: Storage, files: Sequence[FileRef], target: str,
 
     def fetch(ref: FileRef) -> FileFacts:
         try:
-            size, checksum = storage.get_file(ref.path, os.path.join(target, ref.local_name))
+            size, checksum = storage.get_file(ref.path, os.path.join(target, ref.local_name),
+                                              recorded_algorithm(ref.checksum))
         except StorageError as exc:
             if isinstance(exc.__cause__, FileNotFoundError):
                 return FileFacts(exists=False)

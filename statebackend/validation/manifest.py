@@ -32,7 +32,7 @@ from ..checkpoints import CheckpointStore, metadata_path
 from ..errors import CkptError, MetadataError
 from ..keygroups import MAX_MAX_PARALLELISM
 from ..metadata import CheckpointMetadata
-from ..storage import safe_relpath
+from ..storage import CHECKSUM_ALGORITHM, checksum_algorithm, safe_relpath
 
 CHECK_THREADS = 8
 
@@ -115,15 +115,23 @@ def _file_records(obj: dict | None, checkpoint_id: int) -> list[dict]:
 
 
 def file_facts(store: CheckpointStore, paths: list[str], checksums: bool,
-               threads: int = CHECK_THREADS) -> dict[str, FileFacts]:
-    """Existence, size and (optionally) streamed checksum of each safe path."""
+               threads: int = CHECK_THREADS,
+               algorithms: dict[str, str] | None = None) -> dict[str, FileFacts]:
+    """Existence, size and (optionally) streamed checksum of each safe path.
+
+    ``algorithms`` maps a path to the algorithm of its recorded checksum
+    (default: the current one), so old "crc32:" records are verified as written.
+    """
+    algorithms = algorithms or {}
+
     def probe(rel: str) -> FileFacts:
         info = store.storage.info(rel)
         if info is None:
             return FileFacts(exists=False)
         facts = FileFacts(exists=True, size=info.size)
         if checksums:
-            facts.size, facts.checksum = store.storage.checksum(rel)
+            algorithm = algorithms.get(rel, CHECKSUM_ALGORITHM)
+            facts.size, facts.checksum = store.storage.checksum(rel, algorithm)
         return facts
 
     unique = sorted(set(paths))
@@ -225,7 +233,9 @@ def build_manifest(store: CheckpointStore, checkpoint_id: int, *, checksums: boo
     """Every manifest table; with ``checksums`` each existing file is read once."""
     _, obj, meta, error = read_raw_metadata(store, checkpoint_id)
     records = _file_records(obj, checkpoint_id)
-    facts = file_facts(store, [r["safe_path"] for r in records if r["safe_path"]], checksums)
+    algorithms = {r["safe_path"]: recorded_algorithm(r["recorded_checksum"])
+                  for r in records if r["safe_path"]}
+    facts = file_facts(store, list(algorithms), checksums, algorithms=algorithms)
     return ManifestTables(
         checkpoint_id=checkpoint_id, raw=obj, meta=meta, metadata_error=error,
         files=files_table(records, facts), subtasks=subtasks_table(obj, checkpoint_id),
@@ -237,3 +247,11 @@ def refresh_files(tables: ManifestTables, facts: dict[str, FileFacts]) -> None:
     tables.facts.update(facts)
     records = _file_records(tables.raw, tables.checkpoint_id)
     tables.files = files_table(records, tables.facts)
+
+
+def recorded_algorithm(recorded: str) -> str:
+    """Algorithm of a recorded checksum; an unknown one is reported as a mismatch."""
+    try:
+        return checksum_algorithm(recorded)
+    except MetadataError:
+        return CHECKSUM_ALGORITHM

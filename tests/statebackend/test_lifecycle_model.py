@@ -24,7 +24,6 @@ import os
 import shutil
 import tempfile
 import uuid
-import zlib
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -50,7 +49,7 @@ from statebackend.retention import retain
 from statebackend.savepoint import create_savepoint
 from statebackend.snapshot import checkpoint_backends, upload_snapshot
 from statebackend.state import StateDescriptor
-from statebackend.storage import crc32_hex, open_storage
+from statebackend.storage import checksum_algorithm, checksum_of_bytes, open_storage
 
 DESC = (StateDescriptor("v", "value"),)
 M = 8
@@ -218,7 +217,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             for ref in meta.files:
                 data = self.store.storage.read_bytes(ref.path)
                 assert len(data) == ref.size, ref.path
-                assert crc32_hex(zlib.crc32(data)) == ref.checksum, ref.path
+                assert checksum_of_bytes(data, checksum_algorithm(ref.checksum)) == ref.checksum, \
+                    ref.path
                 actual.append((ref.path, ref.checksum))
             fingerprint = frozenset(actual)
             if self.verified.get(label) == fingerprint:

@@ -12,7 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from statebackend.errors import StorageError, StorageFullError, UnsafePathError, UsageError
-from statebackend.storage import child_storage, crc32_hex, open_storage, safe_relpath
+from statebackend.storage import (
+    checksum_of_bytes,
+    child_storage,
+    crc32_hex,
+    open_storage,
+    safe_relpath,
+)
 
 
 @pytest.fixture
@@ -52,14 +58,18 @@ def test_put_get_file_checksums(storage, tmp_path):
     src = tmp_path / "src.sst"
     src.write_bytes(data)
     size, checksum = storage.put_file(str(src), "shared/x-000001.sst")
-    assert size == len(data) and checksum == crc32_hex(zlib.crc32(data))
+    assert size == len(data) and checksum == checksum_of_bytes(data)
+    assert checksum.startswith("crc32c:")
+    # references recorded with the older CRC32 are still verified as written
+    legacy = crc32_hex(zlib.crc32(data))
+    assert storage.checksum("shared/x-000001.sst", "crc32") == (size, legacy)
     assert storage.checksum("shared/x-000001.sst") == (size, checksum)
     dst = tmp_path / "dst.sst"
     assert storage.get_file("shared/x-000001.sst", str(dst)) == (size, checksum)
     assert dst.read_bytes() == data
     empty = tmp_path / "empty"
     empty.write_bytes(b"")
-    assert storage.put_file(str(empty), "p/empty") == (0, crc32_hex(0))
+    assert storage.put_file(str(empty), "p/empty") == (0, checksum_of_bytes(b""))
     with pytest.raises(StorageError, match="does not exist"):
         storage.get_file("shared/none.sst", str(tmp_path / "none"))
 
