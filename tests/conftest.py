@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import uuid
@@ -71,3 +72,5 @@ def spark():
     session = get_spark("local[2]", app_name="ckpt-tests")
     yield session
     session.stop()
+    # py4j logs from __del__ at interpreter exit, after pytest closed the captured streams.
+    logging.getLogger("py4j").setLevel(logging.WARNING)
