@@ -267,13 +267,12 @@ def test_storage_stays_bounded_over_50_runs(tmp_path, capsys):
     """50 runs, --keep 3 and GC after each: referenced bytes stay bounded.
 
     300 of 3000 keys get new incompressible values per run; RocksDB compacts on
-    its own (L0 -> L1 every 4 flushes) and we compact explicitly every 10 runs.
-    A compaction rewrites the whole (small) state, so right after one the three
-    retained checkpoints may each hold their own full copy: the ratio of
-    referenced bytes to the live state (the newest checkpoint) then peaks near
-    ``keep`` and falls back once older checkpoints retire. We assert the typical
-    (median) ratio is within 2x, the peak within keep (+ private files), and that
-    neither the ratio nor the stored bytes grow from the first to the last runs.
+    its own and we compact explicitly (a full rewrite) every 10 runs. Right after a
+    full rewrite the three retained checkpoints may each hold their own full copy:
+    the ratio of referenced bytes to the live state (the newest checkpoint) then
+    peaks near ``keep`` and falls back once older checkpoints retire. We assert the
+    end (the issue's criterion) and the typical (median) ratio are within 2x, the
+    peak within keep (+ private files), and that the stored bytes do not grow.
     """
     import statistics
     import uuid
@@ -303,6 +302,7 @@ def test_storage_stays_bounded_over_50_runs(tmp_path, capsys):
                   f"{referenced / live:.2f}; ratio over runs: median {median:.2f}, "
                   f"min {min(ratios):.2f}, max {max(ratios):.2f}; peak stored "
                   f"{max(stored_per_run)} B")
+        assert referenced <= 2.0 * live
         assert median <= 2.0
         assert max(ratios) <= 3.75  # keep=3 full copies right after compactions + private files
         # No growth. RocksDB's background compactions land at slightly different runs
