@@ -161,7 +161,7 @@ def main() -> int:
 Where things are:
   checkpoints      {chk_dir}/   (chk-<id>/_metadata, shared/)
   reports          {chk_dir}/reports/  ({', '.join(reports)})
-                   open <report>/data_docs/index.html in a browser
+                   open <report>/index.html in a browser (links to the Data Docs pages)
   job output       {rel(os.path.join(DATA, 'output', JOB), ROOT)}/
   Airflow logs     {rel(os.path.join(AIRFLOW_HOME, 'logs'), ROOT)}/ and {rel(LOGS, ROOT)}/
   inspect          .venv/bin/ckpt --storage {STORAGE} --job {JOB} list
