@@ -32,14 +32,19 @@ from .metadata import CheckpointMetadata, SubtaskHandle
 from .storage import Storage, child_storage, safe_relpath
 
 METADATA_FILE = "_metadata"
-_CHK_RE = re.compile(r"^chk-(\d+)$")
-_JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+CHK_DIR_RE = re.compile(r"^chk-(\d+)$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+
+
+def check_name(what: str, name: str) -> str:
+    """A job or savepoint name: one safe path segment."""
+    if not isinstance(name, str) or not _NAME_RE.match(name) or ".." in name:
+        raise UsageError(f"{what} {name!r} is invalid: use letters, digits, '_', '-', '.'")
+    return name
 
 
 def check_job_name(job: str) -> str:
-    if not isinstance(job, str) or not _JOB_NAME_RE.match(job) or ".." in job:
-        raise UsageError(f"job name {job!r} is invalid: use letters, digits, '_', '-', '.'")
-    return job
+    return check_name("job name", job)
 
 
 def metadata_path(checkpoint_id: int) -> str:
@@ -72,7 +77,7 @@ class CheckpointStore:
         """Ids of every chk-<id> folder, committed or not, ascending."""
         ids = []
         for name in self.storage.list_dir(""):
-            m = _CHK_RE.match(name)
+            m = CHK_DIR_RE.match(name)
             if m:
                 ids.append(int(m.group(1)))
         return sorted(ids)
@@ -81,7 +86,7 @@ class CheckpointStore:
         """Ids of committed checkpoints (those with `_metadata`), ascending."""
         committed = set()
         for path in self.storage.glob(f"chk-*/{METADATA_FILE}"):
-            m = _CHK_RE.match(path.split("/")[0])
+            m = CHK_DIR_RE.match(path.split("/")[0])
             if m:
                 committed.add(int(m.group(1)))
         return sorted(committed)
@@ -121,7 +126,7 @@ class CheckpointStore:
                     f"job {self.job!r} has no committed checkpoint under {self.root_storage.url}")
             return meta
         text = str(ref)
-        m = _CHK_RE.match(text)
+        m = CHK_DIR_RE.match(text)
         if m:
             text = m.group(1)
         if not text.isdigit():

@@ -35,14 +35,19 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
-from .checkpoints import METADATA_FILE, CheckpointStore, metadata_path
-from .errors import CheckpointNotFoundError, MetadataError, StorageError, UsageError
+from .checkpoints import (
+    CHK_DIR_RE,
+    METADATA_FILE,
+    CheckpointStore,
+    check_name,
+    metadata_path,
+)
+from .errors import CheckpointNotFoundError, MetadataError, StorageError
 from .leases import LEASES_DIR, WRITER_LEASE, Lease
 from .metadata import CheckpointMetadata, FileRef
 from .storage import FileInfo, Storage
@@ -60,14 +65,10 @@ try:  # msgspec (an Airflow dependency) decodes JSON about twice as fast as the 
             raise ValueError(str(exc)) from exc
 except ImportError:  # pragma: no cover - stdlib fallback
     _loads = json.loads
-_CHK_DIR_RE = re.compile(r"^chk-(\d+)$")
-_SAVEPOINT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 
 
 def check_savepoint_name(name: str) -> str:
-    if not isinstance(name, str) or not _SAVEPOINT_NAME_RE.match(name) or ".." in name:
-        raise UsageError(f"savepoint name {name!r} is invalid: use letters, digits, '_', '-', '.'")
-    return name
+    return check_name("savepoint name", name)
 
 
 def savepoint_metadata_path(name: str) -> str:
@@ -93,7 +94,7 @@ def as_datetime(now: datetime | float | None) -> datetime:
 
 def chk_id_of(path: str) -> int | None:
     """The id of ``chk-<id>/...`` paths, else None."""
-    m = _CHK_DIR_RE.match(path.split("/", 1)[0])
+    m = CHK_DIR_RE.match(path.split("/", 1)[0])
     return int(m.group(1)) if m else None
 
 
