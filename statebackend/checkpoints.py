@@ -24,7 +24,6 @@ from .errors import (
     JobNotFoundError,
     LeaseConflictError,
     MetadataError,
-    StorageError,
     UsageError,
 )
 from .keygroups import check_parallelism, key_group_range_for_subtask
@@ -94,14 +93,11 @@ class CheckpointStore:
     def load(self, checkpoint_id: int) -> CheckpointMetadata:
         rel = metadata_path(checkpoint_id)
         where = f"{self.storage.url}/{rel}"
-        try:
-            data = self.storage.read_bytes(rel)
-        except StorageError as exc:
-            if isinstance(exc.__cause__, FileNotFoundError):
-                raise CheckpointNotFoundError(
-                    f"checkpoint {checkpoint_id} of job {self.job!r} not found "
-                    f"(no {where}); see `ckpt list`") from exc
-            raise
+        data = self.storage.read_bytes_if_exists(rel)
+        if data is None:
+            raise CheckpointNotFoundError(
+                f"checkpoint {checkpoint_id} of job {self.job!r} not found "
+                f"(no {where}); see `ckpt list`")
         meta = CheckpointMetadata.from_bytes(data, where)
         if meta.checkpoint_id != checkpoint_id or meta.job != self.job:
             raise MetadataError(

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from .errors import LeaseConflictError, MetadataError, StorageError
+from .errors import LeaseConflictError, MetadataError
 from .storage import Storage
 
 LEASES_DIR = "leases"
@@ -146,7 +146,6 @@ def hold(job_storage: Storage, purpose: str, checkpoint_ids: Sequence[int],
 
 
 def _read(job_storage: Storage, rel: str) -> Lease | None:
-    try:
-        return Lease.from_bytes(job_storage.read_bytes(rel), f"{job_storage.url}/{rel}")
-    except StorageError:
-        return None
+    # Only "absent" means no lease: an unreachable store must not look like a free lease.
+    data = job_storage.read_bytes_if_exists(rel)
+    return None if data is None else Lease.from_bytes(data, f"{job_storage.url}/{rel}")

@@ -218,12 +218,9 @@ def build_registry(store: CheckpointStore, *, now: datetime | float | None = Non
 
     def read_checkpoint(cid: int) -> CheckpointMetadata | None:
         rel = metadata_path(cid)
-        try:
-            data = storage.read_bytes(rel)
-        except StorageError as exc:
-            if isinstance(exc.__cause__, FileNotFoundError):
-                return None  # retired since the listing
-            raise
+        data = storage.read_bytes_if_exists(rel)
+        if data is None:
+            return None  # retired since the listing
         where = f"{storage.url}/{rel}"
         meta = parse_metadata(data, where, memo)
         if meta.checkpoint_id != cid or meta.job != store.job:
@@ -399,12 +396,9 @@ def is_lease_file(path: str) -> bool:
 
 
 def _read_lease(storage: Storage, path: str) -> Lease | None:
-    try:
-        data = storage.read_bytes(path)
-    except StorageError as exc:
-        if isinstance(exc.__cause__, FileNotFoundError):
-            return None  # released since the listing
-        raise
+    data = storage.read_bytes_if_exists(path)
+    if data is None:
+        return None  # released since the listing
     return Lease.from_bytes(data, f"{storage.url}/{path}")
 
 
@@ -422,13 +416,10 @@ def load_savepoint(store: CheckpointStore, name: str) -> CheckpointMetadata:
     check_savepoint_name(name)
     rel = savepoint_metadata_path(name)
     where = f"{store.storage.url}/{rel}"
-    try:
-        data = store.storage.read_bytes(rel)
-    except StorageError as exc:
-        if isinstance(exc.__cause__, FileNotFoundError):
-            raise CheckpointNotFoundError(
-                f"savepoint {name!r} of job {store.job!r} not found (no {where})") from exc
-        raise
+    data = store.storage.read_bytes_if_exists(rel)
+    if data is None:
+        raise CheckpointNotFoundError(
+            f"savepoint {name!r} of job {store.job!r} not found (no {where})")
     meta = CheckpointMetadata.from_bytes(data, where)
     if meta.kind != "savepoint" or meta.job != store.job:
         raise MetadataError(f"malformed metadata {where}: it describes a {meta.kind} of job "

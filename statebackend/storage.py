@@ -135,6 +135,15 @@ class Storage:
         with self._errors(rel):
             return self.fs.cat_file(self.abspath(rel))
 
+    def read_bytes_if_exists(self, rel: str) -> bytes | None:
+        """The file's bytes, or None if it does not exist (other failures raise)."""
+        try:
+            return self.read_bytes(rel)
+        except StorageError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):
+                return None
+            raise
+
     def write_bytes(self, rel: str, data: bytes) -> None:
         with self._reserved(len(data)), self._errors(rel):
             path = self.abspath(rel)

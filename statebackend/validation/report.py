@@ -39,7 +39,6 @@ from typing import Any
 import numpy as np
 
 from ..checkpoints import CheckpointStore
-from ..errors import StorageError
 from ..storage import Storage
 from .suites import MAX_OFFENDING_ROWS
 
@@ -172,12 +171,9 @@ def discard_report(target: ReportTarget) -> None:
 def read_report_summary(store: CheckpointStore, checkpoint_id: int) -> dict | None:
     """The stored JSON summary of a checkpoint's last validation, or None."""
     rel = f"{report_rel(checkpoint_id)}/{SUMMARY_FILE}"
-    try:
-        data = store.storage.read_bytes(rel)
-    except StorageError as exc:
-        if isinstance(exc.__cause__, FileNotFoundError):
-            return None
-        raise
+    data = store.storage.read_bytes_if_exists(rel)
+    if data is None:
+        return None
     try:
         summary = json.loads(data)
     except (ValueError, UnicodeDecodeError):
