@@ -60,3 +60,19 @@ class LeaseConflictError(CkptError):
 
 class SnapshotError(CkptError):
     """A snapshot attempt failed; nothing was committed."""
+
+
+class CorruptStateError(CkptError):
+    """RocksDB reported corruption while reading state (a scan stopped early)."""
+
+
+class LeaseLostError(LeaseConflictError):
+    """This writer's lease expired or was taken over while it was still working."""
+
+
+class MissingFilesError(StorageError):
+    """Files a commit record would reference are missing or have the wrong size."""
+
+
+class InputError(CkptError):
+    """Input that cannot be read as a whole (a truncated file, no supported files)."""
