@@ -30,13 +30,14 @@ from rocksdict import (
     DBCompactionStyle,
     Options,
     Rdict,
+    RdictIter,
     ReadOptions,
     UniversalCompactOptions,
     WriteBatch,
     WriteOptions,
 )
 
-from .errors import UsageError
+from .errors import CorruptStateError, UsageError
 from .keygroups import KeyGroupRange, check_max_parallelism, key_group_prefix
 from .serialization import serialize_key
 from .state import (
@@ -54,6 +55,76 @@ SNAPSHOTS_DIR = "snapshots"
 INSTANCE_FILE = "instance.json"
 LOCAL_SNAPSHOTS_KEPT = 2
 _PREFIXES = [key_group_prefix(i) for i in range(1 << 15)]
+
+
+# -- checked full scans --------------------------------------------------------------
+# rocksdict's iterators (``Rdict.items/keys/values`` and a loop that stops at
+# ``not it.valid()``) end *silently* when RocksDB hits a damaged block: the iterator
+# turns invalid and only ``RdictIter.status()`` (raises ``Exception("Corruption: ...")``)
+# tells an error from the end of the data. Every scan goes through these two
+# functions, which check the status once at the end (cheap: no per-entry cost).
+
+def _scan_iter(cf: Rdict, lower: bytes | None, upper: bytes | None) -> RdictIter:
+    ro = ReadOptions()
+    ro.set_verify_checksums(True)  # the default, made explicit: scans must verify blocks
+    if upper is not None:
+        ro.set_iterate_upper_bound(upper)
+    it = cf.iter(ro)
+    if lower:
+        it.seek(lower)
+    else:
+        it.seek_to_first()
+    return it
+
+
+def _check_scan_status(it: RdictIter, where: str, file_paths: dict[str, str] | None) -> None:
+    try:
+        it.status()
+    except Exception as exc:  # noqa: BLE001 - rocksdict raises a bare Exception
+        cause = " ".join(str(exc).split())
+        stored = [f"{name} is stored as {path}" for name, path in sorted((file_paths or {}).items())
+                  if name in cause]
+        raise CorruptStateError(
+            f"RocksDB stopped a full scan of {where} early: {cause}"
+            + (f" ({'; '.join(stored)})" if stored else "")
+            + "; the state is damaged: restore from an earlier checkpoint or savepoint "
+              "(`ckpt list`)") from exc
+
+
+def checked_scan(cf: Rdict, where: str, lower: bytes | None = None,
+                 upper: bytes | None = None, *, values: bool = True,
+                 file_paths: dict[str, str] | None = None) -> Iterator:
+    """Every entry of ``cf`` in [lower, upper): (key, value) pairs, or keys if not ``values``.
+
+    Raises `CorruptStateError` naming ``where`` (column family, subtask, checkpoint) and
+    RocksDB's message when the scan ends on an error instead of at the end of the data.
+    """
+    it = _scan_iter(cf, lower, upper)
+    valid, key, nxt = it.valid, it.key, it.next
+    if values:
+        value = it.value
+        while valid():
+            yield key(), value()
+            nxt()
+    else:
+        while valid():
+            yield key()
+            nxt()
+    _check_scan_status(it, where, file_paths)
+
+
+def checked_count(cf: Rdict, where: str, lower: bytes | None = None,
+                  upper: bytes | None = None, *,
+                  file_paths: dict[str, str] | None = None) -> int:
+    """Number of live entries of ``cf`` in [lower, upper); same checks as `checked_scan`."""
+    it = _scan_iter(cf, lower, upper)
+    valid, nxt = it.valid, it.next
+    n = 0
+    while valid():
+        n += 1
+        nxt()
+    _check_scan_status(it, where, file_paths)
+    return n
 
 
 def rocks_options(write_buffer_mb: int = 64) -> Options:
@@ -101,7 +172,8 @@ class KeyedStateBackend:
 
     def __init__(self, local_dir: str, descriptors: Sequence[StateDescriptor],
                  max_parallelism: int, key_group_range: KeyGroupRange,
-                 backend_id: str | None = None, read_only: bool = False) -> None:
+                 backend_id: str | None = None, read_only: bool = False,
+                 label: str | None = None) -> None:
         check_max_parallelism(max_parallelism)
         self.local_dir = os.path.abspath(local_dir)
         self.max_parallelism = max_parallelism
@@ -111,7 +183,15 @@ class KeyedStateBackend:
         self.backend_id = backend_id or uuid.uuid4().hex
         # SSTs confirmed in committed checkpoints of this lineage: local name -> FileRef.
         self.uploaded: dict = {}
+        # Remote shared files local recovery found damaged (missing, wrong size or
+        # checksum) and dropped from ``uploaded``: the next snapshot uploads them again.
+        self.reuploaded: tuple[str, ...] = ()
         self.restore_mode = "new"
+        # Names this instance in scan errors ("subtask 1 of checkpoint 7"); stored paths
+        # of its files (local name -> path under the job root) when restored from storage.
+        self.label = label or (f"the instance at {self.local_dir} (key groups "
+                               f"[{key_group_range.start}, {key_group_range.end}])")
+        self.file_paths: dict[str, str] = {}
         self._dirty = False
         self._states: dict[str, object] = {}
         os.makedirs(self.db_path, exist_ok=True)
@@ -220,25 +300,30 @@ class KeyedStateBackend:
         self._dirty = True
 
     # -- raw access (dump, validation, rescale) ----------------------------
-    def iter_raw(self, cf_name: str, key_groups: KeyGroupRange | None = None
-                 ) -> Iterator[tuple[bytes, bytes]]:
-        cf = self._cfs[cf_name]
-        ro = ReadOptions()
-        lower = b""
+    def scan_where(self, cf_name: str) -> str:
+        return f"column family {cf_name!r} of {self.label}"
+
+    def iter_raw(self, cf_name: str, key_groups: KeyGroupRange | None = None, *,
+                 lower: bytes | None = None, upper: bytes | None = None,
+                 values: bool = True) -> Iterator:
+        """Checked scan of one column family: ``key_groups`` or explicit byte bounds.
+
+        Yields (key, value), or keys only if not ``values``; raises `CorruptStateError`
+        if RocksDB stops the scan on an error.
+        """
         if key_groups is not None:
             lower, upper = key_groups.byte_bounds()
-            ro.set_iterate_upper_bound(upper)
-        it = cf.iter(ro)
-        if lower:
-            it.seek(lower)
-        else:
-            it.seek_to_first()
-        while it.valid():
-            yield it.key(), it.value()
-            it.next()
+        return checked_scan(self._cfs[cf_name], self.scan_where(cf_name), lower, upper,
+                            values=values, file_paths=self.file_paths)
+
+    def count_keys(self, cf_name: str, key_groups: KeyGroupRange | None = None) -> int:
+        """Live entries of one column family (within ``key_groups``), checked scan."""
+        lower, upper = key_groups.byte_bounds() if key_groups is not None else (None, None)
+        return checked_count(self._cfs[cf_name], self.scan_where(cf_name), lower, upper,
+                             file_paths=self.file_paths)
 
     def count_rows(self) -> dict[str, int]:
-        return {name: sum(1 for _ in self._cfs[name].keys()) for name in self._cf_names}
+        return {name: self.count_keys(name) for name in self._cf_names}
 
     def delete_key_groups_outside(self, keep: KeyGroupRange) -> None:
         """Clip: drop every key outside ``keep`` with two range tombstones per CF."""

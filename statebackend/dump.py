@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from collections.abc import Iterator
 
 from .backend import KeyedStateBackend
@@ -60,15 +61,32 @@ def backend_rows(backend: KeyedStateBackend, subtask: int) -> Iterator[dict]:
 def checkpoint_rows(store: CheckpointStore, meta: CheckpointMetadata) -> Iterator[dict]:
     descriptors = descriptors_of(meta)
     for handle in meta.subtasks:
-        with restored_readonly(store.storage, handle, descriptors, meta.max_parallelism) as be:
+        with restored_readonly(store.storage, handle, descriptors, meta.max_parallelism,
+                               label=f"subtask {handle.index} of checkpoint "
+                                     f"{meta.checkpoint_id}") as be:
             yield from backend_rows(be, handle.index)
 
 
 def write_dump(rows: Iterator[dict], out: str, fmt: str = "jsonl") -> int:
-    """Write rows to ``out``; returns the row count."""
+    """Write rows to ``out``; returns the row count.
+
+    Written to a temp file renamed into place at the end, so a scan that fails
+    half-way (`CorruptStateError`) leaves no partial dump that looks complete.
+    """
     if fmt not in DUMP_FORMATS:
         raise UsageError(f"dump format {fmt!r} is unknown; use one of {DUMP_FORMATS}")
     os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
+    tmp = f"{out}.tmp-{uuid.uuid4().hex}"
+    try:
+        count = _write_rows(rows, tmp, fmt)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return count
+
+
+def _write_rows(rows: Iterator[dict], out: str, fmt: str) -> int:
     count = 0
     if fmt == "jsonl":
         with open(out, "w", encoding="utf-8") as fh:

@@ -51,7 +51,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from rocksdict import IngestExternalFileOptions, Options, ReadOptions, SstFileWriter
+from rocksdict import IngestExternalFileOptions, Options, SstFileWriter
 
 from .backend import KeyedStateBackend
 from .checkpoints import CheckpointStore, build_metadata
@@ -227,17 +227,15 @@ def export_key_groups(source: KeyedStateBackend, key_groups: KeyGroupRange, out_
 
     Returns {column family: (sst path, entries)} for the families that have keys.
     """
-    lower, upper = key_groups.byte_bounds()
     os.makedirs(out_dir, exist_ok=True)
     out: dict[str, tuple[str, int]] = {}
     for name in source.column_families:
-        ro = ReadOptions()
-        ro.set_iterate_upper_bound(upper)
         path = os.path.join(out_dir, f"{name}.sst")
         writer = None
         n = 0
-        # items(from_key=...) seeks to the lower bound; the upper bound stops the scan.
-        for key, value in source.column_family(name).items(from_key=lower, read_opt=ro):
+        # Checked scan: a damaged block raises instead of ending the export early
+        # (which would silently drop the rest of the range from the new checkpoint).
+        for key, value in source.iter_raw(name, key_groups):
             if writer is None:
                 writer = SstFileWriter(options=Options(raw_mode=True))
                 writer.open(path)
@@ -251,10 +249,7 @@ def export_key_groups(source: KeyedStateBackend, key_groups: KeyGroupRange, out_
 
 def count_keys(backend: KeyedStateBackend, cf_name: str, key_groups: KeyGroupRange) -> int:
     """Live keys of one column family within ``key_groups`` (range tombstones apply)."""
-    lower, upper = key_groups.byte_bounds()
-    ro = ReadOptions()
-    ro.set_iterate_upper_bound(upper)
-    return sum(1 for _ in backend.column_family(cf_name).keys(from_key=lower, read_opt=ro))
+    return backend.count_keys(cf_name, key_groups)
 
 
 def run_subtask(spec: dict) -> dict:
@@ -297,7 +292,10 @@ def run_subtask(spec: dict) -> dict:
 
         # 2. open the base as the new instance and clip it
         t = time.perf_counter()
-        backend = KeyedStateBackend(os.path.dirname(dirs[base.index]), descriptors, m, target)
+        source_id = spec["source_checkpoint_id"]
+        backend = KeyedStateBackend(os.path.dirname(dirs[base.index]), descriptors, m, target,
+                                    label=f"subtask {base.index} of checkpoint {source_id}")
+        backend.file_paths = {f.local_name: f.path for f in base.files}
         # Only files of the committed source may be referenced instead of uploaded.
         backend.uploaded = {f.local_name: f for f in base.shared_files}
         try:
@@ -306,11 +304,10 @@ def run_subtask(spec: dict) -> dict:
             # hold there is dropped), and the live rows of the base part are then exact.
             keep = target.intersect(base.key_group_range)
             backend.delete_key_groups_outside(keep)
-            if keep == base.key_group_range and set(base.row_counts) >= set(
-                    backend.column_families):
-                rows = {cf: base.row_counts[cf] for cf in backend.column_families}  # unchanged
-            else:
-                rows = {cf: count_keys(backend, cf, keep) for cf in backend.column_families}
+            # Always count with a checked scan, even when the recorded counts would do:
+            # the scan reads (and checksums) every block of the part kept, so a damaged
+            # base fails here instead of being carried into the new checkpoint.
+            rows = {cf: count_keys(backend, cf, keep) for cf in backend.column_families}
             timings["restore_clip"] = time.perf_counter() - t
 
             # 3. export the other handles' ranges to SSTs and ingest them
@@ -318,7 +315,9 @@ def run_subtask(spec: dict) -> dict:
             def export(item: tuple[SubtaskHandle, KeyGroupRange]) -> dict:
                 h, kg = item
                 src = KeyedStateBackend(os.path.dirname(dirs[h.index]), descriptors, m,
-                                        h.key_group_range, read_only=True)
+                                        h.key_group_range, read_only=True,
+                                        label=f"subtask {h.index} of checkpoint {source_id}")
+                src.file_paths = {f.local_name: f.path for f in h.files}
                 try:
                     return export_key_groups(src, kg, os.path.join(work, f"export-{h.index}"))
                 finally:

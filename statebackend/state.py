@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rocksdict import ReadOptions, WriteBatch
+from rocksdict import WriteBatch
 
 from .errors import UsageError
 from .keygroups import key_group_prefix
@@ -262,14 +262,10 @@ class MapState(_State):
         kg, kb = self.backend.key_group_and_bytes(key)
         prefix = key_group_prefix(kg) + map_key_suffix(kb, "")
         upper = _prefix_upper_bound(prefix)
-        ro = ReadOptions()
-        ro.set_iterate_upper_bound(upper)
-        it = self.cf.iter(ro)
-        it.seek(prefix)
-        while it.valid():
-            _, user_key = split_map_key(it.key()[2:])
-            yield user_key, self.codec.decode(it.value())
-            it.next()
+        decode = self.codec.decode
+        for rk, raw in self.backend.iter_raw(self.descriptor.name, lower=prefix, upper=upper):
+            _, user_key = split_map_key(rk[2:])
+            yield user_key, decode(raw)
 
     def keys(self, key: str) -> list[str]:
         return [k for k, _ in self.items(key)]

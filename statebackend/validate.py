@@ -93,7 +93,7 @@ def validate_checkpoint(store: CheckpointStore, ref: str | int | None = "latest"
     suites_mod.load_great_expectations()
     timings = {"ge_import_seconds": round(time.perf_counter() - t0, 3)}
     started = time.perf_counter()
-    tables = manifest_mod.build_manifest(store, cid, checksums=not deep)
+    tables = manifest_mod.build_manifest(store, cid, checksums=None if deep else True)
     runs = [suites_mod.builtin_run("checkpoint", tables.checkpoint),
             suites_mod.builtin_run("files", tables.files),
             suites_mod.builtin_run("subtasks", tables.subtasks)]

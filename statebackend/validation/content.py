@@ -157,9 +157,13 @@ def _decode_values(desc: StateDescriptor, values: list[bytes]) -> tuple[list, di
 def state_rows(backend: KeyedStateBackend, desc: StateDescriptor, subtask: int,
                max_parallelism: int, keep_frame: bool) -> tuple[pd.DataFrame, pd.DataFrame | None]:
     """The state-table rows of one column family (and the job-check frame if asked)."""
-    cf = backend.column_family(desc.name)
-    rks = list(cf.keys())
-    values = list(cf.values())
+    rks: list[bytes] = []
+    values: list[bytes] = []
+    add_key, add_value = rks.append, values.append
+    # One checked pass (raises CorruptStateError if RocksDB stops the scan on an error).
+    for k, v in backend.iter_raw(desc.name):
+        add_key(k)
+        add_value(v)
     n = len(rks)
     short = [i for i, k in enumerate(rks) if len(k) < 2] if n and min(map(len, rks)) < 2 else []
     if short:
@@ -249,7 +253,10 @@ def build_content(storage: Storage, meta: CheckpointMetadata, *,
                 error = f"not opened: {len(bad)} damaged file(s): " + "; ".join(bad[:3])
             else:
                 with KeyedStateBackend(tmp, descriptors, m, handle.key_group_range,
-                                       backend_id=handle.backend_id, read_only=True) as backend:
+                                       backend_id=handle.backend_id, read_only=True,
+                                       label=f"subtask {handle.index} of checkpoint "
+                                             f"{meta.checkpoint_id}") as backend:
+                    backend.file_paths = {f.local_name: f.path for f in handle.files}
                     for desc in descriptors:
                         df, frame = state_rows(backend, desc, handle.index, m,
                                                desc.name in frame_states)

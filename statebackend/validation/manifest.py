@@ -228,10 +228,17 @@ def checkpoint_table(store: CheckpointStore, checkpoint_id: int, obj: dict | Non
     }])
 
 
-def build_manifest(store: CheckpointStore, checkpoint_id: int, *, checksums: bool = True
+def build_manifest(store: CheckpointStore, checkpoint_id: int, *, checksums: bool | None = True
                    ) -> ManifestTables:
-    """Every manifest table; with ``checksums`` each existing file is read once."""
+    """Every manifest table; with ``checksums`` each existing file is read once.
+
+    ``checksums=None`` (deep validation, whose downloads checksum every file of a parsed
+    record): read checksums here only if the strict parser refused the record, so that
+    a damaged file is still named when nothing can be restored.
+    """
     _, obj, meta, error = read_raw_metadata(store, checkpoint_id)
+    if checksums is None:
+        checksums = meta is None
     records = _file_records(obj, checkpoint_id)
     algorithms = {r["safe_path"]: recorded_algorithm(r["recorded_checksum"])
                   for r in records if r["safe_path"]}
