@@ -6,10 +6,13 @@ jobs/keyed_aggregation.py ARGS``. Per key the value state ``totals`` keeps
 
 One run (driver side; executors: jobs/subtask_runner.py)::
 
-    committed run id?  -> skipped (no-op)
+    committed run id?  -> skipped; finish its output publication (_SUCCESS) if a crash
+                          came between its commit and the marker
     writer lease       -> a concurrent writer is refused (LeaseConflictError)
     parent = latest checkpoint (or --start-from on the first run)
-    read + validate    -> key, ts, value, reason          (jobs/quarantine.py)
+    list input         -> unsupported files counted; Parquet footers checked (one-line
+                          InputError naming a bad file, before any Spark work)
+    read + validate    -> key, ts, value, reason, raw     (jobs/quarantine.py)
     key group, subtask -> repartition: partition i holds exactly subtask i's rows
     task i             -> restore, fold batches, write output + quarantine,
                           snapshot + upload, return handle
@@ -123,13 +126,11 @@ def run(config: JobConfig, spark=None) -> dict:
     store = CheckpointStore(storage, config.job)
     done = store.find_by_run_id(config.run_id)
     if done is not None:
-        return _summary(config, checkpoint_id=done.checkpoint_id,
-                        parallelism=done.parallelism, started=started, skipped=True)
+        return _skipped(config, store, done, started)
     with writer_lease(store.storage, f"{JOB_KIND} run {config.run_id}"):
         done = store.find_by_run_id(config.run_id)  # committed while we waited for the lease
         if done is not None:
-            return _summary(config, checkpoint_id=done.checkpoint_id,
-                            parallelism=done.parallelism, started=started, skipped=True)
+            return _skipped(config, store, done, started)
         parent = store.latest()
         if parent is None and config.start_from:
             from statebackend.savepoint import import_start_point
@@ -138,9 +139,10 @@ def run(config: JobConfig, spark=None) -> dict:
         elif config.start_from:
             print(f"keyed_aggregation: --start-from ignored: job {config.job!r} already has "
                   f"checkpoint {parent.checkpoint_id}", file=sys.stderr)
-        from jobs.quarantine import list_input
+        from jobs.quarantine import check_parquet, list_input
 
         files = list_input(config.input)
+        check_parquet(files)  # before Spark starts: a bad file costs no session
         if spark is None:
             from jobs.spark_session import get_spark
 
@@ -192,7 +194,7 @@ def _run_attempt(spark, config: JobConfig, store: CheckpointStore,
     routed = validated.mapInArrow(functools.partial(sr.assign_partition, params),
                                   VALIDATED_DDL + ", _p int")
     markers = spark.createDataFrame(
-        [(None, None, None, MARKER, None, None, v) for v in params.part_values],
+        [(None, None, None, MARKER, None, None, None, v) for v in params.part_values],
         VALIDATED_DDL + ", _p int")
     # Sorting within the partition fixes the order in which floats are summed, so the
     # same input gives bit-identical state in local and cluster mode.
@@ -212,7 +214,7 @@ def _run_attempt(spark, config: JobConfig, store: CheckpointStore,
         where = f"checkpoint {parent.checkpoint_id} stays latest" if parent else \
             "no checkpoint was committed"
         raise JobRunError(f"run {config.run_id!r} of job {config.job!r} failed in a Spark task: "
-                          f"{_root_cause(exc)}; {where}") from exc
+                          f"{_task_failure(exc)}; {where}") from exc
     finally:
         for prop in ("spark.jobGroup.id", "spark.job.description"):
             spark.sparkContext.setLocalProperty(prop, None)
@@ -227,6 +229,8 @@ def _run_attempt(spark, config: JobConfig, store: CheckpointStore,
 def _commit(config: JobConfig, store: CheckpointStore, parent: CheckpointMetadata | None,
             files, checkpoint_id: int, parallelism: int, max_parallelism: int,
             rows: list[dict], started: float) -> dict:
+    from jobs import subtask_runner as sr
+
     by_subtask = {r["subtask"]: r for r in rows}
     if sorted(by_subtask) != list(range(parallelism)):
         _discard_attempt(store.storage, checkpoint_id, rows,
@@ -259,7 +263,11 @@ def _commit(config: JobConfig, store: CheckpointStore, parent: CheckpointMetadat
     t0 = time.perf_counter()
     extra = {"events_read": read, "events_rejected": rejected, "rejects_by_reason": reasons,
              "keys_touched": sum(r["keys_touched"] for r in rows), "input_files": files.count,
+             "input_files_skipped": len(files.skipped),
              "input_bytes": files.total_bytes, "output": config.output,
+             # Which parts the run wrote: a re-run may only publish a complete folder.
+             "output_parts": [sr.output_part_name(r["subtask"]) for r in
+                              sorted(rows, key=lambda r: r["subtask"]) if r["keys_touched"]],
              "job_kind": JOB_KIND}
     meta = build_metadata(
         job=config.job, checkpoint_id=checkpoint_id,
@@ -272,16 +280,79 @@ def _commit(config: JobConfig, store: CheckpointStore, parent: CheckpointMetadat
         _discard_attempt(store.storage, checkpoint_id, rows,
                          (config.output, run_dir_name(config.run_id)))
         raise
+    # A crash from here on leaves a committed run without _SUCCESS: its re-run is
+    # skipped and finishes both steps (_skipped).
     _cleanup_attempts(store.storage, checkpoint_id, rows)
-    out = open_storage(config.output)
-    out.write_bytes(f"{run_dir_name(config.run_id)}/_SUCCESS", b"")
+    _write_success(config)
     timings["committing"] = time.perf_counter() - t0
     return _summary(
         config, checkpoint_id=checkpoint_id, parallelism=parallelism, started=started,
         skipped=False, events=read, rejected=rejected, keys=extra["keys_touched"],
         uploaded=meta.bytes_uploaded, timings=timings, rejects_by_reason=reasons,
         restore_modes=[by_subtask[i]["restore_mode"] for i in range(parallelism)],
-        parent=meta.parent)
+        parent=meta.parent, published=True, **files.skipped_report())
+
+
+def _write_success(config: JobConfig) -> None:
+    open_storage(config.output).write_bytes(f"{run_dir_name(config.run_id)}/_SUCCESS", b"")
+
+
+def _skipped(config: JobConfig, store: CheckpointStore, done: CheckpointMetadata,
+             started: float) -> dict:
+    """A committed run id: count nothing again, but finish what a crash after its commit left.
+
+    Idempotent: ``_SUCCESS`` is written only when absent and when every output part the
+    commit recorded is there (a folder whose parts were removed is not published).
+    """
+    _cleanup_committed_attempts(store.storage, done)
+    published, missing = _finish_publication(config, done)
+    extra: dict = {"published": published}
+    if missing:
+        extra["output_parts_missing"] = missing
+    return _summary(config, checkpoint_id=done.checkpoint_id, parallelism=done.parallelism,
+                    started=started, skipped=True, **extra)
+
+
+def _finish_publication(config: JobConfig, done: CheckpointMetadata) -> tuple[bool, list[str]]:
+    """Write the run's missing ``_SUCCESS``; returns (written now, missing parts)."""
+    out = open_storage(config.output)
+    run_dir = run_dir_name(config.run_id)
+    if out.exists(f"{run_dir}/_SUCCESS"):
+        return False, []
+    missing = _missing_parts(out, run_dir, done)
+    if missing:
+        return False, missing
+    _write_success(config)
+    return True, []
+
+
+def _missing_parts(out: Storage, run_dir: str, done: CheckpointMetadata) -> list[str]:
+    parts = done.extra.get("output_parts")
+    if isinstance(parts, list):
+        return [str(p) for p in parts if not out.exists(f"{run_dir}/{p}")]
+    # Committed before output_parts was recorded: a folder with parts will do, or none
+    # at all when the run touched no key.
+    if done.extra.get("keys_touched") == 0 or any(
+            n.endswith(".parquet") for n in out.list_dir(run_dir)):
+        return []
+    return ["part-*.parquet"]
+
+
+def _cleanup_committed_attempts(job_storage: Storage, meta: CheckpointMetadata) -> None:
+    """Drop the attempt records (and losing attempts' uploads) a crash left after a commit."""
+    records = _attempt_records(job_storage, meta.checkpoint_id)
+    if not records:
+        return
+    from jobs.subtask_runner import ATTEMPTS_DIR
+
+    referenced = {f.path for f in meta.files}
+    losers = {p for rec in records for p in rec.get("uploaded", [])
+              if isinstance(p, str) and p not in referenced}
+    try:
+        job_storage.delete_many(sorted(losers))
+        job_storage.delete_tree(f"chk-{meta.checkpoint_id}/{ATTEMPTS_DIR}")
+    except CkptError:
+        pass  # best effort: `ckpt gc` removes orphans later
 
 
 def _attempt_records(job_storage: Storage, checkpoint_id: int) -> list[dict]:
@@ -358,6 +429,23 @@ def _forward_env(spark) -> None:
             env.pop(var, None)
 
 
+_FAILED_FILE = re.compile(r"Encountered error while reading file (\S+?)\.?(?:\s|$)")
+_CAUSED_BY = re.compile(r"^Caused by: ([A-Za-z_.$]*(?:Error|Exception)\b.*)")
+
+
+def _task_failure(exc: BaseException) -> str:
+    """One line: the input file Spark names (if any) and the deepest cause."""
+    text = str(exc)
+    found = _FAILED_FILE.search(text)
+    if found is None:
+        return _root_cause(exc)
+    causes = [m.group(1).strip() for ln in text.splitlines()
+              if (m := _CAUSED_BY.match(ln.strip()))]
+    cause = causes[-1] if causes else _root_cause(exc)
+    return (f"cannot read input file {found.group(1)}: {cause[:300]}; replace or remove "
+            "that file and re-run")
+
+
 def _root_cause(exc: BaseException) -> str:
     text = str(exc)
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
@@ -429,8 +517,13 @@ def _stop_spark() -> None:
 
 def format_summary(s: dict) -> str:
     if s["skipped"]:
+        done = ("; its output is now published (_SUCCESS was missing)" if s.get("published")
+                else "")
+        if s.get("output_parts_missing"):
+            done = (f"; output not published: parts missing "
+                    f"({', '.join(s['output_parts_missing'][:5])})")
         return (f"run {s['run_id']}: skipped, already committed as checkpoint "
-                f"{s['checkpoint_id']} of job {s['job']}")
+                f"{s['checkpoint_id']} of job {s['job']}{done}")
     t = ", ".join(f"{k} {v:.2f}s" for k, v in s["timings"].items())
     return (f"run {s['run_id']}: checkpoint {s['checkpoint_id']} of job {s['job']} "
             f"(P={s['parallelism']}): {s['events_read']} events read, {s['events_rejected']} "
@@ -458,7 +551,17 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write("\n")
     else:
         print(format_summary(summary))
+        if summary.get("input_files_skipped"):
+            print(f"keyed_aggregation: warning: {skipped_warning(config.input, summary)}",
+                  file=sys.stderr)
     return 0
+
+
+def skipped_warning(input_url: str, summary: dict) -> str:
+    n, names = summary["input_files_skipped"], summary.get("input_files_skipped_names") or []
+    more = f" and {n - len(names)} more" if n > len(names) else ""
+    return (f"{n} unsupported input file(s) under {input_url} skipped ({', '.join(names)}"
+            f"{more}); only *.parquet and JSON lines (optionally .gz) are read")
 
 
 __all__ = ["DESCRIPTORS", "TOTALS", "JobConfig", "main", "run"]

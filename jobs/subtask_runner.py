@@ -57,7 +57,12 @@ OUTPUT_SCHEMA = pa.schema([("key", pa.string()), ("count", pa.int64()), ("sum", 
                            ("run_id", pa.string()), ("checkpoint_id", pa.int64())])
 QUARANTINE_SCHEMA = pa.schema([("key", pa.string()), ("ts", pa.string()),
                                ("value", pa.string()), ("reason", pa.string()),
-                               ("run_id", pa.string())])
+                               ("run_id", pa.string()), ("raw", pa.string())])
+
+
+def output_part_name(subtask: int) -> str:
+    """Name of subtask ``subtask``'s output (and quarantine) part in a run folder."""
+    return f"part-{subtask:05d}.parquet"
 
 
 def spark_partition_of_int(value: int, num_partitions: int) -> int:
@@ -281,8 +286,8 @@ class _SubtaskRun:
             "run_id": pa.array([self.params.run_id] * n, pa.string()),
             "checkpoint_id": pa.array([self.params.checkpoint_id] * n, pa.int64()),
         }, schema=OUTPUT_SCHEMA)
-        write_parquet(self.params.output_url, f"{self.params.run_dir}/part-{self.subtask:05d}"
-                      ".parquet", table)
+        write_parquet(self.params.output_url,
+                      f"{self.params.run_dir}/{output_part_name(self.subtask)}", table)
         return n
 
     def _write_quarantine(self, parts: list[pa.RecordBatch]) -> None:
@@ -292,9 +297,10 @@ class _SubtaskRun:
             "key": t.column("key"), "ts": t.column("ts_raw"), "value": t.column("value_raw"),
             "reason": t.column("reason"),
             "run_id": pa.array([self.params.run_id] * n, pa.string()),
+            "raw": t.column("raw"),  # the whole input line (JSON input only)
         }, schema=QUARANTINE_SCHEMA)
         write_parquet(self.params.quarantine_url,
-                      f"{self.params.run_dir}/part-{self.subtask:05d}.parquet", table)
+                      f"{self.params.run_dir}/{output_part_name(self.subtask)}", table)
 
     # -- cleanup -----------------------------------------------------------
     def discard(self) -> None:

@@ -276,3 +276,58 @@ def test_memory_storage_and_bad_options_are_refused(tmp_path):
         run(config(tmp_path, tmp_path, "r", storage="memory://x"))
     with pytest.raises(UsageError, match="max-reject-fraction 2.0"):
         run(config(tmp_path, tmp_path, "r", max_reject_fraction=2.0))
+
+
+class _Crash(Exception):
+    """Stands in for a driver killed between the commit and the _SUCCESS marker."""
+
+
+def test_crash_after_commit_is_published_by_the_skipped_rerun(spark, tmp_path, monkeypatch):
+    import jobs.keyed_aggregation as ka
+
+    d0 = generate_events(str(tmp_path / "in0"), n_events=1500, n_keys=300, seed=21)
+    d1 = generate_events(str(tmp_path / "in1"), n_events=1500, n_keys=300, seed=22,
+                         key_offset=150)
+    store = store_of(f"file://{tmp_path}/store", "agg")
+    run(config(tmp_path, tmp_path / "in0", "day-0", parallelism=3), spark)
+
+    def crash(*_args, **_kw):
+        raise _Crash("driver killed")
+
+    monkeypatch.setattr(ka, "_cleanup_attempts", crash)  # the step right after store.commit
+    with pytest.raises(_Crash):
+        run(config(tmp_path, tmp_path / "in1", "day-1"), spark)
+    monkeypatch.undo()
+    run_folder = tmp_path / "out" / "run=day-1"
+    assert store.latest().run_id == "day-1" and not (run_folder / "_SUCCESS").exists()
+    assert stored_files(store, "chk-2/_attempts")  # the crash left the attempt records
+
+    # A killed driver leaves its lease behind: the re-run must publish without taking it.
+    lease = acquire_writer_lease(store.storage, "a stale writer")
+    try:
+        again = run(config(tmp_path, tmp_path / "in1", "day-1"), spark)
+    finally:
+        release(store.storage, lease)
+    assert (again["skipped"], again["published"], again["checkpoint_id"]) == (True, True, 2)
+    assert (run_folder / "_SUCCESS").exists()
+    assert stored_files(store, "chk-2/_attempts") == set()
+    assert store.checkpoint_ids() == [1, 2]
+    expected = expected_totals([d0, d1])
+    assert_state_equals(dump_latest(f"file://{tmp_path}/store", "agg"), expected)
+    out = pd.read_parquet(run_folder).set_index("key")
+    assert sorted(out.index) == sorted(d1["key"].unique())
+    assert_state_equals(out[["count", "sum", "min_ts", "max_ts"]].to_dict("index"),
+                        expected.loc[sorted(d1["key"].unique())])
+    assert run(config(tmp_path, tmp_path / "in1", "day-1"), spark)["published"] is False
+
+
+def test_skipped_rerun_does_not_publish_a_folder_with_missing_parts(spark, tmp_path):
+    generate_events(str(tmp_path / "in"), n_events=600, n_keys=100, seed=23)
+    run(config(tmp_path, tmp_path / "in", "r1", parallelism=2), spark)
+    folder = tmp_path / "out" / "run=r1"
+    (folder / "_SUCCESS").unlink()
+    (folder / "part-00001.parquet").unlink()
+    again = run(config(tmp_path, tmp_path / "in", "r1"), spark)
+    assert again["skipped"] is True and again["published"] is False
+    assert again["output_parts_missing"] == ["part-00001.parquet"]
+    assert not (folder / "_SUCCESS").exists()
