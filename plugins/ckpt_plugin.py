@@ -10,26 +10,59 @@ Routes under ``/ckpt`` (``fastapi_apps``), linked in the UI navigation
 - ``GET /ckpt/reports/{job}/{path}``     validation report files (Data Docs) read from
                                          the job's ``reports/`` folder in storage
 
-Read-only. Report paths go through ``safe_relpath`` and are confined to
-``<job>/reports/``; job names must be configured. Nothing here imports Spark,
-RocksDB or Great Expectations.
+Read-only. Every route needs a user authenticated by Airflow's auth manager (the
+``Authorization: Bearer`` header of API clients, else the UI's ``_token`` cookie), and a
+job is shown only to users allowed to read all of its DAGs (``<job>_pipeline``,
+``<job>_maintenance``, ``<job>_rescale_restore``): other jobs are left out of the page
+and of ``/api/jobs``, and their report files answer 403. Without a login the page
+redirects to Airflow's login; ``/api`` and report files answer 401.
+
+Report files come from storage, so they are untrusted: only the file types reports
+contain are served (fixed content types, ``nosniff``), under a CSP that allows no
+script at all and sandboxes the document. Report paths go through ``safe_relpath`` and
+are confined to ``<job>/reports/chk-<id>/``; job names must be configured. Nothing
+here imports Spark, RocksDB or Great Expectations.
 """
 
 from __future__ import annotations
 
 import html
 import logging
-import mimetypes
+import posixpath
+import re
+from collections.abc import Callable, Iterable
 from datetime import datetime
+from typing import Annotated, Any
 
 from airflow.plugins_manager import AirflowPlugin
-from fastapi import FastAPI, HTTPException
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 log = logging.getLogger(__name__)
 
 URL_PREFIX = "/ckpt"
 MAX_ROWS = 200  # newest checkpoints shown per job
+
+# The page: inline <style> and inline SVG only; the Airflow UI embeds it (same origin).
+PAGE_CSP = ("default-src 'none'; style-src 'unsafe-inline'; img-src 'self' data:; "
+            "frame-ancestors 'self'; base-uri 'none'; form-action 'none'")
+# Report files are whatever sits in storage: no script of any kind (script-src falls back
+# to 'none'), no plugins, forms or popups (sandbox). allow-same-origin only keeps the
+# origin so the SameSite=Lax login cookie goes with the report's own CSS/images/fonts;
+# without allow-scripts it grants nothing to the document.
+REPORT_CSP = ("default-src 'none'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+              "font-src 'self'; frame-ancestors 'self'; base-uri 'none'; form-action 'none'; "
+              "sandbox allow-same-origin")
+# The file types validation reports contain (overview, Data Docs pages and their static
+# assets, summary.json) -> fixed content types; anything else (.js, .svg, ...) is refused.
+REPORT_TYPES = {
+    ".html": "text/html; charset=utf-8", ".css": "text/css; charset=utf-8",
+    ".json": "application/json", ".png": "image/png", ".gif": "image/gif",
+    ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".ico": "image/x-icon",
+    ".otf": "font/otf", ".ttf": "font/ttf", ".woff": "font/woff", ".woff2": "font/woff2",
+}
+REPORT_DIR = re.compile(r"chk-[0-9]+")
 
 
 # -- data ----------------------------------------------------------------------
@@ -116,6 +149,78 @@ def job_history(spec) -> dict:
             "report": f"{URL_PREFIX}/reports/{spec.name}/{index}" if index else None,
         })
     return {"job": spec.name, "storage": spec.storage, "rows": rows, "error": None}
+
+
+# -- access (Airflow's auth manager) ----------------------------------------------
+def job_dag_ids(spec) -> tuple[str, ...]:
+    """The DAGs of a job (the DAG factory's ids): reading the job means reading them all."""
+    return (spec.pipeline_dag_id, spec.maintenance_dag_id, spec.rescale_dag_id)
+
+
+def _dag_teams(dag_ids: Iterable[str]) -> dict[str, str | None]:
+    """dag id -> team; only multi-team deployments have teams (and need the DB for them)."""
+    from airflow.configuration import conf
+
+    if not conf.getboolean("core", "multi_team", fallback=False):
+        return {}
+    from airflow.models.dag import DagModel
+
+    return DagModel.get_dag_id_to_team_name_mapping(list(dag_ids))
+
+
+def may_read_job(auth_manager, user, spec) -> bool:
+    from airflow.api_fastapi.auth.managers.models.resource_details import DagDetails
+
+    dag_ids = job_dag_ids(spec)
+    teams = _dag_teams(dag_ids)
+    requests = [{"method": "GET", "details": DagDetails(id=d, team_name=teams.get(d))}
+                for d in dag_ids]
+    return auth_manager.batch_is_authorized_dag(requests, user=user)
+
+
+def _airflow_auth_manager():
+    from airflow.api_fastapi.app import get_auth_manager
+
+    return get_auth_manager()
+
+
+Bearer = Annotated[HTTPAuthorizationCredentials | None, Depends(HTTPBearer(auto_error=False))]
+
+
+async def request_user(request: Request, credentials: Bearer):
+    """The caller, exactly as Airflow's REST API resolves it (Bearer header, else the
+    ``_token`` cookie of the UI); HTTPException 401/403 when there is no valid token."""
+    from airflow.api_fastapi.core_api.security import get_user
+
+    return await get_user(request, _oauth_token=None, bearer_credentials=credentials)
+
+
+async def optional_user(request: Request, credentials: Bearer):
+    """Like ``request_user`` but None instead of 401/403, so the page can send to login."""
+    try:
+        return await request_user(request, credentials)
+    except HTTPException as exc:
+        if exc.status_code in (401, 403):
+            return None
+        raise
+
+
+UserDep = Annotated[Any, Depends(request_user)]
+MaybeUserDep = Annotated[Any, Depends(optional_user)]
+
+
+def _secure_headers(csp: str) -> dict[str, str]:
+    # Per-user content: never cached by a shared proxy; never content-sniffed.
+    return {"Content-Security-Policy": csp, "X-Content-Type-Options": "nosniff",
+            "Referrer-Policy": "same-origin", "Cache-Control": "no-store"}
+
+
+def report_content_type(rel: str) -> str | None:
+    """The fixed content type of a report path, or None when that type is not served."""
+    head = rel.split("/", 1)[0]
+    if not REPORT_DIR.fullmatch(head) or "/" not in rel:
+        return None
+    return REPORT_TYPES.get(posixpath.splitext(rel)[1].lower())
 
 
 # -- rendering -------------------------------------------------------------------
@@ -230,22 +335,33 @@ def render_page(histories: list[dict]) -> str:
 
 
 # -- app ---------------------------------------------------------------------------
-def create_app(specs_loader=load_specs) -> FastAPI:
+def create_app(specs_loader: Callable[[], Iterable[Any]] = load_specs,
+               auth_manager_getter: Callable[[], Any] = _airflow_auth_manager) -> FastAPI:
+    """The plugin app; ``auth_manager_getter`` is the live auth manager of the api-server."""
     app = FastAPI(title="Checkpoints", description="Checkpoint history and validation reports")
 
     def specs_by_name() -> dict:
         return {s.name: s for s in specs_loader()}
 
+    def readable(user) -> list:
+        manager = auth_manager_getter()
+        return [s for s in specs_by_name().values() if may_read_job(manager, user, s)]
+
     @app.get("/", response_class=HTMLResponse)
-    def page() -> HTMLResponse:
-        return HTMLResponse(render_page([job_history(s) for s in specs_by_name().values()]))
+    def page(request: Request, user: MaybeUserDep) -> Response:
+        if user is None:
+            login = auth_manager_getter().get_url_login(next_url=str(request.url))
+            return RedirectResponse(login, status_code=303, headers=_secure_headers(PAGE_CSP))
+        body = render_page([job_history(s) for s in readable(user)])
+        return HTMLResponse(body, headers=_secure_headers(PAGE_CSP))
 
     @app.get("/api/jobs")
-    def jobs_json() -> JSONResponse:
-        return JSONResponse([job_history(s) for s in specs_by_name().values()])
+    def jobs_json(user: UserDep) -> JSONResponse:
+        return JSONResponse([job_history(s) for s in readable(user)],
+                            headers=_secure_headers(PAGE_CSP))
 
     @app.get("/reports/{job}/{path:path}")
-    def report_file(job: str, path: str) -> Response:
+    def report_file(job: str, path: str, user: UserDep) -> Response:
         from jobs.pipeline_tasks import open_store
         from statebackend.errors import CkptError
         from statebackend.storage import safe_relpath
@@ -253,13 +369,22 @@ def create_app(specs_loader=load_specs) -> FastAPI:
         spec = specs_by_name().get(job)
         if spec is None:
             raise HTTPException(404, f"job {job!r} is not configured")
+        if not may_read_job(auth_manager_getter(), user, spec):
+            raise HTTPException(403, f"not allowed to read the DAGs of job {job!r}")
         try:
             rel = safe_relpath(path, "report path")
+        except CkptError as exc:
+            raise HTTPException(404, str(exc)) from exc
+        media = report_content_type(rel)
+        if media is None:
+            raise HTTPException(404, f"report path {path!r} of job {job!r} is not a report "
+                                     f"file type ({', '.join(sorted(REPORT_TYPES))})")
+        try:
             data = open_store(spec).storage.read_bytes(f"reports/{rel}")
         except CkptError as exc:
             raise HTTPException(404, f"report file {path!r} of job {job!r} not found") from exc
-        media = mimetypes.guess_type(rel)[0] or "application/octet-stream"
-        return Response(content=data, media_type=media)
+        return Response(content=data, headers={**_secure_headers(REPORT_CSP),
+                                               "Content-Type": media})
 
     return app
 

@@ -95,7 +95,8 @@ def main() -> int:
     out["run_state"], out["tasks"] = done["state"], done["tasks"]
     status, plugins = call(base, "GET", "/api/v2/plugins", token)
     out["plugins"] = plugins if status == 200 else status
-    status, page = call(base, "GET", "/ckpt/")
+    out["anonymous_api_status"] = call(base, "GET", "/ckpt/api/jobs")[0]
+    status, page = call(base, "GET", "/ckpt/", token)
     out["page_status"], out["page"] = status, page if isinstance(page, str) else str(page)
     print("CLIENT-RESULT" + json.dumps(out))
     return 0

@@ -40,11 +40,35 @@ def commit_fake(store: CheckpointStore, cid: int, parallelism: int, size: int, u
     for i in range(parallelism):
         r = key_group_range_for_subtask(128, parallelism, i)
         ref = FileRef(f"shared/{cid}-{i}.sst", f"{cid}-{i}.sst", size // parallelism, "crc32:0")
+        store.storage.write_bytes(ref.path, b"\0" * ref.size)  # commit checks they exist
         handles.append(SubtaskHandle(i, r.start, r.end, f"b{i}", f"s{cid}", (ref,), (),
                                      {"totals": 1}, uploaded // parallelism))
     store.commit(build_metadata(job=store.job, checkpoint_id=cid, parent=cid - 1 or None,
                                 max_parallelism=128, states=[{"name": "totals"}],
                                 handles=handles, run_id=run_id))
+
+
+class FakeAuthManager:
+    """Stands in for Airflow's auth manager (the real one: test_checkpoints_page_auth.py)."""
+
+    def __init__(self, denied_dag_ids: frozenset[str] = frozenset()) -> None:
+        self.denied = denied_dag_ids
+
+    def batch_is_authorized_dag(self, requests, *, user) -> bool:
+        return all(r["method"] == "GET" and r["details"].id not in self.denied for r in requests)
+
+    def get_url_login(self, **kwargs) -> str:
+        return "/auth/login"
+
+
+def logged_in_client(plugin, specs, denied: frozenset[str] = frozenset()):
+    """A client of the plugin app alone, as a logged-in user."""
+    from fastapi.testclient import TestClient
+
+    app = plugin.create_app(lambda: specs, lambda: FakeAuthManager(denied))
+    app.dependency_overrides[plugin.request_user] = lambda: "alice"
+    app.dependency_overrides[plugin.optional_user] = lambda: "alice"
+    return TestClient(app)
 
 
 @pytest.fixture()
@@ -78,10 +102,8 @@ def test_history_rows(plugin, page_env):
 
 
 def test_page_and_report_routes(plugin, page_env):
-    from fastapi.testclient import TestClient
-
     specs, _ = page_env
-    client = TestClient(plugin.create_app(lambda: specs))
+    client = logged_in_client(plugin, specs)
     resp = client.get("/")
     assert resp.status_code == 200 and "text/html" in resp.headers["content-type"]
     body = resp.text
@@ -95,19 +117,45 @@ def test_page_and_report_routes(plugin, page_env):
     assert [j["job"] for j in api] == ["clicks", "empty_job"]
     doc = client.get("/reports/clicks/chk-2/data_docs/index.html")
     assert doc.status_code == 200 and doc.text == "<html>docs 2</html>"
-    assert doc.headers["content-type"].startswith("text/html")
+    assert doc.headers["content-type"] == "text/html; charset=utf-8"
+    assert "sandbox" in doc.headers["content-security-policy"]
+    assert resp.headers["x-content-type-options"] == "nosniff"
+    assert "script-src" not in resp.headers["content-security-policy"]
     assert client.get("/reports/clicks/chk-9/nothing.html").status_code == 404
     assert client.get("/reports/nojob/chk-2/summary.json").status_code == 404
     assert client.get("/reports/clicks/..%2F..%2Fchk-1%2F_metadata").status_code == 404
 
 
 def test_unreachable_storage_shows_error_not_500(plugin, tmp_path):
-    from fastapi.testclient import TestClient
-
     specs = specs_from_config({"jobs": {"bad": {"input": "/i", "output": "/o",
                                                 "storage": "s3:///nobucket"}}})
-    resp = TestClient(plugin.create_app(lambda: specs)).get("/")
+    resp = logged_in_client(plugin, specs).get("/")
     assert resp.status_code == 200 and 'class="error"' in resp.text
+
+
+def test_jobs_of_unreadable_dags_are_hidden(plugin, page_env):
+    specs, _ = page_env
+    client = logged_in_client(plugin, specs, frozenset({"clicks_rescale_restore"}))
+    assert [j["job"] for j in client.get("/api/jobs").json()] == ["empty_job"]
+    page = client.get("/")
+    assert page.status_code == 200 and "clicks" not in page.text and "empty_job" in page.text
+    assert client.get("/reports/clicks/chk-2/summary.json").status_code == 403
+
+
+def test_report_content_types_are_an_allow_list(plugin):
+    assert plugin.job_dag_ids(specs_from_config({"jobs": {"j": {
+        "input": "/i", "output": "/o", "storage": "memory://x"}}})[0]) == (
+        "j_pipeline", "j_maintenance", "j_rescale_restore")
+    allowed = {"chk-1/index.html": "text/html; charset=utf-8",
+               "chk-12/data_docs/static/styles/x.css": "text/css; charset=utf-8",
+               "chk-1/summary.json": "application/json",
+               "chk-1/data_docs/static/images/logo.PNG": "image/png",
+               "chk-1/data_docs/static/fonts/a.otf": "font/otf"}
+    for rel, media in allowed.items():
+        assert plugin.report_content_type(rel) == media, rel
+    for rel in ("chk-1/a.js", "chk-1/logo.svg", "chk-1/x.xhtml", "chk-1/noext", "index.html",
+                "chk-x/index.html", "savepoints/index.html", "chk-1"):
+        assert plugin.report_content_type(rel) is None, rel
 
 
 def test_svg_chart_scales_and_labels(plugin):

@@ -3,9 +3,11 @@
 The test starts the server on 127.0.0.1 inside ``unshare -n`` (its log servers bind
 every interface whatever the config says), reaches it with ``nsenter``, triggers a
 rescale-restore through REST API v2 with conf (a bad conf is answered 400), waits
-for success, then renders the Checkpoints page in headless Chromium and checks the
-DOM and the screenshot for the job name and the chart. Before that, a queued run of
-the (paused) pipeline DAG makes the rescale refuse. Stopped by SIGINT to its PID.
+for success, then opens the Checkpoints page in headless Chromium: without a login it
+lands on Airflow's login page; logged in as admin it checks the DOM and the screenshot
+for the job name and the chart, and that the linked validation report renders under
+its no-script CSP. Before that, a queued run of the (paused) pipeline DAG makes the
+rescale refuse. Stopped by SIGINT to its PID.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import subprocess
 import sys
 import time
 import zlib
+from urllib.parse import urlparse
 
 import pytest
 
@@ -201,26 +204,35 @@ def test_plugin_registered_with_nav_view(client_result):
     assert ours, plugins
     assert ours[0]["external_views"][0]["href"] == "/ckpt/"
     assert ours[0]["fastapi_apps"][0]["url_prefix"] == "/ckpt"
+    assert client_result["anonymous_api_status"] == 401
     assert client_result["page_status"] == 200 and 'id="chart-clicks"' in client_result["page"]
 
 
 def test_checkpoints_page_renders_in_chromium(client_result, standalone, tmp_path):
     assert os.path.exists(CHROMIUM), "chromium missing: `make system-deps` installs it"
-    shot = tmp_path / "checkpoints.png"
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             "--hide-scrollbars", "--window-size=1000,800"]
-    url = f"{BASE}/ckpt/"
-    dom = nsenter(standalone["pid"], [CHROMIUM, *flags, f"--user-data-dir={tmp_path}/u1",
-                                      "--dump-dom", url], timeout=120)
-    assert "<h1>Checkpoints</h1>" in dom.stdout, dom.stderr[-2000:]
-    assert 'id="job-clicks"' in dom.stdout and 'id="chart-clicks"' in dom.stdout
-    assert dom.stdout.count("<circle") >= 4 and "chk-2" in dom.stdout
-    res = nsenter(standalone["pid"], [CHROMIUM, *flags, f"--user-data-dir={tmp_path}/u2",
-                                      f"--screenshot={shot}", url], timeout=120)
-    assert shot.exists(), res.stderr[-2000:]
-    width, height, rows = png_pixels(str(shot))
+    res = nsenter(standalone["pid"], [
+        sys.executable, os.path.join(os.path.dirname(__file__), "cdp_browser.py"), CHROMIUM,
+        BASE, str(standalone["home"] / "simple_auth_manager_passwords.json.generated"),
+        str(tmp_path)], timeout=300)
+    lines = [x for x in res.stdout.splitlines() if x.startswith("BROWSER-RESULT")]
+    assert res.returncode == 0 and lines, res.stderr[-2000:]
+    out = json.loads(lines[0][len("BROWSER-RESULT"):])
+    # Not logged in: Airflow's own login page, which brings the user back afterwards.
+    assert urlparse(out["anonymous_url"]).path.startswith("/auth/login"), out["anonymous_url"]
+    assert out["login_status"] == 201
+    assert urlparse(out["page_url"]).path == "/ckpt/"
+    dom = out["dom"]
+    assert "<h1>Checkpoints</h1>" in dom
+    assert 'id="job-clicks"' in dom and 'id="chart-clicks"' in dom
+    assert dom.count("<circle") >= 4 and "chk-2" in dom
+    width, height, rows = png_pixels(out["screenshot"])
     assert (width, height) == (1000, 800)
     # The chart's two series colors are drawn (state size blue, uploaded orange).
     assert count_color(rows, (0x1F, 0x77, 0xB4), tol=24) > 50
     assert count_color(rows, (0xFF, 0x7F, 0x0E), tol=24) > 50
+    # The validation report of the rescaled checkpoint renders (inline style allowed by
+    # its CSP: the status is colored) though scripts are not.
+    assert "/ckpt/reports/clicks/chk-2/" in (out["report_url"] or ""), out["report_url"]
+    report = out["report"]
+    assert report["title"].startswith("Checkpoint 2 of job clicks"), report
+    assert report["styled"] in ("rgb(10, 125, 44)", "rgb(176, 0, 32)"), report
