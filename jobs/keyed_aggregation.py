@@ -290,6 +290,7 @@ def _commit(config: JobConfig, store: CheckpointStore, parent: CheckpointMetadat
         skipped=False, events=read, rejected=rejected, keys=extra["keys_touched"],
         uploaded=meta.bytes_uploaded, timings=timings, rejects_by_reason=reasons,
         restore_modes=[by_subtask[i]["restore_mode"] for i in range(parallelism)],
+        reuploaded=sorted(p for r in rows for p in json.loads(r.get("reuploaded") or "[]")),
         parent=meta.parent, published=True, **files.skipped_report())
 
 

@@ -50,6 +50,7 @@ SPARK_HASH_SEED = 42
 ATTEMPTS_DIR = "_attempts"
 RESULT_DDL = ("subtask int, attempt int, handle string, uploaded string, events long, "
               "rejected long, reasons string, keys_touched long, restore_mode string, "
+              "reuploaded string, "
               "bytes_uploaded long, t_restoring double, t_processing double, "
               "t_snapshotting double, t_uploading double")
 OUTPUT_SCHEMA = pa.schema([("key", pa.string()), ("count", pa.int64()), ("sum", pa.float64()),
@@ -148,7 +149,8 @@ def _result_schema() -> pa.Schema:
                       ("handle", pa.string()), ("uploaded", pa.string()),
                       ("events", pa.int64()), ("rejected", pa.int64()),
                       ("reasons", pa.string()), ("keys_touched", pa.int64()),
-                      ("restore_mode", pa.string()), ("bytes_uploaded", pa.int64()),
+                      ("restore_mode", pa.string()), ("reuploaded", pa.string()),
+                      ("bytes_uploaded", pa.int64()),
                       ("t_restoring", pa.float64()), ("t_processing", pa.float64()),
                       ("t_snapshotting", pa.float64()), ("t_uploading", pa.float64())])
 
@@ -166,6 +168,7 @@ class _SubtaskRun:
         self.uploaded: tuple[str, ...] = ()
         self.t = dict.fromkeys(("restoring", "processing", "snapshotting", "uploading"), 0.0)
         self.restore_mode = "none"
+        self.reuploaded: tuple[str, ...] = ()
 
     # -- phases ------------------------------------------------------------
     def open_state(self) -> KeyedStateBackend:
@@ -176,6 +179,8 @@ class _SubtaskRun:
             self.backend = restore_subtask(self.job_storage, self.parent, local_dir,
                                            p.descriptors, p.max_parallelism)
             self.restore_mode = self.backend.restore_mode
+            # Stored files local recovery found damaged: this checkpoint uploads them anew.
+            self.reuploaded = self.backend.reuploaded
         else:
             # First checkpoint of the lineage: whatever is on disk belongs to no checkpoint.
             shutil.rmtree(local_dir, ignore_errors=True)
@@ -258,6 +263,7 @@ class _SubtaskRun:
             "uploaded": json.dumps(list(self.uploaded)), "events": events,
             "rejected": rejected, "reasons": json.dumps(reasons, sort_keys=True),
             "keys_touched": keys_touched, "restore_mode": self.restore_mode,
+            "reuploaded": json.dumps(list(self.reuploaded)),
             "bytes_uploaded": handle.bytes_uploaded if handle is not None else 0,
             **{f"t_{k}": v for k, v in self.t.items()},
         }

@@ -331,3 +331,28 @@ def test_skipped_rerun_does_not_publish_a_folder_with_missing_parts(spark, tmp_p
     assert again["skipped"] is True and again["published"] is False
     assert again["output_parts_missing"] == ["part-00001.parquet"]
     assert not (folder / "_SUCCESS").exists()
+
+
+def test_damaged_stored_file_is_uploaded_again_not_reused(spark, tmp_path):
+    """A shared SST truncated in storage after run 1: run 2 restores from its local
+    instance, finds the damage by size, uploads a fresh copy and references only that."""
+    days = [generate_events(str(tmp_path / f"in{d}"), n_events=2000, n_keys=300, seed=70 + d,
+                            start_ts_ms=1_800_000_000_000 + d * 86_400_000) for d in range(2)]
+    store = store_of(f"file://{tmp_path}/store", "agg")
+    local = str(tmp_path / "local")
+    run(config(tmp_path, tmp_path / "in0", "day-0", parallelism=1, local_dir=local), spark)
+    damaged = store.latest().subtasks[0].shared_files[0].path
+    full = store.storage.abspath(damaged)
+    with open(full, "r+b") as fh:
+        fh.truncate(os.path.getsize(full) // 2)
+
+    s2 = run(config(tmp_path, tmp_path / "in1", "day-1", local_dir=local), spark)
+
+    assert s2["restore_modes"] == ["local-instance"]
+    assert s2["reuploaded"] == [damaged]
+    assert damaged not in {f.path for f in store.latest().files}
+    for ref in store.latest().files:
+        algorithm = ref.checksum.split(":", 1)[0]
+        assert store.storage.checksum(ref.path, algorithm)[1] == ref.checksum, ref.path
+    assert_state_equals(dump_latest(f"file://{tmp_path}/store", "agg"),
+                        expected_totals(days))
