@@ -7,6 +7,20 @@ The JSON carries ``format_version``; readers refuse versions they do not know
 root with no ``..``. Changes must stay backward-compatible: add optional keys
 with defaults, bump FORMAT_VERSION only for incompatible changes.
 
+Parsing is strict (`from_bytes` / `from_json`): a record that parses but makes no
+sense is refused with a MetadataError naming the file (``where``) and the broken
+invariant, because every lifecycle planner trusts it (a record with P=0 and no
+subtasks once let GC delete every file of the job). Invariants:
+
+- 1 <= parallelism P <= max_parallelism M <= 32768, and exactly P subtasks;
+- subtask indexes are 0..P-1 in order and each key-group range equals Flink's
+  formula (`keygroups.key_group_range_for_subtask`): no gap, no overlap;
+- states have unique, valid names, a known kind and a known codec;
+- sizes, bytes_uploaded and row counts are integers >= 0; checkpoint_id >= 1;
+  a parent, when set, is 1 <= parent < checkpoint_id;
+- JSON nesting is at most MAX_NESTING deep (deeper input only exists to crash
+  recursive readers with RecursionError).
+
 Layout of one record (format 1)::
 
     {"format_version": 1, "job": "orders", "checkpoint_id": 7, "parent": 6,
@@ -29,15 +43,19 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
+from functools import cache
 from typing import Any
 
-from .errors import MetadataError, UnsupportedFormatVersionError
-from .keygroups import KeyGroupRange
+from .errors import CkptError, MetadataError, UnsupportedFormatVersionError
+from .keygroups import MAX_MAX_PARALLELISM, KeyGroupRange, key_group_range_for_subtask
 from .storage import safe_relpath
 
 FORMAT_VERSION = 1
 SUPPORTED_FORMAT_VERSIONS = (1,)
 CHECKPOINT_KINDS = ("checkpoint", "rescale", "savepoint")
+# The deepest record this release writes is 6 levels (states -> codec -> fields);
+# free-form parts (source, extra) get room to grow, not room to crash a reader.
+MAX_NESTING = 32
 
 
 def utc_now_iso() -> str:
@@ -117,8 +135,11 @@ class SubtaskHandle:
         private = _get(data, "private_files", list, w)
         counts = data.get("row_counts", {})
         _require(isinstance(counts, dict) and all(
-            isinstance(k, str) and isinstance(v, int) for k, v in counts.items()), w,
-            "row_counts must map state names to integers")
+            isinstance(k, str) and _is_int(v) and v >= 0 for k, v in counts.items()), w,
+            f"row_counts {counts!r} must map state names to integers >= 0")
+        uploaded = data.get("bytes_uploaded", 0)
+        _require(_is_int(uploaded) and uploaded >= 0, w,
+                 f"bytes_uploaded {uploaded!r} must be an integer >= 0")
         return SubtaskHandle(
             index=index,
             key_group_start=_get(data, "key_group_start", int, w),
@@ -128,7 +149,7 @@ class SubtaskHandle:
             shared_files=tuple(FileRef.from_json(f, w) for f in shared),
             private_files=tuple(FileRef.from_json(f, w) for f in private),
             row_counts=dict(counts),
-            bytes_uploaded=int(data.get("bytes_uploaded", 0)),
+            bytes_uploaded=uploaded,
         )
 
 
@@ -225,18 +246,13 @@ class CheckpointMetadata:
     @staticmethod
     def from_bytes(data: bytes, where: str) -> CheckpointMetadata:
         """Parse and check a `_metadata` file; ``where`` names it in errors."""
-        try:
-            obj = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise MetadataError(
-                f"malformed or truncated metadata {where}: not valid JSON ({exc})") from exc
-        return CheckpointMetadata.from_json(obj, where)
+        return CheckpointMetadata.from_json(decode_json(data, where, json.loads), where)
 
     @staticmethod
     def from_json(obj: Any, where: str) -> CheckpointMetadata:
         _require(isinstance(obj, dict), where, "top level is not an object")
         version = obj.get("format_version")
-        if version not in SUPPORTED_FORMAT_VERSIONS:
+        if not _is_int(version) or version not in SUPPORTED_FORMAT_VERSIONS:
             raise UnsupportedFormatVersionError(
                 f"metadata {where} has format version {version!r}; this tool reads "
                 f"{list(SUPPORTED_FORMAT_VERSIONS)} (upgrade the tool to read newer checkpoints)")
@@ -248,11 +264,18 @@ class CheckpointMetadata:
         subtasks = tuple(SubtaskHandle.from_json(s, where)
                          for s in _get(obj, "subtasks", list, where))
         parent = obj.get("parent")
-        _require(parent is None or isinstance(parent, int), where, "parent must be an id or null")
+        _require(parent is None or _is_int(parent), where, "parent must be an id or null")
         run_id = obj.get("run_id")
         _require(run_id is None or isinstance(run_id, str), where, "run_id must be a string")
         inputs = obj.get("input") or []
-        _require(isinstance(inputs, list), where, "input must be a list")
+        _require(isinstance(inputs, list) and all(isinstance(i, str) for i in inputs), where,
+                 "input must be a list of strings")
+        source, extra = obj.get("source"), obj.get("extra") or {}
+        _require(source is None or isinstance(source, dict), where,
+                 "source must be an object or null")
+        _require(isinstance(extra, dict), where, "extra must be an object")
+        _check_nesting({"states": states, "source": source, "extra": extra}, where)
+        _check_states(states, where)
         created_at = _get(obj, "created_at", str, where)
         try:
             datetime.fromisoformat(created_at)
@@ -269,15 +292,107 @@ class CheckpointMetadata:
             created_at=created_at,
             kind=kind,
             run_id=run_id,
-            input=tuple(str(i) for i in inputs),
+            input=tuple(inputs),
             rescaled_from=obj.get("rescaled_from"),
-            source=obj.get("source"),
-            extra=obj.get("extra") or {},
+            source=source,
+            extra=extra,
             format_version=version,
         )
-        _require(len(meta.subtasks) == meta.parallelism, where,
-                 f"{len(meta.subtasks)} subtasks recorded for parallelism {meta.parallelism}")
+        _check_ids(meta, where)
+        _check_key_groups(meta, where)
         return meta
+
+
+def decode_json(data: bytes, where: str, loads: Any) -> Any:
+    """``loads(data)`` with every decoding failure as one MetadataError naming ``where``.
+
+    Both the stdlib and msgspec decoders recurse per nesting level: a record like
+    ``[[[[...]]]]`` 100,000 deep raises RecursionError, which no caller expects.
+    """
+    try:
+        return loads(data)
+    except RecursionError as exc:
+        raise MetadataError(
+            f"malformed metadata {where}: JSON nested too deeply (a `_metadata` is at most "
+            f"{MAX_NESTING} levels deep); the file is damaged or not a commit record") from exc
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise MetadataError(
+            f"malformed or truncated metadata {where}: not valid JSON ({exc})") from exc
+
+
+def _check_ids(meta: CheckpointMetadata, where: str) -> None:
+    cid, parent = meta.checkpoint_id, meta.parent
+    _require(cid >= 1, where, f"checkpoint_id {cid} must be at least 1")
+    _require(parent is None or 1 <= parent < cid, where,
+             f"parent {parent} must be an earlier checkpoint id (1..{cid - 1}) or null")
+    origin = meta.rescaled_from
+    _require(origin is None or (_is_int(origin) and 1 <= origin <= meta.max_parallelism),
+             where, f"rescaled_from {origin!r} must be a parallelism "
+                    f"(1..{meta.max_parallelism}) or null")
+
+
+def _check_key_groups(meta: CheckpointMetadata, where: str) -> None:
+    """1 <= P <= M <= 32768; subtasks 0..P-1 in order, ranges exactly Flink's formula."""
+    m, p = meta.max_parallelism, meta.parallelism
+    _require(1 <= m <= MAX_MAX_PARALLELISM, where,
+             f"max_parallelism {m} is out of range 1..{MAX_MAX_PARALLELISM}")
+    _require(1 <= p <= m, where, f"parallelism {p} is out of range 1..max_parallelism {m}")
+    _require(len(meta.subtasks) == p, where,
+             f"{len(meta.subtasks)} subtasks recorded for parallelism {p}")
+    for i, sub in enumerate(meta.subtasks):
+        _require(sub.index == i, where,
+                 f"subtask #{i} has index {sub.index}; indexes must be 0..{p - 1} in order")
+        want = key_group_range_for_subtask(m, p, i)
+        _require(sub.key_group_range == want, where,
+                 f"subtask {i} covers key groups [{sub.key_group_start}, {sub.key_group_end}], "
+                 f"expected [{want.start}, {want.end}] for parallelism {p} and max "
+                 f"parallelism {m} (ranges must tile [0, {m}) with no gap or overlap)")
+
+
+def _check_states(states: list, where: str) -> None:
+    """Unique valid names, known kinds and codecs: what dump/validate/rescale decode with."""
+    codec_from_json, state_kinds = _state_vocabulary()
+    seen: set[str] = set()
+    for s in states:
+        name = s["name"]
+        _require(bool(name) and name != "default" and "/" not in name, where,
+                 f"state name {name!r} is not allowed")
+        _require(name not in seen, where, f"state {name!r} is declared twice")
+        seen.add(name)
+        kind = s.get("kind", "value")
+        _require(kind in state_kinds, where,
+                 f"state {name!r} has unknown kind {kind!r} (known: {', '.join(state_kinds)})")
+        try:
+            codec_from_json(s.get("codec", {"type": "json"}))
+        except CkptError as exc:  # SerializationError, or UsageError from RecordCodec
+            raise MetadataError(f"malformed metadata {where}: state {name!r}: {exc}") from exc
+
+
+@cache
+def _state_vocabulary() -> tuple[Any, tuple[str, ...]]:
+    # lazy: state and serialization pull in rocksdict and numpy, which a CLI start
+    # or a DAG parse that never reads metadata should not pay for
+    from .serialization import codec_from_json
+    from .state import STATE_KINDS
+
+    return codec_from_json, STATE_KINDS
+
+
+def _check_nesting(value: dict | list, where: str) -> None:
+    """Refuse JSON deeper than MAX_NESTING (level by level: must not recurse itself)."""
+    level = [value]
+    for _ in range(MAX_NESTING):
+        level = [child for item in level
+                 for child in (item.values() if isinstance(item, dict) else item)
+                 if isinstance(child, dict | list)]
+        if not level:
+            return
+    raise MetadataError(f"malformed metadata {where}: JSON nested more than {MAX_NESTING} "
+                        "levels deep")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _require(condition: bool, where: str, message: str) -> None:

@@ -49,7 +49,7 @@ from .checkpoints import (
 )
 from .errors import CheckpointNotFoundError, MetadataError, StorageError
 from .leases import LEASES_DIR, WRITER_LEASE, Lease
-from .metadata import CheckpointMetadata, FileRef
+from .metadata import CheckpointMetadata, FileRef, decode_json
 from .storage import FileInfo, Storage
 
 SHARED_DIR = "shared"
@@ -61,6 +61,8 @@ try:  # msgspec (an Airflow dependency) decodes JSON about twice as fast as the 
     def _loads(data: bytes) -> object:
         try:
             return _msgspec_decode(data)
+        except RecursionError:
+            raise  # deep nesting: decode_json names it as such
         except Exception as exc:  # noqa: BLE001 - msgspec.DecodeError: report as ValueError
             raise ValueError(str(exc)) from exc
 except ImportError:  # pragma: no cover - stdlib fallback
@@ -286,15 +288,26 @@ def parse_metadata(data: bytes, where: str, memo: dict) -> CheckpointMetadata:
     and everything else through CheckpointMetadata.from_json, so the result and
     the errors are the same as `from_bytes`.
     """
-    try:
-        obj = _loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise MetadataError(
-            f"malformed or truncated metadata {where}: not valid JSON ({exc})") from exc
+    obj = decode_json(data, where, _loads)
     if not isinstance(obj, dict) or not isinstance(obj.get("subtasks"), list) \
             or not all(isinstance(s, dict) for s in obj["subtasks"]):
         return CheckpointMetadata.from_json(obj, where)  # raises the precise error
-    # obj is ours (freshly decoded): take the file lists out in place
+    try:
+        refs = _take_refs(obj, where, memo)
+    except MetadataError:
+        # the strict parser checks a subtask's own keys before its file references
+        # and names the subtask: let it give the precise error (an error path only)
+        return CheckpointMetadata.from_bytes(data, where)
+    meta = CheckpointMetadata.from_json(obj, where)
+    subtasks = tuple(replace(s, shared_files=shared, private_files=private)
+                     for s, (shared, private) in zip(meta.subtasks, refs, strict=True))
+    return replace(meta, subtasks=subtasks)
+
+
+def _take_refs(obj: dict, where: str, memo: dict
+               ) -> list[tuple[tuple[FileRef, ...], tuple[FileRef, ...]]]:
+    """Each subtask's (shared, private) references, memoised; the lists are emptied in
+    place (``obj`` is ours, freshly decoded) so from_json skips them."""
     get = memo.get
     refs: list[tuple[tuple[FileRef, ...], tuple[FileRef, ...]]] = []
     for sub in obj["subtasks"]:
@@ -316,10 +329,7 @@ def parse_metadata(data: bytes, where: str, memo: dict) -> CheckpointMetadata:
             pair.append(tuple(out))
             sub[key] = []
         refs.append((pair[0], pair[1]))
-    meta = CheckpointMetadata.from_json(obj, where)
-    subtasks = tuple(replace(s, shared_files=shared, private_files=private)
-                     for s, (shared, private) in zip(meta.subtasks, refs, strict=True))
-    return replace(meta, subtasks=subtasks)
+    return refs
 
 
 def _memo_ref(entry: object, where: str, memo: dict) -> FileRef:
@@ -399,7 +409,12 @@ def _read_lease(storage: Storage, path: str) -> Lease | None:
     data = storage.read_bytes_if_exists(path)
     if data is None:
         return None  # released since the listing
-    return Lease.from_bytes(data, f"{storage.url}/{path}")
+    where = f"{storage.url}/{path}"
+    try:
+        return Lease.from_bytes(data, where)
+    except RecursionError as exc:  # [[[[...]]]] 100,000 deep: the decoder recurses per level
+        raise MetadataError(f"malformed lease {where}: JSON nested too deeply; the file is "
+                            "damaged or not a lease") from exc
 
 
 def read_live_leases(storage: Storage, now: datetime | float | None = None) -> list[Lease]:

@@ -11,8 +11,8 @@ Contracts:
   memory. `_metadata` and leases are written with it.
 - `put_file` / `get_file` stream in chunks and return (size, checksum) computed
   on the bytes that went through, so a checksum costs no second read.
-- `memory://` has a maximum size (``?max_bytes=N``, default 512 MiB); a write
-  that would exceed it raises StorageFullError naming the limit.
+- `memory://` has a maximum size (``?max_bytes=N``, N >= 1, default 512 MiB); a
+  write that would exceed it raises StorageFullError naming the limit.
 - S3 credentials come only from the environment (the standard AWS variables or
   an Airflow connection exported to them); the endpoint from
   ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``. Nothing secret is logged.
@@ -467,11 +467,7 @@ def open_storage(url: str) -> Storage:
         root = os.path.abspath(os.path.expanduser(path))
         return Storage(f"file://{root}", fsspec.filesystem("file"), root)
     if protocol == "memory":
-        query = parse_qs(parts.query)
-        try:
-            max_bytes = int(query.get("max_bytes", [DEFAULT_MEMORY_MAX_BYTES])[0])
-        except ValueError as exc:
-            raise UsageError(f"memory storage {url}: max_bytes must be an integer") from exc
+        max_bytes = _memory_max_bytes(url, parse_qs(parts.query, keep_blank_values=True))
         root = "/" + (parts.netloc + parts.path).strip("/")
         quota = _Quota(url, root, max_bytes, threading.RLock())
         return Storage(url, fsspec.filesystem("memory"), root, quota)
@@ -485,6 +481,19 @@ def open_storage(url: str) -> Storage:
         return Storage(url, fs, (parts.netloc + parts.path).rstrip("/"))
     raise UsageError(f"storage URL {url!r} has unsupported scheme {protocol!r}; "
                      "use file://, memory:// or s3://")
+
+
+def _memory_max_bytes(url: str, query: dict[str, list[str]]) -> int:
+    """``?max_bytes=N``: a positive integer in plain digits (no sign, no ``1e6``, no
+    ``1_000``); a limit of 0 or less would refuse every write, or none."""
+    values = query.get("max_bytes")
+    if values is None:
+        return DEFAULT_MEMORY_MAX_BYTES
+    text = values[-1].strip()
+    if len(values) != 1 or not text.isascii() or not text.isdigit() or int(text) < 1:
+        raise UsageError(f"memory storage {url}: max_bytes must be an integer >= 1 "
+                         f"(bytes), got {', '.join(map(repr, values))}")
+    return int(text)
 
 
 def child_storage(storage: Storage, name: str) -> Storage:

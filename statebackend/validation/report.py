@@ -12,7 +12,9 @@ Layout (on the checkpoint storage, next to the checkpoints)::
 With ``--report-dir DIR`` the same tree is written to ``DIR/chk-<id>/`` instead.
 On file:// the docs are built in place; on other storages they are built in a
 temp folder and uploaded with `Storage.put_file`. A new validation replaces the
-checkpoint's previous report. Only ``reports/`` is ever written.
+checkpoint's previous report. Only ``reports/`` is ever written. Publication is
+all or nothing for a reader: ``summary.json`` first, ``index.html`` last, and a
+failed publication removes what it wrote (see `finish_report`).
 
 Summary (``SUMMARY_VERSION`` 1; changes must stay backward-compatible)::
 
@@ -39,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from ..checkpoints import CheckpointStore
+from ..errors import CkptError, StorageError
 from ..storage import Storage
 from .suites import MAX_OFFENDING_ROWS
 
@@ -139,33 +142,64 @@ def prepare_report(storage: Storage, checkpoint_id: int, report_dir: str | None)
 
 
 def finish_report(storage: Storage, target: ReportTarget, summary: dict) -> str | None:
-    """Write the summary next to the docs and upload when needed; the index URL or None."""
+    """Write the summary next to the docs and upload when needed; the index URL or None.
+
+    All or nothing for a reader: ``summary.json`` is written first and the overview
+    ``index.html`` last, so whoever finds the overview finds its summary (the
+    Checkpoints page links the overview). On any failure (storage full, unreachable,
+    local disk full) what was written is removed and one StorageError names the
+    report location and the cause.
+    """
     index = target.index_url if os.path.exists(os.path.join(target.docs_dir, "index.html")) \
         else None
     summary["report_location"] = target.location
     summary["data_docs_index"] = index
     summary["report_index"] = f"{target.location}/{OVERVIEW_FILE}"
-    with open(os.path.join(target.local_dir, OVERVIEW_FILE), "w", encoding="utf-8") as fh:
-        fh.write(overview_html(summary, suite_pages(target.docs_dir)))
-    with open(os.path.join(target.local_dir, SUMMARY_FILE), "w", encoding="utf-8") as fh:
-        json.dump(summary, fh, indent=1, sort_keys=True)
-    if target.upload_rel is not None:
-        try:
-            # summary last: a reader that sees it finds the docs complete
-            files = [os.path.join(d, n) for d, _, names in os.walk(target.local_dir)
-                     for n in names]
-            files.sort(key=lambda f: f.endswith(SUMMARY_FILE))
-            for local in files:
-                rel = os.path.relpath(local, target.local_dir).replace(os.sep, "/")
-                storage.put_file(local, f"{target.upload_rel}/{rel}")
-        finally:
+    try:
+        with open(os.path.join(target.local_dir, SUMMARY_FILE), "w", encoding="utf-8") as fh:
+            json.dump(summary, fh, indent=1, sort_keys=True)
+        with open(os.path.join(target.local_dir, OVERVIEW_FILE), "w", encoding="utf-8") as fh:
+            fh.write(overview_html(summary, suite_pages(target.docs_dir)))
+        if target.upload_rel is not None:
+            _upload(storage, target.local_dir, target.upload_rel)
+    except (OSError, CkptError) as exc:
+        _remove_partial(storage, target)
+        cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise StorageError(
+            f"validation report {target.location} was not published: {cause}; the partial "
+            "report was removed (free space on the storage or use --report-dir DIR)") from exc
+    finally:
+        if target.upload_rel is not None:
             shutil.rmtree(target.local_dir, ignore_errors=True)
     return index
 
 
-def discard_report(target: ReportTarget) -> None:
+def publication_order(local_dir: str) -> list[str]:
+    """Files of a built report, relative and '/'-separated: summary first, overview last."""
+    files = sorted(os.path.relpath(os.path.join(d, n), local_dir).replace(os.sep, "/")
+                   for d, _, names in os.walk(local_dir) for n in names)
+    return sorted(files, key=lambda rel: (rel != SUMMARY_FILE, rel == OVERVIEW_FILE))
+
+
+def _upload(storage: Storage, local_dir: str, upload_rel: str) -> None:
+    for rel in publication_order(local_dir):
+        storage.put_file(os.path.join(local_dir, *rel.split("/")), f"{upload_rel}/{rel}")
+
+
+def _remove_partial(storage: Storage, target: ReportTarget) -> None:
+    """Best effort: the caller reports the original failure, not a cleanup error."""
     if target.upload_rel is not None:
-        shutil.rmtree(target.local_dir, ignore_errors=True)
+        try:
+            storage.delete_tree(target.upload_rel)
+        except CkptError:
+            pass
+    shutil.rmtree(target.local_dir, ignore_errors=True)
+
+
+def discard_report(target: ReportTarget) -> None:
+    """A validation that failed before `finish_report`: drop the half-built report
+    (on file:// and --report-dir it was built in place)."""
+    shutil.rmtree(target.local_dir, ignore_errors=True)
 
 
 def read_report_summary(store: CheckpointStore, checkpoint_id: int) -> dict | None:

@@ -107,10 +107,19 @@ def test_malformed_metadata_and_lease_are_refused(tmp_path):
         build_registry(store)
 
 
+@pytest.mark.parametrize("rel", ["chk-2/_metadata", "leases/hold-x.json"])
+def test_deeply_nested_record_is_refused_naming_the_file(tmp_path, rel):
+    store = CheckpointStore(open_storage(f"file://{tmp_path}"), "j")
+    write_meta(store, meta(1, ["shared/a.sst"]))
+    store.storage.write_bytes(rel, b"[" * 100_000 + b"]" * 100_000)
+    with pytest.raises(MetadataError, match=f"malformed .*j/{rel}: JSON nested too deeply"):
+        build_registry(store)
+
+
 def test_many_checkpoints_read_in_parallel(tmp_path):
     store = CheckpointStore(open_storage(f"file://{tmp_path}"), "j")
     for cid in range(1, 201):
-        store.commit(meta(cid, [f"shared/{cid % 7}.sst"]))
+        write_meta(store, meta(cid, [f"shared/{cid % 7}.sst"]))  # commit checks the files
     reg = build_registry(store)
     assert len(reg.checkpoints) == 200
     assert len(reg.owners_of("shared/0.sst")) == 28

@@ -177,6 +177,20 @@ def test_memory_max_size_error_names_the_limit(tmp_path):
         open_storage("memory://q?max_bytes=lots")
 
 
+@pytest.mark.parametrize("value", ["-1", "0", "-0", "1e6", "1_000", "%2B5", "12.5", "", " ",
+                                   "\u0661\u0662"])  # the last: Arabic-Indic digits
+def test_memory_max_bytes_must_be_a_positive_integer(value):
+    url = f"memory://quota-bad?max_bytes={value}"
+    with pytest.raises(UsageError) as info:
+        open_storage(url)
+    message = str(info.value)
+    assert "\n" not in message and url in message and "max_bytes must be an integer >= 1" in message
+    with pytest.raises(UsageError, match="max_bytes must be"):
+        open_storage("memory://quota-bad?max_bytes=5&max_bytes=-1")
+    assert open_storage("memory://quota-ok?max_bytes=1")._quota.max_bytes == 1
+    assert open_storage("memory://quota-ok")._quota.max_bytes == 512 * 1024 * 1024
+
+
 def test_open_storage_urls(tmp_path):
     assert open_storage(str(tmp_path)).url == f"file://{tmp_path}"
     assert open_storage(f"file://{tmp_path}").protocol == "file"

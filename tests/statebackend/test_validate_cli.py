@@ -68,6 +68,41 @@ def test_exit_2_for_usage_and_access_errors(lineage, tmp_path, capsys):
     assert exc.value.code == 2
 
 
+def test_full_storage_publishes_no_half_report(tmp_path, capsys):
+    """memory:// too small for the report: one-line error, no index.html left behind."""
+    from statebackend.storage import open_storage
+    from statebackend.validation.report import publication_order
+
+    url = "memory://validate-full-storage"
+    store, meta = build_checkpoint(url, str(tmp_path / "w"), parallelism=2, n_keys=150)
+    report = f"reports/chk-{meta.checkpoint_id}"
+    try:
+        # a first run with room to spare measures the report, then it is removed
+        assert run(url, "--report-dir", str(tmp_path / "r")) == 0
+        built = tmp_path / "r" / f"chk-{meta.checkpoint_id}"
+        order = publication_order(str(built))
+        assert order[0] == "summary.json" and order[-1] == "index.html"
+        sizes = [(built / rel).stat().st_size for rel in order]
+        used = sum(f.size for f in store.root_storage.walk_files(""))
+        # room for the summary and half of the rest: the upload fails half-way
+        limit = used + sizes[0] + sum(sizes[1:]) // 2
+        capsys.readouterr()
+        assert run(f"{url}?max_bytes={limit}") == 2
+        out, err = capsys.readouterr()
+        lines = err.strip().splitlines()
+        assert len(lines) == 1, err
+        assert f"validation report {url}?max_bytes={limit}/{JOB}/{report} was not " \
+               "published" in lines[0] and f"maximum size of {limit} bytes" in lines[0]
+        assert store.storage.walk_files(report) == []  # nothing half-published
+        # with room, the same command publishes the whole report
+        assert run(url) == 0
+        stored = {f.path for f in open_storage(url).walk_files(f"{JOB}/{report}")}
+        assert {f"{JOB}/{report}/{rel}" for rel in ("summary.json", "index.html")} <= stored
+        assert len(stored) == len(order)  # page names carry the run time: compare counts
+    finally:
+        open_storage(url).delete_tree("")
+
+
 def test_cli_import_does_not_load_great_expectations():
     code = ("import sys, statebackend.cli as c; c.build_parser(); import statebackend.validate; "
             "print(any(m.startswith('great_expectations') for m in sys.modules), "
