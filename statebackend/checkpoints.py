@@ -12,32 +12,45 @@ Job root layout (see DESIGN.md)::
 Invariants: a checkpoint exists iff its `_metadata` exists; `_metadata` is created
 exclusively (a second commit of the same id fails instead of overwriting);
 reading metadata never trusts paths (see metadata.py).
+
+Before writing `_metadata`, `commit` checks (issue 10, defect 2):
+1. every file the record references exists with its recorded size (one parallel
+   pass of info requests), else MissingFilesError: a GC or cleanup that removed an
+   in-flight upload must not yield a checkpoint that cannot restore;
+2. the writer lease this context holds (`leases.writer_lease`) is still ours,
+   else LeaseLostError: a writer whose lease was taken over must not commit.
+Nothing is written when either check fails.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from .errors import (
     CheckpointNotFoundError,
     JobNotFoundError,
     LeaseConflictError,
     MetadataError,
+    MissingFilesError,
     UsageError,
 )
 from .keygroups import check_parallelism, key_group_range_for_subtask
-from .metadata import CheckpointMetadata, SubtaskHandle
+from .leases import HeldLease, held_writer_leases
+from .metadata import CheckpointMetadata, FileRef, SubtaskHandle
 from .storage import Storage, child_storage, safe_relpath
 
 METADATA_FILE = "_metadata"
 CHK_DIR_RE = re.compile(r"^chk-(\d+)$")
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
+VERIFY_THREADS = 16
+MISSING_LIST_CAP = 5
 
 
 def check_name(what: str, name: str) -> str:
     """A job or savepoint name: one safe path segment."""
-    if not isinstance(name, str) or not _NAME_RE.match(name) or ".." in name:
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or ".." in name:
         raise UsageError(f"{what} {name!r} is invalid: use letters, digits, '_', '-', '.'")
     return name
 
@@ -142,12 +155,20 @@ class CheckpointStore:
         return (ids[-1] + 1) if ids else 1
 
     # -- commit ------------------------------------------------------------
-    def commit(self, meta: CheckpointMetadata) -> CheckpointMetadata:
-        """Write `_metadata` exclusively; LeaseConflictError if the id is taken."""
+    def commit(self, meta: CheckpointMetadata, *,
+               lease: HeldLease | None = None) -> CheckpointMetadata:
+        """Verify, then write `_metadata` exclusively (see the module docstring).
+
+        ``lease``: the writer lease to check; default: every writer lease of this
+        job held by the calling context. LeaseConflictError if the id is taken.
+        """
         if meta.job != self.job:
             raise UsageError(f"metadata of job {meta.job!r} cannot be committed to {self.job!r}")
         for ref in meta.files:
             safe_relpath(ref.path)
+        self.verify_files(meta)
+        for held in (lease,) if lease is not None else held_writer_leases(self.storage):
+            held.ensure_held()  # last, right before the write: the closest check wins
         try:
             self.storage.write_exclusive(metadata_path(meta.checkpoint_id), meta.to_bytes())
         except FileExistsError as exc:
@@ -155,6 +176,38 @@ class CheckpointStore:
                 f"checkpoint {meta.checkpoint_id} of job {self.job!r} was committed by another "
                 "writer; this attempt is aborted") from exc
         return meta
+
+    def verify_files(self, meta: CheckpointMetadata) -> None:
+        """MissingFilesError unless every file ``meta`` references exists with its size."""
+        bad = wrong_files(self.storage, meta.files)
+        if bad:
+            shown = ", ".join(f"{path} ({why})" for path, why in bad[:MISSING_LIST_CAP])
+            more = f" and {len(bad) - MISSING_LIST_CAP} more" if len(bad) > MISSING_LIST_CAP \
+                else ""
+            raise MissingFilesError(
+                f"checkpoint {meta.checkpoint_id} of job {self.job!r} not committed: {len(bad)} "
+                f"referenced file(s) under {self.storage.url} missing or with the wrong size: "
+                f"{shown}{more}; were they collected while the attempt ran? Run it again")
+
+
+def wrong_files(storage: Storage, refs: Iterable[FileRef],
+                threads: int = VERIFY_THREADS) -> list[tuple[str, str]]:
+    """(path, "missing" | "size X, recorded Y") of each reference storage does not match."""
+    expected: dict[str, int] = {}
+    for ref in refs:
+        expected.setdefault(ref.path, ref.size)
+    paths = sorted(expected)
+    if not paths:
+        return []
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(paths)))) as pool:
+        infos = list(pool.map(storage.info, paths))
+    out = []
+    for path, info in zip(paths, infos, strict=True):
+        if info is None:
+            out.append((path, "missing"))
+        elif info.size != expected[path]:
+            out.append((path, f"size {info.size}, recorded {expected[path]}"))
+    return out
 
 
 def build_metadata(*, job: str, checkpoint_id: int, parent: int | None, max_parallelism: int,

@@ -16,7 +16,9 @@ Classification of each listed file in scope (reasons appear in the report):
 - ``referenced``          listed by a committed checkpoint or savepoint: keep
 - ``commit-record``       ``chk-<id>/_metadata`` of a committed checkpoint: keep
 - ``orphan-leased``       orphan inside ``chk-<id>/`` of an id a live lease names: keep
-- ``orphan-writer-active`` orphan written after a live writer lease was taken: keep
+- ``orphan-writer-active`` while a writer lease is live: orphan inside a ``chk-<id>/``
+                          above the newest committed id (the writer's attempt
+                          folder), or written after the lease was taken: keep
 - ``orphan-no-mtime``     orphan whose age the storage cannot tell: keep
 - ``orphan-pending``      orphan younger than the grace period: keep
 - ``orphan-shared``       expired orphan under ``shared/``: delete
@@ -30,7 +32,8 @@ Failure scenarios this design handles (numbered; tests name them):
    are listed but no `_metadata` references them yet. They are younger than
    the grace period, so they stay (``orphan-pending``); with a live writer lease
    they stay whatever the grace (``orphan-writer-active``), so ``--grace-seconds
-   0`` is safe while the job runs.
+   0`` is safe while the job runs. The writer renews its lease (leases.py), so a
+   run longer than the lease TTL stays protected (issue 10, defect 2).
 2. *Commit between listing and reading.* The registry lists files *first* and
    reads metadata *after* (registry.py): a checkpoint committed in between is
    read, so its files are ``referenced``. The reverse order would see its files
@@ -60,26 +63,33 @@ Failure scenarios this design handles (numbered; tests name them):
 9. *Reader without a lease.* A restore, rescale or validation must hold a lease
    on what it reads (leases.py); one that does not may see its checkpoint
    retired and then fails loudly (missing file or checksum), never silently.
+10. *Lease taken after planning.* A writer or hold lease taken between planning
+    and deleting: the executor re-reads the live leases and spares every planned
+    deletion such a lease protects (same rules as planning).
 
 `plan_gc` is pure; `execute_gc` deletes best effort (batched on S3) after the
-re-check of scenario 3; `collect_garbage` = registry + plan + execute.
+re-checks of scenarios 3 and 10; `collect_garbage` = registry + plan + execute.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 
 from .checkpoints import CheckpointStore
 from .errors import CheckpointNotFoundError, UsageError
+from .leases import WRITER_LEASE, Lease
 from .registry import (
     Registry,
+    as_datetime,
     build_registry,
     chk_id_of,
     committed_ids,
     in_gc_scope,
     is_commit_record,
+    read_live_leases,
 )
 from .retention import prune_empty_dirs
 
@@ -105,6 +115,7 @@ class GcFile:
     size: int
     age_seconds: float | None
     reason: str
+    mtime: float | None = None  # storage mtime, for the executor's lease re-check
 
     def to_json(self) -> dict:
         age = None if self.age_seconds is None else round(self.age_seconds, 3)
@@ -205,20 +216,48 @@ class GcReport:
         }
 
 
+@dataclass(frozen=True)
+class LeaseGuard:
+    """What the live leases protect from GC, whatever the grace period."""
+
+    held_ids: frozenset[int]          # chk-<id>/ folders named by a live lease
+    writer_from_id: int | None        # with a live writer: chk-<id>/ folders at or above
+    writer_since: float | None        # with a live writer: files written at or after
+
+    def reason(self, path: str, mtime: float | None) -> str | None:
+        cid = chk_id_of(path)
+        if cid is not None and cid in self.held_ids:
+            return KEEP_LEASED
+        if self.writer_from_id is not None and cid is not None and cid >= self.writer_from_id:
+            return KEEP_WRITER_ACTIVE  # the writer's attempt folder (its id is not known)
+        if self.writer_since is not None and (mtime is None or mtime >= self.writer_since):
+            return KEEP_WRITER_ACTIVE
+        return None
+
+
+def lease_guard(live: Iterable[Lease], committed: Iterable[int]) -> LeaseGuard:
+    """Pure: the protection of ``live`` leases given the committed ids."""
+    live = list(live)
+    held = frozenset(cid for lease in live for cid in lease.checkpoint_ids)
+    writers = [x for x in live if x.name == WRITER_LEASE]
+    if not writers:
+        return LeaseGuard(held, None, None)
+    # A writer's attempt id is above every committed id (next_checkpoint_id).
+    from_id = max(committed, default=0) + 1
+    try:
+        since = min(datetime.fromisoformat(w.created_at).timestamp() for w in writers) \
+            - WRITER_SKEW_SECONDS
+    except ValueError:
+        since = float("-inf")  # unknown start: protect every orphan
+    return LeaseGuard(held, from_id, since)
+
+
 def plan_gc(registry: Registry, *, grace_seconds: float = DEFAULT_GRACE_SECONDS) -> GcPlan:
     """Classify every listed file under shared/ and chk-*/ (see the module docstring)."""
     if grace_seconds is None or grace_seconds < 0:
         raise UsageError(f"--grace-seconds {grace_seconds!r} is invalid: use 0 or more")
     now = registry.now.timestamp()
-    leased_ids = set(registry.held_ids())
-    writer = registry.live_writer()
-    writer_since = None
-    if writer is not None:
-        try:
-            writer_since = datetime.fromisoformat(writer.created_at).timestamp() \
-                - WRITER_SKEW_SECONDS
-        except ValueError:
-            writer_since = float("-inf")  # unknown start: protect every orphan
+    guard = lease_guard(registry.live_leases, registry.checkpoints)
     deletions: list[GcFile] = []
     pending: list[GcFile] = []
     referenced: list[str] = []
@@ -237,10 +276,9 @@ def plan_gc(registry: Registry, *, grace_seconds: float = DEFAULT_GRACE_SECONDS)
             record_bytes += info.size
             continue
         age = None if info.mtime is None else now - info.mtime
-        if cid is not None and cid in leased_ids:
-            reason = KEEP_LEASED
-        elif writer_since is not None and (info.mtime is None or info.mtime >= writer_since):
-            reason = KEEP_WRITER_ACTIVE
+        reason = guard.reason(path, info.mtime)
+        if reason is not None:
+            pass
         elif age is None:
             reason = KEEP_NO_MTIME
         elif age < grace_seconds:
@@ -252,22 +290,26 @@ def plan_gc(registry: Registry, *, grace_seconds: float = DEFAULT_GRACE_SECONDS)
         else:
             reason = DEL_UNCOMMITTED
         target = pending if reason in ORPHAN_KEEP_REASONS else deletions
-        target.append(GcFile(path, info.size, age, reason))
+        target.append(GcFile(path, info.size, age, reason, info.mtime))
     return GcPlan(registry.job, float(grace_seconds), tuple(deletions), tuple(pending),
                   tuple(referenced), tuple(records), referenced_bytes, record_bytes)
 
 
-def execute_gc(store: CheckpointStore, plan: GcPlan, known_ids: set[int] | None = None
-               ) -> GcReport:
-    """Delete the planned files (best effort, batched), sparing late commits (scenario 3)."""
+def execute_gc(store: CheckpointStore, plan: GcPlan, known_ids: set[int] | None = None, *,
+               now: datetime | float | None = None) -> GcReport:
+    """Delete the planned files (best effort, batched), sparing late commits (scenario 3)
+    and what leases taken since planning protect (scenario 10)."""
     started = time.perf_counter()
     spare: set[str] = set()
+    committed = set(committed_ids(store, known=known_ids or ()))
     if known_ids is not None:
-        for cid in set(committed_ids(store, known=known_ids)) - known_ids:
+        for cid in committed - known_ids:
             try:
                 spare.update(f.path for f in store.load(cid).files)
             except CheckpointNotFoundError:
                 continue
+    guard = lease_guard(read_live_leases(store.storage, as_datetime(now)), committed)
+    spare.update(f.path for f in plan.deletions if guard.reason(f.path, f.mtime) is not None)
     todo = [f for f in plan.deletions if f.path not in spare]
     failures = store.storage.delete_many(f.path for f in todo)
     failed = {p for p, _ in failures}
@@ -286,7 +328,7 @@ def collect_garbage(store: CheckpointStore, *, grace_seconds: float = DEFAULT_GR
     plan = plan_gc(registry, grace_seconds=grace_seconds)
     if dry_run:
         return GcReport(store.job, True, plan, (), seconds=time.perf_counter() - started)
-    report = execute_gc(store, plan, known_ids=set(registry.checkpoints))
+    report = execute_gc(store, plan, known_ids=set(registry.checkpoints), now=registry.now)
     return GcReport(report.job, False, plan, report.deleted, report.failures, report.spared,
                     time.perf_counter() - started)
 

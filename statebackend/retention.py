@@ -4,7 +4,15 @@ Kept, always:
 - the newest ``keep`` committed checkpoints (by id; ``keep`` >= 1, so the
   checkpoint a running writer builds on is never retired);
 - every savepoint (they live outside ``chk-*`` and are never touched here);
-- every checkpoint named by a *live* lease (an expired lease protects nothing).
+- every checkpoint named by a *live* lease (an expired lease protects nothing);
+- the newest *restorable* checkpoint and every newer one (issue 10, defect 2):
+  a checkpoint is retired only if a newer retained one restores. Restorable =
+  every file it references is listed with its recorded size (the manifest
+  checks) and its latest validation report (``reports/chk-<id>/summary.json``)
+  does not say ``"success": false``. Normally the newest checkpoint is
+  restorable and this keeps nothing extra; when the newest ones miss files,
+  retention keeps older ones down to the newest restorable one
+  (``keep-last-restorable``), and when none restores it retires nothing.
 
 Retiring checkpoint C, in this order:
 1. delete ``chk-<C>/_metadata``: C stops existing atomically, so no reader can
@@ -28,7 +36,9 @@ checkpoint's files alone. `retain` = registry + plan + execute (or dry run).
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -49,6 +59,11 @@ from .storage import Storage
 # reasons (stable strings: they appear in JSON reports)
 KEEP_NEWEST = "newest"
 KEEP_LEASED = "leased"
+KEEP_LAST_RESTORABLE = "keep-last-restorable"     # the newest checkpoint that restores
+KEEP_ABOVE_RESTORABLE = "keep-above-restorable"   # newer, but does not restore
+KEEP_NONE_RESTORABLE = "keep-none-restorable"     # nothing restores: retire nothing
+REPORTS_DIR = "reports"
+SUMMARY_FILE = "summary.json"
 RETIRE_BEYOND_KEEP = "beyond-keep"
 DEL_METADATA = "retired-metadata"
 DEL_PRIVATE = "retired-private"
@@ -60,12 +75,13 @@ LIST_CAP = 50
 class CheckpointDecision:
     checkpoint_id: int
     action: str          # "keep" | "retire"
-    reason: str          # newest | leased | beyond-keep
+    reason: str          # newest | leased | keep-*-restorable | beyond-keep
     leases: tuple[str, ...] = ()
+    restorable: bool | None = None  # None: not checked (only the newest few are)
 
     def to_json(self) -> dict:
         return {"id": self.checkpoint_id, "action": self.action, "reason": self.reason,
-                "leases": list(self.leases)}
+                "leases": list(self.leases), "restorable": self.restorable}
 
 
 @dataclass(frozen=True)
@@ -150,22 +166,35 @@ class RetentionReport:
         }
 
 
-def plan_retention(registry: Registry, keep: int) -> RetentionPlan:
-    """Decide, per committed checkpoint and per file, what retention keeps and deletes."""
+def plan_retention(registry: Registry, keep: int,
+                   damaged: Iterable[int] = ()) -> RetentionPlan:
+    """Decide, per committed checkpoint and per file, what retention keeps and deletes.
+
+    ``damaged``: ids whose latest validation report failed (read by `retain`).
+    """
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
         raise UsageError(f"--keep {keep!r} is invalid: keep at least 1 checkpoint (the newest "
                          "is the base of the next run)")
     ids = sorted(registry.checkpoints)
     newest = set(ids[-keep:])
     held = registry.held_ids()
+    checked = _restorability(registry, ids, frozenset(damaged))
+    last_ok = max((cid for cid, ok in checked.items() if ok), default=None)
     decisions = []
     for cid in ids:
+        ok = checked.get(cid)
         if cid in newest:
-            decisions.append(CheckpointDecision(cid, "keep", KEEP_NEWEST, held.get(cid, ())))
+            decisions.append(CheckpointDecision(cid, "keep", KEEP_NEWEST, held.get(cid, ()), ok))
         elif cid in held:
-            decisions.append(CheckpointDecision(cid, "keep", KEEP_LEASED, held[cid]))
+            decisions.append(CheckpointDecision(cid, "keep", KEEP_LEASED, held[cid], ok))
+        elif last_ok is None:
+            decisions.append(CheckpointDecision(cid, "keep", KEEP_NONE_RESTORABLE, (), ok))
+        elif cid == last_ok:
+            decisions.append(CheckpointDecision(cid, "keep", KEEP_LAST_RESTORABLE, (), ok))
+        elif cid > last_ok:
+            decisions.append(CheckpointDecision(cid, "keep", KEEP_ABOVE_RESTORABLE, (), ok))
         else:
-            decisions.append(CheckpointDecision(cid, "retire", RETIRE_BEYOND_KEEP))
+            decisions.append(CheckpointDecision(cid, "retire", RETIRE_BEYOND_KEEP, (), ok))
     retired = [d.checkpoint_id for d in decisions if d.action == "retire"]
     retired_labels = {checkpoint_label(c) for c in retired}
     kept_paths: set[str] = set()
@@ -190,6 +219,53 @@ def plan_retention(registry: Registry, keep: int) -> RetentionPlan:
         job=registry.job, keep=keep, decisions=tuple(decisions),
         deletions=tuple(metadata_actions + file_actions),
         savepoints=tuple(sorted(registry.savepoints)), bytes_kept=bytes_kept)
+
+
+def _restorability(registry: Registry, ids: list[int],
+                   damaged: frozenset[int]) -> dict[int, bool]:
+    """Restorable or not, newest first, down to the first restorable one (usually just
+    the newest: cheap over 10,000 checkpoints)."""
+    out: dict[int, bool] = {}
+    for cid in reversed(ids):
+        out[cid] = cid not in damaged and not missing_or_resized(registry, cid)
+        if out[cid]:
+            break
+    return out
+
+
+def missing_or_resized(registry: Registry, checkpoint_id: int) -> list[str]:
+    """Paths checkpoint ``checkpoint_id`` references that the listing lacks or sizes
+    differently from its record (pure: the manifest checks over the registry)."""
+    files = registry.files
+    bad = []
+    for ref in registry.checkpoints[checkpoint_id].files:
+        info = files.get(ref.path)
+        if info is None or info.size != ref.size:
+            bad.append(ref.path)
+    return bad
+
+
+def read_damaged(store: CheckpointStore, registry: Registry) -> set[int]:
+    """Ids whose validation summary says ``"success": false`` (or cannot be read: a report
+    that cannot be trusted must not vouch for a checkpoint). Reads newest first, and only
+    what the plan looks at: it stops at the first checkpoint with every file listed and
+    no failed report."""
+    out: set[int] = set()
+    for cid in sorted(registry.checkpoints, reverse=True):
+        if missing_or_resized(registry, cid):
+            continue
+        rel = f"{REPORTS_DIR}/chk-{cid}/{SUMMARY_FILE}"
+        data = store.storage.read_bytes_if_exists(rel) if rel in registry.files else None
+        if data is None:
+            return out  # never validated (or retired meanwhile): nothing says it is damaged
+        try:
+            success = json.loads(data).get("success", True)
+        except (ValueError, AttributeError):
+            success = False
+        if success is True:
+            return out
+        out.add(cid)
+    return out
 
 
 def execute_retention(store: CheckpointStore, plan: RetentionPlan, *,
@@ -231,7 +307,7 @@ def retain(store: CheckpointStore, keep: int, *, dry_run: bool = False,
     """Plan retention over a fresh registry; execute it unless ``dry_run``."""
     started = time.perf_counter()
     registry = build_registry(store, now=now)
-    plan = plan_retention(registry, keep)
+    plan = plan_retention(registry, keep, damaged=read_damaged(store, registry))
     if dry_run:
         return RetentionReport(store.job, True, plan, (), seconds=time.perf_counter() - started)
     report = execute_retention(store, plan, now=now)
@@ -298,6 +374,15 @@ def prune_empty_dirs(storage: Storage, deleted_paths: list[str]) -> None:
             pass
 
 
+_SAFETY_NOTES = {
+    KEEP_LAST_RESTORABLE: "the newest checkpoint that restores (newer ones miss files or "
+                          "failed validation)",
+    KEEP_ABOVE_RESTORABLE: "does not restore, kept with the newest that does",
+    KEEP_NONE_RESTORABLE: "no checkpoint restores (missing files or failed validation): "
+                          "nothing is retired; run `ckpt validate` and inspect",
+}
+
+
 def summarize_text(report: RetentionReport) -> list[str]:
     """Human lines for the CLI (lists capped)."""
     plan = report.plan
@@ -312,6 +397,8 @@ def summarize_text(report: RetentionReport) -> list[str]:
     for d in plan.decisions:
         if d.reason == KEEP_LEASED:
             lines.append(f"  keep chk-{d.checkpoint_id}: held by lease {', '.join(d.leases)}")
+        elif d.reason in _SAFETY_NOTES:
+            lines.append(f"  keep chk-{d.checkpoint_id}: {_SAFETY_NOTES[d.reason]}")
     for a in files[:LIST_CAP]:
         lines.append(f"  {verb} {a.path} ({a.size} bytes, {a.reason})")
     if len(files) > LIST_CAP:

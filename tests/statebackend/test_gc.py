@@ -19,9 +19,10 @@ from statebackend.gc import (
     KEEP_REFERENCED,
     KEEP_WRITER_ACTIVE,
     collect_garbage,
+    execute_gc,
     plan_gc,
 )
-from statebackend.leases import writer_lease
+from statebackend.leases import acquire_hold, writer_lease
 from statebackend.registry import build_registry, make_registry
 from statebackend.storage import open_storage
 from tests.statebackend.test_registry import NOW, info, lease, meta, write_meta
@@ -82,6 +83,18 @@ def test_live_writer_protects_its_uploads_whatever_the_grace():
     assert classify(files, leases=[expired], grace=0)[0]["shared/during.sst"] == DEL_SHARED
 
 
+def test_live_writer_protects_every_attempt_folder_above_the_newest_checkpoint():
+    """Issue 10 defect 2: a live writer's attempt folder (id above every committed one) is
+    kept even when its files look older than the lease (clock skew, a reused lease)."""
+    writer = lease("writer", [], created_ago=60.0)
+    files = [info("chk-1/0/other/MANIFEST", OLD),   # below: an overlapping old attempt
+             info("chk-2/0/t/MANIFEST", OLD), info("chk-7/1/t/CURRENT", None)]
+    reasons, _ = classify(files, leases=[writer], grace=0)
+    assert reasons["chk-1/0/other/MANIFEST"] == DEL_UNREFERENCED
+    assert reasons["chk-2/0/t/MANIFEST"] == reasons["chk-7/1/t/CURRENT"] == KEEP_WRITER_ACTIVE
+    assert classify(files, grace=0)[0]["chk-2/0/t/MANIFEST"] == DEL_UNCOMMITTED  # no writer
+
+
 def test_reference_wins_over_folder_and_age():
     """Scenario 4: a file from another chk folder, listed by a committed checkpoint."""
     m = meta(3, ["shared/a.sst"], private=["chk-2/0/s/MANIFEST"])
@@ -124,6 +137,23 @@ def test_writer_lease_on_storage(store):
     reasons = {f.path: f.reason for f in report.plan.pending}
     assert reasons["shared/uploading.sst"] == KEEP_WRITER_ACTIVE
     assert store.storage.exists("shared/uploading.sst")
+
+
+def test_executor_spares_what_a_lease_taken_after_planning_protects(store):
+    """Scenario 10: GC planned while no writer ran; a run and a hold start before deleting."""
+    store.storage.write_bytes("chk-3/0/t/MANIFEST", b"x" * 3)
+    later = datetime.now(UTC) + timedelta(hours=2)
+    plan = plan_gc(build_registry(store, now=later), grace_seconds=0)
+    planned = {f.path for f in plan.deletions}
+    assert planned == {"shared/orphan.sst", "chk-2/0/t/MANIFEST", "chk-3/0/t/MANIFEST"}
+    acquire_hold(store.storage, "restore", [3])
+    with writer_lease(store.storage, "job run"):
+        report = execute_gc(store, plan, known_ids={1})
+    assert set(report.spared) == planned and report.files_deleted == 0
+    assert all(store.storage.exists(p) for p in planned)
+    # once the leases are gone (hold expired), the same plan deletes
+    report = execute_gc(store, plan, known_ids={1}, now=later)
+    assert {f.path for f in report.deleted} == planned
 
 
 def test_malformed_lease_refuses_gc(store):

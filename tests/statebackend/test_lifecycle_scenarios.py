@@ -7,6 +7,7 @@ the other lifecycle test modules import.
 from __future__ import annotations
 
 import os
+import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -14,7 +15,12 @@ import pytest
 from statebackend.backend import KeyedStateBackend
 from statebackend.checkpoints import CheckpointStore, build_metadata
 from statebackend.dump import checkpoint_rows
-from statebackend.errors import LeaseConflictError, UsageError
+from statebackend.errors import (
+    LeaseConflictError,
+    LeaseLostError,
+    MissingFilesError,
+    UsageError,
+)
 from statebackend.gc import (
     DEL_UNREFERENCED,
     KEEP_PENDING,
@@ -24,10 +30,10 @@ from statebackend.gc import (
     plan_gc,
 )
 from statebackend.keygroups import key_group_for_bytes, key_group_range_for_subtask
-from statebackend.leases import writer_lease
+from statebackend.leases import acquire_writer_lease, writer_lease
 from statebackend.metadata import CheckpointMetadata
 from statebackend.registry import build_registry
-from statebackend.retention import DEL_RELEASED_SHARED, retain
+from statebackend.retention import DEL_RELEASED_SHARED, KEEP_LAST_RESTORABLE, retain
 from statebackend.savepoint import create_savepoint, import_start_point
 from statebackend.snapshot import checkpoint_backends, upload_snapshot
 from statebackend.state import StateDescriptor
@@ -240,6 +246,107 @@ def test_gc_racing_an_in_progress_upload(job):
     report = execute_gc(job.store, plan, known_ids={1})
     assert report.files_deleted == 0 and set(report.spared) == uploading
     assert_all_restore(job)
+
+
+def upload_attempt(job: Job, checkpoint_id: int) -> list:
+    return [upload_snapshot(job.store.storage, b.take_local_snapshot(),
+                            checkpoint_id=checkpoint_id, subtask=i, backend=b)
+            for i, b in enumerate(job.backends)]
+
+
+def attempt_metadata(job: Job, checkpoint_id: int, results) -> CheckpointMetadata:
+    return build_metadata(job="orders", checkpoint_id=checkpoint_id, parent=job.parent,
+                          max_parallelism=M, states=[d.to_json() for d in DESC],
+                          handles=[r.handle for r in results])
+
+
+def test_run_longer_than_the_lease_ttl_stays_protected(job):
+    """Issue 10 defect 2: the run outlives its lease TTL; the heartbeat keeps GC (grace 0)
+    off its in-flight files, the commit succeeds and every checkpoint restores."""
+    job.write(keys(40), 1)
+    job.checkpoint()
+    with writer_lease(job.store.storage, "long run", ttl_seconds=1.0,
+                      heartbeat_seconds=0.1) as held:
+        job.write(keys(40), 2)
+        results = upload_attempt(job, 2)
+        in_flight = {p for r in results for p in r.uploaded_paths}
+        taken = time.time()
+        deadline = time.monotonic() + 30
+        # past two TTLs after the lease was taken, and the heartbeat kept it alive
+        while datetime.fromisoformat(held.lease.expires_at).timestamp() < taken + 2.0:
+            assert time.monotonic() < deadline and held.lost is None
+            time.sleep(0.05)
+        report = collect_garbage(job.store, grace_seconds=0)
+        assert report.files_deleted == 0
+        assert in_flight <= {f.path for f in report.plan.pending}
+        job.store.commit(attempt_metadata(job, 2, results))
+    job.expected[2] = dict(job.model)
+    assert_all_restore(job)
+
+
+def test_lost_writer_lease_refuses_the_commit(job):
+    """Issue 10 defect 3 (safe take-over): the old holder's commit raises LeaseLostError."""
+    job.write(keys(40), 1)
+    job.checkpoint()
+    with writer_lease(job.store.storage, "paused run", heartbeat_seconds=10.0):
+        job.write(keys(40), 2)
+        # the holder stalled past its TTL and a new run took the lease over
+        job.store.storage.delete_many(["leases/writer.json"])
+        acquire_writer_lease(job.store.storage, "next run")
+        with pytest.raises(LeaseLostError, match="taken over by next run"):
+            job.checkpoint()
+    assert job.store.checkpoint_ids() == [1]
+    assert [o.path for o in build_registry(job.store).orphans()] == []  # uploads discarded
+
+
+def test_commit_refuses_missing_or_resized_files(job):
+    """Issue 10 defect 2: a commit must not reference files GC (or anyone) removed."""
+    job.write(keys(40), 1)
+    job.checkpoint()
+    job.write(keys(40), 2)
+    results = upload_attempt(job, 2)
+    meta = attempt_metadata(job, 2, results)
+    private = sorted(f.path for f in meta.files if f.path.startswith("chk-2/"))
+    job.store.storage.delete_many([private[0]])
+    job.store.storage.write_bytes(private[1], b"truncated")
+    with pytest.raises(MissingFilesError, match=rf"checkpoint 2 of job 'orders' not committed: "
+                       rf"2 referenced file\(s\) .*{private[0]} \(missing\), {private[1]} "
+                       rf"\(size 9, recorded \d+\)"):
+        job.store.commit(meta)
+    assert not job.store.storage.exists("chk-2/_metadata")
+    assert job.store.checkpoint_ids() == [1]
+
+
+def test_retention_keeps_the_newest_checkpoint_that_restores(job):
+    """Issue 10 defect 2: chk-2 and chk-3 lost files (committed by an older release); keep 1
+    must keep chk-1, which restores, instead of retiring it."""
+    job.write(keys(40), 1)
+    job.checkpoint()
+    for v in (2, 3):
+        job.write(keys(40, f"n{v}-"), v)
+        meta = attempt_metadata(job, v, upload_attempt(job, v))
+        lost = sorted(f.path for f in meta.files if f.path.startswith(f"chk-{v}/"))[0]
+        job.store.storage.delete_many([lost])
+        job.store.storage.write_exclusive(f"chk-{v}/_metadata", meta.to_bytes())  # no checks
+        job.parent = v
+    dry = retain(job.store, 1, dry_run=True).to_json()
+    assert {d["id"]: d["reason"] for d in dry["checkpoints"]} == {
+        1: KEEP_LAST_RESTORABLE, 2: "keep-above-restorable", 3: "newest"}
+    report = retain(job.store, 1)
+    assert report.plan.retired == () and job.store.checkpoint_ids() == [1, 2, 3]
+    assert state(job.store, job.store.load(1)) == job.expected[1]
+
+
+def test_job_and_savepoint_names_with_trailing_newline_are_refused(job):
+    """Issue 10 defect 11: `$` matched before a trailing newline."""
+    job.write(keys(5), 1)
+    cid = job.checkpoint().checkpoint_id
+    for bad in ("sp\n", "sp ", "sp\r", "sp\n\n", "s\np"):
+        with pytest.raises(UsageError, match="invalid"):
+            create_savepoint(job.store, cid, bad)
+        with pytest.raises(UsageError, match="invalid"):
+            CheckpointStore(job.storage, bad)
+    assert not job.store.storage.list_dir("savepoints")
 
 
 def test_compaction_then_retention_reclaims_replaced_ssts(job):

@@ -105,7 +105,10 @@ def test_plan_refuses_handles_that_do_not_tile():
 def fake_store(tmp_path):
     url = f"file://{tmp_path}/store"
     store = CheckpointStore(open_storage(url), "j")
-    store.commit(fake_meta(4, cid=1).with_changes(checkpoint_id=1))
+    meta = fake_meta(4, cid=1).with_changes(checkpoint_id=1)
+    for f in meta.files:  # commit checks that every referenced file exists
+        store.storage.write_bytes(f.path, b"x" * f.size)
+    store.commit(meta)
     return url
 
 
@@ -152,4 +155,6 @@ def test_cli_dry_run_prints_plan_and_writes_nothing(capsys, tmp_path, fake_store
                            "--parallelism", "3", "--dry-run", "--json")
     doc = json.loads(out)
     assert doc["dry_run"] is True and doc["plan"]["to_parallelism"] == 3
-    assert sorted(p.name for p in (tmp_path / "store" / "j").iterdir()) == ["chk-1"]
+    assert sorted(p.name for p in (tmp_path / "store" / "j").iterdir()) == ["chk-1", "shared"]
+    assert sorted(p.name for p in (tmp_path / "store" / "j" / "chk-1").iterdir()) == [
+        "0", "1", "2", "3", "_metadata"]

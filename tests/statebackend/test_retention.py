@@ -12,10 +12,12 @@ from statebackend.retention import (
     DEL_METADATA,
     DEL_PRIVATE,
     DEL_RELEASED_SHARED,
+    KEEP_LAST_RESTORABLE,
     KEEP_LEASED,
     execute_retention,
     plan_retention,
     retain,
+    summarize_text,
 )
 from statebackend.storage import open_storage
 from tests.statebackend.test_registry import NOW, info, lease, meta, write_meta
@@ -27,8 +29,17 @@ def chain():
             meta(3, ["shared/b.sst", "shared/c.sst"]), meta(4, ["shared/b.sst", "shared/c.sst"])]
 
 
+def listed(metas, *, skip=(), sizes=None):
+    """A listing of every file ``metas`` reference, at its recorded size (``sizes``
+    overrides sizes, ``skip`` leaves paths out: files lost in storage)."""
+    sizes = sizes or {}
+    paths = {f.path: f.size for m in metas for f in m.files}
+    return [info(p, size=sizes.get(p, size)) for p, size in sorted(paths.items())
+            if p not in skip]
+
+
 def test_keep_newest_and_release_only_unreferenced_shared():
-    reg = make_registry(job="j", now=NOW, files=[], checkpoints=chain())
+    reg = make_registry(job="j", now=NOW, files=listed(chain()), checkpoints=chain())
     plan = plan_retention(reg, 2)
     assert plan.retained == (3, 4) and plan.retired == (1, 2)
     actions = {a.path: a.reason for a in plan.deletions}
@@ -42,7 +53,7 @@ def test_keep_newest_and_release_only_unreferenced_shared():
 
 
 def test_live_lease_protects_expired_lease_does_not():
-    reg = make_registry(job="j", now=NOW, files=[], checkpoints=chain(),
+    reg = make_registry(job="j", now=NOW, files=listed(chain()), checkpoints=chain(),
                         leases=[lease("hold-live", [1]), lease("hold-old", [2], ttl=-5)])
     plan = plan_retention(reg, 1)
     assert plan.retained == (1, 4) and plan.retired == (2, 3)
@@ -54,7 +65,8 @@ def test_live_lease_protects_expired_lease_does_not():
 
 def test_savepoint_reference_keeps_a_file():
     sp = meta(1, ["shared/a.sst"], private=["savepoints/s/0/MANIFEST"], kind="savepoint")
-    reg = make_registry(job="j", now=NOW, files=[], checkpoints=chain(), savepoints={"s": sp})
+    reg = make_registry(job="j", now=NOW, files=listed(chain()), checkpoints=chain(),
+                        savepoints={"s": sp})
     plan = plan_retention(reg, 1)
     assert "shared/a.sst" not in {a.path for a in plan.deletions}
     assert plan.savepoints == ("s",)
@@ -68,10 +80,39 @@ def test_keep_must_be_positive_int(keep):
 
 
 def test_bytes_use_listing_sizes():
-    reg = make_registry(job="j", now=NOW, files=[info("shared/a.sst", size=999)],
+    reg = make_registry(job="j", now=NOW, files=listed(chain(), sizes={"shared/a.sst": 999}),
                         checkpoints=chain())
     plan = plan_retention(reg, 2)
     assert {a.path: a.size for a in plan.deletions}["shared/a.sst"] == 999
+
+
+def reasons(plan) -> dict[int, str]:
+    return {d.checkpoint_id: d.reason for d in plan.decisions}
+
+
+def test_never_retire_unless_a_newer_retained_checkpoint_restores():
+    """Issue 10 defect 2: chk-4 misses a file and chk-3 has one with the wrong size."""
+    files = listed(chain(), skip={"chk-4/0/s/MANIFEST"}, sizes={"chk-3/0/s/MANIFEST": 3})
+    plan = plan_retention(make_registry(job="j", now=NOW, files=files, checkpoints=chain()), 1)
+    assert reasons(plan) == {1: "beyond-keep", 2: KEEP_LAST_RESTORABLE,
+                             3: "keep-above-restorable", 4: "newest"}
+    assert plan.retired == (1,) and "shared/a.sst" not in {a.path for a in plan.deletions}
+    j = plan.to_json()["checkpoints"]
+    assert [(c["id"], c["restorable"]) for c in j] == [(1, None), (2, True), (3, False),
+                                                       (4, False)]
+
+
+def test_failed_validation_report_counts_as_not_restorable():
+    plan = plan_retention(make_registry(job="j", now=NOW, files=listed(chain()),
+                                        checkpoints=chain()), 2, damaged={4, 3})
+    assert reasons(plan) == {1: "beyond-keep", 2: KEEP_LAST_RESTORABLE, 3: "newest",
+                             4: "newest"}
+
+
+def test_nothing_restores_nothing_is_retired():
+    plan = plan_retention(make_registry(job="j", now=NOW, files=[], checkpoints=chain()), 1)
+    assert plan.retired == () and plan.deletions == ()
+    assert set(reasons(plan).values()) == {"keep-none-restorable", "newest"}
 
 
 @pytest.fixture
@@ -105,6 +146,22 @@ def test_executor_rechecks_leases_and_late_commits(store):
     assert store.checkpoint_ids() == [2, 4, 5]
     assert store.storage.exists("shared/a.sst")
     assert "chk-2/_metadata" in report.spared and "shared/a.sst" in report.spared
+    assert build_registry(store).missing() == []
+
+
+def test_retain_reads_validation_reports(store):
+    """A failed report on chk-4 (and an unreadable one on chk-3) keeps chk-2 as the last
+    good checkpoint; dry run and text say why."""
+    store.storage.write_bytes("reports/chk-4/summary.json", b'{"success": false}')
+    store.storage.write_bytes("reports/chk-3/summary.json", b"{not json")
+    store.storage.write_bytes("reports/chk-2/summary.json", b'{"success": true}')
+    dry = retain(store, 1, dry_run=True)
+    assert reasons(dry.plan) == {1: "beyond-keep", 2: KEEP_LAST_RESTORABLE,
+                                 3: "keep-above-restorable", 4: "newest"}
+    assert any("keep chk-2: the newest checkpoint that restores" in line
+               for line in summarize_text(dry))
+    retain(store, 1)
+    assert store.checkpoint_ids() == [2, 3, 4]
     assert build_registry(store).missing() == []
 
 
