@@ -121,7 +121,9 @@ class Lease:
                 raise ValueError("token must be a string")
             return Lease(str(obj["name"]), str(obj["holder"]), str(obj["purpose"]),
                          tuple(ids), obj["expires_at"], str(obj.get("created_at", "")), token)
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        except RecursionError as exc:
+            raise MetadataError(f"malformed lease {where}: JSON nested too deeply") from exc
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise MetadataError(f"malformed lease {where}: {exc}") from exc
 
 

@@ -13,7 +13,7 @@ read-modify-write, so each key costs one read and one write per batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -100,6 +100,23 @@ class _State:
         wb.set_default_column_family(self.cf_handle)
         for k, v in pairs:
             wb.put(k, v)
+        self.backend.write(wb)
+
+    # Raw batch access on precomputed RocksDB keys: the job API encodes a batch's
+    # keys once and shares them between the reads and writes of every state.
+    def read_raw(self, rocks_keys: Sequence[bytes]) -> list[bytes | None]:
+        """One multi-get of stored bytes (None where absent)."""
+        return self.cf.get(list(rocks_keys))
+
+    def write_raw(self, puts: Iterable[tuple[bytes, bytes]],
+                  deletes: Iterable[bytes] = ()) -> None:
+        """One write batch: ``puts`` (rocks key, encoded value) then ``deletes``."""
+        wb = WriteBatch(raw_mode=True)
+        wb.set_default_column_family(self.cf_handle)
+        for k, v in puts:
+            wb.put(k, v)
+        for k in deletes:
+            wb.delete(k)
         self.backend.write(wb)
 
     def delete(self, key: str) -> None:
@@ -257,6 +274,17 @@ class MapState(_State):
         decode = self.codec.decode
         raws = self.cf.get([self._rkey(k, uk) for k, uk in pairs])
         return [None if r is None else decode(r) for r in raws]
+
+    def rocks_keys(self, keys: Sequence[str], user_keys: Sequence[str]) -> list[bytes]:
+        """RocksDB keys of (key, user key) pairs, with the key groups hashed in one batch."""
+        if len(keys) != len(user_keys):
+            raise UsageError(f"map state {self.descriptor.name!r}: {len(keys)} keys but "
+                             f"{len(user_keys)} user keys; pass one user key per key")
+        return [rk[:2] + map_key_suffix(rk[2:], uk)
+                for rk, uk in zip(self.backend.rocks_keys(keys), user_keys, strict=True)]
+
+    def remove_many(self, keys: Sequence[str], user_keys: Sequence[str]) -> None:
+        self.write_raw((), self.rocks_keys(keys, user_keys))
 
     def items(self, key: str) -> Iterator[tuple[str, Any]]:
         kg, kb = self.backend.key_group_and_bytes(key)

@@ -1,0 +1,377 @@
+"""The public job API: one frozen object declares a stateful job.
+
+A user writes::
+
+    job = Job(
+        name="user_activity",
+        input=Input(schema=pa.schema([("user", pa.string()), ("ts", pa.int64())]),
+                    key="user", rules=(not_null("user"), not_empty("user"))),
+        states=(value_state("last_seen"), map_state("counts")),
+        outputs=(Output("activity", pa.schema([...])),),
+        logic=PerKey(handle_rows),          # or Vectorized(process_batch)
+        options=(Option("normalize_case", bool, True, "..."),),
+        expectations={"last_seen": last_seen_checks},
+    )
+
+- **input**: the Arrow schema of the parsed columns, the key column and the
+  per-row rules. Raw values are cast to the schema (a value that does not parse
+  becomes null, so a rule can reject it); the key is always a string (other key
+  types are cast with Arrow's cast, e.g. ``5`` -> ``"5"``). Rules run in order;
+  a row is quarantined with the reason of the first rule it fails. A row whose
+  key is still null after every rule is quarantined as ``missing_<key>``.
+  ``event_time`` and ``allowed_lateness`` are declared for watermarks and timers
+  (not used yet).
+- **states**: `statebackend.state.StateDescriptor` (value, list, map, reducing,
+  aggregating, each with its codec); `value_state` ... are thin constructors.
+- **outputs**: zero or more named Arrow schemas. ``last_per=<column>`` keeps
+  only the last row emitted per value of that column in a run (for outputs that
+  report a key's newest totals).
+- **logic**: `Vectorized` (``fn(batch, ctx)``, once per Arrow batch of many
+  keys, batch state operations on ``ctx``) or `PerKey` (``fn(key, rows, state)``,
+  once per key of the batch, per-key state handles; built on the vectorized
+  form, see `statebackend.job.context`).
+- **options**: declared job options; values reach the logic as ``ctx.options``.
+- **expectations**: per state name, a callable taking the state's descriptor and
+  returning Great Expectations expectations (the shape of
+  `statebackend.validation.checks.StateCheck`); not called here.
+
+Every definition error is a one-line `UsageError` naming the job and the field.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from types import MappingProxyType
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..errors import UsageError
+from ..serialization import Codec, JsonCodec, RecordCodec
+from ..state import AggregateFunction, StateDescriptor
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+RAW = "raw"
+TYPED = "typed"
+
+# A rule's check: (table) -> boolean mask, True where the row is bad.
+Check = Callable[[pa.Table], "pa.Array | pa.ChunkedArray"]
+
+
+# -- input rules ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Rule:
+    """A vectorized row check: ``check(table)`` is True where a row is bad.
+
+    ``on="typed"`` (default): the table holds the columns cast to the input schema
+    (values that did not parse are null). ``on="raw"``: the columns as they arrived
+    (null only where nothing arrived). A null in the mask means "not bad".
+    """
+
+    reason: str
+    check: Check = field(compare=False)
+    on: str = TYPED
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reason, str) or not _NAME.match(self.reason):
+            raise UsageError(f"rule reason {self.reason!r} is not a plain name "
+                             "(letters, digits, '_', '.', '-')")
+        if not callable(self.check):
+            raise UsageError(f"rule {self.reason!r}: check {self.check!r} is not callable")
+        if self.on not in (RAW, TYPED):
+            raise UsageError(f"rule {self.reason!r}: on={self.on!r}, use 'typed' or 'raw'")
+
+
+def not_null(column: str, reason: str | None = None) -> Rule:
+    """Bad where no value arrived for ``column`` (raw null or column absent)."""
+    return Rule(reason or f"missing_{column}", lambda t: pc.is_null(t[column]), on=RAW)
+
+
+def parses(column: str, reason: str | None = None) -> Rule:
+    """Bad where ``column`` is null after the cast to the schema (put after `not_null`)."""
+    return Rule(reason or f"invalid_{column}", lambda t: pc.is_null(t[column]))
+
+
+def not_empty(column: str, reason: str | None = None) -> Rule:
+    """Bad where the string ``column`` is ``""``."""
+    return Rule(reason or f"empty_{column}", lambda t: pc.equal(t[column], ""))
+
+
+def finite(column: str, reason: str | None = None) -> Rule:
+    """Bad where the float ``column`` is null, NaN or infinite."""
+    return Rule(reason or f"non_finite_{column}",
+                lambda t: pc.invert(pc.fill_null(pc.is_finite(t[column]), False)))
+
+
+def between(column: str, lo: Any, hi: Any, reason: str | None = None) -> Rule:
+    """Bad where ``column`` is outside ``[lo, hi]`` (null passes: pair with `not_null`)."""
+    return Rule(reason or f"out_of_range_{column}",
+                lambda t: pc.or_(pc.less(t[column], lo), pc.greater(t[column], hi)))
+
+
+@dataclass(frozen=True)
+class Input:
+    """Parsed columns, key column, rules; event time for watermarks (issue 12, unused)."""
+
+    schema: pa.Schema
+    key: str
+    rules: tuple[Rule, ...] = ()
+    event_time: str | None = None
+    allowed_lateness: timedelta | None = None
+
+
+# -- states ---------------------------------------------------------------------------
+def record(**fields: str) -> RecordCodec:
+    """Fixed-width record codec: ``record(count="int64", sum="float64")``."""
+    return RecordCodec(tuple(fields.items()))
+
+
+def value_state(name: str, codec: Codec | None = None) -> StateDescriptor:
+    return StateDescriptor(name, "value", codec or JsonCodec())
+
+
+def list_state(name: str, codec: Codec | None = None) -> StateDescriptor:
+    return StateDescriptor(name, "list", codec or JsonCodec())
+
+
+def map_state(name: str, codec: Codec | None = None) -> StateDescriptor:
+    return StateDescriptor(name, "map", codec or JsonCodec())
+
+
+def reducing_state(name: str, reduce_fn: Callable[[Any, Any], Any],
+                   codec: Codec | None = None) -> StateDescriptor:
+    return StateDescriptor(name, "reducing", codec or JsonCodec(), reduce_fn=reduce_fn)
+
+
+def aggregating_state(name: str, aggregate_fn: AggregateFunction,
+                      codec: Codec | None = None) -> StateDescriptor:
+    return StateDescriptor(name, "aggregating", codec or JsonCodec(), aggregate_fn=aggregate_fn)
+
+
+# -- outputs, logic, options ----------------------------------------------------------
+@dataclass(frozen=True)
+class Output:
+    """A named output table; ``last_per``: keep the last row per value of that column."""
+
+    name: str
+    schema: pa.Schema
+    last_per: str | None = None
+
+
+@dataclass(frozen=True)
+class Vectorized:
+    """``fn(batch: pa.Table, ctx: BatchContext) -> None``, once per batch of many keys."""
+
+    fn: Callable[..., None]
+
+
+@dataclass(frozen=True)
+class PerKey:
+    """``fn(key: str, rows: pa.Table, state: KeyContext) -> rows | None``, once per key."""
+
+    fn: Callable[..., Any]
+
+
+_OPTION_TYPES = (bool, int, float, str)
+
+
+@dataclass(frozen=True)
+class Option:
+    """A job option: the generic CLI exposes it as ``--<name>``."""
+
+    name: str
+    type: type
+    default: Any
+    help: str = ""
+
+    def parse(self, job: str, value: Any) -> Any:
+        """``value`` (typed or a CLI string) as ``self.type``; one-line error otherwise."""
+        if isinstance(value, str) and self.type is not str:
+            return self._from_text(job, value)
+        if self.type is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if type(value) is not self.type:
+            raise UsageError(f"job {job!r}: option {self.name!r} must be of type "
+                             f"{self.type.__name__}, got {value!r}")
+        return value
+
+    def _from_text(self, job: str, text: str) -> Any:
+        if self.type is bool:
+            low = text.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+        else:
+            try:
+                return self.type(text)
+            except ValueError:
+                pass
+        raise UsageError(f"job {job!r}: option {self.name!r} must be of type "
+                         f"{self.type.__name__}, got {text!r}")
+
+
+# -- the job --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Job:
+    """One stateful job; validated at construction (see the module docstring)."""
+
+    name: str
+    input: Input
+    logic: Vectorized | PerKey
+    states: tuple[StateDescriptor, ...] = ()
+    outputs: tuple[Output, ...] = ()
+    options: tuple[Option, ...] = ()
+    expectations: Mapping[str, Callable[[StateDescriptor], Any]] = field(
+        default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise UsageError(f"job name {self.name!r} is not a plain name "
+                             "(letters, digits, '_', '.', '-')")
+        for name in ("states", "outputs", "options"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "expectations", MappingProxyType(dict(self.expectations)))
+        _check_input(self)
+        _check_states(self)
+        _check_outputs(self)
+        _check_logic(self)
+        _check_options(self)
+        _check_expectations(self)
+
+    @property
+    def key(self) -> str:
+        return self.input.key
+
+    def state(self, name: str) -> StateDescriptor:
+        for d in self.states:
+            if d.name == name:
+                return d
+        raise UsageError(f"job {self.name!r} declares no state {name!r}; "
+                         f"declared: {[d.name for d in self.states]}")
+
+    def output(self, name: str) -> Output:
+        for o in self.outputs:
+            if o.name == name:
+                return o
+        raise UsageError(f"job {self.name!r} declares no output {name!r}; "
+                         f"declared: {[o.name for o in self.outputs]}")
+
+    def resolve_options(self, values: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
+        """Defaults overridden by ``values`` (typed or CLI strings); unknown names refused."""
+        values = dict(values or {})
+        known = {o.name: o for o in self.options}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise UsageError(f"job {self.name!r} has no option {unknown[0]!r}; "
+                             f"its options: {sorted(known)}")
+        return MappingProxyType({n: o.parse(self.name, values.get(n, o.default))
+                                 for n, o in known.items()})
+
+
+def _fail(job: Job, what: str) -> UsageError:
+    return UsageError(f"job {job.name!r}: {what}")
+
+
+def _check_input(job: Job) -> None:
+    inp = job.input
+    if not isinstance(inp, Input):
+        raise _fail(job, f"input must be an Input, got {type(inp).__name__}")
+    if not isinstance(inp.schema, pa.Schema):
+        raise _fail(job, f"input.schema must be a pyarrow.Schema, got {type(inp.schema).__name__}")
+    names = inp.schema.names
+    if len(set(names)) != len(names):
+        raise _fail(job, f"input.schema has duplicate columns {names}")
+    if inp.key not in names:
+        raise _fail(job, f"input.key {inp.key!r} is not a column of input.schema {names}")
+    key_type = inp.schema.field(inp.key).type
+    if not (pa.types.is_string(key_type) or pa.types.is_large_string(key_type)
+            or pa.types.is_integer(key_type)):
+        raise _fail(job, f"input.key {inp.key!r} has type {key_type}; use a string or "
+                    "integer column (keys are stored as strings)")
+    for rule in inp.rules:
+        if not isinstance(rule, Rule):
+            raise _fail(job, f"input.rules holds {rule!r}, not a Rule")
+    if inp.event_time is not None:
+        if inp.event_time not in names:
+            raise _fail(job, f"input.event_time {inp.event_time!r} is not a column of "
+                        f"input.schema {names}")
+        t = inp.schema.field(inp.event_time).type
+        if not (pa.types.is_timestamp(t) or pa.types.is_integer(t)):
+            raise _fail(job, f"input.event_time {inp.event_time!r} has type {t}; "
+                        "use a timestamp or integer column")
+    if inp.allowed_lateness is not None and (
+            not isinstance(inp.allowed_lateness, timedelta) or inp.allowed_lateness
+            < timedelta(0)):
+        raise _fail(job, f"input.allowed_lateness {inp.allowed_lateness!r} must be a "
+                    "timedelta >= 0")
+    if inp.allowed_lateness is not None and inp.event_time is None:
+        raise _fail(job, "input.allowed_lateness needs input.event_time")
+
+
+def _check_states(job: Job) -> None:
+    seen: set[str] = set()
+    for d in job.states:
+        if not isinstance(d, StateDescriptor):
+            raise _fail(job, f"states holds {d!r}, not a StateDescriptor "
+                        "(use value_state(...), map_state(...) ...)")
+        if d.name in seen:
+            raise _fail(job, f"state name {d.name!r} is declared twice")
+        seen.add(d.name)
+
+
+def _check_outputs(job: Job) -> None:
+    seen: set[str] = set()
+    for o in job.outputs:
+        if not isinstance(o, Output):
+            raise _fail(job, f"outputs holds {o!r}, not an Output")
+        if not isinstance(o.name, str) or not _NAME.match(o.name):
+            raise _fail(job, f"output name {o.name!r} is not a plain name")
+        if o.name in seen:
+            raise _fail(job, f"output name {o.name!r} is declared twice")
+        seen.add(o.name)
+        if not isinstance(o.schema, pa.Schema):
+            raise _fail(job, f"output {o.name!r}: schema must be a pyarrow.Schema")
+        if o.last_per is not None and o.last_per not in o.schema.names:
+            raise _fail(job, f"output {o.name!r}: last_per {o.last_per!r} is not one of "
+                        f"its columns {o.schema.names}")
+
+
+def _check_logic(job: Job) -> None:
+    if not isinstance(job.logic, Vectorized | PerKey):
+        raise _fail(job, f"logic must be Vectorized(fn) or PerKey(fn), got {job.logic!r}")
+    if not callable(job.logic.fn):
+        raise _fail(job, f"logic function {job.logic.fn!r} is not callable")
+
+
+def _check_options(job: Job) -> None:
+    seen: set[str] = set()
+    for o in job.options:
+        if not isinstance(o, Option):
+            raise _fail(job, f"options holds {o!r}, not an Option")
+        if not isinstance(o.name, str) or not re.match(r"^[a-z][a-z0-9_]*$", o.name):
+            raise _fail(job, f"option name {o.name!r} must be lower_snake_case")
+        if o.name in seen:
+            raise _fail(job, f"option {o.name!r} is declared twice")
+        seen.add(o.name)
+        if o.type not in _OPTION_TYPES:
+            raise _fail(job, f"option {o.name!r} has type {o.type!r}; use bool, int, "
+                        "float or str")
+        if isinstance(o.default, str) and o.type is not str:
+            raise _fail(job, f"option {o.name!r} has default {o.default!r}; give a value of type "
+                        f"{o.type.__name__}, not text")
+        o.parse(job.name, o.default)
+
+
+def _check_expectations(job: Job) -> None:
+    names = {d.name for d in job.states}
+    for name, fn in job.expectations.items():
+        if name not in names:
+            raise _fail(job, f"expectations name state {name!r}, which is not declared "
+                        f"(states: {sorted(names)})")
+        if not callable(fn):
+            raise _fail(job, f"expectations for state {name!r} is not callable")
