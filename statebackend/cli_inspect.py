@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from .checkpoints import CheckpointStore
-from .cli import emit_json, json_flag
-from .dump import DUMP_FORMATS, checkpoint_rows, write_dump
+from .cli import age_of, emit_json, human_bytes, json_flag
+from .dump import DUMP_FORMATS, STDOUT, check_dump_target, checkpoint_rows, write_dump
 from .metadata import CheckpointMetadata
+from .progress import Progress
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,7 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "each state entry as a row: state, key, user_key, value, "
                                    "key_group, subtask.")
     p.add_argument("checkpoint", nargs="?", default="latest", help="ID, chk-ID or latest")
-    p.add_argument("--out", required=True, help="output file")
+    p.add_argument("--out", required=True,
+                   help="output file, or - for stdout (jsonl only; the row count then goes "
+                        "to stderr)")
     p.add_argument("--format", choices=DUMP_FORMATS, default="jsonl")
     p.set_defaults(handler=cmd_dump)
 
@@ -46,13 +50,13 @@ def cmd_list(args: argparse.Namespace, store: CheckpointStore) -> int:
     if args.json:
         emit_json([m.summary() for m in metas])
         return 0
-    print(f"{'id':>6}  {'parent':>6}  {'created_at':32}  {'P':>3}/{'M':<4}  {'files':>6}  "
-          f"{'bytes':>12}  {'uploaded':>12}  run_id / kind")
+    print(f"{'id':>6}  {'parent':>6}  {'created':>12}  {'P':>3}/{'M':<4}  {'files':>6}  "
+          f"{'size':>10}  {'uploaded':>10}  run_id (kind)")
     for m in metas:
         print(f"{m.checkpoint_id:>6}  {m.parent if m.parent is not None else '-':>6}  "
-              f"{m.created_at:32}  {m.parallelism:>3}/{m.max_parallelism:<4}  "
-              f"{len(m.files):>6}  {m.bytes_referenced:>12}  {m.bytes_uploaded:>12}  "
-              f"{m.run_id or '-'} ({describe(m)})")
+              f"{age_of(m.created_at):>12}  {m.parallelism:>3}/{m.max_parallelism:<4}  "
+              f"{len(m.files):>6}  {human_bytes(m.bytes_referenced):>10}  "
+              f"{human_bytes(m.bytes_uploaded):>10}  {m.run_id or '-'} ({describe(m)})")
     if not metas:
         print("(no committed checkpoints)")
     return 0
@@ -64,21 +68,31 @@ def cmd_show(args: argparse.Namespace, store: CheckpointStore) -> int:
         emit_json(meta.summary())
         return 0
     s = meta.summary()
+    shown = dict(s, created_at=f"{meta.created_at} ({age_of(meta.created_at)})",
+                 bytes_referenced=human_bytes(s["bytes_referenced"]),
+                 bytes_uploaded=human_bytes(s["bytes_uploaded"]))
     print(f"checkpoint {meta.checkpoint_id} of job {meta.job} ({describe(meta)})")
     for key in ("parent", "created_at", "run_id", "parallelism", "max_parallelism",
                 "files_referenced", "bytes_referenced", "bytes_uploaded", "rows", "states"):
-        print(f"  {key:17} {s[key]}")
+        print(f"  {key:17} {shown[key]}")
     if meta.source:
         print(f"  {'source':17} {meta.source}")
     print("  subtasks:")
     for st in s["subtasks"]:
         print(f"    {st['index']:>3}  key groups [{st['key_group_start']}, {st['key_group_end']}]  "
-              f"{st['files']} files  {st['bytes']} bytes  {st['rows']} rows")
+              f"{st['files']} files  {human_bytes(st['bytes'])}  {st['rows']} rows")
     return 0
 
 
 def cmd_dump(args: argparse.Namespace, store: CheckpointStore) -> int:
+    check_dump_target(args.out, args.format)  # refuse before restoring anything
     meta = store.resolve(args.checkpoint)
-    count = write_dump(checkpoint_rows(store, meta), args.out, args.format)
-    print(f"wrote {count} rows of checkpoint {meta.checkpoint_id} to {args.out}")
+    with Progress("dump") as progress:
+        progress.phase(f"checkpoint {meta.checkpoint_id}", total=meta.summary()["rows"],
+                       unit="rows")
+        count = write_dump(progress.wrap(checkpoint_rows(store, meta)), args.out, args.format)
+    where = "stdout" if args.out == STDOUT else args.out
+    # with --out - stdout carries the rows: the report goes to stderr
+    print(f"wrote {count} rows of checkpoint {meta.checkpoint_id} to {where}",
+          file=sys.stderr if args.out == STDOUT else sys.stdout)
     return 0

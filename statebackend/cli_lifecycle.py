@@ -1,7 +1,8 @@
-"""``ckpt retain | gc | savepoint | leases``: lifecycle commands.
+"""``ckpt retain | gc | savepoint | savepoints | leases``: lifecycle commands.
 
 Destructive commands plan first and print the plan with ``--dry-run``; a plan
-is refused (exit 1, nothing deleted) when any metadata or lease is malformed.
+is refused (exit 1, nothing deleted) when any metadata or lease is malformed,
+and a savepoint deletion while a live lease uses the savepoint.
 """
 
 from __future__ import annotations
@@ -9,14 +10,15 @@ from __future__ import annotations
 import argparse
 
 from .checkpoints import CheckpointStore
-from .cli import emit_json, json_flag
+from .cli import age_of, emit_json, human_bytes, json_flag
 from .errors import UsageError
 from .gc import DEFAULT_GRACE_SECONDS, collect_garbage
 from .gc import summarize_text as gc_text
+from .progress import Progress
 from .registry import build_registry
 from .retention import retain
 from .retention import summarize_text as retain_text
-from .savepoint import create_savepoint
+from .savepoint import create_savepoint, delete_savepoint, list_savepoints
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,13 +43,26 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "savepoint", parents=[json_flag()],
-        help="copy a checkpoint into a self-contained savepoint",
+        help="copy a checkpoint into a self-contained savepoint, or delete one",
         description="Copy every file of a checkpoint to <job>/savepoints/NAME/ with its own "
                     "_metadata. Never collected; a new job can start from it with "
-                    "--start-from JOB/savepoints/NAME (or just NAME).")
+                    "--start-from JOB/savepoints/NAME, just NAME, or the URL this command "
+                    "prints. With --delete NAME: remove that savepoint (refused while a live "
+                    "lease uses it; never touches checkpoints).")
     p.add_argument("checkpoint", nargs="?", default="latest", help="ID, chk-ID or latest")
-    p.add_argument("--name", required=True, help="savepoint name (letters, digits, _ - .)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--name", help="name of the new savepoint (letters, digits, _ - .)")
+    what.add_argument("--delete", metavar="NAME", help="delete savepoint NAME")
+    p.add_argument("--dry-run", action="store_true",
+                   help="with --delete: print what would be deleted, delete nothing")
     p.set_defaults(handler=cmd_savepoint)
+
+    p = sub.add_parser("savepoints", parents=[json_flag()], help="list the job's savepoints",
+                       description="List the job's savepoints: name, source checkpoint, "
+                                   "created, parallelism, files and size. An incomplete one "
+                                   "(creation running or interrupted) is marked; remove it "
+                                   "with `ckpt savepoint --delete NAME`.")
+    p.set_defaults(handler=cmd_savepoints)
 
     p = sub.add_parser("leases", parents=[json_flag()], help="list leases and the registry summary",
                        description="List the job's leases (live or expired) and a summary of "
@@ -69,7 +84,10 @@ def cmd_retain(args: argparse.Namespace, store: CheckpointStore) -> int:
 
 def cmd_gc(args: argparse.Namespace, store: CheckpointStore) -> int:
     store.require_job()
-    report = collect_garbage(store, grace_seconds=args.grace_seconds, dry_run=args.dry_run)
+    with Progress("gc") as progress:
+        progress.phase(f"{'planning' if args.dry_run else 'collecting'} orphans of job "
+                       f"{store.job}")
+        report = collect_garbage(store, grace_seconds=args.grace_seconds, dry_run=args.dry_run)
     if args.json:
         emit_json(report.to_json())
     else:
@@ -78,16 +96,59 @@ def cmd_gc(args: argparse.Namespace, store: CheckpointStore) -> int:
 
 
 def cmd_savepoint(args: argparse.Namespace, store: CheckpointStore) -> int:
-    meta = create_savepoint(store, args.checkpoint, args.name)
+    if args.delete is not None:
+        return _delete_savepoint(args, store)
+    if args.dry_run:
+        raise UsageError("--dry-run applies to --delete only; a savepoint copy changes no "
+                         "existing file")
+    with Progress("savepoint") as progress:
+        progress.phase(f"copying checkpoint {args.checkpoint} to savepoint {args.name}")
+        meta = create_savepoint(store, args.checkpoint, args.name)
     path = f"{store.job}/savepoints/{args.name}"
+    url = f"{store.root_storage.url}/{path}"
     if args.json:
-        emit_json(dict(meta.summary(), savepoint=args.name, path=path,
+        emit_json(dict(meta.summary(), savepoint=args.name, path=path, url=url, start_from=path,
                        source_checkpoint=meta.source["checkpoint"]))
     else:
+        # both the URL and the path are accepted by --start-from (parse_start_spec)
         print(f"savepoint {args.name} of job {store.job}: copied checkpoint "
-              f"{meta.source['checkpoint']} ({len(meta.files)} files, {meta.bytes_referenced} "
-              f"bytes) to {store.root_storage.url}/{path}; start a new job from it with "
+              f"{meta.source['checkpoint']} ({len(meta.files)} files, "
+              f"{human_bytes(meta.bytes_referenced)}) to {url}; start a new job from it with "
               f"--start-from {path}")
+    return 0
+
+
+def _delete_savepoint(args: argparse.Namespace, store: CheckpointStore) -> int:
+    result = delete_savepoint(store, args.delete, dry_run=args.dry_run)
+    if args.json:
+        emit_json(result.to_json())
+        return 0
+    verb = "would delete" if result.dry_run else "deleted"
+    what = "savepoint" if result.complete else "incomplete savepoint"
+    print(f"{verb} {what} {result.name} of job {store.job}: {len(result.files)} files, "
+          f"{human_bytes(result.bytes)}")
+    if result.dry_run:
+        print("(dry run: nothing deleted)")
+    return 0
+
+
+def cmd_savepoints(args: argparse.Namespace, store: CheckpointStore) -> int:
+    store.require_job()
+    savepoints = list_savepoints(store)
+    if args.json:
+        emit_json([s.to_json() for s in savepoints])
+        return 0
+    print(f"{'name':28}  {'source':>6}  {'created':>12}  {'P':>3}  {'files':>6}  {'size':>10}")
+    for s in savepoints:
+        source = "-" if s.source_checkpoint is None else str(s.source_checkpoint)
+        if s.source_job not in (None, store.job):
+            source = f"{s.source_job}:{source}"
+        created = age_of(s.created_at) if s.complete else "incomplete"
+        print(f"{s.name:28}  {source:>6}  {created:>12}  "
+              f"{s.parallelism if s.parallelism is not None else '-':>3}  {s.files:>6}  "
+              f"{human_bytes(s.bytes):>10}")
+    if not savepoints:
+        print(f"(no savepoints of job {store.job})")
     return 0
 
 
@@ -99,8 +160,8 @@ def cmd_leases(args: argparse.Namespace, store: CheckpointStore) -> int:
         return 0
     print(f"job {store.job}: checkpoints {summary['checkpoints']}, savepoints "
           f"{summary['savepoints']}, {summary['files_referenced']} files referenced "
-          f"({summary['bytes_referenced']} bytes), {summary['orphans']} orphans "
-          f"({summary['orphan_bytes']} bytes), {summary['missing_count']} missing")
+          f"({human_bytes(summary['bytes_referenced'])}), {summary['orphans']} orphans "
+          f"({human_bytes(summary['orphan_bytes'])}), {summary['missing_count']} missing")
     for lease in summary["leases"]:
         state = "live" if lease["live"] else "expired"
         print(f"  {lease['name']:40} {state:8} {lease['purpose']} by {lease['holder']} until "

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import uuid
 from collections.abc import Iterator
+from typing import IO
 
 from .backend import KeyedStateBackend
 from .checkpoints import CheckpointStore
@@ -22,6 +24,7 @@ from .serialization import BytesCodec, decode_list, deserialize_key, split_map_k
 from .state import StateDescriptor
 
 DUMP_FORMATS = ("jsonl", "parquet")
+STDOUT = "-"  # ``--out -``: jsonl rows to standard output
 
 
 def descriptors_of(meta: CheckpointMetadata) -> list[StateDescriptor]:
@@ -67,14 +70,26 @@ def checkpoint_rows(store: CheckpointStore, meta: CheckpointMetadata) -> Iterato
             yield from backend_rows(be, handle.index)
 
 
-def write_dump(rows: Iterator[dict], out: str, fmt: str = "jsonl") -> int:
-    """Write rows to ``out``; returns the row count.
-
-    Written to a temp file renamed into place at the end, so a scan that fails
-    half-way (`CorruptStateError`) leaves no partial dump that looks complete.
-    """
+def check_dump_target(out: str, fmt: str) -> None:
+    """UsageError for a format or target that cannot be written (checked before any work)."""
     if fmt not in DUMP_FORMATS:
         raise UsageError(f"dump format {fmt!r} is unknown; use one of {DUMP_FORMATS}")
+    if out == STDOUT and fmt != "jsonl":
+        raise UsageError(f"dump format {fmt!r} cannot be written to stdout (--out -); give a "
+                         "file name, or use --format jsonl")
+
+
+def write_dump(rows: Iterator[dict], out: str, fmt: str = "jsonl") -> int:
+    """Write rows to ``out`` (``-``: stdout, jsonl only); returns the row count.
+
+    A file is written to a temp file renamed into place at the end, so a scan that
+    fails half-way (`CorruptStateError`) leaves no partial dump that looks
+    complete. On stdout rows stream as they are read; a failure then ends the
+    stream early and the command exits non-zero.
+    """
+    check_dump_target(out, fmt)
+    if out == STDOUT:
+        return _write_jsonl(rows, sys.stdout)
     os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
     tmp = f"{out}.tmp-{uuid.uuid4().hex}"
     try:
@@ -86,18 +101,23 @@ def write_dump(rows: Iterator[dict], out: str, fmt: str = "jsonl") -> int:
     return count
 
 
-def _write_rows(rows: Iterator[dict], out: str, fmt: str) -> int:
+def _write_jsonl(rows: Iterator[dict], fh: IO[str]) -> int:
     count = 0
+    for row in rows:
+        fh.write(json.dumps(row, ensure_ascii=False, sort_keys=True))
+        fh.write("\n")
+        count += 1
+    return count
+
+
+def _write_rows(rows: Iterator[dict], out: str, fmt: str) -> int:
     if fmt == "jsonl":
         with open(out, "w", encoding="utf-8") as fh:
-            for row in rows:
-                fh.write(json.dumps(row, ensure_ascii=False, sort_keys=True))
-                fh.write("\n")
-                count += 1
-        return count
+            return _write_jsonl(rows, fh)
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    count = 0
     cols: dict[str, list] = {k: [] for k in ("state", "key", "user_key", "value", "key_group",
                                              "subtask")}
     for row in rows:

@@ -33,9 +33,13 @@ class StorageFullError(StorageError):
 class JobNotFoundError(CkptError):
     """No job folder (no checkpoint, savepoint or lease) under the storage root."""
 
+    exit_code = 2
+
 
 class CheckpointNotFoundError(CkptError):
     """The requested checkpoint has no committed `_metadata`."""
+
+    exit_code = 2
 
 
 class MetadataError(CkptError):
@@ -72,6 +76,8 @@ class LeaseLostError(LeaseConflictError):
 
 class MissingFilesError(StorageError):
     """Files a commit record would reference are missing or have the wrong size."""
+
+    exit_code = 1
 
 
 class InputError(CkptError):

@@ -20,10 +20,18 @@ Savepoint layout (paths in its `_metadata` are relative to the job root)::
   ``chk-<id>/<subtask>/<snapshot>/``. Because it is a copy, the two lineages
   never share a file: neither job's retention or GC can hurt the other.
 
+- `list_savepoints(store)` lists complete and incomplete savepoints;
+  `delete_savepoint(store, name, dry_run=...)` removes one (its `_metadata`
+  first, so it stops existing before any of its files go), refused while a live
+  lease uses it: its creation, or an import copying from it (which holds a lease
+  with no checkpoint ids for that purpose). It never touches checkpoints: a
+  savepoint owns every file under its folder and nothing else.
+
 Start-point specs (``--start-from``), all within the same storage root:
 
 - ``<job>/savepoints/<name>`` -- a savepoint by path (a trailing ``/_metadata``
-  is accepted);
+  is accepted), also as the full URL ``ckpt savepoint`` prints
+  (``<root URL>/<job>/savepoints/<name>``, or on file:// the absolute path);
 - ``<name>`` -- a savepoint by name, searched in every job of the root; refused
   when no job or several jobs have it;
 - ``<job>:<id>``, ``<job>:chk-<id>``, ``<job>:latest`` -- a committed checkpoint
@@ -36,13 +44,19 @@ import json
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from .checkpoints import METADATA_FILE, CheckpointStore, check_job_name
-from .errors import CheckpointNotFoundError, StorageError, UsageError
-from .leases import default_holder, hold
+from .errors import CheckpointNotFoundError, LeaseConflictError, StorageError, UsageError
+from .leases import Lease, default_holder, hold
 from .metadata import CheckpointMetadata, FileRef, SubtaskHandle, utc_now_iso
-from .registry import SAVEPOINTS_DIR, check_savepoint_name, load_savepoint, savepoint_metadata_path
+from .registry import (
+    SAVEPOINTS_DIR,
+    check_savepoint_name,
+    load_savepoint,
+    read_live_leases,
+    savepoint_metadata_path,
+)
 from .snapshot import private_dir
 from .storage import Storage
 
@@ -52,6 +66,122 @@ CLAIM_FILE = "_claim"
 
 def savepoint_dir(name: str) -> str:
     return f"{SAVEPOINTS_DIR}/{name}"
+
+
+def savepoint_purpose(name: str, action: str | None = None) -> str:
+    """Purpose of a lease that uses savepoint ``name`` (creation: no action)."""
+    return f"savepoint {name}" if action is None else f"savepoint {name}: {action}"
+
+
+def uses_savepoint(lease: Lease, name: str) -> bool:
+    base = savepoint_purpose(name)
+    return lease.purpose == base or lease.purpose.startswith(base + ": ")
+
+
+@dataclass(frozen=True)
+class SavepointInfo:
+    """One savepoint of a job (`ckpt savepoints`); field names are the --json keys.
+
+    An incomplete one (no `_metadata`: a creation running or interrupted) has
+    ``complete`` False and only ``files``/``bytes``.
+    """
+
+    name: str
+    complete: bool
+    source_job: str | None
+    source_checkpoint: int | None
+    created_at: str | None
+    parallelism: int | None
+    files: int
+    bytes: int
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "complete": self.complete, "source_job": self.source_job,
+                "source_checkpoint": self.source_checkpoint, "created_at": self.created_at,
+                "parallelism": self.parallelism, "files": self.files, "bytes": self.bytes}
+
+
+@dataclass(frozen=True)
+class SavepointDeletion:
+    """What deleting a savepoint removes (the plan) or removed."""
+
+    job: str
+    name: str
+    complete: bool
+    files: tuple[str, ...]  # job-relative, `_metadata` first
+    bytes: int
+    dry_run: bool
+
+    def to_json(self) -> dict:
+        return {"job": self.job, "savepoint": self.name, "complete": self.complete,
+                "dry_run": self.dry_run, "files": list(self.files),
+                "files_deleted": 0 if self.dry_run else len(self.files), "bytes": self.bytes}
+
+
+def list_savepoints(store: CheckpointStore) -> list[SavepointInfo]:
+    """Every savepoint folder of the job, by name; MetadataError on a malformed one."""
+    out = []
+    for name in store.storage.list_dir(SAVEPOINTS_DIR):
+        try:
+            check_savepoint_name(name)
+        except UsageError:
+            continue  # not a savepoint this library wrote
+        if store.storage.exists(savepoint_metadata_path(name)):
+            meta = load_savepoint(store, name)
+            source = meta.source or {}
+            out.append(SavepointInfo(
+                name, True, source.get("job"), source.get("checkpoint"), meta.created_at,
+                meta.parallelism, len(meta.files), meta.bytes_referenced))
+        else:
+            files = store.storage.walk_files(savepoint_dir(name))
+            out.append(SavepointInfo(name, False, None, None, None, None, len(files),
+                                     sum(f.size for f in files)))
+    return out
+
+
+def plan_savepoint_deletion(store: CheckpointStore, name: str) -> SavepointDeletion:
+    """The files of savepoint ``name``; refused (LeaseConflictError) while a live lease
+    uses it, CheckpointNotFoundError when there is no such folder."""
+    check_savepoint_name(name)
+    store.require_job()
+    base = savepoint_dir(name)
+    listing = store.storage.walk_files(base)
+    if not listing:
+        raise CheckpointNotFoundError(
+            f"savepoint {name!r} of job {store.job!r} not found (no {store.storage.url}/{base}); "
+            "see `ckpt savepoints`")
+    users = [x for x in read_live_leases(store.storage) if uses_savepoint(x, name)]
+    if users:
+        x = users[0]
+        raise LeaseConflictError(
+            f"savepoint {name!r} of job {store.job!r} is in use: live lease {x.name} "
+            f"({x.purpose}) by {x.holder} until {x.expires_at}; nothing deleted, try again "
+            "when it ends")
+    meta_path = savepoint_metadata_path(name)
+    paths = sorted((f.path for f in listing), key=lambda p: (p != meta_path, p))
+    return SavepointDeletion(store.job, name, paths[0] == meta_path, tuple(paths),
+                             sum(f.size for f in listing), dry_run=True)
+
+
+def delete_savepoint(store: CheckpointStore, name: str, *,
+                     dry_run: bool = False) -> SavepointDeletion:
+    """Delete savepoint ``name`` (see the module docstring); ``dry_run`` only plans."""
+    plan = plan_savepoint_deletion(store, name)
+    if dry_run:
+        return plan
+    storage = store.storage
+    # `_metadata` first: once it is gone the savepoint no longer exists, so a failure
+    # below leaves an incomplete folder (listed, deletable again), never a savepoint
+    # with files missing
+    failures = storage.delete_many(plan.files[:1]) if plan.complete else []
+    if not failures:
+        failures = storage.delete_many(plan.files[1:] if plan.complete else plan.files)
+    if failures:
+        path, why = failures[0]
+        raise StorageError(f"savepoint {name!r} of job {store.job!r}: {len(failures)} file(s) "
+                           f"not deleted, e.g. {storage.url}/{path}: {why}; run the delete again")
+    storage.delete_tree(savepoint_dir(name))  # the now empty folders
+    return replace(plan, dry_run=False)
 
 
 def create_savepoint(store: CheckpointStore, ref: str | int | None,
@@ -74,7 +204,7 @@ def create_savepoint(store: CheckpointStore, ref: str | int | None,
         raise UsageError(f"savepoint {name!r} of job {store.job!r} is being created by "
                          "another process") from exc
     try:
-        with hold(storage, f"savepoint {name}", [meta.checkpoint_id]):
+        with hold(storage, savepoint_purpose(name), [meta.checkpoint_id]):
             # the checkpoint may have been retired between resolve and hold: re-read it
             meta = store.load(meta.checkpoint_id)
             copies: list[tuple[str, str]] = []
@@ -110,6 +240,8 @@ def parse_start_spec(storage: Storage, spec: str) -> tuple[str, str, str]:
         raise UsageError("start point is empty: use <job>/savepoints/<name>, <name> or "
                          "<job>:<id|latest>")
     spec = spec.strip().rstrip("/")
+    if "://" in spec or spec.startswith("/"):
+        spec = _relative_to_root(storage, spec)
     if ":" in spec and "/" not in spec:
         job, what = spec.split(":", 1)
         check_job_name(job)
@@ -140,6 +272,18 @@ def parse_start_spec(storage: Storage, spec: str) -> tuple[str, str, str]:
                      "<job>:<id|latest>")
 
 
+def _relative_to_root(storage: Storage, location: str) -> str:
+    """``<job>/savepoints/<name>`` of a URL (or file:// absolute path) under ``storage``."""
+    prefixes = [storage.url.rstrip("/") + "/"]
+    if storage.protocol == "file":
+        prefixes += [storage.root + "/", f"file://{storage.root}/"]
+    for prefix in prefixes:
+        if location.startswith(prefix) and len(location) > len(prefix):
+            return location[len(prefix):]
+    raise UsageError(f"start point {location!r} is not under the storage root {storage.url}; "
+                     "run with --storage set to its root, or copy the savepoint there")
+
+
 def import_start_point(storage: Storage, target_job: str, spec: str) -> CheckpointMetadata:
     """Copy a savepoint or another job's checkpoint into ``target_job`` as its first checkpoint."""
     target = CheckpointStore(storage, target_job)
@@ -149,9 +293,11 @@ def import_start_point(storage: Storage, target_job: str, spec: str) -> Checkpoi
     kind, source_job, what = parse_start_spec(storage, spec)
     source = CheckpointStore(storage, source_job)
     if kind == "savepoint":
-        meta = load_savepoint(source, what)
-        return _import(storage, target, meta, {
-            "job": source_job, "checkpoint": meta.checkpoint_id, "savepoint": what})
+        # a lease with no checkpoint ids: it only tells `delete_savepoint` to wait
+        with hold(source.storage, savepoint_purpose(what, f"import into {target_job}"), []):
+            meta = load_savepoint(source, what)
+            return _import(storage, target, meta, {
+                "job": source_job, "checkpoint": meta.checkpoint_id, "savepoint": what})
     if source_job == target.job:
         raise UsageError(f"start point {spec!r} names job {target_job!r} itself")
     meta = source.resolve(what)

@@ -1,0 +1,189 @@
+"""Progress of long CLI work: a live bar on a terminal, periodic one-line reports otherwise.
+
+Library functions stay quiet: the CLI creates one `Progress` per command and
+either wraps an iterable (``progress.wrap(rows)``) or names phases
+(``progress.phase("loading Great Expectations")``) around library calls.
+
+Where the output goes (always stderr, never stdout: stdout carries results):
+
+- stderr is a terminal: rich's live display (spinner, phase, bar when the total
+  is known, count, elapsed time). rich is already installed (an Airflow
+  dependency) and refreshes from its own thread, so a phase without counts (a
+  slow import, a Spark job) still shows time passing. The display is erased
+  when the command ends.
+- otherwise (a log, a pipe, CI): one line every ``CKPT_PROGRESS_INTERVAL``
+  seconds (default 5), e.g. ``ckpt dump: rows: 12000/50000 (24%), 10 s``. Work
+  shorter than that prints nothing, so scripts of quick commands keep an
+  empty stderr.
+- ``CKPT_PROGRESS`` = ``auto`` (default), ``bar``, ``lines`` or ``off``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import IO, TypeVar
+
+MODE_ENV = "CKPT_PROGRESS"
+INTERVAL_ENV = "CKPT_PROGRESS_INTERVAL"
+MODES = ("auto", "bar", "lines", "off")
+DEFAULT_INTERVAL = 5.0
+WRAP_BATCH = 256  # items between two updates of the display: rows can be millions
+
+T = TypeVar("T")
+
+
+def choose_mode(stream: IO[str], requested: str | None = None) -> str:
+    """"bar", "lines" or "off" for ``stream`` (``requested`` or env CKPT_PROGRESS)."""
+    mode = (requested or os.environ.get(MODE_ENV) or "auto").strip().lower()
+    if mode not in MODES:
+        mode = "auto"  # a typo in an env variable must not break a command
+    if mode != "auto":
+        return mode
+    isatty = getattr(stream, "isatty", None)
+    return "bar" if callable(isatty) and isatty() else "lines"
+
+
+def env_interval() -> float:
+    try:
+        value = float(os.environ.get(INTERVAL_ENV, DEFAULT_INTERVAL))
+    except ValueError:
+        return DEFAULT_INTERVAL
+    return value if value > 0 else DEFAULT_INTERVAL
+
+
+def format_line(command: str, label: str, done: int, total: int | None, unit: str,
+                elapsed: float) -> str:
+    """One progress line (lines mode), e.g. ``ckpt dump: rows: 120/500 (24%), 10 s``."""
+    if total:
+        count = f": {done}/{total}{' ' + unit if unit else ''} ({100 * done // total}%)"
+    elif done or unit:
+        count = f": {done}{' ' + unit if unit else ''}"
+    else:
+        count = "…"
+    return f"ckpt {command}: {label}{count}, {elapsed:.0f} s"
+
+
+class Progress:
+    """Progress of one command; use as a context manager (closes the display)."""
+
+    def __init__(self, command: str, *, stream: IO[str] | None = None, mode: str | None = None,
+                 interval: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 thread: bool = True) -> None:
+        self.command = command
+        self.stream = stream if stream is not None else sys.stderr
+        self.mode = choose_mode(self.stream, mode)
+        self.interval = interval if interval is not None else env_interval()
+        self.clock = clock
+        self.label = ""
+        self.unit = ""
+        self.total: int | None = None
+        self.done = 0
+        self._lock = threading.Lock()
+        self._started = clock()
+        self._last_line = self._started
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._live = None  # rich.progress.Progress in bar mode
+        self._task = None
+        if self.mode == "bar":
+            self._start_bar()
+        elif self.mode == "lines" and thread:
+            self._thread = threading.Thread(target=self._beat, name="ckpt-progress", daemon=True)
+            self._thread.start()
+
+    # -- what callers report --------------------------------------------------
+    def phase(self, label: str, total: int | None = None, unit: str = "") -> None:
+        """Start a new phase; ``total`` (of ``unit``) when the amount of work is known."""
+        with self._lock:
+            self.label, self.total, self.unit, self.done = label, total, unit, 0
+            if self._live is not None:
+                self._live.update(self._task, description=label, total=total, completed=0,
+                                  count=self._count_text())
+                if self._live.live.is_started:
+                    self._live.refresh()  # show the new phase now, not at the next tick
+                else:
+                    self._live.start()  # first phase: no empty frame before it
+
+    def advance(self, n: int = 1) -> None:
+        with self._lock:
+            self.done += n
+            if self._live is not None:
+                self._live.update(self._task, advance=n, count=self._count_text())
+
+    def wrap(self, items: Iterable[T]) -> Iterator[T]:
+        """Yield ``items``, counting them in the current phase."""
+        pending = 0
+        for item in items:
+            yield item
+            pending += 1
+            if pending == WRAP_BATCH:
+                self.advance(pending)
+                pending = 0
+        if pending:
+            self.advance(pending)
+
+    # -- lines mode -----------------------------------------------------------
+    def tick(self) -> str | None:
+        """Write a line if ``interval`` passed since the last one; returns it (tests)."""
+        with self._lock:
+            now = self.clock()
+            if self.mode != "lines" or not self.label or now - self._last_line < self.interval:
+                return None
+            self._last_line = now
+            line = format_line(self.command, self.label, self.done, self.total, self.unit,
+                               now - self._started)
+        self._write(line + "\n")
+        return line
+
+    def _beat(self) -> None:
+        step = min(self.interval, 1.0)
+        while not self._stop.wait(step):
+            self.tick()
+
+    def _write(self, text: str) -> None:
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except (OSError, ValueError):
+            self.mode = "off"  # stderr closed: progress is not worth an error
+
+    # -- bar mode -------------------------------------------------------------
+    def _count_text(self) -> str:
+        if self.total:
+            return f"{self.done}/{self.total} {self.unit}".rstrip()
+        return f"{self.done} {self.unit}".rstrip() if self.done or self.unit else ""
+
+    def _start_bar(self) -> None:
+        import rich.progress as rp
+        from rich.console import Console
+
+        console = Console(file=self.stream, force_terminal=True)
+        self._live = rp.Progress(
+            rp.SpinnerColumn(), rp.TextColumn(f"ckpt {self.command}: {{task.description}}"),
+            rp.BarColumn(), rp.TextColumn("{task.fields[count]}"), rp.TimeElapsedColumn(),
+            # stdout carries results (dump --out -, --json): rich must not redirect it
+            console=console, transient=True, redirect_stdout=False, redirect_stderr=False)
+        self._task = self._live.add_task("", total=None, count="")
+
+    # -- end ------------------------------------------------------------------
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+            self._thread = None
+        if self._live is not None:
+            live, self._live = self._live, None
+            try:
+                live.stop()
+            except (OSError, ValueError):
+                pass
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
