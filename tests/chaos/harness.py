@@ -1,0 +1,629 @@
+"""Chaos harness (issue 10): random steps against one job, every invariant checked after each.
+
+One *step* is one operation on the job ``chaos`` of a storage root (file:// in CI)::
+
+    run-new          the next interval's run (new run id, new input folder)
+    run-retry        an interval whose run has not committed (killed, failed or refused)
+    run-rerun        a committed interval again: skipped, never counted twice
+    gc               collect_garbage(grace_seconds=0)
+    retain           retain(keep=k), k in 1..3
+    savepoint        create_savepoint(latest) under a fresh name
+    rescale          rescale(latest) to another parallelism (Spark tasks)
+    wait             sleep until every stale lease has expired
+    check-savepoint  restore a savepoint, compare it with the reference of its creation
+
+Faults (the only mocks):
+
+- *kill*: a driver ``kill -9`` at a random point of the step. The N-th storage
+  mutation the driver makes (write, exclusive create, upload, copy, delete; N
+  random, up to the most the step kind has made so far) raises `Killed`, a
+  private BaseException; a batch delete first deletes a random prefix. From then
+  on every storage mutation of this process is a no-op until the step ends: a dead
+  process runs no cleanup, releases no lease and renews no lease, so its writer
+  lease stays behind and must expire (short TTL via ``CKPT_LEASE_TTL_SECONDS``).
+- *executor*: ``JobConfig.fail_subtask`` / rescale's ``_fail_subtask``: a task
+  fails after its upload (a failed attempt, cleaned up by the driver).
+- *torn upload*: after a killed run, one upload that no checkpoint references is
+  truncated (an executor that died mid-upload).
+- *busy GC*: a run pauses longer than the lease TTL before its commit while
+  another process runs GC with zero grace and retain(keep=1): only the lease
+  heartbeat keeps the run's uploads alive.
+
+Checks after every step (`Checker`):
+
+1. the latest checkpoint restores (every row read: `statebackend.dump.checkpoint_rows`);
+2. its rows equal a pandas reference over the events of every committed run
+   (count, min_ts, max_ts exact, sum isclose); a run is committed iff a
+   checkpoint with its run id was committed (ledger kept from storage);
+3. every file of every committed checkpoint and savepoint exists with its size;
+4. no run id is committed twice;
+5. a run step that returned (ran or skipped) published ``run=<id>/_SUCCESS``;
+6. a lease is left only by a killed step, and never renewed after its writer died;
+   a LeaseConflictError happens only while such a stale lease is live.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+import pandas as pd
+import pytest
+
+from jobs import keyed_aggregation as ka
+from jobs.sample_data import DAY_MS, DEFAULT_START_TS_MS, expected_totals, generate_events
+from statebackend.checkpoints import CheckpointStore
+from statebackend.dump import checkpoint_rows
+from statebackend.errors import LeaseConflictError, LeaseLostError, SnapshotError
+from statebackend.gc import collect_garbage
+from statebackend.leases import CLAIM_PREFIX, CLAIM_STALE_SECONDS, LEASES_DIR, list_leases
+from statebackend.registry import SAVEPOINTS_DIR, load_savepoint
+from statebackend.rescale import rescale
+from statebackend.retention import retain
+from statebackend.savepoint import create_savepoint
+from statebackend.storage import Storage, open_storage
+
+JOB = "chaos"
+TTL_ENV = "CKPT_LEASE_TTL_SECONDS"
+LEASE_SLACK_S = 0.75  # clock reads of the harness and the library differ by this much at most
+MUTATIONS = ("write_bytes", "write_exclusive", "put_file", "copy", "delete_many", "delete_tree")
+# Initial guesses of how many driver-side storage mutations a step kind makes; raised
+# as steps run, so kill points spread over the whole step.
+MUTATION_GUESS = {"run": 8, "gc": 2, "retain": 3, "savepoint": 12, "rescale": 6}
+WEIGHTS = {"run-new": 24, "run-retry": 9, "run-rerun": 7, "gc": 13, "retain": 12,
+           "savepoint": 7, "rescale": 7, "wait": 4, "check-savepoint": 3}
+
+
+class Killed(BaseException):
+    """The injected process death (a BaseException: `except Exception` does not stop it)."""
+
+
+class ChaosViolation(AssertionError):
+    """An invariant broke; the message names the seed, the step and what differs."""
+
+
+# -- fault injection ------------------------------------------------------------------
+
+class FaultInjector:
+    """Counts the driver's storage mutations in one step; kills the process at call ``kill_at``."""
+
+    def __init__(self, kill_at: int | None, rng: random.Random) -> None:
+        self.kill_at = kill_at
+        self.rng = rng
+        self.calls = 0
+        self.dead = False
+        self.where = ""
+
+    def _counted(self, rel: str) -> bool:
+        # Heartbeats renew the lease from a background thread at times that depend on
+        # the clock: counting them would make the kill point of a seed irreproducible.
+        return threading.current_thread() is threading.main_thread() or \
+            not str(rel).startswith(f"{LEASES_DIR}/")
+
+    def wrap(self, name: str, original: Callable) -> Callable:
+        injector = self
+
+        def mutation(storage: Storage, *args, **kwargs):
+            if injector.dead:
+                return _dead_result(name)
+            rel = args[1] if name in ("put_file", "copy") else (args[0] if args else "")
+            if name == "delete_many":
+                args = (list(args[0]),) + args[1:]
+                rel = args[0][0] if args[0] else ""
+            if injector._counted(rel):
+                if injector.kill_at is not None and injector.calls == injector.kill_at:
+                    injector._die(name, storage, args, original)
+                injector.calls += 1
+            return original(storage, *args, **kwargs)
+
+        return mutation
+
+    def _die(self, name: str, storage: Storage, args: tuple, original: Callable) -> None:
+        self.where = f"{name}({_short(args)})"
+        if name == "delete_many" and len(args[0]) > 1:
+            cut = self.rng.randrange(len(args[0]))  # killed in the middle of a batch
+            original(storage, args[0][:cut])
+            self.where += f" after {cut} of {len(args[0])}"
+        self.dead = True
+        raise Killed(self.where)
+
+    @contextmanager
+    def installed(self) -> Iterator[FaultInjector]:
+        with pytest.MonkeyPatch.context() as mp:
+            for name in MUTATIONS:
+                mp.setattr(Storage, name, self.wrap(name, getattr(Storage, name)))
+            yield self
+
+
+def _commit_owner():
+    """The module whose ``_commit`` a job run calls after its tasks (the job API's run
+    protocol; before the port, the job module itself)."""
+    try:
+        from statebackend.job import run as run_protocol
+    except ImportError:
+        return ka
+    return run_protocol if hasattr(run_protocol, "_commit") else ka
+
+
+def _dead_result(name: str):
+    return {"put_file": (0, "crc32c:00000000"), "delete_many": []}.get(name)
+
+
+def _short(args: tuple) -> str:
+    first = args[0] if args else ""
+    if isinstance(first, list):
+        return f"{len(first)} paths, first {first[0] if first else None!r}"
+    return repr(first)[:80]
+
+
+# -- the model: intervals, ledger, savepoints --------------------------------------------
+
+@dataclass
+class Interval:
+    run_id: str
+    input_dir: str
+    events: pd.DataFrame
+
+
+@dataclass
+class Model:
+    intervals: list[Interval] = field(default_factory=list)
+    committed: list[str] = field(default_factory=list)  # run ids, in commit order
+    commit_of: dict[str, int] = field(default_factory=dict)  # run id -> its checkpoint id
+    savepoints: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name -> runs in it
+    stale: dict[str, tuple[str, str]] = field(default_factory=dict)  # path -> created, expires
+    parallelism: int | None = None
+
+    def interval(self, run_id: str) -> Interval:
+        return next(i for i in self.intervals if i.run_id == run_id)
+
+    def pending(self) -> list[str]:
+        done = set(self.committed)
+        return [i.run_id for i in self.intervals if i.run_id not in done]
+
+    def reference(self, runs: tuple[str, ...] | list[str] | None = None) -> pd.DataFrame:
+        frames = [self.interval(r).events for r in (self.committed if runs is None else runs)]
+        return expected_totals([f for f in frames if len(f)])
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    seed: int
+    steps: int
+    storage_url: str
+    work_dir: str
+    kill_probability: float = 0.3
+    executor_failure_probability: float = 0.1
+    busy_gc_probability: float = 0.04
+    events_per_run: tuple[int, int] = (150, 400)
+    key_universe: int = 60
+    keys_per_run: int = 30
+    rerun_retired: bool = False  # re-run run ids whose checkpoint retention retired
+
+
+@dataclass
+class StepRecord:
+    index: int
+    kind: str
+    detail: str
+    outcome: str
+    seconds: float
+
+
+# -- the harness --------------------------------------------------------------------------
+
+class Chaos:
+    def __init__(self, config: ChaosConfig, spark) -> None:
+        self.config = config
+        self.spark = spark
+        self.rng = random.Random(config.seed)
+        self.model = Model()
+        self.store = CheckpointStore(open_storage(config.storage_url), JOB)
+        self.output = os.path.join(config.work_dir, "out")
+        self.local_dir = os.path.join(config.work_dir, "local")
+        self.mutations_seen = dict(MUTATION_GUESS)
+        self.history: list[StepRecord] = []
+        self.kinds: Counter = Counter()
+        self.outcomes: Counter = Counter()
+        self.seconds: Counter = Counter()
+        self.ttl = float(os.environ.get(TTL_ENV, "0") or 0)
+
+    # -- driving --------------------------------------------------------------------
+    def run(self) -> dict:
+        started = time.monotonic()
+        for index in range(self.config.steps):
+            self.step(index)
+        self.finish()
+        return self.summary(time.monotonic() - started)
+
+    def step(self, index: int) -> None:
+        kind = self.choose()
+        t0 = time.monotonic()
+        detail, outcome = getattr(self, "do_" + kind.replace("-", "_"))()
+        dt = time.monotonic() - t0
+        self.history.append(StepRecord(index, kind, detail, outcome, dt))
+        self.kinds[kind] += 1
+        self.outcomes[outcome] += 1
+        self.seconds[kind] += dt
+        self.check(index, kind, outcome, detail)
+
+    def choose(self) -> str:
+        m = self.model
+        allowed = dict(WEIGHTS)
+        if not m.pending() or not m.intervals:
+            allowed.pop("run-retry")
+        if not m.committed:
+            for k in ("run-rerun", "savepoint", "rescale"):
+                allowed.pop(k)
+        if not self._live_stale():
+            allowed.pop("wait")
+        if not m.savepoints:
+            allowed.pop("check-savepoint")
+        kinds = sorted(allowed)
+        return self.rng.choices(kinds, [allowed[k] for k in kinds])[0]
+
+    def finish(self) -> None:
+        """Recovery: stale leases expire, every interval commits, the state is exact."""
+        self.do_wait()
+        for run_id in self.model.pending():
+            _, outcome = self._run(run_id, kill=False, fail=False, busy=False)
+            self.check(len(self.history), "final-run", outcome, run_id)
+            if outcome not in ("ok", "skipped"):
+                self.violation(len(self.history), f"final run {run_id}: {outcome}")
+        if self.model.pending():
+            self.violation(len(self.history), f"runs never committed: {self.model.pending()}")
+
+    # -- steps ----------------------------------------------------------------------
+    def do_run_new(self) -> tuple[str, str]:
+        interval = self.new_interval()
+        return self._run_step(interval.run_id)
+
+    def do_run_retry(self) -> tuple[str, str]:
+        return self._run_step(self.model.pending()[0])
+
+    def do_run_rerun(self) -> tuple[str, str]:
+        runs = self.model.committed
+        if not self.config.rerun_retired:
+            # Known library bug (see test_rerun_of_a_retired_run_is_not_counted_twice): a
+            # run id is only recognised while its checkpoint is retained.
+            retained = {m.run_id for m in self.store.load_all()}
+            runs = [r for r in runs if r in retained] or runs[-1:]
+        return self._run_step(self.rng.choice(runs))
+
+    def _run_step(self, run_id: str) -> tuple[str, str]:
+        c = self.config
+        self.maybe_wait()
+        busy = self.rng.random() < c.busy_gc_probability
+        kill = not busy and self.rng.random() < c.kill_probability
+        fail = not busy and self.rng.random() < c.executor_failure_probability
+        return self._run(run_id, kill=kill, fail=fail, busy=busy)
+
+    def _run(self, run_id: str, *, kill: bool, fail: bool, busy: bool) -> tuple[str, str]:
+        p = self.model.parallelism or self.rng.randint(1, 3)
+        fail_subtask = self.rng.randrange(p) if fail else None
+        cfg = ka.JobConfig(input=self.model.interval(run_id).input_dir,
+                           storage=self.config.storage_url, job=JOB, run_id=run_id,
+                           output=self.output, parallelism=p, local_dir=self.local_dir,
+                           fail_subtask=fail_subtask)
+        detail = f"{run_id} P={p}" + (f" fail_subtask={fail_subtask}" if fail else "") + \
+            (" busy-gc" if busy else "")
+        allowed = (ka.JobRunError,) if fail else ()
+        with self._busy_gc(busy):
+            detail2, outcome = self.attempt("run", lambda: ka.run(cfg, self.spark), kill,
+                                            allowed)
+        if outcome == "killed":
+            self.tear_an_upload()
+        self.sync_ledger()
+        if outcome in ("ok", "skipped"):
+            self.check_success_marker(run_id)
+        return detail + detail2, outcome
+
+    def do_gc(self) -> tuple[str, str]:
+        kill = self.rng.random() < self.config.kill_probability
+        return self.attempt("gc", lambda: collect_garbage(self.store, grace_seconds=0), kill)
+
+    def do_retain(self) -> tuple[str, str]:
+        keep = self.rng.randint(1, 3)
+        kill = self.rng.random() < self.config.kill_probability
+        detail, outcome = self.attempt("retain", lambda: retain(self.store, keep=keep), kill)
+        return f"keep={keep}" + detail, outcome
+
+    def do_savepoint(self) -> tuple[str, str]:
+        name = f"sp-{len(self.history)}"
+        runs = tuple(self.model.committed)
+        kill = self.rng.random() < self.config.kill_probability
+        detail, outcome = self.attempt(
+            "savepoint", lambda: create_savepoint(self.store, "latest", name), kill)
+        if self.store.storage.exists(f"{SAVEPOINTS_DIR}/{name}/_metadata"):
+            self.model.savepoints[name] = runs
+        return name + detail, outcome
+
+    def maybe_wait(self) -> None:
+        """Most writers facing a stale lease wait it out (a scheduler's retry); the rest
+        are refused, which is allowed."""
+        if self._live_stale() and self.rng.random() < 0.7:
+            self.do_wait()
+            self.outcomes["waited-for-stale-lease"] += 1
+
+    def do_rescale(self) -> tuple[str, str]:
+        self.maybe_wait()
+        latest = self.store.latest()
+        if latest is None:
+            return "no checkpoint", "noop"
+        q = self.rng.choice([x for x in (1, 2, 3, 4) if x != latest.parallelism])
+        fail = self.rng.random() < self.config.executor_failure_probability
+        kill = not fail and self.rng.random() < self.config.kill_probability
+        fail_at = self.rng.randrange(q) if fail else None
+        detail, outcome = self.attempt(
+            "rescale", lambda: rescale(self.store, "latest", q, spark=self.spark,
+                                       _fail_subtask=fail_at),
+            kill, (SnapshotError,) if fail else ())
+        self.sync_ledger()
+        return f"{latest.parallelism}->{q}" + (" fail" if fail else "") + detail, outcome
+
+    def do_wait(self) -> tuple[str, str]:
+        if not self._live_stale():
+            return "nothing stale", "noop"
+        until = max(_epoch(exp) for _, exp in self.model.stale.values())
+        delay = until - time.time() + LEASE_SLACK_S
+        if delay > 60:
+            raise ChaosViolation(
+                f"seed {self.config.seed}: a stale lease expires {delay:.0f} s after the kill "
+                f"({self.model.stale}); with {TTL_ENV}={self.ttl or 'unset'} a killed writer "
+                "must not block the job for long (issue 10 defect 3)")
+        if delay > 0:
+            time.sleep(delay)
+        return f"slept {max(delay, 0):.2f}s", "ok"
+
+    def do_check_savepoint(self) -> tuple[str, str]:
+        name = self.rng.choice(sorted(self.model.savepoints))
+        meta = load_savepoint(self.store, name)
+        problems = compare_state(self._rows(meta), self.model.reference(
+            self.model.savepoints[name]))
+        if problems:
+            self.violation(len(self.history), f"savepoint {name} differs from the reference "
+                                              f"of its creation: {problems}")
+        return name, "ok"
+
+    # -- attempts, kills ------------------------------------------------------------
+    def attempt(self, kind: str, fn: Callable[[], object], kill: bool,
+                allowed: tuple[type, ...] = ()) -> tuple[str, str]:
+        kill_at = self.rng.randint(0, self.mutations_seen[kind]) if kill else None
+        injector = FaultInjector(kill_at, self.rng)
+        live_stale = self._live_stale()
+        result: object = None
+        error: BaseException | None = None
+        with injector.installed():
+            try:
+                result = fn()
+            except Killed as exc:
+                error = exc
+            except Exception as exc:  # noqa: BLE001 - judged below, with the step's history
+                error = exc
+        if not injector.dead:
+            self.mutations_seen[kind] = max(self.mutations_seen[kind], injector.calls)
+        if injector.dead:
+            self.record_stale()
+            return f" killed at {injector.where}", "killed"
+        if isinstance(error, LeaseLostError):
+            # Only a starved heartbeat loses a lease here (no other writer runs): the
+            # attempt must not commit, and its expired lease file may stay behind.
+            self.record_stale()
+            return f" lease lost: {error}", "lease-lost"
+        if isinstance(error, LeaseConflictError) and "committed by another" not in str(error):
+            if not live_stale:
+                self.violation(len(self.history), f"{kind} refused although no stale lease is "
+                                                  f"live: {error}")
+            return " conflict", "conflict"
+        if error is not None and isinstance(error, allowed):
+            return f" failed: {str(error)[:120]}", "failed"
+        if error is not None:
+            self.violation(len(self.history), f"{kind} raised {type(error).__name__}: {error}")
+        skipped = isinstance(result, dict) and result.get("skipped") is True
+        return "", "skipped" if skipped else "ok"
+
+    def _live_stale(self) -> bool:
+        """A stale lease, or the take-over claim of a killed taker, that is not expired."""
+        now = time.time()
+        return any(_epoch(exp) + LEASE_SLACK_S > now for _, exp in self.model.stale.values())
+
+    def record_stale(self) -> None:
+        """After a kill: what the dead process left under leases/ (leases, take-over claims)."""
+        for lease in list_leases(self.store.storage):
+            known = self.model.stale.get(lease.path)
+            if known is None or known[0] != lease.created_at:
+                self.model.stale[lease.path] = (lease.created_at, lease.expires_at)
+        for info in self.store.storage.walk_files(LEASES_DIR):
+            if info.path.split("/")[-1].startswith(CLAIM_PREFIX) and \
+                    info.path not in self.model.stale:
+                created = datetime.fromtimestamp(info.mtime or time.time(), UTC)
+                expires = created + timedelta(seconds=CLAIM_STALE_SECONDS)
+                self.model.stale[info.path] = (created.isoformat(), expires.isoformat())
+
+    def tear_an_upload(self) -> None:
+        """An executor killed mid-upload leaves a partial file nobody references."""
+        files = {f.path: f.size for f in self.store.storage.walk_files("")}
+        referenced = self.referenced_files()
+        torn = sorted(p for p, size in files.items() if p not in referenced and size > 1
+                      and (p.startswith("shared/") or (p.startswith("chk-") and
+                                                       not p.endswith("_metadata"))))
+        if torn and self.rng.random() < 0.5:
+            path = self.rng.choice(torn)
+            data = self.store.storage.read_bytes(path)
+            self.store.storage.write_bytes(path, data[: len(data) // 2])
+            self.outcomes["torn-upload"] += 1
+
+    @contextmanager
+    def _busy_gc(self, busy: bool) -> Iterator[None]:
+        """Another process runs GC(grace 0) and retain(keep 1) while the run waits > TTL."""
+        if not busy:
+            yield
+            return
+        owner = _commit_owner()
+        original = owner._commit
+        pause = max(self.ttl * 1.5, 1.0)
+
+        def commit_later(*args, **kwargs):
+            time.sleep(pause)
+            other = CheckpointStore(open_storage(self.config.storage_url), JOB)
+            collect_garbage(other, grace_seconds=0)
+            retain(other, keep=1)
+            return original(*args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(owner, "_commit", commit_later)
+            yield
+
+    # -- model updates --------------------------------------------------------------
+    def new_interval(self) -> Interval:
+        c, n = self.config, len(self.model.intervals)
+        run_id = f"i{n:04d}"
+        folder = os.path.join(c.work_dir, "in", run_id)
+        size = 0 if self.rng.random() < 0.04 else self.rng.randint(*c.events_per_run)
+        events = generate_events(
+            folder, n_events=size, n_keys=c.keys_per_run, seed=c.seed * 100_003 + n,
+            start_ts_ms=DEFAULT_START_TS_MS + n * DAY_MS, fmt=self.rng.choice(["parquet", "json"]),
+            key_offset=self.rng.randrange(c.key_universe - c.keys_per_run + 1))
+        if size == 0:
+            os.makedirs(folder, exist_ok=True)
+        interval = Interval(run_id, folder, events)
+        self.model.intervals.append(interval)
+        return interval
+
+    def sync_ledger(self) -> None:
+        metas = self.store.load_all()
+        seen: Counter = Counter(m.run_id for m in metas if m.run_id and m.kind == "checkpoint")
+        twice = [r for r, n in seen.items() if n > 1]
+        if twice:
+            self.violation(len(self.history), f"run ids committed twice: {twice}")
+        for m in metas:
+            if not m.run_id or m.kind != "checkpoint":
+                continue
+            first = self.model.commit_of.setdefault(m.run_id, m.checkpoint_id)
+            if first != m.checkpoint_id:
+                self.violation(len(self.history), f"run {m.run_id} committed twice: chk-{first}, "
+                                                  f"then chk-{m.checkpoint_id} (counted twice)")
+            if m.run_id not in self.model.committed:
+                self.model.committed.append(m.run_id)
+        if metas:
+            self.model.parallelism = metas[-1].parallelism
+
+    def referenced_files(self) -> dict[str, int]:
+        out = {f.path: f.size for m in self.store.load_all() for f in m.files}
+        for name in self.model.savepoints:
+            out.update({f.path: f.size for f in load_savepoint(self.store, name).files})
+        return out
+
+    # -- checks ---------------------------------------------------------------------
+    def check(self, index: int, kind: str, outcome: str, detail: str) -> None:
+        self.sync_ledger()
+        latest = self.store.latest()
+        reference = self.model.reference()
+        if latest is None:
+            if len(reference):
+                self.violation(index, "no checkpoint left, but runs "
+                                      f"{self.model.committed} were committed")
+        else:
+            problems = compare_state(self._rows(latest), reference)
+            if problems:
+                self.violation(index, f"latest chk-{latest.checkpoint_id} differs from the "
+                                      f"reference over {len(self.model.committed)} runs: "
+                                      f"{problems}")
+        self.check_files(index)
+        self.check_leases(index, outcome)
+
+    def _rows(self, meta) -> dict[str, dict]:
+        try:
+            rows = list(checkpoint_rows(self.store, meta))
+        except Exception as exc:  # noqa: BLE001 - a restore failure is a violation
+            self.violation(len(self.history), f"{meta.kind} {meta.checkpoint_id} does not "
+                                              f"restore: {type(exc).__name__}: {exc}")
+        return {r["key"]: r["value"] for r in rows if r["state"] == "totals"}
+
+    def check_files(self, index: int) -> None:
+        stored = {f.path: f.size for f in self.store.storage.walk_files("")}
+        bad = [f"{p} ({'missing' if p not in stored else f'{stored[p]} bytes'}, "
+               f"recorded {size})" for p, size in sorted(self.referenced_files().items())
+               if stored.get(p) != size]
+        if bad:
+            self.violation(index, f"{len(bad)} referenced files missing or resized: {bad[:5]}")
+
+    def check_leases(self, index: int, outcome: str) -> None:
+        for info in self.store.storage.walk_files(LEASES_DIR):
+            if info.path.split("/")[-1].startswith(CLAIM_PREFIX) and \
+                    info.path not in self.model.stale:
+                self.violation(index, f"take-over claim {info.path} was left behind by a step "
+                                      f"that ended with {outcome!r}")
+        for lease in list_leases(self.store.storage):
+            known = self.model.stale.get(lease.path)
+            if known is None or known[0] != lease.created_at:
+                self.violation(index, f"lease {lease.path} ({lease.purpose}) was left behind "
+                                      f"by a step that ended with {outcome!r}")
+            elif known[1] != lease.expires_at:
+                self.violation(index, f"lease {lease.path} of a killed writer was renewed "
+                                      f"after its death ({known[1]} -> {lease.expires_at}): "
+                                      "its heartbeat outlived it")
+        present = {f.path for f in self.store.storage.walk_files(LEASES_DIR)}
+        for path in [p for p in self.model.stale if p not in present]:
+            del self.model.stale[path]  # taken over (deleted) by a later writer
+
+    def check_success_marker(self, run_id: str) -> None:
+        marker = f"{ka.run_dir_name(run_id)}/_SUCCESS"
+        if not open_storage(self.output).exists(marker):
+            self.violation(len(self.history), f"run {run_id} returned but {self.output}/"
+                                              f"{marker} is missing (issue 10 defect 4)")
+
+    def violation(self, index: int, message: str) -> None:
+        tail = "\n".join(f"  #{r.index} {r.kind} {r.detail} -> {r.outcome}"
+                         for r in self.history[-12:])
+        raise ChaosViolation(f"seed {self.config.seed}, step {index}: {message}\n"
+                             f"last steps:\n{tail}")
+
+    # -- summary --------------------------------------------------------------------
+    def summary(self, seconds: float) -> dict:
+        return {"seed": self.config.seed, "steps": len(self.history),
+                "seconds": round(seconds, 1), "steps_by_kind": dict(sorted(self.kinds.items())),
+                "outcomes": dict(sorted(self.outcomes.items())),
+                "seconds_by_kind": {k: round(v, 1) for k, v in sorted(self.seconds.items())},
+                "intervals": len(self.model.intervals),
+                "committed_runs": len(self.model.committed),
+                "savepoints": len(self.model.savepoints),
+                "checkpoints_retained": len(self.store.checkpoint_ids())}
+
+
+def compare_state(state: dict[str, dict], expected: pd.DataFrame) -> list[str]:
+    """Differences between a dump (key -> totals) and the pandas reference (first 5)."""
+    problems = []
+    missing, extra = sorted(set(expected.index) - set(state)), sorted(set(state) -
+                                                                       set(expected.index))
+    if missing or extra:
+        problems.append(f"keys missing {missing[:5]}, unexpected {extra[:5]}")
+    for key, row in expected.iterrows():
+        got = state.get(key)
+        if got is None:
+            continue
+        same = (got["count"] == row["count"] and got["min_ts"] == row["min_ts"]
+                and got["max_ts"] == row["max_ts"]
+                and math.isclose(got["sum"], row["sum"], rel_tol=1e-9, abs_tol=1e-9))
+        if not same:
+            problems.append(f"{key}: got {got}, expected {row.to_dict()}")
+        if len(problems) >= 5:
+            break
+    return problems
+
+
+def _epoch(iso: str) -> float:
+    return datetime.fromisoformat(iso).astimezone(UTC).timestamp()
+
+
+def format_summary(summaries: list[dict]) -> str:
+    return "\n".join(json.dumps(s, sort_keys=True) for s in summaries)

@@ -1,0 +1,103 @@
+"""Randomized chaos test of issue 10: job runs, kills, GC, retain, savepoint, rescale.
+
+See harness.py for the steps, the faults and the checks after every step. The CI
+run is two seeds of 100 steps each on file:// storage with one warm local Spark
+session; ``slow`` runs more (``CKPT_CHAOS_SEEDS=1,2,3``, ``CKPT_CHAOS_STEPS=200``
+per seed) and one short seed on a real S3 API (moto).
+A failure names the seed and the last steps: re-run that seed alone with
+``CKPT_CHAOS_SEEDS=<seed> pytest -m slow tests/chaos/test_chaos.py::test_chaos_slow``.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from jobs.keyed_aggregation import JobConfig, run
+from jobs.sample_data import DAY_MS, DEFAULT_START_TS_MS, expected_totals, generate_events
+from statebackend.checkpoints import CheckpointStore
+from statebackend.dump import checkpoint_rows
+from statebackend.retention import retain
+from statebackend.storage import open_storage
+from tests.chaos.harness import Chaos, ChaosConfig, compare_state
+from tests.conftest import S3_BUCKET
+
+CI_SEEDS = (101, 202)
+CI_STEPS = 100  # per seed: 200 steps in CI
+
+
+def _chaos(spark, tmp_path, seed: int, steps: int, storage_url: str | None = None) -> dict:
+    work = tmp_path / f"seed-{seed}"
+    work.mkdir()
+    config = ChaosConfig(seed=seed, steps=steps, work_dir=str(work),
+                         storage_url=storage_url or f"file://{work}/store")
+    return Chaos(config, spark).run()
+
+
+def _assert_covered(summary: dict) -> None:
+    """The run exercised what it claims: kills, re-runs, every step kind, commits."""
+    kinds, outcomes, steps = summary["steps_by_kind"], summary["outcomes"], summary["steps"]
+    if steps >= 80:
+        assert {"run-new", "run-rerun", "gc", "retain", "savepoint", "rescale"} <= set(kinds)
+        assert outcomes.get("skipped", 0) >= 1, outcomes
+    assert outcomes.get("killed", 0) >= max(1, steps // 25), outcomes
+    assert summary["committed_runs"] == summary["intervals"] >= steps // 10, summary
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("seed", CI_SEEDS)
+def test_chaos(spark, tmp_path, short_leases, chaos_report, seed):
+    summary = _chaos(spark, tmp_path, seed, CI_STEPS)
+    chaos_report(summary)
+    _assert_covered(summary)
+
+
+def _env_ints(name: str, default: str) -> list[int]:
+    return [int(x) for x in os.environ.get(name, default).replace(",", " ").split()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_chaos_slow(spark, tmp_path, short_leases, chaos_report):
+    """1000 steps by default: 5 seeds x 200 (CKPT_CHAOS_SEEDS, CKPT_CHAOS_STEPS per seed)."""
+    steps = _env_ints("CKPT_CHAOS_STEPS", "200")[0]
+    for seed in _env_ints("CKPT_CHAOS_SEEDS", "1 2 3 4 5"):
+        summary = _chaos(spark, tmp_path, seed, steps)
+        chaos_report(summary)
+        _assert_covered(summary)
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+@pytest.mark.timeout(1800)
+def test_chaos_s3(spark, tmp_path, s3_server, short_leases, chaos_report):
+    steps = min(_env_ints("CKPT_CHAOS_STEPS", "80")[0], 80)  # moto is slower than file://
+    summary = _chaos(spark, tmp_path, 303, steps, f"s3://{S3_BUCKET}/chaos-{uuid.uuid4().hex}")
+    chaos_report(summary)
+    _assert_covered(summary)
+
+
+@pytest.mark.xfail(strict=True, reason="library bug found by the chaos test: a run id is "
+                   "recognised as committed only while retention keeps its checkpoint, so a "
+                   "re-run after `retain` counts its input twice")
+def test_rerun_of_a_retired_run_is_not_counted_twice(spark, tmp_path, short_leases):
+    """Minimal chaos finding (seed 2): run a, run b, retain --keep 1, run a again."""
+    storage = f"file://{tmp_path}/store"
+    days = [generate_events(str(tmp_path / f"in{d}"), n_events=200, n_keys=20, seed=d,
+                            start_ts_ms=DEFAULT_START_TS_MS + d * DAY_MS) for d in range(2)]
+
+    def job(d: int) -> dict:
+        return run(JobConfig(input=str(tmp_path / f"in{d}"), storage=storage, job="agg",
+                             run_id=f"day-{d}", output=str(tmp_path / "out"), parallelism=2),
+                   spark)
+
+    job(0)
+    job(1)
+    store = CheckpointStore(open_storage(storage), "agg")
+    retain(store, keep=1)  # retires day-0's checkpoint; day-1's state still holds day-0
+    again = job(0)
+    rows = {r["key"]: r["value"] for r in checkpoint_rows(store, store.latest())}
+    assert compare_state(rows, expected_totals(days)) == []
+    assert again["skipped"] is True
