@@ -10,6 +10,11 @@ Same workload, same generated input (default 4 daily batches x 250,000 events ov
   linked into the source folder first), RocksDBStateStoreProvider with changelog
   checkpointing on and off.
 
+Before/after the job API port (issue 11): ``before`` runs the same bench worker of
+the pre-port code (``--before REV``, default ``fa6e095``) from a temporary ``git
+worktree`` (removed afterwards) on the same input, so the ported job (``ours``) is
+compared with the release it replaced (goal: no slower).
+
 Two ways a scheduler runs them: a new process per run (like an Airflow task; the
 wall time includes JVM start-up) and consecutive runs in one session. Prints per-run
 wall time, events/s and bytes written to checkpoint storage (growth of the
@@ -18,6 +23,7 @@ bytes per incremental run <= Spark's.
 
     python bench/bench_keyed_aggregation.py            # full (several minutes)
     python bench/bench_keyed_aggregation.py --quick    # 3 x 50,000 events, 20,000 keys
+    python bench/bench_keyed_aggregation.py --quick --variants ours,before --modes session
 """
 
 from __future__ import annotations
@@ -28,13 +34,16 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
-VARIANTS = ("ours", "spark-changelog", "spark-no-changelog")
+VARIANTS = ("ours", "before", "spark-changelog", "spark-no-changelog")
+PRE_PORT = "fa6e095"  # the last commit before the job API port
 
 
 def dir_bytes(path: str) -> int:
@@ -106,8 +115,14 @@ def spark_run(spark, spec: dict, day: int) -> dict:
 
 
 def worker(spec: dict) -> None:
-    """Run days ``spec['run_days']`` of one variant in this process; print JSON lines."""
-    from jobs.spark_session import get_spark
+    """Run days ``spec['run_days']`` of one variant in this process; print JSON lines.
+
+    Kept compatible with the pre-port bench: ``before`` runs that file's worker.
+    """
+    try:
+        from statebackend.spark.session import get_spark
+    except ImportError:  # the pre-port tree
+        from statebackend.spark.session import get_spark
 
     t0 = time.perf_counter()
     spark = get_spark(spec["master"], app_name=f"bench-{spec['variant']}",
@@ -122,10 +137,36 @@ def worker(spec: dict) -> None:
     spark.stop()
 
 
+@contextmanager
+def pre_port_tree(rev: str):
+    """A temporary ``git worktree`` of ``rev`` (None: no before variant); removed after."""
+    if not rev:
+        yield None
+        return
+    path = tempfile.mkdtemp(prefix="bench-before-")
+    os.rmdir(path)
+    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", path, rev], check=True,
+                   capture_output=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", path],
+                       capture_output=True)
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def spawn(spec: dict) -> tuple[list[dict], float]:
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker",
-                           json.dumps(spec)], env=child_env(), capture_output=True, text=True)
+    script, env, cwd = os.path.abspath(__file__), child_env(), ROOT
+    if spec["variant"] == "before":
+        # The pre-port tree's own worker runs its own job ("ours" there). Python workers
+        # put their cwd first on sys.path: run from the tree so they import its jobs/.
+        cwd = spec["before_tree"]
+        script = os.path.join(cwd, "bench", "bench_keyed_aggregation.py")
+        env["PYTHONPATH"] = cwd
+        spec = {**spec, "variant": "ours"}
+    proc = subprocess.run([sys.executable, script, "--worker", json.dumps(spec)], env=env,
+                          capture_output=True, text=True, cwd=cwd)
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         raise SystemExit(f"{spec['variant']} worker failed:\n{proc.stderr[-4000:]}")
@@ -135,7 +176,7 @@ def spawn(spec: dict) -> tuple[list[dict], float]:
 
 
 # -- orchestration ------------------------------------------------------------
-def bench(args: argparse.Namespace) -> dict:
+def bench(args: argparse.Namespace, before_tree: str | None) -> dict:
     from jobs.sample_data import generate_days
 
     work = os.path.abspath(args.workdir)
@@ -148,21 +189,21 @@ def bench(args: argparse.Namespace) -> dict:
         return {"variant": variant, "days": days, "parallelism": args.parallelism,
                 "master": args.master, "events": args.events,
                 "changelog": variant == "spark-changelog",
-                "work": os.path.join(work, mode, variant)}
+                "work": os.path.join(work, mode, variant), "before_tree": before_tree}
 
     for mode in args.modes:
-        runs = table.setdefault(mode, {v: [] for v in VARIANTS})
+        runs = table.setdefault(mode, {v: [] for v in args.variants})
         if mode == "process":
             # Interleaved by day, so load changes on a shared machine hit every variant alike.
             for day in range(args.runs):
-                for variant in VARIANTS:
+                for variant in args.variants:
                     results, wall = spawn({**spec(mode, variant), "run_days": [day]})
                     res = results[0]
                     res["wall_s"] = wall  # whole process: JVM start, query, shutdown
                     runs[variant].append(res)
                     _print_run(mode, variant, res)
         else:
-            for variant in VARIANTS:
+            for variant in args.variants:
                 results, _ = spawn({**spec(mode, variant), "run_days": list(range(args.runs))})
                 for res in results:
                     runs[variant].append(res)
@@ -193,11 +234,21 @@ def report(table: dict, args: argparse.Namespace) -> None:
             agg[(mode, variant)] = (eps, eps_incr, bytes_incr)
             print(f"{mode:8} {variant:19} {eps:10.0f} {eps_incr:14.0f} {runs[0]['bytes']:>13,} "
                   f"{bytes_incr:>15,.0f}")
+    if "before" in args.variants and "ours" in args.variants:
+        print("\nratios after / before the job API port (events/s: goal >= 1.0)")
+        for mode in table:
+            ours, before = agg[(mode, "ours")], agg[(mode, "before")]
+            print(f"{mode:8} ours vs before          events/s x{ours[0] / before[0]:.2f} "
+                  f"(incremental runs x{ours[1] / before[1]:.2f}), bytes per incremental run "
+                  f"x{ours[2] / before[2]:.2f}")
+    peers = [v for v in args.variants if v.startswith("spark")]
+    if not peers or "ours" not in args.variants:
+        return
     print("\nratios ours / spark (events/s: higher is better, goal >= 1.5; "
           "bytes: lower is better, goal <= 1.0)")
     for mode in table:
         ours = agg[(mode, "ours")]
-        for variant in VARIANTS[1:]:
+        for variant in peers:
             sp = agg[(mode, variant)]
             print(f"{mode:8} vs {variant:19} events/s x{ours[0] / sp[0]:.2f} "
                   f"(incremental runs x{ours[1] / sp[1]:.2f}), bytes per incremental run "
@@ -214,6 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="process,session")
     p.add_argument("--workdir", default=os.path.join(ROOT, "bench", "out", "keyed_aggregation"))
     p.add_argument("--quick", action="store_true", help="3 runs x 50,000 events, 20,000 keys")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="comma-separated subset of %(default)s")
+    p.add_argument("--before", default=PRE_PORT,
+                   help="git revision of the pre-port job for the 'before' variant "
+                        "(default %(default)s; '' skips it)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -222,9 +278,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.runs, args.events, args.keys = 3, 50_000, 20_000
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip() in VARIANTS]
+    if not args.before and "before" in args.variants:
+        args.variants.remove("before")
     print(f"workload: {args.runs} runs x {args.events:,} events over {args.keys:,} keys, "
-          f"{args.master}, P={args.parallelism}", flush=True)
-    report(bench(args), args)
+          f"{args.master}, P={args.parallelism}, variants {args.variants}", flush=True)
+    with pre_port_tree(args.before if "before" in args.variants else "") as tree:
+        report(bench(args, tree), args)
     return 0
 
 

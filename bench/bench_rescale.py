@@ -43,7 +43,6 @@ import pandas as pd
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jobs.keyed_aggregation import DESCRIPTORS, TOTALS  # noqa: E402
-from jobs.spark_session import get_spark  # noqa: E402
 from statebackend.backend import KeyedStateBackend  # noqa: E402
 from statebackend.checkpoints import CheckpointStore, build_metadata  # noqa: E402
 from statebackend.keygroups import key_group_range_for_subtask  # noqa: E402
@@ -51,6 +50,7 @@ from statebackend.metadata import SubtaskHandle  # noqa: E402
 from statebackend.rescale import plan_rescale, rescale  # noqa: E402
 from statebackend.restore import download_files  # noqa: E402
 from statebackend.snapshot import checkpoint_backends, upload_snapshot  # noqa: E402
+from statebackend.spark.session import get_spark  # noqa: E402
 from statebackend.state import StateDescriptor  # noqa: E402
 from statebackend.storage import open_storage  # noqa: E402
 from tests.statebackend.helpers import route  # noqa: E402

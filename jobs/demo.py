@@ -29,7 +29,7 @@ def run_demo(root: str = DEMO_DIR, *, days: int = 3, events_per_day: int = 20_00
                            n_keys=n_keys, seed=7, bad_fraction=0.001)
     own_session = spark is None
     if own_session:
-        from jobs.spark_session import get_spark
+        from statebackend.spark.session import get_spark
 
         spark = get_spark(master, app_name="ckpt-demo")
     summaries = []

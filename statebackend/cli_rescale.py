@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from .checkpoints import CheckpointStore
-from .cli import emit_json, json_flag
+from .cli import emit_json, human_bytes, json_flag
+from .progress import Progress
 from .rescale import plan_rescale, rescale
 
 
@@ -31,23 +32,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_rescale(args: argparse.Namespace, store: CheckpointStore) -> int:
-    created = None
-    if not args.dry_run:
+    if args.dry_run:
+        summary = rescale(store, args.checkpoint, args.parallelism, dry_run=True,
+                          compact=args.compact)
+    else:
         # Refuse bad requests before paying for a Spark session start.
-        plan_rescale(store.resolve(args.checkpoint), args.parallelism)
-        # Only a session this command creates is stopped here (a caller's stays up).
-        from pyspark.sql import SparkSession
-
-        if SparkSession.getActiveSession() is None:
-            from jobs.spark_session import get_spark
-
-            created = get_spark(args.master, app_name="ckpt-rescale")
-    try:
-        summary = rescale(store, args.checkpoint, args.parallelism, master=args.master,
-                          spark=created, dry_run=args.dry_run, compact=args.compact)
-    finally:
-        if created is not None:
-            created.stop()
+        plan = plan_rescale(store.resolve(args.checkpoint), args.parallelism)
+        with Progress("rescale") as progress:
+            summary = _run_rescale(args, store, progress,
+                                   f"rescaling checkpoint {plan.source_checkpoint_id} to "
+                                   f"{args.parallelism} subtasks")
     if args.json:
         emit_json(summary)
         return 0
@@ -58,7 +52,8 @@ def cmd_rescale(args: argparse.Namespace, store: CheckpointStore) -> int:
     print(f"checkpoint {summary['checkpoint_id']} of job {summary['job']}: rescaled from "
           f"{summary['from_parallelism']} to {summary['to_parallelism']} (source checkpoint "
           f"{summary['source_checkpoint_id']}) in {summary['duration_seconds']:.2f} s; "
-          f"downloaded {summary['bytes_downloaded']} bytes, uploaded {summary['bytes_uploaded']}, "
+          f"downloaded {human_bytes(summary['bytes_downloaded'])}, uploaded "
+          f"{human_bytes(summary['bytes_uploaded'])}, "
           f"reused {summary['files_reused']} files, {summary['rows']} rows")
     for s in summary["subtasks"]:
         print(f"  subtask {s['index']:>3}: base {s['base']} imports {s['imports'] or '-'}  "
@@ -66,3 +61,23 @@ def cmd_rescale(args: argparse.Namespace, store: CheckpointStore) -> int:
     if "warning" in summary:
         print(f"warning: {summary['warning']}")
     return 0
+
+
+def _run_rescale(args: argparse.Namespace, store: CheckpointStore, progress: Progress,
+                 label: str) -> dict:
+    created = None
+    # Only a session this command creates is stopped here (a caller's stays up).
+    progress.phase("starting Spark")
+    from pyspark.sql import SparkSession
+
+    if SparkSession.getActiveSession() is None:
+        from .spark.session import get_spark
+
+        created = get_spark(args.master, app_name="ckpt-rescale")
+    try:
+        progress.phase(label)
+        return rescale(store, args.checkpoint, args.parallelism, master=args.master,
+                       spark=created, compact=args.compact)
+    finally:
+        if created is not None:
+            created.stop()

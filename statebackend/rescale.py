@@ -35,6 +35,9 @@ Order and failure handling (upload first, commit last):
    ``chk-<id>`` folder, commit nothing, raise (the source is untouched);
 4. else write ``chk-<id>/_metadata`` (exclusive create), release the leases.
 
+Steps 3-4 are `statebackend.attempt.Attempt` (``discard`` / ``commit``), the
+commit-or-discard every checkpoint writer shares.
+
 A Spark worker cannot see this process's ``memory://`` filesystem, so memory
 storage runs the same tasks one after the other in the driver.
 """
@@ -53,6 +56,7 @@ from dataclasses import dataclass, replace
 
 from rocksdict import IngestExternalFileOptions, Options, SstFileWriter
 
+from .attempt import Attempt
 from .backend import KeyedStateBackend
 from .checkpoints import CheckpointStore, build_metadata
 from .errors import CkptError, MetadataError, SnapshotError, UsageError
@@ -64,7 +68,8 @@ from .snapshot import upload_snapshot
 from .state import StateDescriptor
 from .storage import Storage, open_storage
 
-# Forwarded from the driver to the tasks so that workers reach the same storage.
+# Forwarded from the driver to the tasks so that workers reach the same storage
+# (the same list as `statebackend.spark.session.STORAGE_ENV`, without importing Spark).
 STORAGE_ENV_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
                     "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
 
@@ -410,7 +415,7 @@ def _run_tasks(specs: list[dict], store: CheckpointStore, master: str | None, sp
         # the same file object, so two subtasks reading one old handle would collide.
         return [run_subtask(spec) for spec in specs]
     if spark is None:
-        from jobs.spark_session import get_spark
+        from .spark.session import get_spark
 
         spark = get_spark(master, app_name="ckpt-rescale")
     sc = spark.sparkContext
@@ -425,18 +430,6 @@ def _run_tasks(specs: list[dict], store: CheckpointStore, master: str | None, sp
     # (s3fs would otherwise answer "does not exist" for the new files).
     store.storage.fs.invalidate_cache()
     return [json.loads(r) for r in out]
-
-
-def _discard(store: CheckpointStore, results: list[dict], checkpoint_id: int) -> None:
-    """Best effort: what this attempt uploaded, and its private folder."""
-    store.storage.delete_many(p for r in results if r.get("ok")
-                              for p in r.get("uploaded_paths", []))
-    try:
-        # Private files of tasks whose result never came back (a lost worker); their
-        # shared uploads are orphans that GC removes after its grace period.
-        store.storage.delete_tree(f"chk-{checkpoint_id}")
-    except CkptError:
-        pass
 
 
 def rescale(store: CheckpointStore, ref: str | int | None = "latest",
@@ -470,9 +463,12 @@ def rescale(store: CheckpointStore, ref: str | int | None = "latest",
         description = (f"ckpt rescale {store.job} chk-{meta.checkpoint_id} "
                        f"{plan.from_parallelism} -> {parallelism}")
         results: list[dict] = []
+        attempt = Attempt(store, checkpoint_id)
         try:
             t_tasks = time.perf_counter()
             results = _run_tasks(specs, store, master, spark, description)
+            attempt.add_uploaded(p for r in results if r.get("ok")
+                                 for p in r.get("uploaded_paths", []))
             tasks_seconds = time.perf_counter() - t_tasks
             failed = [r for r in results if not r.get("ok")]
             if failed or len(results) != len(specs):
@@ -493,9 +489,9 @@ def rescale(store: CheckpointStore, ref: str | int | None = "latest",
                                                  "to_parallelism": parallelism,
                                                  "source_checkpoint_id": meta.checkpoint_id,
                                                  "compacted": compact}})
-            store.commit(new_meta)
+            attempt.commit(new_meta)  # discards the attempt itself if the commit fails
         except BaseException as exc:
-            _discard(store, results, checkpoint_id)
+            attempt.discard()
             if isinstance(exc, CkptError):
                 raise
             raise SnapshotError(

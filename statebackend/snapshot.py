@@ -12,7 +12,8 @@ Order of a checkpoint (upload first, commit last):
    files (MANIFEST, CURRENT, OPTIONS ...) to ``chk-<id>/<subtask>/<snapshot_id>/``,
    in parallel, with a CRC32 taken on the bytes sent;
 3. the driver writes ``chk-<id>/_metadata`` once every subtask has a handle
-   (`checkpoints.CheckpointStore.commit`).
+   (`statebackend.attempt.Attempt.commit`, the one commit-or-discard of every
+   checkpoint writer).
 
 Only files of *committed* checkpoints are ever referenced: a file uploaded by an
 attempt that never committed may be deleted at any time by its own cleanup or
@@ -30,6 +31,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from .attempt import Attempt
 from .backend import KeyedStateBackend, LocalSnapshot
 from .checkpoints import CheckpointStore, build_metadata
 from .errors import SnapshotError, UsageError
@@ -161,24 +163,27 @@ def checkpoint_backends(store: CheckpointStore, backends: Sequence[KeyedStateBac
     pending = [snapshot(b, store.storage, checkpoint_id=cid, subtask=i)
                for i, b in enumerate(backends)]
     results, errors = [], []
+    attempt = Attempt(store, cid)
     for p in pending:
         try:
             results.append(p.result())
+            attempt.add_uploaded(results[-1].uploaded_paths)
         except Exception as exc:  # noqa: BLE001 - wait for every subtask, then clean up
             errors.append(exc)
     first = backends[0]
+    if errors:
+        attempt.discard()
+        raise errors[0]
     try:
-        if errors:
-            raise errors[0]
         meta = build_metadata(
             job=store.job, checkpoint_id=cid, parent=parent,
             max_parallelism=first.max_parallelism,
             states=[d.to_json() for d in first.descriptors.values()],
             handles=[r.handle for r in results], run_id=run_id, inputs=inputs, extra=extra)
-        store.commit(meta)
     except BaseException:
-        discard_uploads(store.storage, results)
+        attempt.discard()
         raise
+    attempt.commit(meta)  # verify, exclusive _metadata; discards the attempt on failure
     for backend, result in zip(backends, results, strict=True):
         backend.notify_checkpoint_complete(result.handle)
     return meta

@@ -5,8 +5,9 @@ Public entry points (other parts code against these names):
 - `validate_checkpoint(store, ref="latest", *, deep=False, report_dir=None,
   state_checks=None) -> ValidationResult`
 - `read_report_summary(store, checkpoint_id) -> dict | None`
-- `register_state_checks(state_name, fn)`: a job's own expectations on its state
-  (see `statebackend.validation.checks`).
+- `register_state_checks(state_name, fn)`: expectations on a state for every
+  validation in this process (see `statebackend.validation.checks`); a job's own
+  expectations come from its definition: ``state_checks=job.expectations``.
 
 Validation never modifies the checkpoint: it reads `_metadata` and the files,
 restores into temp folders opened read-only, and writes only under

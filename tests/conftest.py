@@ -69,7 +69,7 @@ def durable_storage_url(request, tmp_path):
 @pytest.fixture(scope="session")
 def spark():
     """One local[2] SparkSession for the whole run (start-up costs ~10 s)."""
-    from jobs.spark_session import get_spark
+    from statebackend.spark.session import get_spark
 
     session = get_spark("local[2]", app_name="ckpt-tests")
     yield session

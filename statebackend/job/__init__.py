@@ -1,8 +1,12 @@
 """The public job API: declare a stateful job once, run it with the library.
 
 See `statebackend.job.api` (the `Job` object and its parts),
-`statebackend.job.context` (what the logic sees) and `statebackend.job.core`
-(the in-process processing of one subtask), and docs/write-a-job.md.
+`statebackend.job.context` (what the logic sees), `statebackend.job.core`
+(the in-process processing of one subtask), `statebackend.job.run` (the run
+protocol: `run_job(job, RunConfig(...))`), `statebackend.job.task` (one Spark
+task = one subtask), `statebackend.job.input` (listing and reading input),
+`statebackend.job.load` (`load_job("pkg.module:attr")`) and docs/write-a-job.md.
+Importing this package imports neither Spark nor Great Expectations.
 """
 
 from .api import (
@@ -27,10 +31,13 @@ from .api import (
 )
 from .context import BatchContext, KeyContext
 from .core import ProcessResult, SubtaskProcessor, process, split_rows
+from .load import load_job
+from .run import JobRunError, RejectThresholdError, RunConfig, format_summary, run_job
 
 __all__ = [
-    "BatchContext", "Input", "Job", "KeyContext", "Option", "Output", "PerKey",
-    "ProcessResult", "Rule", "SubtaskProcessor", "Vectorized", "aggregating_state",
-    "between", "finite", "list_state", "map_state", "not_empty", "not_null", "parses",
-    "process", "record", "reducing_state", "split_rows", "value_state",
+    "BatchContext", "Input", "Job", "JobRunError", "KeyContext", "Option", "Output", "PerKey",
+    "ProcessResult", "RejectThresholdError", "Rule", "RunConfig", "SubtaskProcessor",
+    "Vectorized", "aggregating_state", "between", "finite", "format_summary", "list_state",
+    "load_job", "map_state", "not_empty", "not_null", "parses", "process", "record",
+    "reducing_state", "run_job", "split_rows", "value_state",
 ]

@@ -177,6 +177,9 @@ class PerKey:
 
 
 _OPTION_TYPES = (bool, int, float, str)
+# Block compression of the state (None: RocksDB's default, Snappy). ZSTD makes the
+# SSTs of small fixed-width records (the bytes every checkpoint uploads) ~20% smaller.
+COMPRESSIONS = (None, "zstd", "lz4", "snappy", "none")
 
 
 @dataclass(frozen=True)
@@ -228,6 +231,7 @@ class Job:
     options: tuple[Option, ...] = ()
     expectations: Mapping[str, Callable[[StateDescriptor], Any]] = field(
         default_factory=dict, compare=False)
+    compression: str | None = None  # RocksDB block compression of every state
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -242,6 +246,9 @@ class Job:
         _check_logic(self)
         _check_options(self)
         _check_expectations(self)
+        if self.compression not in COMPRESSIONS:
+            raise _fail(self, f"compression {self.compression!r} is not one of "
+                        f"{list(COMPRESSIONS)}")
 
     @property
     def key(self) -> str:

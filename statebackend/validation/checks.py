@@ -14,24 +14,22 @@ Give each expectation ``meta={"check": "<name>", "critical": bool}``: the name i
 what the summary reports (default: the expectation type), and ``critical``
 (default True) decides whether a failure fails the validation.
 
-Validation picks up checks from three places, later ones winning per state name:
-modules listed in `CHECK_MODULES` (imported when validation runs, skipped when
-not installed), `register_state_checks` calls, and the ``state_checks``
-argument of `statebackend.validate.validate_checkpoint`.
+A job declares its checks as `statebackend.job.Job.expectations`; the caller
+that knows which job owns a checkpoint passes them (``validate_checkpoint(...,
+state_checks=job.expectations)``, ``ckpt validate --job-def MODULE:ATTR``).
+Validation picks up checks from two places, later ones winning per state name:
+`register_state_checks` calls and the ``state_checks`` argument. Nothing is
+imported by name: which code runs never depends on what storage says.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..state import StateDescriptor
 
 StateCheck = Callable[[StateDescriptor], "list[Any] | None"]
-
-# Job modules that register checks at import (see jobs/keyed_aggregation_checks.py).
-CHECK_MODULES = ("jobs.keyed_aggregation_checks",)
 
 _REGISTRY: dict[str, StateCheck] = {}
 
@@ -48,13 +46,7 @@ def unregister_state_checks(state_name: str) -> None:
 
 def registered_state_checks(extra: Mapping[str, StateCheck] | None = None
                             ) -> dict[str, StateCheck]:
-    """The checks in effect: CHECK_MODULES, then the registry, then ``extra``."""
-    for name in CHECK_MODULES:
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name not in (name, name.split(".")[0]):
-                raise
+    """The checks in effect: the registry, then ``extra``."""
     checks = dict(_REGISTRY)
     checks.update(extra or {})
     return checks

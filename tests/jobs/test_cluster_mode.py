@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DRIVER = """
 import json, sys
 from jobs.keyed_aggregation import JobConfig, run
-from jobs.spark_session import get_spark
+from statebackend.spark.session import get_spark
 args = json.loads(sys.argv[1])
 spark = get_spark(args["master"], app_name="cluster-test")
 for inp, run_id in args["runs"]:
@@ -87,3 +87,47 @@ def test_cluster_with_s3_equals_local_mode(standalone_cluster, s3_server, spark,
                       run_id=f"d{d}", output=str(tmp_path / "local-out"), parallelism=3), spark)
     assert dump_latest(local_url, "agg") == cluster_state
     assert store_of(s3_url, "agg").latest().parallelism == 3
+
+
+@pytest.mark.slow
+def test_example_job_through_submit_script_on_the_cluster(standalone_cluster, s3_server,
+                                                          tmp_path):
+    """`spark-submit statebackend/job/submit.py examples.user_activity:job`: the example on
+    the cluster with S3 storage, two runs and a skipped re-run, against pandas."""
+    from tests.conftest import S3_BUCKET
+    from tests.jobs.run_reference import (
+        activity_events,
+        activity_reference,
+        final_state,
+        read_output,
+    )
+
+    days = [activity_events(str(tmp_path / f"in{d}"), rows=1200, users=200, seed=80 + d, day=d)
+            for d in range(2)]
+    expected, state = activity_reference(days)
+    s3_url = f"s3://{S3_BUCKET}/example-{uuid.uuid4().hex[:8]}"
+    env = {**standalone_cluster.env, "PYTHONPATH": ROOT}
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL",
+                "AWS_DEFAULT_REGION"):
+        env[var] = os.environ[var]
+
+    def submit(d: int) -> dict:
+        proc = subprocess.run(
+            [os.path.join(spark_home(), "bin", "spark-submit"), "--master",
+             standalone_cluster.master_url, "--conf", "spark.ui.enabled=false",
+             os.path.join(ROOT, "statebackend", "job", "submit.py"),
+             "examples.user_activity:job", "--input", str(tmp_path / f"in{d}"),
+             "--storage", s3_url, "--run-id", f"d{d}", "--output", str(tmp_path / "out"),
+             "--parallelism", "3", "--json"],
+            env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return json.loads(proc.stdout[proc.stdout.index("{"):])
+
+    first, second, again = submit(0), submit(1), submit(1)
+    assert (first["checkpoint_id"], second["checkpoint_id"], again["skipped"]) == (1, 2, True)
+    for d in (0, 1):
+        got = read_output(str(tmp_path / "out"), f"run=d{d}").set_index("user").sort_index()
+        import pandas as pd
+
+        pd.testing.assert_frame_equal(got, expected[d], check_dtype=False)
+    assert final_state(s3_url, "user_activity") == state

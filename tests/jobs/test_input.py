@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs.keyed_aggregation import JobConfig, JobRunError, RejectThresholdError, run
-from jobs.quarantine import list_input
 from jobs.sample_data import expected_totals, generate_events
 from statebackend.errors import InputError
+from statebackend.job.input import list_input
 from tests.jobs.helpers import assert_state_equals, dump_latest, store_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -144,8 +144,7 @@ def _cli(tmp_path, *extra: str) -> subprocess.CompletedProcess:
 
 
 def test_quarantine_keeps_its_columns_and_adds_raw():
-    from jobs.quarantine import QUARANTINE_COLUMNS
-    from jobs.subtask_runner import QUARANTINE_SCHEMA
+    from jobs.keyed_aggregation import JOB
+    from statebackend.job.task import quarantine_schema
 
-    assert tuple(QUARANTINE_SCHEMA.names) == QUARANTINE_COLUMNS == (
-        "key", "ts", "value", "reason", "run_id", "raw")
+    assert quarantine_schema(JOB).names == ["key", "ts", "value", "reason", "run_id", "raw"]

@@ -21,10 +21,11 @@ from jobs.keyed_aggregation import (
     run_dir_name,
 )
 from jobs.sample_data import expected_totals, generate_events
-from jobs.subtask_runner import partition_values, spark_partition_of_int
 from statebackend import cli
+from statebackend.attempt import Attempt
 from statebackend.errors import LeaseConflictError
 from statebackend.leases import acquire_writer_lease, release
+from statebackend.spark.dispatch import partition_values, spark_partition_of_int
 from tests.jobs.helpers import (
     assert_state_equals,
     dump_latest,
@@ -283,8 +284,6 @@ class _Crash(Exception):
 
 
 def test_crash_after_commit_is_published_by_the_skipped_rerun(spark, tmp_path, monkeypatch):
-    import jobs.keyed_aggregation as ka
-
     d0 = generate_events(str(tmp_path / "in0"), n_events=1500, n_keys=300, seed=21)
     d1 = generate_events(str(tmp_path / "in1"), n_events=1500, n_keys=300, seed=22,
                          key_offset=150)
@@ -294,7 +293,7 @@ def test_crash_after_commit_is_published_by_the_skipped_rerun(spark, tmp_path, m
     def crash(*_args, **_kw):
         raise _Crash("driver killed")
 
-    monkeypatch.setattr(ka, "_cleanup_attempts", crash)  # the step right after store.commit
+    monkeypatch.setattr(Attempt, "cleanup", crash)  # the step right after store.commit
     with pytest.raises(_Crash):
         run(config(tmp_path, tmp_path / "in1", "day-1"), spark)
     monkeypatch.undo()

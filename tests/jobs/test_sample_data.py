@@ -7,8 +7,8 @@ import json
 import pandas as pd
 import pyarrow.parquet as pq
 
-from jobs.quarantine import list_input
 from jobs.sample_data import expected_totals, generate_days, generate_events
+from statebackend.job.input import list_input
 
 
 def test_parquet_events_are_deterministic(tmp_path):

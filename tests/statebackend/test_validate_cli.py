@@ -115,10 +115,12 @@ def test_cli_import_does_not_load_great_expectations():
 
 # -- job checks (jobs/keyed_aggregation_checks.py) ---------------------------------
 def test_keyed_aggregation_checks_are_registered_and_run(tmp_path):
-    assert "totals" in registered_state_checks()
+    from jobs.keyed_aggregation import JOB
+
+    assert "totals" not in registered_state_checks()  # nothing is imported by name
     store, meta = build_checkpoint(f"file://{tmp_path}/store", str(tmp_path / "w"),
                                    parallelism=2, n_keys=150, job_totals=True)
-    result = validate_checkpoint(store, deep=True)
+    result = validate_checkpoint(store, deep=True, state_checks=JOB.expectations)
     assert result.success, result.summary["failed_checks"]
     names = {c["name"] for c in result.summary["checks"]}
     assert {"totals_count_at_least_1", "totals_min_ts_le_max_ts"} <= names
@@ -140,7 +142,9 @@ def _key_in(backend):
 def test_keyed_aggregation_checks_fail_on_bad_totals(tmp_path):
     store, _ = build_checkpoint(f"file://{tmp_path}/store", str(tmp_path / "w"), parallelism=2,
                                 n_keys=150, job_totals=True, tamper=_bad_totals)
-    result = validate_checkpoint(store, deep=True)
+    from jobs.keyed_aggregation import JOB
+
+    result = validate_checkpoint(store, deep=True, state_checks=JOB.expectations)
     assert set(result.summary["failed_checks"]) == {"totals_count_at_least_1",
                                                      "totals_min_ts_le_max_ts"}
     for name in result.summary["failed_checks"]:

@@ -1,0 +1,270 @@
+"""A job's input: find the files, read them with Spark, hand raw rows to the tasks.
+
+An input folder holds Parquet files (``*.parquet``) and/or JSON-lines files
+(``*.json``, ``*.jsonl``, ``*.ndjson``, each also gzip-compressed as ``*.gz``);
+names starting with ``_`` or ``.`` are ignored (``_SUCCESS``, ``.crc``). Any other
+file (``*.csv`` ...) is *skipped* and reported in the run summary, never silently:
+a folder holding only such files is refused (`InputError`), while an empty folder
+is a valid, empty input.
+
+Reading is generic over the job's `Input` schema (`read_input`): each schema
+column is read and typed by Spark (the key as a string; a value that does not
+convert becomes null), and where a value arrived but did not convert its text
+travels along as ``_text_<column>`` so that rules tell "missing" from "invalid"
+and the quarantine shows what arrived. JSON lines are read as text and parsed
+with an all-string schema, so a non-numeric value is a rejected row, not a
+failed read; a line that is not exactly one JSON object (unparsable, or followed
+by trailing garbage) gets ``_reason = "malformed"`` (Spark's JSON reader silently
+drops trailing text). Every JSON row keeps its whole line in ``_line`` (the
+quarantine's ``raw`` column). On the executor, `raw_table` turns those columns
+back into the raw table `statebackend.job.core.split_rows` validates.
+
+Parquet footers are read on the driver before any Spark work (`check_parquet`):
+a truncated or non-Parquet file is refused in one line that names it, instead of
+a failed Spark task.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..errors import InputError, UsageError
+from .api import Input
+
+PARQUET_EXT = (".parquet",)
+JSON_EXT = (".json", ".jsonl", ".ndjson", ".json.gz", ".jsonl.gz", ".ndjson.gz")
+SKIPPED_NAMES_SHOWN = 10  # the summary lists this many skipped files, then counts
+FOOTER_CHECK_THREADS = 16
+REASON = "_reason"
+LINE = "_line"
+TEXT = "_text_"
+MALFORMED = "malformed"
+
+# Arrow type -> Spark SQL type of the typed column.
+_SPARK_TYPES = {
+    pa.string(): "string", pa.large_string(): "string", pa.bool_(): "boolean",
+    pa.int8(): "tinyint", pa.int16(): "smallint", pa.int32(): "int", pa.int64(): "bigint",
+    pa.float32(): "float", pa.float64(): "double", pa.date32(): "date",
+}
+
+
+@dataclass(frozen=True)
+class InputFiles:
+    """The files of one input folder, split by format."""
+
+    url: str
+    parquet: tuple[str, ...]
+    json: tuple[str, ...]
+    total_bytes: int
+    skipped: tuple[str, ...] = ()  # unsupported files, relative to the folder
+
+    @property
+    def count(self) -> int:
+        return len(self.parquet) + len(self.json)
+
+    def skipped_report(self) -> dict:
+        """Summary fields: how many files were skipped and (capped) which."""
+        return {"input_files_skipped": len(self.skipped),
+                "input_files_skipped_names": list(self.skipped[:SKIPPED_NAMES_SHOWN])}
+
+
+def list_input(url: str) -> InputFiles:
+    """List an input folder (local path, file:// or any fsspec URL Spark can also read)."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url)
+    if not fs.exists(root):
+        raise UsageError(f"input folder {url} does not exist")
+    if not fs.isdir(root):
+        raise UsageError(f"input {url} is not a folder of Parquet or JSON-lines files")
+    parquet, json_files, skipped, total = [], [], [], 0
+    for path, info in sorted(fs.find(root, detail=True).items()):
+        rel = posixpath.relpath(path, root.rstrip("/")) if root else path
+        if any(part.startswith(("_", ".")) for part in rel.split("/")):
+            continue
+        name = rel.lower()
+        full = _spark_path(url, fs, path)
+        if name.endswith(PARQUET_EXT):
+            parquet.append(full)
+        elif name.endswith(JSON_EXT):
+            json_files.append(full)
+        else:
+            skipped.append(rel)
+            continue
+        total += int(info.get("size") or 0)
+    if skipped and not parquet and not json_files:
+        shown = ", ".join(skipped[:SKIPPED_NAMES_SHOWN])
+        more = f" and {len(skipped) - SKIPPED_NAMES_SHOWN} more" \
+            if len(skipped) > SKIPPED_NAMES_SHOWN else ""
+        raise InputError(f"input folder {url} holds no supported file, only {len(skipped)} "
+                         f"unsupported ({shown}{more}); the job reads *.parquet and JSON lines "
+                         f"({', '.join('*' + e for e in JSON_EXT)}): convert them or point "
+                         "--input elsewhere")
+    return InputFiles(url, tuple(parquet), tuple(json_files), total, tuple(skipped))
+
+
+def check_parquet(files: InputFiles) -> None:
+    """Read every Parquet footer (in parallel, footer bytes only) before Spark starts.
+
+    A truncated or foreign file would otherwise fail a Spark task with a long JVM
+    trace; here it is refused in one line naming the file.
+    """
+    if not files.parquet:
+        return
+    with ThreadPoolExecutor(min(FOOTER_CHECK_THREADS, len(files.parquet))) as pool:
+        problems = [p for p in pool.map(_footer_problem, files.parquet) if p]
+    if problems:
+        path, cause = problems[0]
+        more = f" (and {len(problems) - 1} more bad Parquet files)" if len(problems) > 1 else ""
+        raise InputError(f"input file {path} is not a readable Parquet file: {cause}{more}; "
+                         "replace or remove it and re-run")
+
+
+def _footer_problem(path: str) -> tuple[str, str] | None:
+    import fsspec
+    import pyarrow.parquet as pq
+
+    try:
+        fs, fs_path = fsspec.core.url_to_fs(path)
+        with fs.open(fs_path, "rb") as fh:
+            pq.read_metadata(fh)
+    except Exception as exc:  # noqa: BLE001 - any failure is this file's problem, reported
+        cause = " ".join(str(exc).split()) or type(exc).__name__
+        return path, f"{type(exc).__name__}: {cause}"[:300]
+    return None
+
+
+def _spark_path(url: str, fs, path: str) -> str:
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    if protocol in ("file", "local"):
+        return os.path.abspath(path)
+    scheme = url.split("://", 1)[0]
+    return f"{scheme}://{path}"
+
+
+# -- the Spark side --------------------------------------------------------------------
+def spark_type(inp: Input, name: str) -> str:
+    """The Spark SQL type of column ``name`` as the tasks receive it."""
+    if name == inp.key:
+        return "string"  # keys are stored as strings
+    t = inp.schema.field(name).type
+    if pa.types.is_timestamp(t):
+        return "timestamp"
+    found = _SPARK_TYPES.get(t)
+    if found is None:
+        raise UsageError(f"input column {name!r} has type {t}, which the Spark reader does not "
+                         f"support; use one of {sorted({str(k) for k in _SPARK_TYPES})}")
+    return found
+
+
+def read_ddl(inp: Input) -> str:
+    """Columns of `read_input`'s DataFrame, in order."""
+    typed = [f"`{n}` {spark_type(inp, n)}" for n in inp.schema.names]
+    texts = [f"`{TEXT}{n}` string" for n in inp.schema.names]
+    return ", ".join([*typed, *texts, f"{REASON} string", f"{LINE} string"])
+
+
+def marker_row(inp: Input, reason: str) -> tuple:
+    """A row of `read_ddl` with only ``_reason`` set (the dispatch marker)."""
+    n = len(inp.schema.names)
+    return (*([None] * (2 * n)), reason, None)
+
+
+def read_input(spark, files: InputFiles, inp: Input):
+    """One DataFrame (`read_ddl`) over every input file."""
+    from pyspark.sql import functions as F
+
+    frames = []
+    if files.parquet:
+        frames.append(_typed(spark.read.parquet(*files.parquet), inp, files.url)
+                      .withColumn(REASON, F.lit(None).cast("string"))
+                      .withColumn(LINE, F.lit(None).cast("string")))
+    if files.json:
+        frames.append(_json_lines(spark, files.json, inp, files.url))
+    if not frames:
+        return spark.createDataFrame([], read_ddl(inp))
+    df = frames[0]
+    for other in frames[1:]:
+        df = df.unionByName(other)
+    return df
+
+
+def _json_lines(spark, paths: tuple[str, ...], inp: Input, url: str):
+    """JSON lines read as text (gzip by extension) and parsed; each row keeps its line.
+
+    Malformed: the line is not exactly one JSON object. Spark's parser stops after
+    the first value, so ``{...} xyz`` would pass; wrapping the line in ``[...]`` and
+    asking for an array of length 1 rejects trailing text and a second object alike
+    (``{...}{...}``, ``{...},{...}``). A malformed line keeps no parsed column.
+    """
+    from pyspark.sql import functions as F
+
+    line = F.col("value")
+    lines = spark.read.text(list(paths)).where(F.trim(line) != "")  # blank lines: no row
+    ddl = ", ".join([f"`{n}` string" for n in inp.schema.names] + ["_corrupt string"])
+    parsed = F.from_json(line, ddl, {"mode": "PERMISSIVE",
+                                     "columnNameOfCorruptRecord": "_corrupt"})
+    single = F.json_array_length(F.concat(F.lit("["), line, F.lit("]"))) == 1
+    bad = parsed["_corrupt"].isNotNull() | ~F.coalesce(single, F.lit(False))
+    df = lines.select(line.alias(LINE), bad.alias("_malformed"), parsed.alias("_j"))
+    kept = df.select(*[F.when(~F.col("_malformed"), F.col("_j").getField(n)).alias(n)
+                       for n in inp.schema.names],
+                     F.when(F.col("_malformed"), F.lit(MALFORMED)).alias(REASON), LINE)
+    return _typed(kept, inp, url, keep=(REASON, LINE))
+
+
+def _typed(df, inp: Input, url: str, keep: tuple[str, ...] = ()):
+    """Typed schema columns plus the text of values that did not convert."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import IntegralType, NumericType, StringType
+
+    if inp.key not in df.columns:
+        raise UsageError(f"input {url} has no {inp.key!r} column (columns: {df.columns})")
+    types = {f.name: f.dataType for f in df.schema.fields}
+    typed, texts = [], []
+    for name in inp.schema.names:
+        target = spark_type(inp, name)
+        if name not in types:
+            typed.append(F.lit(None).cast(target).alias(name))
+            texts.append(F.lit(None).cast("string").alias(TEXT + name))
+            continue
+        col, source = F.col(f"`{name}`"), types[name]
+        exact = (target == "string"
+                 or (target in ("tinyint", "smallint", "int", "bigint")
+                     and isinstance(source, IntegralType))
+                 or (target in ("float", "double") and isinstance(source, NumericType))
+                 or source.simpleString() == target)
+        value = col.cast(target) if exact else \
+            (col if isinstance(source, StringType) else col.cast("string")).try_cast(target)
+        typed.append(value.alias(name))
+        # The text only where a value arrived but did not convert (rare): cheap to shuffle.
+        texts.append(F.when(col.isNotNull() & value.isNull(), col.cast("string"))
+                     .alias(TEXT + name))
+    return df.select(*typed, *texts, *keep)
+
+
+# -- the executor side -----------------------------------------------------------------
+def raw_table(inp: Input, batch: pa.RecordBatch | pa.Table) -> pa.Table:
+    """The raw table `split_rows` validates, from a batch of `read_ddl` columns.
+
+    A column whose values all converted stays typed (the cast in `split_rows` is
+    then free); a column with unconverted values becomes text: the arrived text
+    where it did not convert, the typed value's text elsewhere.
+    """
+    table = pa.Table.from_batches([batch]) if isinstance(batch, pa.RecordBatch) else batch
+    cols: dict[str, pa.Array | pa.ChunkedArray] = {}
+    for name in inp.schema.names:
+        typed, text = table[name], table[TEXT + name]
+        if text.null_count == len(text):
+            cols[name] = typed
+        else:
+            cols[name] = pc.coalesce(text, pc.cast(typed, pa.string()))
+    cols[REASON] = table[REASON]
+    cols[LINE] = table[LINE]
+    return pa.table(cols)

@@ -1,0 +1,435 @@
+"""The run protocol, written once for every job: `run_job(job, RunConfig(...))`.
+
+One run (driver side; executors: `statebackend.job.task`)::
+
+    committed run id?  -> skipped; finish its output publication (_SUCCESS) if a crash
+                          came between its commit and the marker (no lease needed)
+    writer lease       -> a concurrent writer is refused (LeaseConflictError)
+    parent = latest checkpoint (or --start-from on the first run); its states must
+             be the job's states (name, kind, codec), else a one-line UsageError
+    list input         -> unsupported files counted; Parquet footers checked (one-line
+                          InputError naming a bad file, before any Spark work)
+    read               -> the job's input columns, typed, with raw text (job.input)
+    key group, subtask -> partition i holds exactly subtask i's rows (spark.dispatch)
+    task i             -> restore, validate + logic (SubtaskProcessor), outputs and
+                          quarantine, snapshot + upload, handle (job.task)
+    driver             -> reject check, commit chk-<id>/_metadata (run id, input) through
+                          one `Attempt`, or discard every upload and leave the parent latest;
+                          then _SUCCESS in every run folder of the outputs
+
+Outputs: ``<output>/run=<run>/part-<subtask>.parquet`` for a job with one output,
+``<output>/<name>/run=<run>/...`` with several; rejected rows go to
+``<quarantine>/run=<run>/`` (default quarantine: ``<output>/_quarantine``).
+The summary (`run_job`'s result) is one JSON-able dict; see `summary`.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..attempt import Attempt, cleanup_committed
+from ..checkpoints import CheckpointStore, build_metadata
+from ..errors import CkptError, UsageError
+from ..keygroups import DEFAULT_MAX_PARALLELISM, check_parallelism
+from ..leases import writer_lease
+from ..metadata import CheckpointMetadata, SubtaskHandle
+from ..storage import Storage, open_storage
+from .api import Job
+from .input import InputFiles, check_parquet, list_input, marker_row, read_ddl, read_input
+from .task import MARKER, RESULT_DDL, TaskParams, output_folder, part_name, run_subtask
+
+ARROW_BATCH_ROWS = 100_000  # rows per Arrow batch handed to the logic
+TIMING_KEYS = ("restoring", "processing", "snapshotting", "uploading", "committing")
+log = logging.getLogger(__name__)
+
+
+class RejectThresholdError(CkptError):
+    """More input rows were rejected than --max-reject-fraction allows."""
+
+
+class JobRunError(CkptError):
+    """A Spark task failed; nothing was committed."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run of a job: the options every job shares, plus the job's own ``options``.
+
+    ``job`` is the folder under the storage root (default: the job's name);
+    ``parallelism``/``max_parallelism`` only matter on a lineage's first run;
+    ``fail_subtask`` is a test hook (that subtask raises after its upload).
+    """
+
+    input: str
+    storage: str
+    run_id: str
+    output: str | None = None
+    job: str | None = None
+    parallelism: int | None = None
+    max_parallelism: int = DEFAULT_MAX_PARALLELISM
+    master: str = "local[*]"
+    max_reject_fraction: float = 0.01
+    quarantine: str | None = None  # default: <output>/_quarantine
+    start_from: str | None = None
+    local_dir: str | None = None  # executors' local-recovery root (default CKPT_LOCAL_DIR/tmp)
+    options: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    fail_subtask: int | None = None
+
+    def job_dir(self, job: Job) -> str:
+        return self.job or job.name
+
+    @property
+    def quarantine_url(self) -> str:
+        if self.quarantine:
+            return self.quarantine
+        if not self.output:
+            raise UsageError("a job run needs --quarantine or --output (rejected rows go to "
+                             "<output>/_quarantine by default)")
+        return f"{self.output.rstrip('/')}/_quarantine"
+
+
+def run_dir_name(run_id: str) -> str:
+    """Folder of one run under output/quarantine: readable, path-safe, collision-free."""
+    safe = re.sub(r"[^A-Za-z0-9_.\-]", "_", run_id)[:80]
+    if safe != run_id:
+        safe += "-" + hashlib.sha1(run_id.encode()).hexdigest()[:8]
+    return f"run={safe}"
+
+
+def run_folders(job: Job, run_id: str) -> dict[str, str]:
+    """{output name: its run folder relative to the output root}."""
+    run_dir = run_dir_name(run_id)
+    return {o.name: "/".join(x for x in (output_folder(job, o.name), run_dir) if x)
+            for o in job.outputs}
+
+
+def summary(job: Job, config: RunConfig, *, checkpoint_id: int | None,
+            parallelism: int | None, started: float, skipped: bool, events: int = 0,
+            rejected: int = 0, keys: int = 0, uploaded: int = 0, timings: dict | None = None,
+            **extra: object) -> dict:
+    out = {
+        "run_id": config.run_id, "job": config.job_dir(job), "checkpoint_id": checkpoint_id,
+        "events_read": events, "events_rejected": rejected, "keys_touched": keys,
+        "bytes_uploaded": uploaded, "duration_s": round(time.perf_counter() - started, 3),
+        "parallelism": parallelism, "skipped": skipped,
+        "timings": {k: round((timings or {}).get(k, 0.0), 3) for k in TIMING_KEYS},
+        "job_kind": job.name,
+    }
+    out.update(extra)
+    return out
+
+
+# -- the run ---------------------------------------------------------------------------
+def run_job(job: Job, config: RunConfig, spark=None) -> dict:
+    """Run ``job`` once; return the summary. Raises CkptError subclasses (one line)."""
+    started = time.perf_counter()
+    options = _check_config(job, config)
+    storage = open_storage(config.storage)
+    if storage.protocol == "memory":
+        raise UsageError(f"storage {config.storage} lives in one process, but Spark tasks run "
+                         "in others: use a file:// path or s3://")
+    store = CheckpointStore(storage, config.job_dir(job))
+    done = store.find_by_run_id(config.run_id)
+    if done is not None:
+        return _skipped(job, config, store, done, started)
+    with writer_lease(store.storage, f"{job.name} run {config.run_id}"):
+        done = store.find_by_run_id(config.run_id)  # committed while we waited for the lease
+        if done is not None:
+            return _skipped(job, config, store, done, started)
+        warnings: list[str] = []
+        parent = _parent(config, store, warnings)
+        check_states(job, parent, store.job)
+        files = list_input(config.input)
+        check_parquet(files)  # before Spark starts: a bad file costs no session
+        if spark is None:
+            from ..spark.session import get_spark
+
+            spark = get_spark(config.master, app_name=f"{job.name}-{store.job}")
+        return _run_attempt(spark, job, config, options, store, parent, files, started,
+                            warnings)
+
+
+def _check_config(job: Job, config: RunConfig) -> dict:
+    if not 0.0 <= config.max_reject_fraction <= 1.0:
+        raise UsageError(f"--max-reject-fraction {config.max_reject_fraction} must be in [0, 1]")
+    if not config.run_id:
+        raise UsageError("--run-id must not be empty")
+    if job.outputs and not config.output:
+        raise UsageError(f"job {job.name!r} writes outputs {[o.name for o in job.outputs]}: "
+                         "give --output")
+    config.quarantine_url  # noqa: B018 - raises when neither is given
+    return dict(job.resolve_options(config.options))
+
+
+def _parent(config: RunConfig, store: CheckpointStore,
+            warnings: list[str]) -> CheckpointMetadata | None:
+    parent = store.latest()
+    if parent is None and config.start_from:
+        from ..savepoint import import_start_point
+
+        return import_start_point(store.root_storage, store.job, config.start_from)
+    if config.start_from:
+        _warn(warnings, f"--start-from ignored: job {store.job!r} already has checkpoint "
+                        f"{parent.checkpoint_id}")
+    return parent
+
+
+def _warn(warnings: list[str], text: str) -> None:
+    log.warning("%s", text)
+    warnings.append(text)
+
+
+def check_states(job: Job, parent: CheckpointMetadata | None, job_dir: str) -> None:
+    """The lineage's states must be the job's (name, kind, codec): never guess a mapping."""
+    if parent is None:
+        return
+    stored = {s.get("name"): (s.get("kind", "value"), s.get("codec", {"type": "json"}))
+              for s in parent.states}
+    declared = {d.name: (d.kind, d.codec.to_json()) for d in job.states}
+    if stored != declared:
+        diff = sorted(n for n in set(stored) | set(declared)
+                      if stored.get(n) != declared.get(n))
+        raise UsageError(
+            f"job {job.name!r} declares states {sorted(declared)} but checkpoint "
+            f"{parent.checkpoint_id} of {job_dir!r} holds {sorted(stored)} (differs in "
+            f"{diff}): run it against its own lineage (--job) or start a new one")
+
+
+def _lineage_shape(config: RunConfig, parent: CheckpointMetadata | None, spark,
+                   warnings: list[str]) -> tuple[int, int]:
+    if parent is not None:
+        for name, asked, kept in (("parallelism", config.parallelism, parent.parallelism),
+                                  ("max parallelism", config.max_parallelism,
+                                   parent.max_parallelism)):
+            if asked is not None and asked != kept and not (
+                    name == "max parallelism" and asked == DEFAULT_MAX_PARALLELISM):
+                _warn(warnings, f"{name} {asked} ignored: the lineage keeps {kept} (use "
+                                "rescale-restore to change parallelism)")
+        return parent.parallelism, parent.max_parallelism
+    if config.parallelism is not None:
+        check_parallelism(config.parallelism, config.max_parallelism)
+        return config.parallelism, config.max_parallelism
+    p = min(spark.sparkContext.defaultParallelism, config.max_parallelism)
+    check_parallelism(p, config.max_parallelism)
+    return p, config.max_parallelism
+
+
+def _run_attempt(spark, job: Job, config: RunConfig, options: dict, store: CheckpointStore,
+                 parent: CheckpointMetadata | None, files: InputFiles, started: float,
+                 warnings: list[str]) -> dict:
+    from ..spark import dispatch
+    from ..spark.session import forward_storage_env
+
+    parallelism, max_parallelism = _lineage_shape(config, parent, spark, warnings)
+    checkpoint_id = store.next_checkpoint_id()
+    run_dir = run_dir_name(config.run_id)
+    # Leftovers of a crashed attempt of this run id must not mix with this attempt's parts.
+    _delete_run_outputs(job, config)
+    open_storage(config.quarantine_url).delete_tree(run_dir)
+    part_values = tuple(dispatch.partition_values(parallelism))
+    params = TaskParams(
+        job=job, options=options, storage_url=store.root_storage.url, job_dir=store.job,
+        checkpoint_id=checkpoint_id, parallelism=parallelism, max_parallelism=max_parallelism,
+        parent_handles=tuple(json.dumps(h.to_json()) for h in parent.subtasks) if parent else (),
+        output_url=config.output, quarantine_url=config.quarantine_url, run_dir=run_dir,
+        run_id=config.run_id, part_values=part_values, local_dir=config.local_dir,
+        fail_subtask=config.fail_subtask)
+    forward_storage_env(spark)
+    inp = job.input
+    ddl = read_ddl(inp)
+    routed = dispatch.route(read_input(spark, files, inp),
+                            dispatch.Routing(inp.key, max_parallelism, parallelism, part_values),
+                            ddl)
+    sort_by = (inp.key, *[n for n in inp.schema.names if n != inp.key])
+    tasks = dispatch.with_markers(spark, routed, ddl, lambda _v: marker_row(inp, MARKER),
+                                  parallelism, sort_by).mapInArrow(
+        functools.partial(run_subtask, params), RESULT_DDL)
+    attempt = Attempt(store, checkpoint_id, on_discard=lambda: _delete_run_outputs(job, config))
+    try:
+        rows = dispatch.run_tasks(spark, tasks, f"{job.name} {store.job} run {config.run_id}",
+                                  group_prefix=f"{job.name}-{store.job}-{checkpoint_id}",
+                                  batch_rows=ARROW_BATCH_ROWS)
+    except dispatch.TaskFailedError as exc:
+        attempt.discard()
+        where = f"checkpoint {parent.checkpoint_id} stays latest" if parent else \
+            "no checkpoint was committed"
+        raise JobRunError(f"run {config.run_id!r} of job {store.job!r} failed in a Spark task: "
+                          f"{exc}; {where}") from exc
+    return _commit(job, config, store, attempt, parent, files, parallelism, max_parallelism,
+                   rows, started, warnings)
+
+
+def _commit(job: Job, config: RunConfig, store: CheckpointStore, attempt: Attempt,
+            parent: CheckpointMetadata | None, files: InputFiles, parallelism: int,
+            max_parallelism: int, rows: list[dict], started: float,
+            warnings: list[str]) -> dict:
+    """Check the task results, commit `_metadata` through the attempt, publish outputs."""
+    by_subtask = {r["subtask"]: r for r in rows}
+    for r in rows:
+        attempt.add_uploaded(json.loads(r.get("uploaded") or "[]"))
+    if sorted(by_subtask) != list(range(parallelism)):
+        attempt.discard()
+        raise JobRunError(f"run {config.run_id!r}: subtasks {sorted(by_subtask)} reported, "
+                          f"expected 0..{parallelism - 1}; nothing committed")
+    handles = []
+    for i in range(parallelism):
+        text = by_subtask[i]["handle"]
+        # A carried-forward handle uploaded nothing in this checkpoint.
+        handles.append(SubtaskHandle.from_json(json.loads(text), f"subtask {i} result")
+                       if text else replace(parent.subtasks[i], bytes_uploaded=0))
+    events = sum(r["events"] for r in rows)
+    rejected = sum(r["rejected"] for r in rows)
+    reasons: dict[str, int] = {}
+    for r in rows:
+        for k, v in json.loads(r["reasons"]).items():
+            reasons[k] = reasons.get(k, 0) + v
+    reasons = dict(sorted(reasons.items()))
+    read = events + rejected
+    if rejected and rejected > config.max_reject_fraction * read:
+        attempt.discard()
+        detail = ", ".join(f"{k}={v}" for k, v in reasons.items())
+        raise RejectThresholdError(
+            f"run {config.run_id!r}: {rejected} of {read} input rows rejected "
+            f"({rejected / read:.2%}) exceeds --max-reject-fraction {config.max_reject_fraction}"
+            f" ({detail}); rows quarantined under {config.quarantine_url}/"
+            f"{run_dir_name(config.run_id)}; nothing committed")
+    timings = {k: sum(r[f"t_{k}"] for r in rows) for k in TIMING_KEYS if k != "committing"}
+    t0 = time.perf_counter()
+    keys = sum(r["keys_touched"] for r in rows)
+    extra = {"events_read": read, "events_rejected": rejected, "rejects_by_reason": reasons,
+             "keys_touched": keys, "input_files": files.count,
+             "input_files_skipped": len(files.skipped), "input_bytes": files.total_bytes,
+             "output": config.output,
+             # Which parts the run wrote: a re-run may only publish complete folders.
+             "output_parts": _output_parts(job, rows), "job_kind": job.name}
+    meta = build_metadata(
+        job=store.job, checkpoint_id=attempt.checkpoint_id,
+        parent=parent.checkpoint_id if parent else None, max_parallelism=max_parallelism,
+        states=[d.to_json() for d in job.states], handles=handles, run_id=config.run_id,
+        inputs=[config.input], extra=extra)
+    # Discards the attempt (uploads and output parts) if the commit fails.
+    attempt.commit(meta, winners=[(r["subtask"], r["attempt"]) for r in rows])
+    # A crash from here on leaves a committed run without _SUCCESS: its re-run is
+    # skipped and finishes the publication (`_skipped`).
+    for folder in run_folders(job, config.run_id).values():
+        _write_success(config.output, folder)
+    timings["committing"] = time.perf_counter() - t0
+    detail: dict[str, float] = {}
+    for r in rows:
+        for k, v in json.loads(r.get("t_detail") or "{}").items():
+            detail[k] = round(detail.get(k, 0.0) + v, 4)
+    extra_summary: dict[str, Any] = {"warnings": warnings} if warnings else {}
+    return summary(
+        job, config, checkpoint_id=meta.checkpoint_id, parallelism=parallelism,
+        started=started, skipped=False, events=read, rejected=rejected, keys=keys,
+        uploaded=meta.bytes_uploaded, timings=timings, rejects_by_reason=reasons,
+        restore_modes=[by_subtask[i]["restore_mode"] for i in range(parallelism)],
+        reuploaded=sorted(p for r in rows for p in json.loads(r.get("reuploaded") or "[]")),
+        parent=meta.parent, published=True, output=config.output,
+        input_files=files.count, input_bytes=files.total_bytes,
+        logic_timings=detail, **files.skipped_report(), **extra_summary)
+
+
+def _output_parts(job: Job, rows: list[dict]) -> list[str] | dict[str, list[str]]:
+    """Parts written per output: a list for a job with one output (release-1 form)."""
+    written = {o.name: [] for o in job.outputs}
+    for r in sorted(rows, key=lambda r: r["subtask"]):
+        for name in json.loads(r.get("outputs") or "{}"):
+            written[name].append(part_name(r["subtask"]))
+    if len(job.outputs) == 1:
+        return written[job.outputs[0].name]
+    return written
+
+
+def _delete_run_outputs(job: Job, config: RunConfig) -> None:
+    if not job.outputs:
+        return
+    out = open_storage(config.output)
+    for folder in run_folders(job, config.run_id).values():
+        out.delete_tree(folder)
+
+
+def _write_success(output_url: str, folder: str) -> None:
+    open_storage(output_url).write_bytes(f"{folder}/_SUCCESS", b"")
+
+
+# -- a run id already committed ----------------------------------------------------------
+def _skipped(job: Job, config: RunConfig, store: CheckpointStore, done: CheckpointMetadata,
+             started: float) -> dict:
+    """A committed run id: count nothing again, but finish what a crash after its commit left.
+
+    Idempotent: ``_SUCCESS`` is written only when absent and when every output part the
+    commit recorded is there (a folder whose parts were removed is not published).
+    """
+    cleanup_committed(store, done)
+    published, missing = finish_publication(job, config, done)
+    extra: dict = {"published": published}
+    if missing:
+        extra["output_parts_missing"] = missing
+    return summary(job, config, checkpoint_id=done.checkpoint_id,
+                   parallelism=done.parallelism, started=started, skipped=True, **extra)
+
+
+def finish_publication(job: Job, config: RunConfig, done: CheckpointMetadata
+                       ) -> tuple[bool, list[str]]:
+    """Write the run's missing ``_SUCCESS`` files; returns (any written now, missing parts)."""
+    if not job.outputs:
+        return False, []
+    out = open_storage(config.output)
+    recorded = done.extra.get("output_parts")
+    written, missing = False, []
+    for name, folder in run_folders(job, config.run_id).items():
+        if out.exists(f"{folder}/_SUCCESS"):
+            continue
+        parts = recorded.get(name) if isinstance(recorded, dict) else recorded
+        gone = _missing_parts(out, folder, parts, done)
+        if gone:
+            missing += [f"{folder}/{p}" if len(job.outputs) > 1 else p for p in gone]
+            continue
+        _write_success(config.output, folder)
+        written = True
+    return written, missing
+
+
+def _missing_parts(out: Storage, folder: str, parts: Any, done: CheckpointMetadata
+                   ) -> list[str]:
+    if isinstance(parts, list):
+        return [str(p) for p in parts if not out.exists(f"{folder}/{p}")]
+    # Committed before output_parts was recorded: a folder with parts will do, or none
+    # at all when the run touched no key.
+    if done.extra.get("keys_touched") == 0 or any(
+            n.endswith(".parquet") for n in out.list_dir(folder)):
+        return []
+    return ["part-*.parquet"]
+
+
+# -- text form of the summary ------------------------------------------------------------
+def format_summary(s: dict) -> str:
+    if s["skipped"]:
+        done = ("; its output is now published (_SUCCESS was missing)" if s.get("published")
+                else "")
+        if s.get("output_parts_missing"):
+            done = (f"; output not published: parts missing "
+                    f"({', '.join(s['output_parts_missing'][:5])})")
+        return (f"run {s['run_id']}: skipped, already committed as checkpoint "
+                f"{s['checkpoint_id']} of job {s['job']}{done}")
+    t = ", ".join(f"{k} {v:.2f}s" for k, v in s["timings"].items())
+    return (f"run {s['run_id']}: checkpoint {s['checkpoint_id']} of job {s['job']} "
+            f"(P={s['parallelism']}): {s['events_read']} events read, {s['events_rejected']} "
+            f"rejected, {s['keys_touched']} keys touched, {s['bytes_uploaded']} bytes uploaded "
+            f"in {s['duration_s']:.2f}s ({t})")
+
+
+def skipped_warning(input_url: str, s: dict) -> str:
+    n, names = s["input_files_skipped"], s.get("input_files_skipped_names") or []
+    more = f" and {n - len(names)} more" if n > len(names) else ""
+    return (f"{n} unsupported input file(s) under {input_url} skipped ({', '.join(names)}"
+            f"{more}); only *.parquet and JSON lines (optionally .gz) are read")

@@ -1,0 +1,299 @@
+"""Executor side of the run protocol: one Spark task = one subtask of a job.
+
+`run_subtask` runs inside ``mapInArrow`` on partition i, which holds exactly
+subtask i's rows (`statebackend.spark.dispatch`) plus one marker row:
+
+1. restore subtask i's state from the parent handle (local recovery when this
+   executor still has the instance), lazily: a subtask without rows never opens it;
+2. feed every batch to a `SubtaskProcessor` (validation, the job's logic);
+3. snapshot (synchronous part), then write the outputs and the quarantined rows
+   while the upload runs in the background;
+4. record what this task attempt uploaded (`statebackend.attempt.record_uploads`)
+   and return one result row: the new handle as JSON, counts, timings.
+
+A subtask that accepted no row returns no handle (the driver carries the parent's
+handle forward) unless the lineage has no parent yet; then it checkpoints an
+empty instance. A task that fails removes its own uploads before re-raising.
+
+Outputs: ``<output>/run=<id>/part-<subtask>.parquet`` for a job with one output,
+``<output>/<name>/run=<id>/...`` with several; quarantine
+``<quarantine>/run=<id>/part-<subtask>.parquet`` with the input columns as text,
+``reason``, ``run_id`` and ``raw`` (the input line, JSON input only).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..attempt import record_uploads
+from ..backend import KeyedStateBackend
+from ..keygroups import key_group_range_for_subtask
+from ..metadata import SubtaskHandle
+from ..restore import restore_subtask
+from ..snapshot import snapshot
+from ..storage import child_storage, open_storage
+from .api import Job
+from .core import REASON, ProcessResult, SubtaskProcessor
+from .input import LINE, raw_table
+from .input import REASON as READ_REASON
+
+MARKER = "__subtask_marker__"  # `_reason` of the one synthetic row each subtask receives
+PARTITION_COLUMN = "_p"
+RAW = "raw"
+PHASES = ("restoring", "processing", "snapshotting", "uploading")
+RESULT_SCHEMA = pa.schema([
+    ("subtask", pa.int32()), ("attempt", pa.int32()), ("handle", pa.string()),
+    ("uploaded", pa.string()), ("events", pa.int64()), ("rejected", pa.int64()),
+    ("reasons", pa.string()), ("keys_touched", pa.int64()), ("restore_mode", pa.string()),
+    ("reuploaded", pa.string()), ("outputs", pa.string()), ("bytes_uploaded", pa.int64()),
+    *[(f"t_{p}", pa.float64()) for p in PHASES], ("t_detail", pa.string())])
+RESULT_DDL = ("subtask int, attempt int, handle string, uploaded string, events bigint, "
+              "rejected bigint, reasons string, keys_touched bigint, restore_mode string, "
+              "reuploaded string, outputs string, bytes_uploaded bigint, t_restoring double, "
+              "t_processing double, t_snapshotting double, t_uploading double, "
+              "t_detail string")
+COMPRESSION = {"zstd": "kZSTD", "lz4": "kLZ4Compression", "snappy": "kSnappyCompression",
+               "none": "kNoCompression"}
+
+
+def part_name(subtask: int) -> str:
+    """Name of subtask ``subtask``'s output (and quarantine) part in a run folder."""
+    return f"part-{subtask:05d}.parquet"
+
+
+def output_folder(job: Job, output: str) -> str:
+    """Folder of ``output`` under the output root: "" for a job with one output."""
+    return "" if len(job.outputs) == 1 else output
+
+
+@dataclass(frozen=True)
+class TaskParams:
+    """Everything a task needs; shipped to executors with the function (no secrets)."""
+
+    job: Job
+    options: dict = field(hash=False)
+    storage_url: str
+    job_dir: str  # the job's folder under the storage root
+    checkpoint_id: int
+    parallelism: int
+    max_parallelism: int
+    parent_handles: tuple[str, ...]  # JSON per subtask; empty on the first run
+    output_url: str | None
+    quarantine_url: str
+    run_dir: str  # folder name of this run under output and quarantine
+    run_id: str
+    part_values: tuple[int, ...]
+    local_dir: str | None = None
+    fail_subtask: int | None = None
+
+
+def local_instance_dir(params: TaskParams, subtask: int) -> str:
+    """Per (storage, job, subtask) folder on this executor for local recovery."""
+    root = params.local_dir or os.environ.get("CKPT_LOCAL_DIR") or os.path.join(
+        tempfile.gettempdir(), "ckpt-local")
+    tag = hashlib.sha1(params.storage_url.encode()).hexdigest()[:10]
+    return os.path.join(root, f"{params.job_dir}-{tag}", str(subtask))
+
+
+def run_subtask(params: TaskParams, batches: Iterator[pa.RecordBatch]
+                ) -> Iterator[pa.RecordBatch]:
+    """The ``mapInArrow`` function: one result row for this partition's subtask."""
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    runner = SubtaskRun(params, ctx.partitionId(), ctx.attemptNumber())
+    try:
+        result = runner.run(batches)
+    except BaseException:
+        runner.discard()
+        raise
+    finally:
+        runner.close()
+    yield pa.RecordBatch.from_pylist([result], schema=RESULT_SCHEMA)
+
+
+class SubtaskRun:
+    """One attempt of one subtask: restore, process, write, snapshot."""
+
+    def __init__(self, params: TaskParams, subtask: int, attempt: int) -> None:
+        self.params = params
+        self.job = params.job
+        self.subtask = subtask
+        self.attempt = attempt
+        self.job_storage = child_storage(open_storage(params.storage_url), params.job_dir)
+        self.parent = (SubtaskHandle.from_json(json.loads(params.parent_handles[subtask]),
+                                               f"parent handle {subtask}")
+                       if params.parent_handles else None)
+        self.backend: KeyedStateBackend | None = None
+        self.processor: SubtaskProcessor | None = None
+        self.uploaded: tuple[str, ...] = ()
+        self.t = dict.fromkeys(PHASES, 0.0)
+        self.restore_mode = "none"
+        self.reuploaded: tuple[str, ...] = ()
+
+    # -- phases ------------------------------------------------------------------------
+    def open_state(self) -> SubtaskProcessor:
+        started = time.perf_counter()
+        p = self.params
+        local_dir = local_instance_dir(p, self.subtask)
+        if self.parent is not None:
+            self.backend = restore_subtask(self.job_storage, self.parent, local_dir,
+                                           self.job.states, p.max_parallelism)
+            self.restore_mode = self.backend.restore_mode
+            # Stored files local recovery found damaged: this checkpoint uploads them anew.
+            self.reuploaded = self.backend.reuploaded
+        else:
+            # First checkpoint of the lineage: whatever is on disk belongs to no checkpoint.
+            shutil.rmtree(local_dir, ignore_errors=True)
+            kg = key_group_range_for_subtask(p.max_parallelism, p.parallelism, self.subtask)
+            self.backend = KeyedStateBackend(local_dir, self.job.states, p.max_parallelism, kg)
+            self.restore_mode = "new"
+        tune(self.backend, self.job.compression)
+        self.processor = SubtaskProcessor(self.job, self.backend, p.options, run_id=p.run_id,
+                                          checkpoint_id=p.checkpoint_id, subtask=self.subtask)
+        self.t["restoring"] += time.perf_counter() - started
+        return self.processor
+
+    def run(self, batches: Iterator[pa.RecordBatch]) -> dict:
+        expected = self.params.part_values[self.subtask]
+        for batch in batches:
+            if not len(batch):
+                continue
+            if not pc.all(pc.equal(batch.column(PARTITION_COLUMN), expected)).as_py():
+                raise RuntimeError(
+                    f"partition {self.subtask} received rows of another subtask: Spark's hash "
+                    "partitioning no longer matches statebackend.spark.dispatch.partition_values")
+            reason = batch.column(READ_REASON)
+            batch = batch.filter(pc.invert(pc.fill_null(pc.equal(reason, MARKER), False)))
+            if not len(batch):
+                continue
+            processor = self.processor or self.open_state()
+            started = time.perf_counter()
+            processor.process(raw_table(self.job.input, batch))
+            self.t["processing"] += time.perf_counter() - started
+        if self.processor is None and self.parent is not None:
+            # No rows: the parent's handle is carried forward unchanged.
+            return self._result(None, None, {})
+        processor = self.processor or self.open_state()
+        started = time.perf_counter()
+        result = processor.finish()
+        self.t["processing"] += time.perf_counter() - started
+        started = time.perf_counter()
+        self._write_quarantine(result.rejected)
+        self.t["processing"] += time.perf_counter() - started
+        if result.events == 0 and self.parent is not None:
+            return self._result(None, result, {})  # only rejected rows: carry forward
+        return self._checkpoint(result)
+
+    def _checkpoint(self, result: ProcessResult) -> dict:
+        p = self.params
+        started = time.perf_counter()
+        pending = snapshot(self.backend, self.job_storage, checkpoint_id=p.checkpoint_id,
+                           subtask=self.subtask)
+        self.t["snapshotting"] += time.perf_counter() - started
+        started = time.perf_counter()
+        written = self._write_outputs(result)  # while the upload runs in the background
+        self.t["processing"] += time.perf_counter() - started
+        started = time.perf_counter()
+        done = pending.result()
+        self.uploaded = done.uploaded_paths
+        self.t["uploading"] += time.perf_counter() - started
+        record_uploads(self.job_storage, p.checkpoint_id, self.subtask, self.attempt,
+                       self.uploaded)
+        if p.fail_subtask == self.subtask:
+            raise RuntimeError(f"injected failure in subtask {self.subtask} "
+                               "(RunConfig.fail_subtask)")
+        return self._result(done.handle, result, written)
+
+    def _result(self, handle: SubtaskHandle | None, result: ProcessResult | None,
+                written: dict[str, int]) -> dict:
+        return {
+            "subtask": self.subtask, "attempt": self.attempt,
+            "handle": json.dumps(handle.to_json()) if handle is not None else None,
+            "uploaded": json.dumps(list(self.uploaded)),
+            "events": result.events if result else 0,
+            "rejected": result.rejected_count if result else 0,
+            "reasons": json.dumps(result.reasons if result else {}, sort_keys=True),
+            "keys_touched": result.keys_touched if result else 0,
+            "restore_mode": self.restore_mode,
+            "reuploaded": json.dumps(list(self.reuploaded)),
+            "outputs": json.dumps(written, sort_keys=True),
+            "bytes_uploaded": handle.bytes_uploaded if handle is not None else 0,
+            **{f"t_{k}": v for k, v in self.t.items()},
+            "t_detail": json.dumps({k: round(v, 4) for k, v in
+                                    (result.timings if result else {}).items()}),
+        }
+
+    # -- outputs -----------------------------------------------------------------------
+    def _write_outputs(self, result: ProcessResult) -> dict[str, int]:
+        """Write each non-empty output part; returns {output: rows written}."""
+        p = self.params
+        written = {}
+        for name, table in result.outputs.items():
+            if not table.num_rows:
+                continue
+            folder = output_folder(self.job, name)
+            rel = "/".join(x for x in (folder, p.run_dir, part_name(self.subtask)) if x)
+            write_parquet(p.output_url, rel, table)
+            written[name] = table.num_rows
+        return written
+
+    def _write_quarantine(self, rejected: pa.Table) -> None:
+        if not rejected.num_rows:
+            return
+        p = self.params
+        names = [*self.job.input.schema.names, REASON]
+        cols = {n: rejected[n] for n in names}
+        cols["run_id"] = pa.array([p.run_id] * rejected.num_rows, pa.string())
+        cols[RAW] = rejected[LINE] if LINE in rejected.column_names else \
+            pa.nulls(rejected.num_rows, pa.string())
+        table = pa.table(cols, schema=quarantine_schema(self.job))
+        write_parquet(p.quarantine_url, f"{p.run_dir}/{part_name(self.subtask)}", table)
+
+    # -- cleanup -----------------------------------------------------------------------
+    def discard(self) -> None:
+        if self.uploaded:
+            self.job_storage.delete_many(self.uploaded)
+
+    def close(self) -> None:
+        self.processor = None
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None
+
+
+def quarantine_schema(job: Job) -> pa.Schema:
+    """Input columns as text, ``reason``, ``run_id``, ``raw`` (the whole input line)."""
+    names = [*job.input.schema.names, REASON, "run_id", RAW]
+    return pa.schema([(n, pa.string()) for n in names])
+
+
+def tune(backend: KeyedStateBackend, compression: str | None) -> None:
+    """Apply the job's compression to every column family (a mutable option: restored
+    instances switch too; RocksDB reads blocks of any compression)."""
+    if compression is None:
+        return
+    for name in backend.column_families:
+        backend.column_family(name).set_options({"compression": COMPRESSION[compression]})
+
+
+def write_parquet(root_url: str, rel: str, table: pa.Table) -> None:
+    """Write ``table`` to ``<root_url>/<rel>`` (local path, file:// or s3://)."""
+    import pyarrow.parquet as pq
+
+    storage = open_storage(root_url)
+    path = storage.abspath(rel)
+    if storage.protocol == "file":
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    with storage.fs.open(path, "wb") as fh:
+        pq.write_table(table, fh)

@@ -1,0 +1,170 @@
+"""Task dispatch: rows to subtasks, one Spark task per subtask, failures as one line.
+
+Routing (`route`): a row's key group is murmur3_32(UTF-8 key, seed 0) mod M and
+its subtask ``kg * P // M`` (Flink's assignment, `statebackend.keygroups`). Spark
+places rows by hashing a column, so each row gets ``_p``: the smallest int that
+Spark's hash partitioner sends to partition i (`partition_values`), and
+``repartition(P, _p)`` then puts exactly subtask i's rows in partition i. One
+marker row per subtask (`with_markers`) makes every task run, also a subtask
+without rows (it carries its handle forward or writes its first checkpoint).
+
+`run_tasks` runs the tasks under a job group, sets the Arrow batch size for the
+job only, and turns a failure into one line (`task_failure`: the input file Spark
+names, else the deepest cause) after the other tasks stopped (`wait_for_tasks`),
+so the caller's discard never races a task still uploading.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import mmh3
+import numpy as np
+import pyarrow as pa
+
+from ..errors import CkptError
+
+SPARK_HASH_SEED = 42
+PARTITION_COLUMN = "_p"
+ARROW_BATCH_CONF = "spark.sql.execution.arrow.maxRecordsPerBatch"
+
+
+class TaskFailedError(CkptError):
+    """A Spark task of a job failed (the message is the one-line cause)."""
+
+
+def spark_partition_of_int(value: int, num_partitions: int) -> int:
+    """Spark's HashPartitioning of an IntegerType column: pmod(murmur3(value, 42), n)."""
+    return mmh3.hash(struct.pack("<i", value), SPARK_HASH_SEED, signed=True) % num_partitions
+
+
+def partition_values(parallelism: int) -> list[int]:
+    """For each subtask i, the smallest int that Spark's hash partitioner sends to partition i."""
+    values: list[int | None] = [None] * parallelism
+    missing, v = parallelism, 0
+    while missing:
+        p = spark_partition_of_int(v, parallelism)
+        if values[p] is None:
+            values[p] = v
+            missing -= 1
+        v += 1
+    return [int(x) for x in values]  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Routing:
+    """What `assign_partition` needs on the executors (shipped with the function)."""
+
+    key: str
+    max_parallelism: int
+    parallelism: int
+    part_values: tuple[int, ...]
+
+
+def assign_partition(routing: Routing, batches: Iterator[pa.RecordBatch]
+                     ) -> Iterator[pa.RecordBatch]:
+    """Add ``_p`` (int32): the shuffle value of each row's subtask; keyless rows go to 0."""
+    m, p = routing.max_parallelism, routing.parallelism
+    values = np.asarray(routing.part_values, dtype=np.int32)
+    hash32 = mmh3.hash
+    for batch in batches:
+        keys = batch.column(routing.key).to_pylist()
+        kgs = np.fromiter((hash32(k.encode("utf-8"), 0, False) % m if k else 0 for k in keys),
+                          dtype=np.int64, count=len(keys))
+        yield batch.append_column(PARTITION_COLUMN,
+                                  pa.array(values[kgs * p // m], pa.int32()))
+
+
+def route(df, routing: Routing, ddl: str):
+    """``df`` (schema ``ddl``) plus ``_p``, computed on the executors."""
+    import functools
+
+    return df.mapInArrow(functools.partial(assign_partition, routing),
+                         f"{ddl}, {PARTITION_COLUMN} int")
+
+
+def with_markers(spark, routed, ddl: str, marker_row: Callable[[int], tuple], parallelism: int,
+                 sort_by: tuple[str, ...]):
+    """One marker row per subtask, then exactly subtask i's rows in partition i.
+
+    Sorting within the partition fixes the order in which rows reach the logic, so
+    the same input gives bit-identical state (float sums) in local and cluster mode.
+    """
+    from pyspark.sql import functions as F
+
+    values = partition_values(parallelism)
+    markers = spark.createDataFrame([(*marker_row(v), v) for v in values],
+                                    f"{ddl}, {PARTITION_COLUMN} int")
+    out = routed.unionByName(markers).repartition(parallelism, F.col(PARTITION_COLUMN))
+    return out.sortWithinPartitions(*sort_by) if sort_by else out
+
+
+def run_tasks(spark, df, description: str, *, group_prefix: str,
+              batch_rows: int | None = None) -> list[dict]:
+    """Collect ``df`` (one result row per task) under a job group; one-line failures."""
+    sc = spark.sparkContext
+    saved = spark.conf.get(ARROW_BATCH_CONF, None) if batch_rows else None
+    if batch_rows:
+        spark.conf.set(ARROW_BATCH_CONF, str(batch_rows))
+    group = f"{group_prefix}-{time.time_ns()}"
+    sc.setJobGroup(group, description)
+    try:
+        return [r.asDict() for r in df.collect()]
+    except Exception as exc:  # noqa: BLE001 - Py4J/PythonException: re-raised as one line
+        wait_for_tasks(spark, group)
+        raise TaskFailedError(task_failure(exc)) from exc
+    finally:
+        for prop in ("spark.jobGroup.id", "spark.job.description"):
+            sc.setLocalProperty(prop, None)
+        if batch_rows:
+            if saved is None:
+                spark.conf.unset(ARROW_BATCH_CONF)
+            else:
+                spark.conf.set(ARROW_BATCH_CONF, saved)
+
+
+def wait_for_tasks(spark, group: str, timeout_s: float = 60.0) -> None:
+    """After a failed job, let its other tasks stop before their uploads are removed."""
+    tracker = spark.sparkContext.statusTracker()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stages = [st for job in tracker.getJobIdsForGroup(group)
+                  for info in [tracker.getJobInfo(job)] if info is not None
+                  for st in info.stageIds]
+        active = 0
+        for stage in stages:
+            info = tracker.getStageInfo(stage)
+            active += info.numActiveTasks if info is not None else 0
+        if not active:
+            return
+        time.sleep(0.2)
+
+
+_FAILED_FILE = re.compile(r"Encountered error while reading file (\S+?)\.?(?:\s|$)")
+_CAUSED_BY = re.compile(r"^Caused by: ([A-Za-z_.$]*(?:Error|Exception)\b.*)")
+
+
+def task_failure(exc: BaseException) -> str:
+    """One line: the input file Spark names (if any) and the deepest cause."""
+    text = str(exc)
+    found = _FAILED_FILE.search(text)
+    if found is None:
+        return root_cause(exc)
+    causes = [m.group(1).strip() for ln in text.splitlines()
+              if (m := _CAUSED_BY.match(ln.strip()))]
+    cause = causes[-1] if causes else root_cause(exc)
+    return (f"cannot read input file {found.group(1)}: {cause[:300]}; replace or remove "
+            "that file and re-run")
+
+
+def root_cause(exc: BaseException) -> str:
+    text = str(exc)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if re.match(r"^[A-Za-z_.]*(Error|Exception)\b.*:", ln) and "Py4J" not in ln:
+            return ln[:500]
+    return (lines[-1] if lines else type(exc).__name__)[:500]
