@@ -8,7 +8,7 @@ export PYSPARK_PYTHON := $(abspath $(VENV))/bin/python
 export PYSPARK_DRIVER_PYTHON := $(abspath $(VENV))/bin/python
 export PYTHONPATH := $(abspath .)
 
-.PHONY: install system-deps test test-fast demo bench lint clean
+.PHONY: install system-deps test test-fast demo ui bench lint clean
 
 $(VENV)/.installed: pyproject.toml uv.lock
 	@command -v uv >/dev/null || python3 -m pip install --quiet "uv==0.13.8"
@@ -30,6 +30,19 @@ test-fast: install
 
 demo: install
 	$(PY) -m jobs.pipeline_demo
+
+# The Airflow UI on the demo's data (run `make demo` first): http://localhost:8080, user
+# admin, password in $AIRFLOW_HOME/simple_auth_manager_passwords.json.generated, the
+# Checkpoints page at /ckpt/. `airflow standalone` starts its components as `airflow`
+# from PATH, so the venv's bin goes first. AIRFLOW_HOME, CKPT_STORAGE and CKPT_DATA may
+# be set beforehand (the default is the demo's); Ctrl-C stops it.
+ui: install
+	AIRFLOW_HOME="$${AIRFLOW_HOME:-$(CURDIR)/.demo/airflow_home}" \
+	AIRFLOW__CORE__DAGS_FOLDER="$(CURDIR)/dags" AIRFLOW__CORE__PLUGINS_FOLDER="$(CURDIR)/plugins" \
+	AIRFLOW__CORE__LOAD_EXAMPLES=False \
+	CKPT_STORAGE="$${CKPT_STORAGE:-file://$(CURDIR)/.demo/checkpoints}" \
+	CKPT_DATA="$${CKPT_DATA:-$(CURDIR)/.demo/data}" \
+	PATH="$(abspath $(VENV))/bin:$$PATH" exec airflow standalone
 
 bench: install
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

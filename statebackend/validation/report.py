@@ -6,8 +6,13 @@ Layout (on the checkpoint storage, next to the checkpoints)::
     <job root>/reports/chk-<id>/index.html       overview page: self-contained (no scripts,
                                                  no CDN), status, suites, offending rows,
                                                  links to the GE validation pages
-    <job root>/reports/chk-<id>/data_docs/...    Great Expectations Data Docs
-    <job root>/reports/chk-<id>/data_docs/index.html
+    <job root>/reports/chk-<id>/data_docs/...    Great Expectations Data Docs (their pages
+                                                 render without scripts)
+    <job root>/reports/chk-<id>/data_docs/index.html  our static index of those pages:
+                                                 GE's own index draws its list with
+                                                 CDN scripts, so it is blank offline and
+                                                 under the no-script CSP the Checkpoints
+                                                 page serves reports with
 
 With ``--report-dir DIR`` the same tree is written to ``DIR/chk-<id>/`` instead.
 On file:// the docs are built in place; on other storages they are built in a
@@ -156,6 +161,10 @@ def finish_report(storage: Storage, target: ReportTarget, summary: dict) -> str 
     summary["data_docs_index"] = index
     summary["report_index"] = f"{target.location}/{OVERVIEW_FILE}"
     try:
+        if index is not None:
+            with open(os.path.join(target.docs_dir, "index.html"), "w", encoding="utf-8") as fh:
+                fh.write(docs_index_html(summary, suite_pages(target.docs_dir),
+                                         expectation_pages(target.docs_dir)))
         with open(os.path.join(target.local_dir, SUMMARY_FILE), "w", encoding="utf-8") as fh:
             json.dump(summary, fh, indent=1, sort_keys=True)
         with open(os.path.join(target.local_dir, OVERVIEW_FILE), "w", encoding="utf-8") as fh:
@@ -245,7 +254,7 @@ def overview_html(summary: dict, suite_pages: dict[str, str]) -> str:
            f"{summary['duration_seconds']} s. Critical failures: "
            f"{summary['critical_failures']}. Full Great Expectations Data Docs: "
            f"<a href='{DOCS_DIR}/index.html'>{DOCS_DIR}/index.html</a> "
-           "(its index needs internet access for its scripts; the pages below do not).</p>",
+           "(static pages: no scripts, no internet access needed).</p>",
            "<h2>Expectation suites</h2><table id='suites'><tr><th>Suite</th><th>Table</th>"
            "<th>Rows</th><th>Checks passed</th><th>Status</th></tr>"]
     for s in summary["suites"]:
@@ -281,6 +290,55 @@ def overview_html(summary: dict, suite_pages: dict[str, str]) -> str:
             out.append(f"</table><p>{len(rows)} of {c['unexpected_count']} rows shown.</p>")
     out.append("</body></html>")
     return "\n".join(out)
+
+
+def _status_span(ok: bool) -> str:
+    return '<span class="pass">PASSED</span>' if ok else '<span class="fail">FAILED</span>'
+
+
+def docs_index_html(summary: dict, validation_pages: dict[str, str],
+                    suite_docs: dict[str, str]) -> str:
+    """The Data Docs index as a static page (replaces GE's, which needs CDN scripts):
+    every suite with its status, its validation result page and its expectation page.
+    Links are relative to ``data_docs/``; the style is inline (no external assets)."""
+    from html import escape
+
+    prefix = f"{DOCS_DIR}/"
+    title = f"Checkpoint {summary['checkpoint_id']} of job {summary['job']}"
+    out = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{escape(title)} - Data "
+           f"Docs</title><style>{_STYLE}</style></head><body>",
+           f"<h1>{escape(title)}: Data Docs <span id='status'>"
+           f"{_status_span(summary['success'])}</span></h1>",
+           "<p><a href='../index.html'>Validation overview</a> (checks and offending rows). "
+           "Great Expectations pages of this validation:</p>",
+           "<table id='validations'><tr><th>Suite</th><th>Table</th><th>Rows</th>"
+           "<th>Checks passed</th><th>Status</th><th>Validation result</th>"
+           "<th>Expectation suite</th></tr>"]
+    for s in summary["suites"]:
+        result = validation_pages.get(s["name"], "").removeprefix(prefix)
+        suite = suite_docs.get(s["name"], "")
+        out.append(
+            f"<tr><td>{escape(s['name'])}</td><td>{escape(s['table'])}</td><td>{s['rows']}</td>"
+            f"<td>{s['checks'] - s['failed']}/{s['checks']}</td><td>{_status_span(s['success'])}"
+            "</td><td>" + (f"<a class='result' href='{escape(result)}'>result</a>" if result
+                           else "") + "</td><td>"
+            + (f"<a class='suite' href='{escape(suite)}'>expectations</a>" if suite else "")
+            + "</td></tr>")
+    out.append("</table></body></html>")
+    return "\n".join(out)
+
+
+def expectation_pages(docs_dir: str) -> dict[str, str]:
+    """Suite name -> its GE expectation suite page, relative to ``data_docs/``."""
+    pages = {}
+    root = os.path.join(docs_dir, "expectations")
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            if n.endswith(".html"):
+                rel = os.path.relpath(os.path.join(dirpath, n), root).split(os.sep)
+                # expectations/<suite name split on '.'>.html
+                pages[".".join(rel)[: -len(".html")]] = "expectations/" + "/".join(rel)
+    return pages
 
 
 def suite_pages(docs_dir: str) -> dict[str, str]:

@@ -1,11 +1,15 @@
-"""The Checkpoints page: history table, SVG chart, report files, plugin registration."""
+"""The Checkpoints page: history, metrics of new and old records, health, charts, static files,
+report files, plugin registration (the browser view: test_checkpoints_page_browser.py)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import re
+import sys
 import tempfile
+from datetime import timedelta
 
 import pytest
 
@@ -18,7 +22,10 @@ from statebackend.storage import open_storage
 # Airflow reads AIRFLOW_HOME once, at first import: never let it default to ~/airflow.
 os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="ckpt-airflow-home-"))
 os.environ.setdefault("CKPT_JOBS_SKIP_VARIABLE", "1")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import ops_job  # noqa: E402
 
 
 def load_plugin_module():
@@ -101,6 +108,10 @@ def test_history_rows(plugin, page_env):
     assert rows[0]["report"] is None
 
 
+def csp_directives(header: str) -> dict[str, list[str]]:
+    return {w[0].lower(): w[1:] for w in (p.split() for p in header.split(";")) if w}
+
+
 def test_page_and_report_routes(plugin, page_env):
     specs, _ = page_env
     client = logged_in_client(plugin, specs)
@@ -108,11 +119,11 @@ def test_page_and_report_routes(plugin, page_env):
     assert resp.status_code == 200 and "text/html" in resp.headers["content-type"]
     body = resp.text
     assert "<h1>Checkpoints</h1>" in body and 'id="job-clicks"' in body
-    assert 'id="chart-clicks"' in body and "<polyline" in body and "series-state_bytes" in body
+    assert 'id="health-clicks"' in body and 'id="chart-clicks-state_size"' in body
     assert "chk-3" in body and "interval__2027-01-02" in body and "5.9 KiB" in body
     assert 'href="/ckpt/reports/clicks/chk-2/data_docs/index.html"' in body
     assert "no checkpoints yet" in body  # empty_job
-    assert "http://" not in body.replace('xmlns="http://www.w3.org/2000/svg"', "")  # no CDN
+    assert "http://" not in body and "https://" not in body  # no CDN
     api = client.get("/api/jobs").json()
     assert [j["job"] for j in api] == ["clicks", "empty_job"]
     doc = client.get("/reports/clicks/chk-2/data_docs/index.html")
@@ -120,10 +131,47 @@ def test_page_and_report_routes(plugin, page_env):
     assert doc.headers["content-type"] == "text/html; charset=utf-8"
     assert "sandbox" in doc.headers["content-security-policy"]
     assert resp.headers["x-content-type-options"] == "nosniff"
-    assert "script-src" not in resp.headers["content-security-policy"]
     assert client.get("/reports/clicks/chk-9/nothing.html").status_code == 404
     assert client.get("/reports/nojob/chk-2/summary.json").status_code == 404
     assert client.get("/reports/clicks/..%2F..%2Fchk-1%2F_metadata").status_code == 404
+
+
+def test_page_runs_only_its_own_scripts(plugin, page_env):
+    specs, _ = page_env
+    resp = logged_in_client(plugin, specs).get("/")
+    csp = csp_directives(resp.headers["content-security-policy"])
+    assert csp["default-src"] == ["'none'"] and csp["script-src"] == ["'self'"]
+    scripts = re.findall(r"<script\b([^>]*)>(.*?)</script>", resp.text, flags=re.S)
+    srcs = [re.search(r'src="([^"]+)"', attrs).group(1) for attrs, _ in scripts
+            if "src=" in attrs]
+    assert srcs == ["/ckpt/static/uplot/uPlot.iife.min.js", "/ckpt/static/page.js"]
+    inline = [(attrs, text) for attrs, text in scripts if "src=" not in attrs]
+    assert len(inline) == 1 and 'type="application/json"' in inline[0][0]
+    data = json.loads(inline[0][1])  # the chart data: valid JSON, x = created time
+    clicks = data["jobs"][0]
+    assert clicks["job"] == "clicks" and len(clicks["charts"]["t"]) == 3
+
+
+def test_chart_data_cannot_close_its_script_block(plugin):
+    from ckpt_page.render import chart_data
+
+    text = chart_data([{"job": "j", "charts": {"labels": ["</script><script>alert(1)//"]}}])
+    assert "<" not in text and ">" not in text and "&" not in text
+    assert json.loads(text)["jobs"][0]["charts"]["labels"] == ["</script><script>alert(1)//"]
+
+
+def test_static_files_are_an_allow_list(plugin, page_env):
+    specs, _ = page_env
+    client = logged_in_client(plugin, specs)
+    js = client.get("/static/uplot/uPlot.iife.min.js")
+    assert js.status_code == 200 and js.headers["content-type"].startswith("text/javascript")
+    assert js.headers["x-content-type-options"] == "nosniff" and b"uPlot" in js.content
+    assert client.get("/static/page.js").status_code == 200
+    assert client.get("/static/page.css").headers["content-type"].startswith("text/css")
+    assert b"MIT" in client.get("/static/uplot/LICENSE").content
+    for path in ("/static/app.py", "/static/../app.py", "/static/%2e%2e/app.py",
+                 "/static/uplot/README.md", "/static/nothing.js"):
+        assert client.get(path).status_code == 404, path
 
 
 def test_unreachable_storage_shows_error_not_500(plugin, tmp_path):
@@ -158,12 +206,116 @@ def test_report_content_types_are_an_allow_list(plugin):
         assert plugin.report_content_type(rel) is None, rel
 
 
-def test_svg_chart_scales_and_labels(plugin):
-    rows = [{"id": i, "state_bytes": 1024 * i, "bytes_uploaded": 512} for i in range(1, 4)]
-    svg = plugin.svg_chart("j", rows)
-    assert svg.startswith("<svg") and svg.endswith("</svg>")
-    assert svg.count("<circle") == 6 and "chk-1" in svg and "3.0 KiB" in svg
-    assert "no checkpoints yet" in plugin.svg_chart("j", [])
+@pytest.fixture()
+def ops(tmp_path):
+    storage = f"file://{tmp_path}/ops"
+    job = ops_job.build_ops_job(storage, "clicks", 32)
+    spec = specs_from_config({"jobs": {"clicks": {"input": "/i", "output": "/o",
+                                                  "storage": storage}}})[0]
+    return job, spec
+
+
+def test_rescale_row_reads_source_and_new_parallelism(plugin, ops):
+    job, spec = ops
+    rows = plugin.job_history(spec)["rows"]
+    rescale = rows[ops_job.RESCALE_ID - 1]
+    assert rescale["kind"] == "rescale"
+    assert rescale["run_id"] == "rescaled from P=2 to P=4" and rescale["parallelism"] == 4
+
+
+def test_metrics_of_new_and_older_records(plugin, ops):
+    job, spec = ops
+    rows = {r["id"]: r for r in plugin.job_history(spec)["rows"]}
+    m = rows[10]["metrics"]  # format-1 metrics
+    assert m["duration_s"] == pytest.approx(sum(ops_job.phases(10).values()))
+    assert m["phases"] == pytest.approx(ops_job.phases(10))
+    assert m["events_read"] == ops_job.events(10)
+    assert m["events_per_s"] == pytest.approx(ops_job.events(10) / m["duration_s"])
+    assert m["rejects_by_reason"] == ops_job.rejects(10) and m["source"] == "metrics"
+    legacy = rows[3]["metrics"]  # keyed aggregation's counters, no timings
+    assert legacy["events_read"] == ops_job.events(3) and legacy["source"] == "legacy"
+    assert legacy["duration_s"] is None and legacy["events_per_s"] is None
+    assert legacy["events_rejected"] == sum(ops_job.rejects(3).values())
+    bare = rows[1]["metrics"]  # no figures at all
+    assert bare["source"] is None and bare["events_read"] is None and bare["phases"] == {}
+    subs = rows[32]["subtasks"]
+    assert [s["bytes"] for s in subs] == [ops_job.subtask_bytes(32, i, 4) for i in range(4)]
+    assert [(s["key_group_start"], s["key_group_end"]) for s in subs] == [
+        (0, 31), (32, 63), (64, 95), (96, 127)]
+    assert [s["events"] for s in subs] == [ops_job.events(32) // 4] * 4
+    assert rows[3]["subtasks"][0]["events"] is None  # legacy: no per-subtask metrics
+
+
+def test_health_summary(plugin, ops):
+    job, spec = ops
+    now = job.created(32) + timedelta(minutes=90)
+    h = plugin.job_history(spec, now=now.timestamp())["health"]
+    assert h["latest_id"] == 32 and h["latest_age_s"] == 5400
+    assert h["last_validation"]["id"] == ops_job.FAILED_VALIDATION
+    assert h["last_validation"]["status"] == "failed"
+    size = lambda cid: sum(ops_job.subtask_bytes(cid, i, 4) for i in range(4))  # noqa: E731
+    assert h["state_bytes"] == size(32)
+    assert h["state_trend"]["from_id"] == 22
+    assert h["state_trend"]["change"] == pytest.approx((size(32) - size(22)) / size(22))
+    assert h["last_run"]["duration_s"] == pytest.approx(sum(ops_job.phases(32).values()))
+    assert h["failed_runs_since_success"] == ops_job.FAILED_RUNS and h["level"] == "bad"
+    assert h["last_failure"] == "InputError: input file day=1 is missing"
+
+
+def test_failed_runs_before_the_last_commit_do_not_count(plugin, ops):
+    job, spec = ops
+    before = plugin.job_history(spec)["health"]["failed_runs_since_success"]
+    ops_job.commit(job.store, 33, job.start)  # created after the failed runs: recovered
+    h = plugin.job_history(spec)["health"]
+    assert before == ops_job.FAILED_RUNS
+    assert h["failed_runs_since_success"] == 0
+
+
+def test_charts_use_created_time_and_empty_ones_say_so(plugin, ops, page_env):
+    job, spec = ops
+    charts = plugin.job_history(spec)["charts"]
+    assert charts["t"] == [job.created(i).timestamp() for i in range(1, 33)]
+    assert charts["labels"][0] == "chk-1" and len(charts["t"]) == 32  # savepoint left out
+    assert list(charts["duration"]) == list(ops_job.PHASES)
+    assert charts["duration"]["process"][:4] == [None] * 4  # no timings before metrics
+    assert charts["rejects"]["late"][0] is None  # chk-1 recorded no counters
+    assert charts["rejects"]["late"][2] == ops_job.rejects(3)["late"]
+    specs, _ = page_env
+    empty = logged_in_client(plugin, specs).get("/").text
+    section = empty[empty.index('id="job-empty_job"'):]
+    assert section.count('<p class="no-data">no data yet</p>') == 3
+    assert section.count('<p class="no-data">no timings recorded yet</p>') == 2
+    assert " 0 B" not in section and "1 B" not in section
+
+
+def test_airflow_links_follow_the_ui_routes(plugin):
+    from ckpt_page.data import airflow_links
+
+    ctx = {"dag_id": "clicks_pipeline", "run_id": "manual__2027-01-01T00:00:00+00:00",
+           "task_id": "run_job", "try_number": 2}
+    links = airflow_links(ctx)
+    assert links == {
+        "dag_run": "/dags/clicks_pipeline/runs/manual__2027-01-01T00%3A00%3A00%2B00%3A00",
+        "task_log": "/dags/clicks_pipeline/runs/manual__2027-01-01T00%3A00%3A00%2B00%3A00"
+                    "/tasks/run_job?try_number=2"}
+    assert airflow_links({"dag_id": "d"}) == {}
+    assert airflow_links({"dag_id": "d", "run_id": "a/b"}) == {"dag_run": "/dags/d/runs/a%2Fb"}
+
+
+def test_broken_run_record_is_left_out(plugin, ops):
+    job, spec = ops
+    job.store.storage.write_bytes("runs/history/20270101T000000Z-bad.json", b"{not json")
+    job.store.storage.write_bytes("runs/history/20270101T000001Z-other.json", b'{"format": 9}')
+    hist = plugin.job_history(spec)
+    assert hist["errors"] == [] and len(hist["runs"]) == 6
+
+
+def test_plugin_package_is_hidden_from_airflows_plugin_loader():
+    from airflow._shared.module_loading import find_path_from_directory
+
+    found = sorted(os.path.relpath(p, ROOT) for p in find_path_from_directory(
+        os.path.join(ROOT, "plugins"), ".airflowignore", "glob") if p.endswith(".py"))
+    assert found == [os.path.join("plugins", "ckpt_plugin.py")]
 
 
 def test_plugin_registration(plugin):

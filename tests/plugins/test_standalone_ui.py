@@ -1,13 +1,16 @@
-"""`airflow standalone` in its own network namespace: REST-triggered rescale, page in Chromium.
+"""`make ui` in its own network namespace: REST-triggered rescale, page in Chromium.
 
-The test starts the server on 127.0.0.1 inside ``unshare -n`` (its log servers bind
-every interface whatever the config says), reaches it with ``nsenter``, triggers a
+The test starts the server exactly as users do, with ``make ui`` (which puts the venv's
+``bin`` on PATH for the components `airflow standalone` starts; the test's PATH lacks it),
+on 127.0.0.1 inside ``unshare -n`` (its log servers bind every interface whatever the
+config says), reaches it with ``nsenter``, triggers a
 rescale-restore through REST API v2 with conf (a bad conf is answered 400), waits
 for success, then opens the Checkpoints page in headless Chromium: without a login it
 lands on Airflow's login page; logged in as admin it checks the DOM and the screenshot
 for the job name and the chart, and that the linked validation report renders under
 its no-script CSP. Before that, a queued run of the (paused) pipeline DAG makes the
-rescale refuse. Stopped by SIGINT to its PID.
+rescale refuse. Stopped by SIGINT to its process group (as Ctrl-C in a terminal does:
+make waits for its recipe, standalone stops its components).
 """
 
 from __future__ import annotations
@@ -34,6 +37,13 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 PORT = 8080  # the namespace is private, no clash with anything on the host
 BASE = f"http://127.0.0.1:{PORT}"
 START_MS = 1_798_761_600_000  # 2027-01-01T00:00:00Z
+
+
+def path_without_venv() -> str:
+    """PATH without the venv's bin: `make ui` must put it there itself."""
+    venv_bin = os.path.dirname(sys.executable)
+    return os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
+                           if p and os.path.realpath(p) != os.path.realpath(venv_bin))
 
 
 def can_unshare() -> bool:
@@ -133,7 +143,10 @@ def standalone(tmp_path_factory):
            "AIRFLOW__API__PORT": str(PORT), "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
            "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "True",
            "CKPT_JOBS_FILE": str(config), "CKPT_JOBS_SKIP_VARIABLE": "1",
-           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+           "PATH": path_without_venv()}
+    # `make ui` installs first; inside the namespace there is no network for that
+    fresh = subprocess.run(["make", "-q", ".venv/.installed"], cwd=ROOT, env=env)
+    assert fresh.returncode == 0, "the venv is not up to date: run `make install` first"
     # One committed checkpoint for the rescale (the job run itself is tested elsewhere).
     seed = subprocess.run([sys.executable, "-m", "jobs.keyed_aggregation", "--input",
                            str(data / "events" / "day=2027-01-01"), "--storage", storage,
@@ -144,18 +157,18 @@ def standalone(tmp_path_factory):
     log = open(base / "standalone.log", "w")
     proc = subprocess.Popen(
         ["unshare", "-n", "--", "bash", "-c",
-         "ip link set lo up && exec env --default-signal=INT airflow standalone"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(base))
+         f"ip link set lo up && exec env --default-signal=INT make -C {ROOT} ui"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(base), start_new_session=True)
     try:
         wait_healthy(proc.pid, proc, 300)
         yield {"pid": proc.pid, "home": home, "base": base, "env": env, "storage": storage}
     finally:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
+            os.killpg(proc.pid, signal.SIGINT)
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
         log.close()
 
@@ -205,7 +218,8 @@ def test_plugin_registered_with_nav_view(client_result):
     assert ours[0]["external_views"][0]["href"] == "/ckpt/"
     assert ours[0]["fastapi_apps"][0]["url_prefix"] == "/ckpt"
     assert client_result["anonymous_api_status"] == 401
-    assert client_result["page_status"] == 200 and 'id="chart-clicks"' in client_result["page"]
+    assert client_result["page_status"] == 200
+    assert 'id="chart-clicks-state_size"' in client_result["page"]
 
 
 def test_checkpoints_page_renders_in_chromium(client_result, standalone, tmp_path):
@@ -222,9 +236,12 @@ def test_checkpoints_page_renders_in_chromium(client_result, standalone, tmp_pat
     assert out["login_status"] == 201
     assert urlparse(out["page_url"]).path == "/ckpt/"
     dom = out["dom"]
-    assert "<h1>Checkpoints</h1>" in dom
-    assert 'id="job-clicks"' in dom and 'id="chart-clicks"' in dom
-    assert dom.count("<circle") >= 4 and "chk-2" in dom
+    assert "<h1>Checkpoints</h1>" in dom and out["csp"] == []
+    assert 'id="job-clicks"' in dom and 'id="health-clicks"' in dom
+    # uPlot drew the charts (two checkpoints: the seed run and the rescale)
+    assert 'id="chart-clicks-state_size" data-job="clicks" data-chart="state_size" ' \
+           'data-drawn="2"' in dom and dom.count("<canvas") >= 3
+    assert "rescaled from P=2 to P=3" in dom and "chk-2" in dom
     width, height, rows = png_pixels(out["screenshot"])
     assert (width, height) == (1000, 800)
     # The chart's two series colors are drawn (state size blue, uploaded orange).
