@@ -39,6 +39,7 @@ from .errors import (
 from .keygroups import check_parallelism, key_group_range_for_subtask
 from .leases import HeldLease, held_writer_leases
 from .metadata import CheckpointMetadata, FileRef, SubtaskHandle
+from .runs import RunRecord, read_run_record, write_run_record
 from .storage import Storage, child_storage, safe_relpath
 
 METADATA_FILE = "_metadata"
@@ -143,11 +144,29 @@ class CheckpointStore:
         return self.load(int(text))
 
     def find_by_run_id(self, run_id: str) -> CheckpointMetadata | None:
+        """The retained checkpoint that committed ``run_id`` (None once retired)."""
         for cid in reversed(self.checkpoint_ids()):
             meta = self.load(cid)
             if meta.run_id == run_id:
                 return meta
         return None
+
+    def find_run(self, run_id: str) -> RunRecord | None:
+        """Whether ``run_id`` was ever committed: its ledger record, else a retained
+        `_metadata` naming it (a crash between commit and ledger write; the record is
+        written now). See runs.py."""
+        record = read_run_record(self.storage, run_id)
+        if record is not None:
+            return record
+        meta = self.find_by_run_id(run_id)
+        if meta is None:
+            return None
+        self.record_run(meta)
+        return RunRecord.of(meta)
+
+    def record_run(self, meta: CheckpointMetadata) -> None:
+        """Add ``meta``'s run to the ledger of committed runs (runs.py)."""
+        write_run_record(self.storage, meta)
 
     def next_checkpoint_id(self) -> int:
         """One above every chk folder seen (committed or attempted)."""

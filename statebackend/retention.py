@@ -15,6 +15,8 @@ Kept, always:
   (``keep-last-restorable``), and when none restores it retires nothing.
 
 Retiring checkpoint C, in this order:
+0. write the ledger record of C's run (``runs/<run>.json``, runs.py), so the run
+   stays committed for idempotency once C is gone; if that fails, C is kept;
 1. delete ``chk-<C>/_metadata``: C stops existing atomically, so no reader can
    start from a checkpoint whose files are going away;
 2. delete the files C lists that no kept checkpoint, savepoint or live lease
@@ -37,13 +39,14 @@ checkpoint's files alone. `retain` = registry + plan + execute (or dry run).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from .checkpoints import CheckpointStore, metadata_path
-from .errors import CheckpointNotFoundError, UsageError
+from .errors import CheckpointNotFoundError, CkptError, UsageError
 from .metadata import CheckpointMetadata
 from .registry import (
     Registry,
@@ -55,6 +58,8 @@ from .registry import (
     read_live_leases,
 )
 from .storage import Storage
+
+log = logging.getLogger(__name__)
 
 # reasons (stable strings: they appear in JSON reports)
 KEEP_NEWEST = "newest"
@@ -276,8 +281,16 @@ def execute_retention(store: CheckpointStore, plan: RetentionPlan, *,
     spare_ids, spare_paths = _recheck(store, plan, now)
     meta_actions = [a for a in plan.deletions if a.reason == DEL_METADATA
                     and a.checkpoint_id not in spare_ids]
+    # A retired commit record no longer names its run: the ledger must, first (runs.py).
+    unrecorded = _record_runs(store, [a.checkpoint_id for a in meta_actions])
+    spare_ids |= unrecorded
+    meta_actions = [a for a in meta_actions if a.checkpoint_id not in unrecorded]
     failures = storage.delete_many(a.path for a in meta_actions)
     failed = {p for p, _ in failures}
+    for cid in unrecorded:  # still committed: everything it lists stays
+        meta = _load_or_none(store, cid)
+        if meta is not None:
+            spare_paths.update(f.path for f in meta.files)
     # a checkpoint whose _metadata could not be deleted still exists: keep all it lists
     for a in meta_actions:
         if a.path in failed:
@@ -335,6 +348,20 @@ def _recheck(store: CheckpointStore, plan: RetentionPlan,
         if meta is not None:
             spare_paths.update(f.path for f in meta.files)
     return spare_ids, spare_paths
+
+
+def _record_runs(store: CheckpointStore, checkpoint_ids: list[int]) -> set[int]:
+    """Write the ledger record of each checkpoint's run; the ids whose write failed."""
+    failed = set()
+    for cid in checkpoint_ids:
+        meta = _load_or_none(store, cid)
+        try:
+            if meta is not None:
+                store.record_run(meta)
+        except CkptError as exc:
+            log.warning("checkpoint %s kept: its run could not be recorded (%s)", cid, exc)
+            failed.add(cid)
+    return failed
 
 
 def _load_or_none(store: CheckpointStore, cid: int) -> CheckpointMetadata | None:

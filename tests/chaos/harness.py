@@ -207,7 +207,7 @@ class ChaosConfig:
     events_per_run: tuple[int, int] = (150, 400)
     key_universe: int = 60
     keys_per_run: int = 30
-    rerun_retired: bool = False  # re-run run ids whose checkpoint retention retired
+    rerun_retired: bool = True  # also re-run run ids whose checkpoint retention retired
 
 
 @dataclass
@@ -293,8 +293,8 @@ class Chaos:
     def do_run_rerun(self) -> tuple[str, str]:
         runs = self.model.committed
         if not self.config.rerun_retired:
-            # Known library bug (see test_rerun_of_a_retired_run_is_not_counted_twice): a
-            # run id is only recognised while its checkpoint is retained.
+            # Only run ids whose checkpoint is still retained (the ledger in
+            # statebackend/runs.py remembers the others; this narrows the search).
             retained = {m.run_id for m in self.store.load_all()}
             runs = [r for r in runs if r in retained] or runs[-1:]
         return self._run_step(self.rng.choice(runs))

@@ -79,11 +79,9 @@ def test_chaos_s3(spark, tmp_path, s3_server, short_leases, chaos_report):
     _assert_covered(summary)
 
 
-@pytest.mark.xfail(strict=True, reason="library bug found by the chaos test: a run id is "
-                   "recognised as committed only while retention keeps its checkpoint, so a "
-                   "re-run after `retain` counts its input twice")
 def test_rerun_of_a_retired_run_is_not_counted_twice(spark, tmp_path, short_leases):
-    """Minimal chaos finding (seed 2): run a, run b, retain --keep 1, run a again."""
+    """Chaos finding (seed 2; fixed by the run ledger, statebackend/runs.py): run a,
+    run b, retain --keep 1, run a again: skipped, nothing counted twice."""
     storage = f"file://{tmp_path}/store"
     days = [generate_events(str(tmp_path / f"in{d}"), n_events=200, n_keys=20, seed=d,
                             start_ts_ms=DEFAULT_START_TS_MS + d * DAY_MS) for d in range(2)]
