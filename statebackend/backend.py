@@ -9,6 +9,12 @@ Local layout of one instance (``local_dir``)::
       instance.json            {"backend_id", "clean_snapshot_id"}: set on close when
                                the working db equals that snapshot exactly
 
+Internal column families (reserved names, recorded in ``_metadata`` like states):
+``_ttl``, the expiry index, whenever a declared state has a TTL (`statebackend.ttl`);
+``_timers`` and ``_timer_keys`` when declared with `statebackend.timers.with_timers`
+or already present in a restored instance (`statebackend.timers`). The instance
+keeps one clock per time domain (`set_time`): TTL reads filter with it.
+
 The WAL is disabled (as in Flink): durability comes from checkpoints, and the
 synchronous part of a snapshot flushes every column family before the native
 checkpoint, so a snapshot is SST files plus small private files.
@@ -39,8 +45,9 @@ from rocksdict import (
 
 from .errors import CorruptStateError, UsageError
 from .keygroups import KeyGroupRange, check_max_parallelism, key_group_prefix
-from .serialization import serialize_key
+from .serialization import as_time, serialize_key
 from .state import (
+    INTERNAL_STATES,
     STATE_CLASSES,
     AggregatingState,
     ListState,
@@ -48,7 +55,9 @@ from .state import (
     ReducingState,
     StateDescriptor,
     ValueState,
+    internal_descriptor,
 )
+from .ttl import TTL_INDEX
 
 DB_DIR = "db"
 SNAPSHOTS_DIR = "snapshots"
@@ -179,6 +188,13 @@ class KeyedStateBackend:
         self.max_parallelism = max_parallelism
         self.key_group_range = key_group_range
         self.descriptors = {d.name: d for d in descriptors}
+        if any(d.ttl is not None for d in descriptors):
+            self.descriptors.setdefault(TTL_INDEX, internal_descriptor(TTL_INDEX))
+        # Clock per time domain (epoch ms, None = not set): TTL reads treat entries with
+        # expiry <= the clock as gone; TTL writes without a timestamp are stamped with it.
+        self.times: dict[str, int | None] = {"event": None, "processing": None}
+        # Running `timers.fire_due` passes per domain (timers registered meanwhile join).
+        self.timer_firings: dict[str, object] = {}
         self.read_only = read_only
         self.backend_id = backend_id or uuid.uuid4().hex
         # SSTs confirmed in committed checkpoints of this lineage: local name -> FileRef.
@@ -198,6 +214,9 @@ class KeyedStateBackend:
         names = set(self.descriptors)
         if os.path.exists(os.path.join(self.db_path, "CURRENT")):
             names |= set(Rdict.list_cf(self.db_path, Options(raw_mode=True))) - {"default"}
+        for name in sorted(names & set(INTERNAL_STATES)):
+            # an internal family found in a restored instance is read like a declared one
+            self.descriptors.setdefault(name, internal_descriptor(name))
         self._cf_names = sorted(names)
         opts = rocks_options()
         self.db = Rdict(
@@ -250,6 +269,23 @@ class KeyedStateBackend:
             append(prefixes[kg] + kb)
         return out
 
+    # -- time ----------------------------------------------------------------
+    def set_time(self, *, event_time: int | None = None,
+                 processing_time: int | None = None) -> None:
+        """Set the clocks TTL reads and writes use (the watermark; the run's logical time).
+
+        A clock never goes back: an older value is ignored (a watermark never decreases).
+        """
+        for domain, t in (("event", event_time), ("processing", processing_time)):
+            if t is None:
+                continue
+            t = as_time(t)
+            current = self.times[domain]
+            self.times[domain] = t if current is None else max(current, t)
+
+    def current_time(self, domain: str) -> int | None:
+        return self.times[domain]
+
     # -- states ------------------------------------------------------------
     def state(self, name: str):
         if name not in self._states:
@@ -257,6 +293,9 @@ class KeyedStateBackend:
                 raise UsageError(
                     f"state {name!r} is not declared; declared: {sorted(self.descriptors)}")
             desc = self.descriptors[name]
+            if desc.internal:
+                raise UsageError(f"{name!r} is the backend's internal {desc.kind} column "
+                                 "family, not a state: use statebackend.timers / .ttl")
             self._states[name] = STATE_CLASSES[desc.kind](self, desc)
         return self._states[name]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from datetime import UTC, datetime
 
 from .checkpoints import CheckpointStore
 from .cli import age_of, emit_json, human_bytes, json_flag
@@ -44,6 +45,17 @@ def describe(meta: CheckpointMetadata) -> str:
     return what
 
 
+def epoch_ms(value: int | None) -> str:
+    """``1700000000000 (2023-11-14T22:13:20+00:00)``, or ``-`` when not set."""
+    if value is None:
+        return "-"
+    try:
+        when = datetime.fromtimestamp(value / 1000, UTC).isoformat(timespec="milliseconds")
+    except (OverflowError, OSError, ValueError):  # outside what datetime can show
+        return str(value)
+    return f"{value} ({when})"
+
+
 def cmd_list(args: argparse.Namespace, store: CheckpointStore) -> int:
     store.require_job()
     metas = store.load_all()
@@ -75,6 +87,8 @@ def cmd_show(args: argparse.Namespace, store: CheckpointStore) -> int:
     for key in ("parent", "created_at", "run_id", "parallelism", "max_parallelism",
                 "files_referenced", "bytes_referenced", "bytes_uploaded", "rows", "states"):
         print(f"  {key:17} {shown[key]}")
+    for key in ("watermark", "processing_time"):
+        print(f"  {key:17} {epoch_ms(s[key])}")
     if meta.source:
         print(f"  {'source':17} {meta.source}")
     print("  subtasks:")

@@ -3,6 +3,13 @@
 A row: ``state``, ``key``, ``user_key`` (map state, else None), ``value`` (decoded;
 records and JSON values as objects, lists as lists), ``key_group``, ``subtask``.
 Rows come out sorted by subtask, state, RocksDB key order.
+
+States with a TTL show their stored value (the expiry prefix removed; entries not
+yet purged included). Internal column families: ``_timers`` rows have the timer's
+key, ``user_key`` = its tag (None if empty) and ``value`` = ``{"kind": "event" |
+"processing", "time": epoch ms}``; ``_ttl`` rows have the entry's key (and user key)
+and ``value`` = ``{"state", "time", "expiry"}``. ``_timer_keys`` (the reverse lookup
+of ``_timers``, the same timers again) is not dumped.
 """
 
 from __future__ import annotations
@@ -20,8 +27,10 @@ from .errors import UsageError
 from .keygroups import key_group_of_rocks_key
 from .metadata import CheckpointMetadata
 from .restore import restored_readonly
-from .serialization import BytesCodec, decode_list, deserialize_key, split_map_key
+from .serialization import TIME_BYTES, BytesCodec, decode_list, deserialize_key, split_map_key
 from .state import StateDescriptor
+from .timers import TIMER_KEYS, parse_timer_key
+from .ttl import parse_index_key
 
 DUMP_FORMATS = ("jsonl", "parquet")
 STDOUT = "-"  # ``--out -``: jsonl rows to standard output
@@ -31,19 +40,33 @@ def descriptors_of(meta: CheckpointMetadata) -> list[StateDescriptor]:
     return [StateDescriptor.from_json(s) for s in meta.states]
 
 
-def decode_entry(desc: StateDescriptor, rocks_key: bytes, raw: bytes
-                 ) -> tuple[str, str | None, object]:
-    """(key, user_key, value) of one stored entry; raises SerializationError."""
-    body = rocks_key[2:]
-    if desc.kind == "map":
+def split_body(body: bytes, kind: str) -> tuple[str, str | None]:
+    """(key, user_key) of a stored key without its key-group prefix."""
+    if kind == "map":
         kb, user_key = split_map_key(body)
-        key = deserialize_key(kb)
-    else:
-        key, user_key = deserialize_key(body), None
+        return deserialize_key(kb), user_key
+    return deserialize_key(body), None
+
+
+def decode_entry(desc: StateDescriptor, rocks_key: bytes, raw: bytes,
+                 kinds: dict[str, str] | None = None) -> tuple[str, str | None, object]:
+    """(key, user_key, value) of one stored entry; raises SerializationError.
+
+    ``kinds`` (state name -> kind) tells how the keys named by ``_ttl`` entries split.
+    """
+    if desc.kind == "timers":
+        t = parse_timer_key(rocks_key)
+        return t.key, t.tag or None, {"kind": t.domain, "time": t.time}
+    if desc.kind == "ttl_index":
+        ent = parse_index_key(rocks_key)
+        key, user_key = split_body(ent.body, (kinds or {}).get(ent.state, "value"))
+        return key, user_key, {"state": ent.state, "time": ent.domain, "expiry": ent.expiry}
+    key, user_key = split_body(rocks_key[2:], desc.kind)
+    strip = TIME_BYTES if desc.ttl is not None else 0  # the entry's expiry, not its value
     if desc.kind == "list":
-        value: object = [desc.codec.decode(e) for e in decode_list(raw)]
+        value: object = [desc.codec.decode(e[strip:]) for e in decode_list(raw)]
     else:
-        value = desc.codec.decode(raw)
+        value = desc.codec.decode(raw[strip:])
     if isinstance(desc.codec, BytesCodec):  # bytes are not JSON: dump them as hex
         if isinstance(value, bytes):
             value = value.hex()
@@ -53,10 +76,13 @@ def decode_entry(desc: StateDescriptor, rocks_key: bytes, raw: bytes
 
 
 def backend_rows(backend: KeyedStateBackend, subtask: int) -> Iterator[dict]:
+    kinds = {n: d.kind for n, d in backend.descriptors.items()}
     for name in sorted(backend.descriptors):
+        if name == TIMER_KEYS:
+            continue
         desc = backend.descriptors[name]
         for rk, raw in backend.iter_raw(name):
-            key, user_key, value = decode_entry(desc, rk, raw)
+            key, user_key, value = decode_entry(desc, rk, raw, kinds)
             yield {"state": name, "key": key, "user_key": user_key, "value": value,
                    "key_group": key_group_of_rocks_key(rk), "subtask": subtask}
 

@@ -35,7 +35,15 @@ Layout of one record (format 1)::
                                      "local_name": "000012.sst", "size": 1,
                                      "checksum": "crc32c:..."}],
                    "private_files": [...], "row_counts": {"totals": 10}}],
-     "extra": {}}
+     "extra": {},
+     "watermark": 1700000000000, "processing_time": 1700003600000}
+
+``watermark`` (event time, epoch ms: max event time seen minus the allowed
+lateness, never decreasing) and ``processing_time`` (the logical time of the run
+that wrote the record, epoch ms) are optional: written only when set, absent or
+null means "none yet" (records of earlier releases load unchanged). A state may
+carry ``"ttl": {"duration_ms", "time", "update_on"}``; internal column families
+(``_timers``, ``_timer_keys``, ``_ttl``) appear in ``states`` with their kinds.
 """
 
 from __future__ import annotations
@@ -172,6 +180,8 @@ class CheckpointMetadata:
     source: dict | None = None
     extra: dict = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    watermark: int | None = None
+    processing_time: int | None = None
 
     # -- derived figures ---------------------------------------------------
     @property
@@ -210,6 +220,8 @@ class CheckpointMetadata:
             "bytes_referenced": self.bytes_referenced,
             "bytes_uploaded": self.bytes_uploaded,
             "rows": sum(sum(s.row_counts.values()) for s in self.subtasks),
+            "watermark": self.watermark,
+            "processing_time": self.processing_time,
             "states": [s["name"] for s in self.states],
             "subtasks": [
                 {"index": s.index, "key_group_start": s.key_group_start,
@@ -222,7 +234,7 @@ class CheckpointMetadata:
 
     # -- serialization -----------------------------------------------------
     def to_json(self) -> dict:
-        return {
+        out = {
             "format_version": self.format_version,
             "job": self.job,
             "checkpoint_id": self.checkpoint_id,
@@ -239,6 +251,12 @@ class CheckpointMetadata:
             "subtasks": [s.to_json() for s in self.subtasks],
             "extra": self.extra,
         }
+        # optional keys only when set: a record without them reads as before
+        if self.watermark is not None:
+            out["watermark"] = self.watermark
+        if self.processing_time is not None:
+            out["processing_time"] = self.processing_time
+        return out
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.to_json(), indent=1, sort_keys=True).encode()
@@ -274,6 +292,10 @@ class CheckpointMetadata:
         _require(source is None or isinstance(source, dict), where,
                  "source must be an object or null")
         _require(isinstance(extra, dict), where, "extra must be an object")
+        watermark, processing_time = obj.get("watermark"), obj.get("processing_time")
+        for name, value in (("watermark", watermark), ("processing_time", processing_time)):
+            _require(value is None or _is_int(value), where,
+                     f"{name} {value!r} must be an integer (epoch ms) or null")
         _check_nesting({"states": states, "source": source, "extra": extra}, where)
         _check_states(states, where)
         created_at = _get(obj, "created_at", str, where)
@@ -297,6 +319,8 @@ class CheckpointMetadata:
             source=source,
             extra=extra,
             format_version=version,
+            watermark=watermark,
+            processing_time=processing_time,
         )
         _check_ids(meta, where)
         _check_key_groups(meta, where)
@@ -351,7 +375,7 @@ def _check_key_groups(meta: CheckpointMetadata, where: str) -> None:
 
 def _check_states(states: list, where: str) -> None:
     """Unique valid names, known kinds and codecs: what dump/validate/rescale decode with."""
-    codec_from_json, state_kinds = _state_vocabulary()
+    codec_from_json, state_kinds, internal, ttl_from_json = _state_vocabulary()
     seen: set[str] = set()
     for s in states:
         name = s["name"]
@@ -360,22 +384,31 @@ def _check_states(states: list, where: str) -> None:
         _require(name not in seen, where, f"state {name!r} is declared twice")
         seen.add(name)
         kind = s.get("kind", "value")
-        _require(kind in state_kinds, where,
-                 f"state {name!r} has unknown kind {kind!r} (known: {', '.join(state_kinds)})")
+        if name in internal:
+            _require(kind == internal[name], where,
+                     f"state {name!r} is reserved for kind {internal[name]!r}, got {kind!r}")
+        else:
+            _require(kind in state_kinds, where, f"state {name!r} has unknown kind {kind!r} "
+                                                 f"(known: {', '.join(state_kinds)})")
+        _require(s.get("ttl") is None or name not in internal, where,
+                 f"state {name!r} is internal and cannot have a TTL")
         try:
             codec_from_json(s.get("codec", {"type": "json"}))
+            if s.get("ttl") is not None:
+                ttl_from_json(s["ttl"])
         except CkptError as exc:  # SerializationError, or UsageError from RecordCodec
             raise MetadataError(f"malformed metadata {where}: state {name!r}: {exc}") from exc
 
 
 @cache
-def _state_vocabulary() -> tuple[Any, tuple[str, ...]]:
+def _state_vocabulary() -> tuple[Any, tuple[str, ...], dict[str, str], Any]:
     # lazy: state and serialization pull in rocksdict and numpy, which a CLI start
     # or a DAG parse that never reads metadata should not pay for
     from .serialization import codec_from_json
-    from .state import STATE_KINDS
+    from .state import INTERNAL_STATES, STATE_KINDS
+    from .ttl import StateTtl
 
-    return codec_from_json, STATE_KINDS
+    return codec_from_json, STATE_KINDS, INTERNAL_STATES, StateTtl.from_json
 
 
 def _check_nesting(value: dict | list, where: str) -> None:

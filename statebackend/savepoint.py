@@ -322,7 +322,8 @@ def _import(root: Storage, target: CheckpointStore, meta: CheckpointMetadata,
         job=target.job, checkpoint_id=cid, parent=None, parallelism=meta.parallelism,
         max_parallelism=meta.max_parallelism, states=meta.states, subtasks=tuple(subtasks),
         kind="checkpoint", run_id=None, input=(), source=source,
-        extra={"imported_at": utc_now_iso()})
+        extra={"imported_at": utc_now_iso()}, watermark=meta.watermark,
+        processing_time=meta.processing_time)
     # copy through the common root: both jobs are folders of it
     src_job = source["job"]
     _copy_all(root, [(f"{src_job}/{s}", f"{target.job}/{d}") for s, d in copies])

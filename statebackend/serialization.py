@@ -18,11 +18,16 @@ murmur3 of exactly these bytes). Map state appends the user key after a 4-byte
 big-endian length of the primary key so that (key, user key) pairs never collide.
 List values are a sequence of u32-length-prefixed element encodings, so an
 append is a byte concatenation with no decode.
+
+Times (timers, TTL expiries) are 8 bytes big-endian of ``t + 2**63`` (the sign bit
+flipped, as Flink does for timer keys), so byte order is time order, negative
+times included.
 """
 
 from __future__ import annotations
 
 import json
+import operator
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -39,6 +44,11 @@ STR_FORMAT = 0x04
 
 _FIELD_TYPES = {"int64": ("q", "<i8"), "float64": ("d", "<f8"), "bool": ("?", "?")}
 _U32 = struct.Struct(">I")
+TIME_BYTES = 8
+_TIME_OFFSET = 1 << 63
+# Time domains of timers and TTL, and their byte in stored keys (never renumber).
+TIME_DOMAINS = {"event": b"\x00", "processing": b"\x01"}
+DOMAIN_NAMES = {v[0]: k for k, v in TIME_DOMAINS.items()}
 
 
 def serialize_key(key: str) -> bytes:
@@ -52,6 +62,43 @@ def deserialize_key(data: bytes) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise SerializationError(f"stored key {data[:32]!r} is not valid UTF-8") from exc
+
+
+def as_time(t: object) -> int:
+    """``t`` as an int of epoch ms (ints and NumPy integers; bools, floats, strings refused)."""
+    try:
+        value = None if isinstance(t, bool) else operator.index(t)
+    except TypeError:
+        value = None
+    if value is None or not -_TIME_OFFSET <= value < _TIME_OFFSET:
+        raise UsageError(f"time {t!r} is not a 64-bit integer of epoch milliseconds")
+    return value
+
+
+def encode_time(t: int) -> bytes:
+    """8 bytes whose byte order is the order of ``t`` (epoch ms, may be negative)."""
+    return (as_time(t) + _TIME_OFFSET).to_bytes(TIME_BYTES, "big")
+
+
+def time_upper_bound(t: int) -> bytes:
+    """Exclusive upper bound of the stored keys ``... + encode_time(x) + suffix`` with x <= t."""
+    t = as_time(t)
+    return encode_time(t + 1) if t + 1 < _TIME_OFFSET else b"\xff" * (TIME_BYTES + 1)
+
+
+def domain_byte(domain: str) -> bytes:
+    try:
+        return TIME_DOMAINS[domain]
+    except KeyError:
+        raise UsageError(f"time domain {domain!r} is unknown; use one of "
+                         f"{sorted(TIME_DOMAINS)}") from None
+
+
+def decode_time(data: bytes, offset: int = 0) -> int:
+    """Inverse of `encode_time` at ``offset``; SerializationError if truncated."""
+    if len(data) < offset + TIME_BYTES:
+        raise SerializationError(f"stored time {data[offset:offset + 8]!r} is truncated")
+    return int.from_bytes(data[offset : offset + TIME_BYTES], "big") - _TIME_OFFSET
 
 
 def map_key_suffix(key_bytes: bytes, user_key: str) -> bytes:

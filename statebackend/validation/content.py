@@ -14,9 +14,19 @@ Tables (pandas):
 - ``state``: one row per stored entry: subtask, state, key, user_key, key_group (the
   stored 2-byte prefix), computed_key_group (murmur3 of the key bytes mod M),
   range_start/range_end (the subtask's), prefix_ok, in_range, decodes, decode_error;
+  ttl_ok (states with a TTL and the ``_ttl`` index, else None);
 - ``counts``: one row per (subtask, state): recorded_rows (metadata) vs counted_rows;
 - ``frames``: per state with job checks, the decoded entries (record fields as
   columns, else a ``value`` column) for the job's own expectations.
+
+Internal column families (``_timers``, ``_timer_keys``, ``_ttl``) are checked like
+states: the key group is computed from the user key stored inside their keys.
+TTL agreement (``ttl_ok``): every expiry stored with a TTL entry has its index
+entry (else purge would never remove it), and no index entry with ``expiry <=``
+the checkpoint's clock (``watermark`` for event-time TTL, ``processing_time`` for
+processing-time TTL) points at an entry a read at that clock would still return.
+A failure also marks the row ``decodes = False`` with a ``TTL:`` message, so the
+``values_decode`` check fails on it.
 
 Built column-wise: one pass over RocksDB per column family, murmur3 in a tight
 loop, record values decoded in bulk with `RecordCodec.decode_columns`.
@@ -41,14 +51,33 @@ from ..backend import DB_DIR, KeyedStateBackend
 from ..errors import CkptError, StorageError
 from ..keygroups import KeyGroupRange
 from ..metadata import CheckpointMetadata, FileRef, SubtaskHandle
-from ..serialization import RECORD_FORMAT, RecordCodec, decode_list, split_map_key
+from ..serialization import (
+    RECORD_FORMAT,
+    TIME_BYTES,
+    RecordCodec,
+    decode_list,
+    deserialize_key,
+    encode_list,
+    split_map_key,
+)
 from ..state import StateDescriptor
 from ..storage import Storage
+from ..timers import key_bytes_of, parse_reverse_key, parse_timer_key
+from ..ttl import (
+    TTL_INDEX,
+    index_key,
+    parse_index_key,
+    state_tag,
+    stored_expiries,
+    strip_list,
+    strip_value,
+)
 from .manifest import FileFacts, recorded_algorithm
 
 DOWNLOAD_THREADS = 4
 STATE_COLUMNS = ["subtask", "state", "key", "user_key", "key_group", "computed_key_group",
-                 "range_start", "range_end", "prefix_ok", "in_range", "decodes", "decode_error"]
+                 "range_start", "range_end", "prefix_ok", "in_range", "decodes", "decode_error",
+                 "ttl_ok"]
 
 
 @dataclass
@@ -111,6 +140,107 @@ def _decode_keys(bodies: list[bytes], is_map: bool) -> tuple[list, list, list, l
     return hashed, keys, user_keys, errors
 
 
+def _decode_internal_keys(rks: list[bytes], kind: str, kinds: dict[str, str]
+                          ) -> tuple[list, list, list, list]:
+    """(hash input bytes, key, user_key, key error) per entry of an internal column family."""
+    hashed, keys, user_keys, errors = [], [], [], []
+    for rk in rks:
+        try:
+            if kind == "timers":
+                t = parse_timer_key(rk)
+                kb, key, uk = key_bytes_of(rk, kind), t.key, t.tag or None
+            elif kind == "timer_keys":
+                t = parse_reverse_key(rk)
+                kb, key, uk = key_bytes_of(rk, kind), t.key, t.tag or None
+            else:
+                ent = parse_index_key(rk)
+                if kinds.get(ent.state) == "map":
+                    kb, uk = split_map_key(ent.body)
+                else:
+                    kb, uk = ent.body, None
+                key = deserialize_key(kb)
+            err = None
+        except CkptError as exc:
+            kb, key, uk, err = rk[2:], rk[:64].hex(), None, f"key does not decode: {exc}"
+        hashed.append(kb)
+        keys.append(key)
+        user_keys.append(uk)
+        errors.append(err)
+    return hashed, keys, user_keys, errors
+
+
+def _strip_ttl(desc: StateDescriptor, values: list[bytes]) -> tuple[list[bytes], list]:
+    """Values of a TTL state without their expiries (what the codec reads), and errors."""
+    out, errors = [], []
+    for v in values:
+        try:
+            if desc.kind == "list":
+                stripped = b"" if not v else strip_list(v, None) or b""
+                if any(len(e) < TIME_BYTES for e in decode_list(v)):
+                    raise CkptError("a list element is shorter than its 8-byte expiry")
+            else:
+                if len(v) < TIME_BYTES:
+                    raise CkptError("value is shorter than its 8-byte expiry")
+                stripped = strip_value(v, None)
+            out.append(stripped)
+            errors.append(None)
+        except CkptError as exc:
+            out.append(encode_list(()) if desc.kind == "list" else v)
+            errors.append(f"TTL value does not decode: {exc}")
+    return out, errors
+
+
+def ttl_findings(backend: KeyedStateBackend, descriptors: Sequence[StateDescriptor],
+                 clocks: dict[str, int | None]) -> dict[tuple[str, bytes], str]:
+    """{(column family, stored key): failure} of the TTL agreement checks (module doc)."""
+    ttl_descs = {d.name: d for d in descriptors if d.ttl is not None}
+    index: dict[tuple[str, bytes], set[int]] = {}
+    findings: dict[tuple[str, bytes], str] = {}
+    if TTL_INDEX in backend.column_families:
+        for ik in backend.iter_raw(TTL_INDEX, values=False):
+            try:
+                ent = parse_index_key(ik)
+            except CkptError:
+                continue  # reported by the row's key decoding
+            if ent.state not in ttl_descs:
+                findings[(TTL_INDEX, ik)] = (f"TTL: index entry names state {ent.state!r}, "
+                                             "which has no TTL")
+                continue
+            index.setdefault((ent.state, ent.rocks_key), set()).add(ent.expiry)
+    for name, desc in ttl_descs.items():
+        for rk, raw in backend.iter_raw(name):
+            try:
+                exps = stored_expiries(raw, desc.kind == "list")
+            except CkptError:
+                continue  # reported as a value that does not decode
+            missing = exps - index.get((name, rk), set())
+            if missing:
+                findings[(name, rk)] = (f"TTL: stored expiry {min(missing)} has no entry in the "
+                                        f"{TTL_INDEX} index: purge would never remove it")
+    for (name, rk), exps in index.items():
+        desc = ttl_descs[name]
+        now = clocks.get(desc.ttl.time)
+        due = sorted(e for e in exps if now is not None and e <= now)
+        if not due:
+            continue
+        raw = backend.column_family(name).get(rk)
+        strip = strip_list if desc.kind == "list" else strip_value
+        try:
+            readable = strip(raw, now) is not None
+        except CkptError:
+            continue
+        if readable:
+            msg = (f"TTL: the index says this {name!r} entry expired at {due[0]} <= the "
+                   f"checkpoint's {desc.ttl.time} time {now}, but a read at {now} still returns "
+                   f"it (stored expiries {sorted(stored_expiries(raw, desc.kind == 'list'))})")
+            from ..serialization import domain_byte
+
+            ik = index_key(rk, domain_byte(desc.ttl.time), due[0], state_tag(name))
+            findings[(TTL_INDEX, ik)] = msg
+            findings.setdefault((name, rk), msg)
+    return findings
+
+
 def _record_columns(codec: RecordCodec, values: list[bytes]) -> dict | None:
     """Bulk decode when every value has the record's size and format byte, else None."""
     dtype = codec.dtype
@@ -155,8 +285,13 @@ def _decode_values(desc: StateDescriptor, values: list[bytes]) -> tuple[list, di
 
 
 def state_rows(backend: KeyedStateBackend, desc: StateDescriptor, subtask: int,
-               max_parallelism: int, keep_frame: bool) -> tuple[pd.DataFrame, pd.DataFrame | None]:
-    """The state-table rows of one column family (and the job-check frame if asked)."""
+               max_parallelism: int, keep_frame: bool,
+               findings: dict[tuple[str, bytes], str] | None = None,
+               ) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    """The state-table rows of one column family (and the job-check frame if asked).
+
+    ``findings``: the TTL failures of the subtask (`ttl_findings`).
+    """
     rks: list[bytes] = []
     values: list[bytes] = []
     add_key, add_value = rks.append, values.append
@@ -169,18 +304,36 @@ def state_rows(backend: KeyedStateBackend, desc: StateDescriptor, subtask: int,
     if short:
         rks = [k if len(k) >= 2 else k.rjust(2, b"\x00") for k in rks]
     stored = np.frombuffer(b"".join(map(_PREFIX, rks)), dtype=">u2").astype(np.int32)
-    hashed, keys, user_keys, key_errors = _decode_keys(list(map(_BODY, rks)), desc.kind == "map")
+    ttl_rows = desc.ttl is not None or desc.kind == "ttl_index"
+    ttl_errors = [findings.get((desc.name, k)) for k in rks] if ttl_rows and findings \
+        else [None] * n
+    if desc.internal:
+        kinds = {name: d.kind for name, d in backend.descriptors.items()}
+        hashed, keys, user_keys, key_errors = _decode_internal_keys(rks, desc.kind, kinds)
+    else:
+        hashed, keys, user_keys, key_errors = _decode_keys(list(map(_BODY, rks)),
+                                                           desc.kind == "map")
     del rks
     hashes = np.fromiter(map(mmh3.hash, hashed, repeat(0, n), repeat(False, n)),
                          dtype=np.uint32, count=n)
     computed = (hashes % np.uint32(max_parallelism)).astype(np.int32)
     r: KeyGroupRange = backend.key_group_range
-    value_errors, record_cols = _decode_values(desc, values)
-    if not any(key_errors) and not any(value_errors) and not short:
+    strip_errors: list = [None] * n
+    if desc.internal:  # internal entries hold no value
+        value_errors = [None if not v else f"internal {desc.kind} entry holds a value "
+                        f"({len(v)} bytes)" for v in values]
+        record_cols = None
+    else:
+        if desc.ttl is not None:
+            values, strip_errors = _strip_ttl(desc, values)
+        value_errors, record_cols = _decode_values(desc, values)
+        value_errors = [se or ve for se, ve in zip(strip_errors, value_errors, strict=True)]
+    if not any(key_errors) and not any(value_errors) and not short and not any(ttl_errors):
         errors: list = [None] * n
         decodes = np.ones(n, dtype=bool)
     else:
-        errors = [ke or ve for ke, ve in zip(key_errors, value_errors, strict=True)]
+        errors = [ke or ve or te for ke, ve, te
+                  in zip(key_errors, value_errors, ttl_errors, strict=True)]
         for i in short:
             errors[i] = errors[i] or "stored key is shorter than its 2-byte key-group prefix"
         decodes = np.fromiter((e is None for e in errors), dtype=bool, count=n)
@@ -198,6 +351,9 @@ def state_rows(backend: KeyedStateBackend, desc: StateDescriptor, subtask: int,
                     & (computed >= r.start) & (computed <= r.end),
         "decodes": decodes,
         "decode_error": pd.Series(errors, dtype=object),
+        # None (not checked) outside TTL states and the TTL index
+        "ttl_ok": pd.Series([te is None for te in ttl_errors] if ttl_rows else [None] * n,
+                            dtype=object),
     }, columns=STATE_COLUMNS)
     frame = None
     if keep_frame:
@@ -237,6 +393,7 @@ def build_content(storage: Storage, meta: CheckpointMetadata, *,
                   ) -> ContentTables:
     """Restore every subtask read-only (one at a time) and build the content tables."""
     descriptors = [StateDescriptor.from_json(s) for s in meta.states]
+    clocks = {"event": meta.watermark, "processing": meta.processing_time}
     m = meta.max_parallelism
     restore_rows, parts, count_rows = [], [], []
     frames: dict[str, list[pd.DataFrame]] = {}
@@ -257,9 +414,13 @@ def build_content(storage: Storage, meta: CheckpointMetadata, *,
                                        label=f"subtask {handle.index} of checkpoint "
                                              f"{meta.checkpoint_id}") as backend:
                     backend.file_paths = {f.local_name: f.path for f in handle.files}
-                    for desc in descriptors:
+                    # the backend adds the internal families it holds (e.g. ``_ttl``) even
+                    # when a record lists only the job's states
+                    declared = list(backend.descriptors.values())
+                    findings = ttl_findings(backend, declared, clocks)
+                    for desc in declared:
                         df, frame = state_rows(backend, desc, handle.index, m,
-                                               desc.name in frame_states)
+                                               desc.name in frame_states, findings)
                         counted[desc.name] = len(df)
                         parts.append(df)
                         if frame is not None:
@@ -271,11 +432,11 @@ def build_content(storage: Storage, meta: CheckpointMetadata, *,
         restore_rows.append({"subtask": handle.index, "restored": error is None,
                              "restore_error": error or ""})
         if error is None:
-            for desc in descriptors:
+            for name in dict.fromkeys([d.name for d in descriptors] + list(counted)):
                 count_rows.append({
-                    "subtask": handle.index, "state": desc.name,
-                    "recorded_rows": handle.row_counts.get(desc.name),
-                    "counted_rows": counted.get(desc.name, 0)})
+                    "subtask": handle.index, "state": name,
+                    "recorded_rows": handle.row_counts.get(name),
+                    "counted_rows": counted.get(name, 0)})
     for row in count_rows:
         # None (not recorded: a snapshot taken with count_rows=False) is skipped by GE
         rec = row["recorded_rows"]

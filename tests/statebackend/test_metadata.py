@@ -278,3 +278,76 @@ def test_show_and_dump_refuse_a_deeply_nested_record(lineage, capsys, tmp_path):
     for argv in (["show"], ["dump", "--out", str(tmp_path / "rows.jsonl")], ["gc"]):
         message = _ckpt_error(capsys, url, *argv)
         assert "orders/chk-3/_metadata" in message and "nested too deeply" in message
+
+
+# -- optional watermark and processing time (issue 12) --------------------------------
+
+def test_watermark_and_processing_time_round_trip_and_show_in_the_summary():
+    record = valid_record()
+    record["watermark"], record["processing_time"] = 1_700_000_000_000, -5
+    data = json.dumps(record).encode()
+    meta = CheckpointMetadata.from_bytes(data, WHERE)
+    assert (meta.watermark, meta.processing_time) == (1_700_000_000_000, -5)
+    assert parse_metadata(data, WHERE, {}) == meta
+    assert CheckpointMetadata.from_json(meta.to_json(), WHERE) == meta
+    assert meta.summary()["watermark"] == 1_700_000_000_000
+    assert meta.summary()["processing_time"] == -5
+
+
+def test_records_without_watermark_load_and_are_written_unchanged():
+    record = valid_record()
+    assert "watermark" not in record and "processing_time" not in record  # as before
+    meta = CheckpointMetadata.from_json(record, WHERE)
+    assert (meta.watermark, meta.processing_time) == (None, None)
+    assert meta.summary()["watermark"] is None
+    record["watermark"] = None  # explicit null: "none yet"
+    assert CheckpointMetadata.from_json(record, WHERE).watermark is None
+
+
+@pytest.mark.parametrize("value", [True, "1700000000000", 1.5, [1]])
+@pytest.mark.parametrize("key", ["watermark", "processing_time"])
+def test_watermark_types_are_strict(key, value):
+    record = valid_record()
+    record[key] = value
+    assert f"{key} {value!r} must be an integer (epoch ms) or null" in both_parsers_refuse(record)
+
+
+def test_internal_states_and_ttl_are_accepted_with_their_reserved_kinds():
+    record = valid_record()
+    record["states"] += [{"name": "_timers", "kind": "timers", "codec": {"type": "bytes"}},
+                         {"name": "_ttl", "kind": "ttl_index", "codec": {"type": "bytes"}}]
+    record["states"][0]["ttl"] = {"duration_ms": 60_000, "time": "event", "update_on": "write"}
+    meta = CheckpointMetadata.from_json(record, WHERE)
+    assert [s["name"] for s in meta.states][-2:] == ["_timers", "_ttl"]
+    record["states"][-1]["kind"] = "value"
+    assert "state '_ttl' is reserved for kind 'ttl_index'" in both_parsers_refuse(record)
+    record["states"][-1]["kind"] = "ttl_index"
+    record["states"][1]["kind"] = "timers"  # an internal kind on a user state
+    assert "state 'events' has unknown kind 'timers'" in both_parsers_refuse(record)
+
+
+def test_ckpt_show_prints_the_watermark(tmp_path, capsys):
+    from statebackend import cli
+    from statebackend.snapshot import checkpoint_backends
+    from tests.statebackend.helpers import close_all, fill, keys, open_backends
+
+    url = f"file://{tmp_path}/store"
+    store = CheckpointStore(open_storage(url), "sessions")
+    backends = open_backends(str(tmp_path / "work"), 1)
+    try:
+        fill(backends, keys(20))
+        first = checkpoint_backends(store, backends, parent=None, run_id="r1")
+    finally:
+        close_all(backends)
+    # the run protocol records the watermark; here we add it to the committed record
+    store.storage.write_bytes(metadata_path(1), first.with_changes(
+        watermark=1_700_000_000_000, processing_time=1_700_003_600_000).to_bytes())
+    assert cli.main(["--storage", url, "--job", "sessions", "show", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "watermark         1700000000000 (2023-11-14T22:13:20.000+00:00)" in out
+    assert "processing_time   1700003600000 (2023-11-14T23:13:20.000+00:00)" in out
+    assert cli.main(["--storage", url, "--job", "sessions", "show", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["watermark"] == 1_700_000_000_000
+    store.storage.write_bytes(metadata_path(1), first.to_bytes())  # a record without one
+    assert cli.main(["--storage", url, "--job", "sessions", "show", "1"]) == 0
+    assert "watermark         -" in capsys.readouterr().out

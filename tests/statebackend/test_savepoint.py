@@ -106,3 +106,22 @@ def test_import_of_checkpoint_copies_with_fresh_names(job):
         [(f.local_name, f.size, f.checksum) for f in src.files]
     # no lease left behind in the source job
     assert build_registry(job.store).leases == ()
+
+
+def _set_time(store: CheckpointStore, cid: int, watermark: int, processing: int) -> None:
+    """Give a committed record a watermark and clock (as a job with event time writes)."""
+    import json
+
+    rel = f"chk-{cid}/_metadata"
+    obj = json.loads(store.storage.read_bytes(rel))
+    obj.update(watermark=watermark, processing_time=processing)
+    store.storage.write_bytes(rel, json.dumps(obj).encode())
+
+
+def test_savepoint_and_import_keep_the_watermark(job):
+    _set_time(job.store, 2, 1_800_000_000_000, 1_800_000_360_000)
+    sp = create_savepoint(job.store, "latest", "timed")
+    assert (sp.watermark, sp.processing_time) == (1_800_000_000_000, 1_800_000_360_000)
+    imported = import_start_point(job.storage, "copy", "orders/savepoints/timed")
+    assert (imported.watermark, imported.processing_time) == (1_800_000_000_000,
+                                                              1_800_000_360_000)
