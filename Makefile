@@ -29,7 +29,7 @@ test-fast: install
 	$(VENV)/bin/pytest -q -m "not slow"
 
 demo: install
-	$(PY) -m jobs.pipeline_demo
+	$(PY) -m demo.pipeline_demo
 
 # The Airflow UI on the demo's data (run `make demo` first): http://localhost:8080, user
 # admin, password in $AIRFLOW_HOME/simple_auth_manager_passwords.json.generated, the

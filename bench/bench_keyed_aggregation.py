@@ -177,7 +177,7 @@ def spawn(spec: dict) -> tuple[list[dict], float]:
 
 # -- orchestration ------------------------------------------------------------
 def bench(args: argparse.Namespace, before_tree: str | None) -> dict:
-    from jobs.sample_data import generate_days
+    from demo.sample_data import generate_days
 
     work = os.path.abspath(args.workdir)
     shutil.rmtree(work, ignore_errors=True)

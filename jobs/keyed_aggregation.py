@@ -27,6 +27,7 @@ if __package__ in (None, ""):  # spark-submit jobs/keyed_aggregation.py: make th
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
+from statebackend.defaults import MAX_REJECT_FRACTION  # noqa: E402
 from statebackend.errors import CkptError  # noqa: E402
 from statebackend.job import (  # noqa: E402
     Input,
@@ -133,7 +134,7 @@ class JobConfig:
     parallelism: int | None = None
     max_parallelism: int = DEFAULT_MAX_PARALLELISM
     master: str = "local[*]"
-    max_reject_fraction: float = 0.01
+    max_reject_fraction: float = MAX_REJECT_FRACTION
     quarantine: str | None = None  # default: <output>/_quarantine
     start_from: str | None = None
     local_dir: str | None = None
@@ -179,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="key groups M (fixed at the first run; default %(default)s)")
     p.add_argument("--master", default=None,
                    help="Spark master (default: spark-submit's --master, else local[*])")
-    p.add_argument("--max-reject-fraction", type=float, default=0.01,
+    p.add_argument("--max-reject-fraction", type=float, default=MAX_REJECT_FRACTION,
                    help="fail when more than this fraction of rows is rejected "
                         "(default %(default)s)")
     p.add_argument("--quarantine", default=None,

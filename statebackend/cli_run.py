@@ -17,9 +17,9 @@ import argparse
 import os
 import sys
 
+from . import defaults
 from .cli import emit_json, json_flag
 from .errors import UsageError
-from .keygroups import DEFAULT_MAX_PARALLELISM
 
 JOB_OPTION_PREFIX = "job_option__"
 
@@ -82,11 +82,11 @@ def add_run_arguments(p: argparse.ArgumentParser, *, with_storage: bool) -> None
                    help="output root (required when the job declares outputs)")
     p.add_argument("--parallelism", type=int, default=None,
                    help="subtasks P (first run of a lineage; later runs keep it)")
-    p.add_argument("--max-parallelism", type=int, default=DEFAULT_MAX_PARALLELISM,
+    p.add_argument("--max-parallelism", type=int, default=defaults.MAX_PARALLELISM,
                    help="key groups M (fixed at the first run; default %(default)s)")
     p.add_argument("--master", default=None,
                    help="Spark master (default: spark-submit's --master, else local[*])")
-    p.add_argument("--max-reject-fraction", type=float, default=0.01,
+    p.add_argument("--max-reject-fraction", type=float, default=defaults.MAX_REJECT_FRACTION,
                    help="fail when more than this fraction of rows is rejected "
                         "(default %(default)s)")
     p.add_argument("--quarantine", default=None,

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import mmh3
 
+from .defaults import MAX_PARALLELISM as DEFAULT_MAX_PARALLELISM  # noqa: F401 - re-exported
 from .errors import UsageError
 
 MAX_MAX_PARALLELISM = 1 << 15  # key group must fit the 2-byte prefix
-DEFAULT_MAX_PARALLELISM = 128
 KEY_GROUP_PREFIX_BYTES = 2
 
 

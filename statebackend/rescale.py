@@ -44,13 +44,14 @@ storage runs the same tasks one after the other in the driver.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -67,11 +68,6 @@ from .restore import download_files
 from .snapshot import upload_snapshot
 from .state import StateDescriptor
 from .storage import Storage, open_storage
-
-# Forwarded from the driver to the tasks so that workers reach the same storage
-# (the same list as `statebackend.spark.session.STORAGE_ENV`, without importing Spark).
-STORAGE_ENV_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-                    "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
 
 
 class NothingToRescaleError(UsageError):
@@ -257,11 +253,12 @@ def count_keys(backend: KeyedStateBackend, cf_name: str, key_groups: KeyGroupRan
     return backend.count_keys(cf_name, key_groups)
 
 
-def run_subtask(spec: dict) -> dict:
+def run_subtask(spec: dict, storage_options: Mapping | None = None) -> dict:
     """Build, snapshot and upload one new subtask; never raises (errors are reported).
 
-    ``spec`` is JSON (see `_task_specs`). On failure the uploads of this attempt are
-    deleted before the error is returned.
+    ``spec`` is JSON (see `_task_specs`); ``storage_options`` open its storage (the
+    driver's, shipped in the task closure, never through the environment). On
+    failure the uploads of this attempt are deleted before the error is returned.
     """
     started = time.perf_counter()
     timings: dict[str, float] = {}
@@ -270,9 +267,8 @@ def run_subtask(spec: dict) -> dict:
     work = None
     index = spec["index"]
     try:
-        for var, value in spec.get("env", {}).items():
-            os.environ[var] = value
-        job_storage = CheckpointStore(open_storage(spec["storage"]), spec["job"]).storage
+        job_storage = CheckpointStore(open_storage(spec["storage"], **(storage_options or {})),
+                                      spec["job"]).storage
         where = f"rescale source {spec['source_checkpoint_id']}"
         handles = {h["index"]: SubtaskHandle.from_json(h, where) for h in spec["handles"]}
         descriptors = [StateDescriptor.from_json(s) for s in spec["states"]]
@@ -382,21 +378,20 @@ def run_subtask(spec: dict) -> dict:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def run_subtask_json(spec_json: str) -> str:
-    """Spark entry point: JSON in, JSON out (nothing pickled but this module's name)."""
-    return json.dumps(run_subtask(json.loads(spec_json)))
+def run_subtask_json(spec_json: str, storage_options: Mapping | None = None) -> str:
+    """Spark entry point: JSON in, JSON out; the storage options ride in the closure."""
+    return json.dumps(run_subtask(json.loads(spec_json), storage_options))
 
 
 # -- driver ------------------------------------------------------------------------
 
 def _task_specs(store: CheckpointStore, meta: CheckpointMetadata, plan: RescalePlan,
                 checkpoint_id: int, compact: bool, fail: int | None) -> list[dict]:
-    env = {v: os.environ[v] for v in STORAGE_ENV_VARS if os.environ.get(v)}
     by_index = {h.index: h for h in meta.subtasks}
     specs = []
     for s in plan.subtasks:
         specs.append({
-            "storage": store.root_storage.url, "job": store.job, "env": env,
+            "storage": store.root_storage.url, "job": store.job,
             "source_checkpoint_id": meta.checkpoint_id, "checkpoint_id": checkpoint_id,
             "index": s.index, "key_group_start": s.key_groups.start,
             "key_group_end": s.key_groups.end, "max_parallelism": meta.max_parallelism,
@@ -413,7 +408,7 @@ def _run_tasks(specs: list[dict], store: CheckpointStore, master: str | None, sp
     if store.storage.protocol == "memory":
         # One after the other: fsspec's memory filesystem hands every reader of a file
         # the same file object, so two subtasks reading one old handle would collide.
-        return [run_subtask(spec) for spec in specs]
+        return [run_subtask(spec, store.root_storage.options) for spec in specs]
     if spark is None:
         from .spark.session import get_spark
 
@@ -423,7 +418,8 @@ def _run_tasks(specs: list[dict], store: CheckpointStore, master: str | None, sp
     try:
         payload = [json.dumps(s) for s in specs]
         # One partition per new subtask: exactly one Spark task builds each.
-        out = sc.parallelize(payload, len(payload)).map(run_subtask_json).collect()
+        task = functools.partial(run_subtask_json, storage_options=store.root_storage.options)
+        out = sc.parallelize(payload, len(payload)).map(task).collect()
     finally:
         sc.setJobDescription(None)
     # Other processes wrote under the job root: drop this process's cached listings
@@ -489,6 +485,9 @@ def rescale(store: CheckpointStore, ref: str | int | None = "latest",
                                                  "to_parallelism": parallelism,
                                                  "source_checkpoint_id": meta.checkpoint_id,
                                                  "compacted": compact}})
+            # Time is state too: the rescaled lineage keeps its watermark and clock.
+            new_meta = new_meta.with_changes(watermark=meta.watermark,
+                                             processing_time=meta.processing_time)
             attempt.commit(new_meta)  # discards the attempt itself if the commit fails
         except BaseException as exc:
             attempt.discard()

@@ -13,9 +13,17 @@ Contracts:
   on the bytes that went through, so a checksum costs no second read.
 - `memory://` has a maximum size (``?max_bytes=N``, N >= 1, default 512 MiB); a
   write that would exceed it raises StorageFullError naming the limit.
-- S3 credentials come only from the environment (the standard AWS variables or
-  an Airflow connection exported to them); the endpoint from
-  ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``. Nothing secret is logged.
+- Storage options (`open_storage(url, **options)`) are fsspec's: for s3, ``key``,
+  ``secret``, ``token``, ``profile``, ``client_kwargs={"endpoint_url": ...,
+  "region_name": ...}``, ``config_kwargs``... They travel with the `Storage`
+  (`child_storage` keeps them) and to Spark executors inside task parameters.
+  Without options, s3 reads the standard ``AWS_*`` variables of this process
+  (s3fs's own behaviour; the endpoint from ``AWS_ENDPOINT_URL_S3`` /
+  ``AWS_ENDPOINT_URL``), captured once as explicit options so executors elsewhere
+  get the same. The library never writes credentials into the environment.
+  local and memory roots take no options and ignore them, so one set serves a run
+  whose checkpoints live on S3 and whose output is local.
+- Nothing secret is logged: `StorageOptions`' repr shows secret names, not values.
 """
 
 from __future__ import annotations
@@ -26,9 +34,10 @@ import posixpath
 import threading
 import uuid
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import crc32c as _crc32c
@@ -90,6 +99,59 @@ def checksum_of_bytes(data: bytes, algorithm: str = CHECKSUM_ALGORITHM) -> str:
     return format_checksum(algorithm, _CRC_FUNCTIONS[algorithm](data))
 
 
+# Option names whose values are secrets (fsspec/s3fs and botocore spellings).
+SECRET_OPTIONS = frozenset({"key", "secret", "token", "password", "aws_access_key_id",
+                            "aws_secret_access_key", "aws_session_token", "session_token"})
+
+
+class StorageOptions(Mapping[str, Any]):
+    """Read-only fsspec options of a storage root whose repr never shows a secret.
+
+    Pickled with task parameters to Spark executors (in the closure, not in row
+    data or logs); ``repr`` and ``str`` show ``'***'`` for every secret value, so a
+    logged task, config or storage names the options but leaks nothing.
+    """
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: Mapping[str, Any] | None = None) -> None:
+        self._data = dict(data or {})
+
+    def __getitem__(self, name: str) -> Any:
+        return self._data[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mapping) and dict(self._data) == dict(other)
+
+    def __hash__(self) -> int:  # an immutable value (dataclass fields may hash it)
+        return hash(tuple(sorted(self._data)))
+
+    def __reduce__(self):
+        return (StorageOptions, (self._data,))
+
+    def __repr__(self) -> str:
+        return f"StorageOptions({_redacted(self._data)!r})"
+
+    __str__ = __repr__
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain (deep) copy for fsspec."""
+        return {k: dict(v) if isinstance(v, Mapping) else v for k, v in self._data.items()}
+
+
+def _redacted(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: "***" if k in SECRET_OPTIONS and v else _redacted(v)
+                for k, v in value.items()}
+    return value
+
+
 @dataclass(frozen=True)
 class FileInfo:
     """One listing entry: path relative to the storage root, size, mtime (epoch s)."""
@@ -103,9 +165,13 @@ class Storage:
     """Primitives over an fsspec filesystem rooted at ``url``."""
 
     def __init__(self, url: str, fs: fsspec.AbstractFileSystem, root: str,
-                 quota: _Quota | None = None) -> None:
+                 quota: _Quota | None = None,
+                 options: Mapping[str, Any] | None = None) -> None:
         self.url = url
         self.fs = fs
+        # The options this root was opened with (for executors: `open_storage(url, **options)`).
+        self.options = options if isinstance(options, StorageOptions) else \
+            StorageOptions(options)
         self.root = root.rstrip("/")
         self.protocol = _protocol_of(url)
         self._quota = quota
@@ -441,23 +507,53 @@ def _mtime_of(entry: dict) -> float | None:
     return None
 
 
-def s3_storage_options() -> dict:
-    """fsspec options for S3 from the environment only (never from code)."""
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    options: dict = {
+# Standard AWS variables read (never written) when an s3 root gets no options.
+_ENV_OPTIONS = (("key", "AWS_ACCESS_KEY_ID"), ("secret", "AWS_SECRET_ACCESS_KEY"),
+                ("token", "AWS_SESSION_TOKEN"))
+
+
+def environment_s3_options(environ: Mapping[str, str] | None = None) -> dict:
+    """The s3 options s3fs would take from this process's ``AWS_*`` variables, explicit.
+
+    Captured on the driver so that executors on other hosts reach the same storage;
+    without an access key nothing is captured and botocore's own chain (profile,
+    instance role) applies wherever the storage is opened.
+    """
+    env = os.environ if environ is None else environ
+    options: dict = {}
+    if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+        options = {name: env[var] for name, var in _ENV_OPTIONS if env.get(var)}
+    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        options["client_kwargs"] = {"endpoint_url": endpoint}
+    return options
+
+
+def s3_storage_options(options: Mapping[str, Any] | None = None) -> dict:
+    """fsspec s3 options: the library's settings, then ``options`` (or the environment's)."""
+    given = dict(options) if options else environment_s3_options()
+    merged: dict = {
         # Listings must be fresh: other processes (executors, other runs, the CLI)
         # commit checkpoints and upload files; a cached listing hides them.
         "use_listings_cache": False,
         "config_kwargs": {"connect_timeout": 5, "read_timeout": 60,
                           "retries": {"max_attempts": 3, "mode": "standard"}},
     }
-    if endpoint:
-        options["client_kwargs"] = {"endpoint_url": endpoint}
-    return options
+    for name, value in given.items():
+        if name in ("client_kwargs", "config_kwargs") and isinstance(value, Mapping):
+            merged[name] = {**merged.get(name, {}), **value}
+        else:
+            merged[name] = value
+    return merged
 
 
-def open_storage(url: str) -> Storage:
-    """Open a storage root. ``url`` is a path, file://, memory:// or s3:// URL."""
+def open_storage(url: str, **options: Any) -> Storage:
+    """Open a storage root. ``url`` is a path, file://, memory:// or s3:// URL.
+
+    ``options`` are fsspec's for the scheme (s3: ``key``, ``secret``, ``token``,
+    ``profile``, ``client_kwargs={"endpoint_url": ...}``, ...); without them s3
+    reads the standard ``AWS_*`` variables. Local and memory roots ignore them.
+    """
     if not url:
         raise UsageError("storage URL is empty")
     parts = urlsplit(url)
@@ -474,11 +570,15 @@ def open_storage(url: str) -> Storage:
     if protocol in ("s3", "s3a"):
         if not parts.netloc:
             raise UsageError(f"S3 storage URL {url!r} names no bucket")
+        given = options or environment_s3_options()
         try:
-            fs = fsspec.filesystem("s3", **s3_storage_options())
+            fs = fsspec.filesystem("s3", **s3_storage_options(given))
         except ImportError as exc:
             raise UsageError("s3:// storage needs s3fs: pip install s3fs") from exc
-        return Storage(url, fs, (parts.netloc + parts.path).rstrip("/"))
+        except TypeError as exc:  # an option s3fs does not know
+            raise UsageError(f"storage {url}: unknown storage option(s) {sorted(given)} "
+                             f"({exc}); see s3fs.S3FileSystem for the names") from exc
+        return Storage(url, fs, (parts.netloc + parts.path).rstrip("/"), options=given)
     raise UsageError(f"storage URL {url!r} has unsupported scheme {protocol!r}; "
                      "use file://, memory:// or s3://")
 
@@ -502,4 +602,4 @@ def child_storage(storage: Storage, name: str) -> Storage:
     if "/" in clean:
         raise UsageError(f"job name {name!r} must not contain '/'")
     return Storage(f"{storage.url.rstrip('/')}/{clean}", storage.fs, f"{storage.root}/{clean}",
-                   storage._quota)
+                   storage._quota, storage.options)

@@ -16,9 +16,10 @@ import subprocess
 import pytest
 import yaml
 
-from jobs.pipeline_config import DEFAULT_CONFIG, load_job_specs
+from statebackend.airflow.config import load_job_specs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_CONFIG = os.path.join(ROOT, "dags", "ckpt_jobs.yaml")
 COMPOSE = os.path.join(ROOT, "docker-compose.yaml")
 DOCKERFILE = os.path.join(ROOT, "docker", "Dockerfile")
 ENV_FILE = os.path.join(ROOT, "docker", "compose.env")

@@ -88,21 +88,26 @@ def _server_get_connection(conn_id: str):
 
 
 def load_specs():
-    from jobs.pipeline_config import load_job_specs
+    """The deployment's ``ckpt_jobs`` (the same definitions the DAG files build from)."""
+    from airflow.configuration import conf
 
-    return load_job_specs()
+    from statebackend.airflow.config import load_job_specs
+
+    return load_job_specs(default=os.path.join(conf.get("core", "dags_folder"),
+                                               "ckpt_jobs.yaml"))
 
 
 def _open_store(spec):
-    """The job's store, with the storage connection's credentials when configured."""
-    from jobs.pipeline_tasks import export_storage_credentials, open_store
+    """The job's store, opened with its storage connection's options (never os.environ)."""
+    from statebackend.airflow.steps import open_store
 
     if spec.storage_conn_id:
         try:
-            export_storage_credentials(spec, get_connection=_server_get_connection)
-        except Exception as exc:  # noqa: BLE001 - fall back to the server's environment
-            log.warning("storage connection %r unavailable: %s", spec.storage_conn_id, exc)
-    return open_store(spec)
+            return open_store(spec, get_connection=_server_get_connection)
+        except Exception as exc:  # noqa: BLE001 - fall back to the server's own credentials
+            log.warning("storage connection %r unavailable: %s", spec.storage_conn_id,
+                        type(exc).__name__)
+    return open_store(spec, {})
 
 
 def _summary_reader():

@@ -26,22 +26,22 @@ The summary (`run_job`'s result) is one JSON-able dict; see `summary`.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
-import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .. import defaults
 from ..attempt import Attempt, cleanup_committed
 from ..checkpoints import CheckpointStore, build_metadata
 from ..errors import CkptError, UsageError
 from ..keygroups import DEFAULT_MAX_PARALLELISM, check_parallelism
 from ..leases import writer_lease
-from ..metadata import CheckpointMetadata, SubtaskHandle
-from ..storage import Storage, open_storage
+from ..metadata import CheckpointMetadata, SubtaskHandle, utc_now_iso
+from ..runs import RunOutcome, RunRecord, record_outcome, safe_run_name
+from ..storage import Storage, StorageOptions, open_storage
 from .api import Job
 from .input import InputFiles, check_parquet, list_input, marker_row, read_ddl, read_input
 from .task import MARKER, RESULT_DDL, TaskParams, output_folder, part_name, run_subtask
@@ -65,6 +65,10 @@ class RunConfig:
 
     ``job`` is the folder under the storage root (default: the job's name);
     ``parallelism``/``max_parallelism`` only matter on a lineage's first run;
+    ``storage_options`` are fsspec's (`statebackend.storage.open_storage`) for the
+    checkpoint storage, the output and the quarantine; without them s3 reads the
+    driver's ``AWS_*`` variables. They reach executors inside the task parameters
+    and their repr shows no secret.
     ``fail_subtask`` is a test hook (that subtask raises after its upload).
     """
 
@@ -74,14 +78,26 @@ class RunConfig:
     output: str | None = None
     job: str | None = None
     parallelism: int | None = None
-    max_parallelism: int = DEFAULT_MAX_PARALLELISM
+    max_parallelism: int = defaults.MAX_PARALLELISM
     master: str = "local[*]"
-    max_reject_fraction: float = 0.01
+    max_reject_fraction: float = defaults.MAX_REJECT_FRACTION
     quarantine: str | None = None  # default: <output>/_quarantine
     start_from: str | None = None
     local_dir: str | None = None  # executors' local-recovery root (default CKPT_LOCAL_DIR/tmp)
     options: Mapping[str, Any] = field(default_factory=dict, hash=False)
     fail_subtask: int | None = None
+    # Who ran it, recorded in `_metadata` and the run history, e.g. {"airflow": {"dag_id":
+    # ..., "run_id": ..., "task_id": ..., "try_number": ...}} (the page links to it).
+    context: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    storage_options: Mapping[str, Any] = field(default_factory=StorageOptions, hash=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.storage_options, StorageOptions):  # repr must redact secrets
+            object.__setattr__(self, "storage_options", StorageOptions(self.storage_options))
+
+    def open(self, url: str) -> Storage:
+        """``url`` (storage, output or quarantine) opened with this run's storage options."""
+        return open_storage(url, **self.storage_options)
 
     def job_dir(self, job: Job) -> str:
         return self.job or job.name
@@ -98,10 +114,7 @@ class RunConfig:
 
 def run_dir_name(run_id: str) -> str:
     """Folder of one run under output/quarantine: readable, path-safe, collision-free."""
-    safe = re.sub(r"[^A-Za-z0-9_.\-]", "_", run_id)[:80]
-    if safe != run_id:
-        safe += "-" + hashlib.sha1(run_id.encode()).hexdigest()[:8]
-    return f"run={safe}"
+    return f"run={safe_run_name(run_id)}"
 
 
 def run_folders(job: Job, run_id: str) -> dict[str, str]:
@@ -129,19 +142,42 @@ def summary(job: Job, config: RunConfig, *, checkpoint_id: int | None,
 
 # -- the run ---------------------------------------------------------------------------
 def run_job(job: Job, config: RunConfig, spark=None) -> dict:
-    """Run ``job`` once; return the summary. Raises CkptError subclasses (one line)."""
+    """Run ``job`` once; return the summary. Raises CkptError subclasses (one line).
+
+    Every outcome (committed, skipped, failed) is recorded in the run history
+    (``runs/history/``, runs.py) for the Checkpoints page.
+    """
     started = time.perf_counter()
+    started_at = utc_now_iso()
     options = _check_config(job, config)
-    storage = open_storage(config.storage)
+    storage = config.open(config.storage)
     if storage.protocol == "memory":
         raise UsageError(f"storage {config.storage} lives in one process, but Spark tasks run "
                          "in others: use a file:// path or s3://")
     store = CheckpointStore(storage, config.job_dir(job))
-    done = store.find_by_run_id(config.run_id)
+    outcome = RunOutcome(config.run_id, "failed", None, started_at, 0.0, None,
+                         dict(config.context))
+    try:
+        result = _run(job, config, spark, options, store, started)
+    except CkptError as exc:
+        outcome = replace(outcome, error=str(exc))
+        raise
+    else:
+        outcome = replace(outcome, outcome="skipped" if result["skipped"] else "committed",
+                          checkpoint_id=result["checkpoint_id"])
+        return result
+    finally:
+        record_outcome(store.storage, replace(
+            outcome, duration_s=round(time.perf_counter() - started, 3)))
+
+
+def _run(job: Job, config: RunConfig, spark, options: dict, store: CheckpointStore,
+         started: float) -> dict:
+    done = store.find_run(config.run_id)
     if done is not None:
         return _skipped(job, config, store, done, started)
     with writer_lease(store.storage, f"{job.name} run {config.run_id}"):
-        done = store.find_by_run_id(config.run_id)  # committed while we waited for the lease
+        done = store.find_run(config.run_id)  # committed while we waited for the lease
         if done is not None:
             return _skipped(job, config, store, done, started)
         warnings: list[str] = []
@@ -226,14 +262,13 @@ def _run_attempt(spark, job: Job, config: RunConfig, options: dict, store: Check
                  parent: CheckpointMetadata | None, files: InputFiles, started: float,
                  warnings: list[str]) -> dict:
     from ..spark import dispatch
-    from ..spark.session import forward_storage_env
 
     parallelism, max_parallelism = _lineage_shape(config, parent, spark, warnings)
     checkpoint_id = store.next_checkpoint_id()
     run_dir = run_dir_name(config.run_id)
     # Leftovers of a crashed attempt of this run id must not mix with this attempt's parts.
     _delete_run_outputs(job, config)
-    open_storage(config.quarantine_url).delete_tree(run_dir)
+    config.open(config.quarantine_url).delete_tree(run_dir)
     part_values = tuple(dispatch.partition_values(parallelism))
     params = TaskParams(
         job=job, options=options, storage_url=store.root_storage.url, job_dir=store.job,
@@ -241,8 +276,10 @@ def _run_attempt(spark, job: Job, config: RunConfig, options: dict, store: Check
         parent_handles=tuple(json.dumps(h.to_json()) for h in parent.subtasks) if parent else (),
         output_url=config.output, quarantine_url=config.quarantine_url, run_dir=run_dir,
         run_id=config.run_id, part_values=part_values, local_dir=config.local_dir,
-        fail_subtask=config.fail_subtask)
-    forward_storage_env(spark)
+        fail_subtask=config.fail_subtask,
+        # What the driver opened the storage with (its AWS_* captured when none were
+        # given): executors on other hosts reach the same storage; nothing goes to env.
+        storage_options=store.root_storage.options)
     inp = job.input
     ddl = read_ddl(inp)
     routed = dispatch.route(read_input(spark, files, inp),
@@ -309,7 +346,10 @@ def _commit(job: Job, config: RunConfig, store: CheckpointStore, attempt: Attemp
              "input_files_skipped": len(files.skipped), "input_bytes": files.total_bytes,
              "output": config.output,
              # Which parts the run wrote: a re-run may only publish complete folders.
-             "output_parts": _output_parts(job, rows), "job_kind": job.name}
+             "output_parts": _output_parts(job, rows), "job_kind": job.name,
+             "metrics": run_metrics(rows, handles, started, reasons)}
+    if config.context:
+        extra["context"] = dict(config.context)
     meta = build_metadata(
         job=store.job, checkpoint_id=attempt.checkpoint_id,
         parent=parent.checkpoint_id if parent else None, max_parallelism=max_parallelism,
@@ -317,10 +357,13 @@ def _commit(job: Job, config: RunConfig, store: CheckpointStore, attempt: Attemp
         inputs=[config.input], extra=extra)
     # Discards the attempt (uploads and output parts) if the commit fails.
     attempt.commit(meta, winners=[(r["subtask"], r["attempt"]) for r in rows])
+    # The ledger remembers the run once retention retires this checkpoint (runs.py);
+    # a crash before this line is repaired by the skipped re-run (`find_run`).
+    store.record_run(meta)
     # A crash from here on leaves a committed run without _SUCCESS: its re-run is
     # skipped and finishes the publication (`_skipped`).
     for folder in run_folders(job, config.run_id).values():
-        _write_success(config.output, folder)
+        _write_success(config, folder)
     timings["committing"] = time.perf_counter() - t0
     detail: dict[str, float] = {}
     for r in rows:
@@ -338,6 +381,39 @@ def _commit(job: Job, config: RunConfig, store: CheckpointStore, attempt: Attemp
         logic_timings=detail, **files.skipped_report(), **extra_summary)
 
 
+PHASES = {"restore": "t_restoring", "process": "t_processing", "snapshot": "t_snapshotting",
+          "upload": "t_uploading"}
+
+
+def run_metrics(rows: list[dict], handles: list[SubtaskHandle], started: float,
+                reasons: dict[str, int]) -> dict:
+    """``extra["metrics"]`` of a commit record (format 1; read by the Checkpoints page).
+
+    Phases are seconds summed over subtasks (they overlap in wall time); ``commit`` is
+    not in the record that the commit writes. ``timers`` is 0 until a job has timers.
+    """
+    by_subtask = {r["subtask"]: r for r in rows}
+    subtasks = []
+    for h in handles:
+        r = by_subtask[h.index]
+        subtasks.append({
+            "index": h.index, "events": r["events"], "rejected": r["rejected"],
+            "keys_touched": r["keys_touched"], "bytes_uploaded": h.bytes_uploaded,
+            "state_rows": sum(h.row_counts.values()),
+            "phases": {k: round(r[col], 4) for k, col in PHASES.items()} | {"timers": 0.0}})
+    total = {k: round(sum(s["phases"][k] for s in subtasks), 4)
+             for k in (*PHASES, "timers")}
+    events = sum(s["events"] for s in subtasks)
+    rejected = sum(s["rejected"] for s in subtasks)
+    return {"format": 1, "subtasks": subtasks, "run": {
+        "duration_s": round(time.perf_counter() - started, 3),
+        "events_read": events + rejected, "events_rejected": rejected,
+        "rejects_by_reason": dict(reasons),
+        "keys_touched": sum(s["keys_touched"] for s in subtasks),
+        "bytes_uploaded": sum(s["bytes_uploaded"] for s in subtasks),
+        "state_rows": sum(s["state_rows"] for s in subtasks), "phases": total}}
+
+
 def _output_parts(job: Job, rows: list[dict]) -> list[str] | dict[str, list[str]]:
     """Parts written per output: a list for a job with one output (release-1 form)."""
     written = {o.name: [] for o in job.outputs}
@@ -352,24 +428,25 @@ def _output_parts(job: Job, rows: list[dict]) -> list[str] | dict[str, list[str]
 def _delete_run_outputs(job: Job, config: RunConfig) -> None:
     if not job.outputs:
         return
-    out = open_storage(config.output)
+    out = config.open(config.output)
     for folder in run_folders(job, config.run_id).values():
         out.delete_tree(folder)
 
 
-def _write_success(output_url: str, folder: str) -> None:
-    open_storage(output_url).write_bytes(f"{folder}/_SUCCESS", b"")
+def _write_success(config: RunConfig, folder: str) -> None:
+    config.open(config.output).write_bytes(f"{folder}/_SUCCESS", b"")
 
 
 # -- a run id already committed ----------------------------------------------------------
-def _skipped(job: Job, config: RunConfig, store: CheckpointStore, done: CheckpointMetadata,
+def _skipped(job: Job, config: RunConfig, store: CheckpointStore, done: RunRecord,
              started: float) -> dict:
     """A committed run id: count nothing again, but finish what a crash after its commit left.
 
     Idempotent: ``_SUCCESS`` is written only when absent and when every output part the
     commit recorded is there (a folder whose parts were removed is not published).
     """
-    cleanup_committed(store, done)
+    if done.checkpoint_id in store.checkpoint_ids():  # retired ones left nothing to clean
+        cleanup_committed(store, store.load(done.checkpoint_id))
     published, missing = finish_publication(job, config, done)
     extra: dict = {"published": published}
     if missing:
@@ -378,12 +455,12 @@ def _skipped(job: Job, config: RunConfig, store: CheckpointStore, done: Checkpoi
                    parallelism=done.parallelism, started=started, skipped=True, **extra)
 
 
-def finish_publication(job: Job, config: RunConfig, done: CheckpointMetadata
+def finish_publication(job: Job, config: RunConfig, done: RunRecord
                        ) -> tuple[bool, list[str]]:
     """Write the run's missing ``_SUCCESS`` files; returns (any written now, missing parts)."""
     if not job.outputs:
         return False, []
-    out = open_storage(config.output)
+    out = config.open(config.output)
     recorded = done.extra.get("output_parts")
     written, missing = False, []
     for name, folder in run_folders(job, config.run_id).items():
@@ -394,13 +471,12 @@ def finish_publication(job: Job, config: RunConfig, done: CheckpointMetadata
         if gone:
             missing += [f"{folder}/{p}" if len(job.outputs) > 1 else p for p in gone]
             continue
-        _write_success(config.output, folder)
+        _write_success(config, folder)
         written = True
     return written, missing
 
 
-def _missing_parts(out: Storage, folder: str, parts: Any, done: CheckpointMetadata
-                   ) -> list[str]:
+def _missing_parts(out: Storage, folder: str, parts: Any, done: RunRecord) -> list[str]:
     if isinstance(parts, list):
         return [str(p) for p in parts if not out.exists(f"{folder}/{p}")]
     # Committed before output_parts was recorded: a folder with parts will do, or none

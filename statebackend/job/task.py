@@ -41,7 +41,7 @@ from ..keygroups import key_group_range_for_subtask
 from ..metadata import SubtaskHandle
 from ..restore import restore_subtask
 from ..snapshot import snapshot
-from ..storage import child_storage, open_storage
+from ..storage import Storage, StorageOptions, child_storage, open_storage
 from .api import Job
 from .core import REASON, ProcessResult, SubtaskProcessor
 from .input import LINE, raw_table
@@ -78,7 +78,11 @@ def output_folder(job: Job, output: str) -> str:
 
 @dataclass(frozen=True)
 class TaskParams:
-    """Everything a task needs; shipped to executors with the function (no secrets)."""
+    """Everything a task needs; shipped to executors with the function (pickled, not logged).
+
+    ``storage_options`` carry the storage credentials (never the environment); their
+    repr, and so this object's, shows no secret value.
+    """
 
     job: Job
     options: dict = field(hash=False)
@@ -95,6 +99,10 @@ class TaskParams:
     part_values: tuple[int, ...]
     local_dir: str | None = None
     fail_subtask: int | None = None
+    storage_options: StorageOptions = field(default_factory=StorageOptions, hash=False)
+
+    def open(self, url: str) -> Storage:
+        return open_storage(url, **self.storage_options)
 
 
 def local_instance_dir(params: TaskParams, subtask: int) -> str:
@@ -130,7 +138,7 @@ class SubtaskRun:
         self.job = params.job
         self.subtask = subtask
         self.attempt = attempt
-        self.job_storage = child_storage(open_storage(params.storage_url), params.job_dir)
+        self.job_storage = child_storage(params.open(params.storage_url), params.job_dir)
         self.parent = (SubtaskHandle.from_json(json.loads(params.parent_handles[subtask]),
                                                f"parent handle {subtask}")
                        if params.parent_handles else None)
@@ -244,7 +252,7 @@ class SubtaskRun:
                 continue
             folder = output_folder(self.job, name)
             rel = "/".join(x for x in (folder, p.run_dir, part_name(self.subtask)) if x)
-            write_parquet(p.output_url, rel, table)
+            write_parquet(p.open(p.output_url), rel, table)
             written[name] = table.num_rows
         return written
 
@@ -258,7 +266,8 @@ class SubtaskRun:
         cols[RAW] = rejected[LINE] if LINE in rejected.column_names else \
             pa.nulls(rejected.num_rows, pa.string())
         table = pa.table(cols, schema=quarantine_schema(self.job))
-        write_parquet(p.quarantine_url, f"{p.run_dir}/{part_name(self.subtask)}", table)
+        write_parquet(p.open(p.quarantine_url), f"{p.run_dir}/{part_name(self.subtask)}",
+                      table)
 
     # -- cleanup -----------------------------------------------------------------------
     def discard(self) -> None:
@@ -287,11 +296,12 @@ def tune(backend: KeyedStateBackend, compression: str | None) -> None:
         backend.column_family(name).set_options({"compression": COMPRESSION[compression]})
 
 
-def write_parquet(root_url: str, rel: str, table: pa.Table) -> None:
-    """Write ``table`` to ``<root_url>/<rel>`` (local path, file:// or s3://)."""
+def write_parquet(storage: Storage | str, rel: str, table: pa.Table) -> None:
+    """Write ``table`` to ``<root>/<rel>``: a `Storage`, or a URL opened without options."""
     import pyarrow.parquet as pq
 
-    storage = open_storage(root_url)
+    if isinstance(storage, str):
+        storage = open_storage(storage)
     path = storage.abspath(rel)
     if storage.protocol == "file":
         os.makedirs(os.path.dirname(path), exist_ok=True)

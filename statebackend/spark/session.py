@@ -2,8 +2,9 @@
 
 Spark on these machines must bind loopback and start workers with the venv's
 Python; we set both here so `ckpt run` and `ckpt rescale` work without a wrapper.
-Executors get the driver's storage settings (``AWS_*``), ``PYTHONPATH`` and
-``CKPT_LOCAL_DIR`` from the environment; credentials never travel in task data.
+Executors get ``PYTHONPATH`` and ``CKPT_LOCAL_DIR`` from the driver's environment.
+Storage credentials do not go through the environment: they travel as storage
+options inside the task parameters (`statebackend.job.task.TaskParams`).
 """
 
 from __future__ import annotations
@@ -12,10 +13,8 @@ import os
 import sys
 
 DEFAULT_MASTER = "local[*]"
-# Forwarded to executors: storage access and local recovery (never in task payloads).
-STORAGE_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-               "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
-EXECUTOR_ENV = (*STORAGE_ENV, "PYTHONPATH", "CKPT_LOCAL_DIR")
+# Forwarded to executors: where the job's code is, and the local-recovery root.
+EXECUTOR_ENV = ("PYTHONPATH", "CKPT_LOCAL_DIR")
 
 
 def spark_env_defaults() -> None:
@@ -25,7 +24,7 @@ def spark_env_defaults() -> None:
 
 
 def get_spark(master: str | None = None, app_name: str = "ckpt-job", conf: dict | None = None):
-    """Get or create a SparkSession; executors inherit S3 settings from the environment."""
+    """Get or create a SparkSession (storage options travel with each task, not here)."""
     spark_env_defaults()
     from pyspark.sql import SparkSession
 
@@ -58,20 +57,6 @@ def default_master() -> str:
         SparkContext._ensure_initialized()  # connect to spark-submit's JVM: its conf has --master
         return SparkConf().get("spark.master", DEFAULT_MASTER)
     return DEFAULT_MASTER
-
-
-def forward_storage_env(spark) -> None:
-    """Python workers get the driver's current AWS_* settings (credentials stay env-only).
-
-    A session may outlive a change of the driver's environment (tests, a scheduler
-    process): the worker environment is set again before every job.
-    """
-    env = spark.sparkContext.environment
-    for var in STORAGE_ENV:
-        if os.environ.get(var):
-            env[var] = os.environ[var]
-        else:
-            env.pop(var, None)
 
 
 def stop_active_session() -> None:

@@ -59,8 +59,8 @@ from datetime import UTC, datetime, timedelta
 import pandas as pd
 import pytest
 
+from demo.sample_data import DAY_MS, DEFAULT_START_TS_MS, expected_totals, generate_events
 from jobs import keyed_aggregation as ka
-from jobs.sample_data import DAY_MS, DEFAULT_START_TS_MS, expected_totals, generate_events
 from statebackend.checkpoints import CheckpointStore
 from statebackend.dump import checkpoint_rows
 from statebackend.errors import LeaseConflictError, LeaseLostError, SnapshotError

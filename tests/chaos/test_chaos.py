@@ -15,8 +15,8 @@ import uuid
 
 import pytest
 
+from demo.sample_data import DAY_MS, DEFAULT_START_TS_MS, expected_totals, generate_events
 from jobs.keyed_aggregation import JobConfig, run
-from jobs.sample_data import DAY_MS, DEFAULT_START_TS_MS, expected_totals, generate_events
 from statebackend.checkpoints import CheckpointStore
 from statebackend.dump import checkpoint_rows
 from statebackend.retention import retain

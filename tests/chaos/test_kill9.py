@@ -26,7 +26,7 @@ from datetime import datetime
 
 import pytest
 
-from jobs.sample_data import DAY_MS, DEFAULT_START_TS_MS, expected_totals, generate_events
+from demo.sample_data import DAY_MS, DEFAULT_START_TS_MS, expected_totals, generate_events
 from statebackend.checkpoints import CheckpointStore
 from statebackend.dump import checkpoint_rows
 from statebackend.gc import collect_garbage

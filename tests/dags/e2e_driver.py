@@ -32,7 +32,7 @@ def run(folder: str, dag_id: str, logical_date: datetime | None = None,
 
 
 def checkpoints(spec) -> list[dict]:
-    from jobs.pipeline_tasks import open_store
+    from statebackend.airflow.steps import open_store
 
     return [{"id": m.checkpoint_id, "kind": m.kind, "run_id": m.run_id,
              "parallelism": m.parallelism} for m in open_store(spec).load_all()]
@@ -42,8 +42,8 @@ def main() -> int:
     folder = sys.argv[1]
     from airflow.dag_processing.dagbag import DagBag
 
-    from jobs.pipeline_config import find_spec
-    from jobs.pipeline_tasks import state_totals
+    from statebackend.airflow.config import find_spec
+    from statebackend.airflow.steps import state_totals
     from statebackend.validate import read_report_summary
 
     bag = DagBag(dag_folder=folder)
@@ -65,7 +65,14 @@ def main() -> int:
     out["rescale"] = run(folder, "clicks_rescale_restore", conf={"parallelism": 3})
     out["after_rescale"] = checkpoints(spec)
     out["maintenance"] = run(folder, "clicks_maintenance", day2)
-    from jobs.pipeline_tasks import open_store
+    # A user's job (examples.user_activity:job) configured in the same ckpt_jobs.
+    activity = find_spec("activity")
+    day3 = datetime(2027, 1, 3, tzinfo=UTC)
+    for key, when in (("activity_day1", day1), ("activity_day2", day2),
+                      ("activity_rerun_day1", day1), ("activity_day3", day3)):
+        out[key] = run(folder, "activity_pipeline", when)
+        out[f"after_{key}"] = checkpoints(activity)
+    from statebackend.airflow.steps import open_store
 
     store = open_store(spec)
     latest = store.latest()

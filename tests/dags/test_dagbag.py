@@ -73,7 +73,8 @@ def test_dag_files_have_no_heavy_top_level_imports(name):
             mods = [node.module or ""]
         for mod in mods:
             assert mod.split(".")[0] not in HEAVY, (name, mod)
-            assert mod not in ("jobs.pipeline_tasks", "jobs.keyed_aggregation"), (name, mod)
+            assert mod not in ("statebackend.airflow.steps", "jobs.keyed_aggregation"), \
+                (name, mod)
 
 
 def test_dag_shapes_params_and_retries():
@@ -132,4 +133,6 @@ def test_submit_mode_uses_spark_submit_operator(monkeypatch):
     cmd = hook._build_spark_submit_command(op.application)
     assert cmd[:3] == ["spark-submit", "--master", "spark://spark-master:7077"]
     assert cmd[cmd.index("--deploy-mode") + 1] == "client"
-    assert any(c.endswith("jobs/keyed_aggregation.py") for c in cmd)
+    app = cmd.index(op.application)
+    assert op.application.endswith("statebackend/job/submit.py")
+    assert cmd[app + 1] == "jobs.keyed_aggregation:JOB"  # the configured job, then its args

@@ -4,6 +4,10 @@ Two pipeline intervals, a re-run of the first (nothing counted twice), the
 rescale-restore DAG with bad params (refused by the params schema before a run
 exists), a dry run and a real rescale, then maintenance. The final state must
 equal the pandas reference over the two intervals' events.
+
+A user's job (`examples.user_activity:job`, with a job option) configured in the
+same ``ckpt_jobs`` runs through its own pipeline DAG: three intervals and a re-run;
+each run's output and the final state equal the pandas reference.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import sys
 
 import pytest
 
-from jobs.sample_data import DAY_MS, expected_totals, generate_events
+from demo.sample_data import DAY_MS, expected_totals, generate_events
+from statebackend.job.run import run_dir_name
+from tests.jobs.run_reference import activity_events, activity_reference, final_state, read_output
 
 pytestmark = pytest.mark.slow
 
@@ -39,13 +45,20 @@ def e2e(tmp_path_factory):
     for d, label in enumerate(("2027-01-01", "2027-01-02")):
         frames.append(generate_events(str(data / "events" / f"day={label}"), n_events=3000,
                                       n_keys=400, seed=11 + d, start_ts_ms=START_MS + d * DAY_MS))
+    activity = [activity_events(str(data / "activity" / f"day=2027-01-0{d + 1}"), rows=1500,
+                                users=120, seed=40 + d, day=d) for d in range(3)]
     config = base / "ckpt_jobs.yaml"
     config.write_text(json.dumps({"defaults": {"spark": {"master": "local[2]"}}, "jobs": {
         "clicks": {"input": f"{data}/events/day={{{{ ds }}}}",
                    "output": f"{data}/out/day={{{{ ds }}}}",
                    "storage": f"file://{base}/store", "parallelism": 2, "keep": 5,
                    "start_date": "2027-01-01",  # after "now": manual runs must still run
-                   "retries": 0}}}))
+                   "retries": 0},
+        "activity": {"job": "examples.user_activity:job",
+                     "options": {"normalize_case": False},
+                     "input": f"{data}/activity/day={{{{ ds }}}}",
+                     "output": f"{data}/activity_out", "storage": f"file://{base}/store",
+                     "parallelism": 3, "start_date": "2027-01-01", "retries": 0}}}))
     env = airflow_env(str(home), {"CKPT_JOBS_FILE": str(config)})
     subprocess.run([os.path.join(os.path.dirname(sys.executable), "airflow"), "db", "migrate"],
                    env=env, check=True, capture_output=True, timeout=300)
@@ -58,6 +71,8 @@ def e2e(tmp_path_factory):
     assert proc.returncode == 0 and result_path.exists(), f"driver failed, log: {log_path}"
     result = json.loads(result_path.read_text())
     result["log"] = str(log_path)
+    result["activity"] = {"frames": activity, "output": str(data / "activity_out"),
+                          "storage": f"file://{base}/store"}
     return result, frames
 
 
@@ -113,3 +128,23 @@ def test_final_state_equals_pandas_reference(e2e):
         count, total, min_ts, max_ts = got[key]
         assert count == int(row["count"]) and min_ts == int(row["min_ts"])
         assert max_ts == int(row["max_ts"]) and abs(total - float(row["sum"])) < 1e-6
+
+
+def test_user_job_runs_through_its_pipeline_dag_like_the_pandas_reference(e2e):
+    out, _ = e2e
+    for key in ("activity_day1", "activity_day2", "activity_rerun_day1", "activity_day3"):
+        assert out[key]["state"] == "success", (key, out[key], out["log"])
+        assert set(out[key]["tasks"].values()) == {"success"}, out[key]
+    assert [c["id"] for c in out["after_activity_rerun_day1"]] == [1, 2]  # re-run: skipped
+    assert [(c["id"], c["parallelism"]) for c in out["after_activity_day3"]] == [
+        (1, 3), (2, 3), (3, 3)]
+    act = out["activity"]
+    # normalize_case false (the job option from ckpt_jobs): categories keep their case
+    want_outputs, want_state = activity_reference(act["frames"], normalize=False)
+    for d, want in enumerate(want_outputs):
+        key = f"interval__2027-01-0{d + 1}T00:00:00+00:00"
+        got = read_output(act["output"], run_dir_name(key)).set_index("user").sort_index()
+        assert list(got.index) == list(want.index), d
+        for column in want.columns:
+            assert got[column].tolist() == want[column].tolist(), (d, column)
+    assert final_state(act["storage"], "activity") == want_state

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pandas as pd
 
-from jobs.sample_data import expected_totals, generate_events
+from demo.sample_data import expected_totals, generate_events
 from statebackend.checkpoints import CheckpointStore
 from statebackend.dump import checkpoint_rows
 from statebackend.storage import open_storage

@@ -16,8 +16,8 @@ import uuid
 
 import pytest
 
+from demo.sample_data import expected_totals, generate_events
 from jobs.keyed_aggregation import JobConfig, run
-from jobs.sample_data import expected_totals, generate_events
 from tests.jobs.conftest import spark_home
 from tests.jobs.helpers import assert_state_equals, dump_latest, store_of
 

@@ -11,8 +11,8 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
+from demo.sample_data import expected_totals, generate_events
 from jobs.keyed_aggregation import JobConfig, JobRunError, RejectThresholdError, run
-from jobs.sample_data import expected_totals, generate_events
 from statebackend.errors import InputError
 from statebackend.job.input import list_input
 from tests.jobs.helpers import assert_state_equals, dump_latest, store_of

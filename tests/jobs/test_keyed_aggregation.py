@@ -11,6 +11,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
+from demo.sample_data import expected_totals, generate_events
 from jobs.keyed_aggregation import (
     DESCRIPTORS,
     TOTALS,
@@ -20,7 +21,6 @@ from jobs.keyed_aggregation import (
     run,
     run_dir_name,
 )
-from jobs.sample_data import expected_totals, generate_events
 from statebackend import cli
 from statebackend.attempt import Attempt
 from statebackend.errors import LeaseConflictError
@@ -258,7 +258,7 @@ def test_start_from_savepoint_seeds_a_new_job(spark, tmp_path):
 
 
 def test_demo_runs_each_day_and_lists(spark, tmp_path, capsys):
-    from jobs.demo import run_demo
+    from demo.job_demo import run_demo
 
     summaries = run_demo(str(tmp_path / "demo"), days=3, events_per_day=1000, n_keys=200,
                          spark=spark)

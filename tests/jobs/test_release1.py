@@ -10,8 +10,8 @@ import shutil
 import numpy as np
 import pandas as pd
 
+from demo.sample_data import DAY_MS, DEFAULT_START_TS_MS, expected_totals, generate_events
 from jobs import keyed_aggregation as ka
-from jobs.sample_data import DAY_MS, DEFAULT_START_TS_MS, expected_totals, generate_events
 from statebackend import cli
 from statebackend.rescale import rescale
 from tests.jobs.helpers import assert_state_equals, dump_latest, store_of

@@ -198,3 +198,40 @@ def test_ckpt_run_cli_with_a_job_option(tmp_path):
     assert bad.stderr.strip().splitlines()[-1] == (
         "ckpt: error: job 'user_activity': option 'normalize_case' must be of type bool, "
         "got 'maybe'")
+
+
+def test_commit_records_metrics_context_and_run_history(spark, tmp_path):
+    """`_metadata` carries the run's metrics and who ran it; every outcome is in the
+    history (runs/history/) that the Checkpoints page reads."""
+    from plugins.ckpt_page.data import read_run_records
+
+    days = totals_days(str(tmp_path), 2, seed=900)
+    storage = f"file://{tmp_path}/store"
+    ctx = {"airflow": {"dag_id": "agg_pipeline", "run_id": "scheduled__x", "task_id": "run_job",
+                       "try_number": 1}}
+
+    def config(d: int, **kw) -> RunConfig:
+        return RunConfig(input=str(tmp_path / f"in{d}"), storage=storage, run_id=f"d{d}",
+                         output=str(tmp_path / "out"), parallelism=2, context=ctx, **kw)
+
+    s0 = run_job(ka.JOB, config(0), spark)
+    with pytest.raises(JobRunError):
+        run_job(ka.JOB, config(1, fail_subtask=1), spark)
+    run_job(ka.JOB, config(0), spark)  # skipped
+    store = CheckpointStore(open_storage(storage), ka.JOB.name)
+    meta = store.latest()
+    metrics = meta.extra["metrics"]
+    assert meta.extra["context"] == ctx
+    run = metrics["run"]
+    assert (run["events_read"], run["events_rejected"], run["keys_touched"]) == (
+        s0["events_read"], s0["events_rejected"], s0["keys_touched"])
+    assert run["bytes_uploaded"] == meta.bytes_uploaded
+    assert run["state_rows"] == sum(sum(s.row_counts.values()) for s in meta.subtasks)
+    assert [s["index"] for s in metrics["subtasks"]] == [0, 1]
+    assert sum(s["events"] for s in metrics["subtasks"]) == len(days[0])
+    assert set(run["phases"]) == {"restore", "process", "timers", "snapshot", "upload"}
+    records = read_run_records(store)
+    assert [(r["run_id"], r["outcome"]) for r in records] == [
+        ("d0", "committed"), ("d1", "failed"), ("d0", "skipped")]
+    assert records[1]["error"] and "injected failure" in records[1]["error"]
+    assert records[0]["checkpoint_id"] == 1 and records[0]["context"] == ctx["airflow"]

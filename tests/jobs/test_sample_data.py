@@ -7,7 +7,7 @@ import json
 import pandas as pd
 import pyarrow.parquet as pq
 
-from jobs.sample_data import expected_totals, generate_days, generate_events
+from demo.sample_data import expected_totals, generate_days, generate_events
 from statebackend.job.input import list_input
 
 

@@ -13,7 +13,7 @@ from datetime import timedelta
 
 import pytest
 
-from jobs.pipeline_config import specs_from_config
+from statebackend.airflow.config import specs_from_config
 from statebackend.checkpoints import CheckpointStore, build_metadata
 from statebackend.keygroups import key_group_range_for_subtask
 from statebackend.metadata import FileRef, SubtaskHandle

@@ -28,7 +28,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from jobs.sample_data import generate_events
+from demo.sample_data import generate_events
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ jobs_ka = pytest.importorskip("jobs.keyed_aggregation")
 
 @pytest.mark.slow
 def test_job_runs_after_rescales_match_pandas(spark, tmp_path):
-    from jobs.sample_data import DAY_MS, DEFAULT_START_TS_MS, expected_totals, generate_events
+    from demo.sample_data import DAY_MS, DEFAULT_START_TS_MS, expected_totals, generate_events
     from tests.jobs.helpers import assert_state_equals, dump_latest, store_of
 
     url = f"file://{tmp_path}/store"

@@ -242,3 +242,64 @@ def test_memory_max_size_holds_under_concurrent_writes(tmp_path):
     assert sum(ok) == 3
     assert sum(f.size for f in storage.walk_files("")) <= 1000
     storage.delete_tree("")
+
+
+# -- storage options (credentials passed explicitly, never through os.environ) -----------
+AWS_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+            "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_PROFILE")
+
+
+@pytest.mark.s3
+def test_s3_storage_options_replace_the_environment(s3_server, monkeypatch):
+    import pickle
+
+    for var in AWS_VARS:
+        monkeypatch.delenv(var, raising=False)
+    secret = "do-not-show-this-secret"
+    options = {"key": "testing", "secret": secret, "client_kwargs": {"endpoint_url": s3_server}}
+    url = f"s3://ckpt-test/opts-{os.getpid()}-{time.time_ns()}"
+    before = dict(os.environ)
+    storage = open_storage(url, **options)
+    child = child_storage(storage, "job")
+    child.write_bytes("a", b"1")  # the child keeps the root's options
+    assert storage.read_bytes("job/a") == b"1"
+    assert dict(os.environ) == before
+    assert child.options == options and secret not in repr(child.options)
+    assert "'secret': '***'" in repr(child.options) and s3_server in repr(child.options)
+    # What executors get: pickled options that open the same storage in another process.
+    shipped = pickle.loads(pickle.dumps(child.options))
+    assert open_storage(url, **shipped).read_bytes("job/a") == b"1"
+
+
+@pytest.mark.s3
+def test_environment_is_the_default_read_once_never_written(s3_server):
+    url = f"s3://ckpt-test/env-{os.getpid()}-{time.time_ns()}"
+    before = dict(os.environ)
+    storage = open_storage(url)  # the fixture's AWS_* variables
+    storage.write_bytes("x", b"y")
+    assert dict(os.environ) == before
+    # Captured as explicit options, so that executors elsewhere reach the same storage.
+    assert storage.options["key"] == os.environ["AWS_ACCESS_KEY_ID"]
+    assert storage.options["client_kwargs"] == {"endpoint_url": s3_server}
+
+
+def test_local_and_memory_roots_ignore_storage_options(tmp_path):
+    local = open_storage(f"file://{tmp_path}/r", key="k", secret="s")
+    local.write_bytes("a", b"1")
+    assert local.read_bytes("a") == b"1" and len(local.options) == 0
+
+
+def test_run_config_and_task_params_show_no_secret():
+    from statebackend.job.run import RunConfig
+    from statebackend.job.task import TaskParams
+
+    config = RunConfig(input="i", storage="s3://b/x", run_id="r",
+                       storage_options={"key": "AKIA1", "secret": "hidden-value",
+                                        "token": "tok-value"})
+    assert "hidden-value" not in repr(config) and "tok-value" not in repr(config)
+    assert config.storage_options["secret"] == "hidden-value"
+    params = TaskParams(job=None, options={}, storage_url="s3://b/x", job_dir="j",
+                        checkpoint_id=1, parallelism=1, max_parallelism=1, parent_handles=(),
+                        output_url=None, quarantine_url="q", run_dir="run=r", run_id="r",
+                        part_values=(0,), storage_options=config.storage_options)
+    assert "hidden-value" not in repr(params) and "AKIA1" not in repr(params)

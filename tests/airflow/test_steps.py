@@ -1,15 +1,17 @@
-"""Task logic of the DAGs without Airflow: run keys, templates, credentials, refusals."""
+"""Task logic of the DAGs without Airflow: run keys, templates, job and options,
+credentials as storage options, refusals."""
 
 from __future__ import annotations
 
+import os
 from datetime import UTC, datetime
 from types import SimpleNamespace
 
 import pytest
 
-from jobs import pipeline_tasks as steps
-from jobs.pipeline_config import specs_from_config
-from statebackend.errors import CkptError
+from statebackend.airflow import steps
+from statebackend.airflow.config import specs_from_config
+from statebackend.errors import CkptError, UsageError
 
 
 def make_spec(tmp_path, **over):
@@ -25,9 +27,9 @@ def test_run_key_is_per_interval_and_falls_back_to_run_id():
     assert steps.run_key(None, "manual__2027") == "manual__2027"
 
 
-def test_build_job_config_renders_the_interval(tmp_path):
+def test_build_run_config_renders_the_interval(tmp_path):
     spec = make_spec(tmp_path, quarantine=str(tmp_path / "q/{{ ds_nodash }}"))
-    cfg = steps.build_job_config(spec, logical_date=datetime(2027, 1, 2, tzinfo=UTC),
+    cfg = steps.build_run_config(spec, logical_date=datetime(2027, 1, 2, tzinfo=UTC),
                                  airflow_run_id="manual__1")
     assert cfg.input.endswith("in/day=2027-01-02") and cfg.output.endswith("out/2027-01-02")
     assert cfg.quarantine.endswith("q/20270102")
@@ -35,11 +37,11 @@ def test_build_job_config_renders_the_interval(tmp_path):
     assert (cfg.job, cfg.parallelism, cfg.max_parallelism) == ("clicks", 2, 128)
     assert cfg.start_from is None
     seeded = make_spec(tmp_path, start_from="clicks_old/savepoints/before-upgrade")
-    cfg = steps.build_job_config(seeded, logical_date=datetime(2027, 1, 2, tzinfo=UTC),
+    cfg = steps.build_run_config(seeded, logical_date=datetime(2027, 1, 2, tzinfo=UTC),
                                  airflow_run_id="manual__1")
     assert cfg.start_from == "clicks_old/savepoints/before-upgrade"
     with pytest.raises(CkptError, match="'ds' is undefined"):  # no logical date: no interval
-        steps.build_job_config(seeded, logical_date=None, airflow_run_id="manual__1")
+        steps.build_run_config(seeded, logical_date=None, airflow_run_id="manual__1")
     args = steps.spark_submit_args(seeded)
     assert args[args.index("--start-from") + 1] == "clicks_old/savepoints/before-upgrade"
 
@@ -53,21 +55,52 @@ def test_spark_submit_args_carry_the_run_key_template(tmp_path):
     args = steps.spark_submit_args(make_spec(tmp_path))
     assert args[args.index("--run-id") + 1].startswith("{{ 'interval__' ~ ts")
     assert args[args.index("--job") + 1] == "clicks" and "--json" in args
-    assert steps.job_application().endswith("jobs/keyed_aggregation.py")
+    assert args[0] == "jobs.keyed_aggregation:JOB"  # the configured job, resolved
+    assert steps.submit_application().endswith("statebackend/job/submit.py")
+    mine = make_spec(tmp_path, job="examples.user_activity:job",
+                     options={"normalize_case": False})
+    args = steps.spark_submit_args(mine)
+    assert args[0] == "examples.user_activity:job"
+    assert args[args.index("--normalize-case") + 1] == "false"
 
 
-def test_credentials_exported_to_env_and_never_returned(tmp_path, caplog):
+def test_credentials_become_storage_options_and_never_reach_the_environment(
+        tmp_path, caplog, monkeypatch):
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(var, raising=False)
     spec = make_spec(tmp_path, storage_conn_id="ckpt_s3")
-    conn = SimpleNamespace(login="AKIA", password="s3cr3t-value",
+    conn = SimpleNamespace(conn_type="aws", login="AKIA", password="s3cr3t-value",
                            extra_dejson={"endpoint_url": "http://minio:9000",
                                          "region_name": "eu-west-1"})
-    env: dict = {}
+    before = dict(os.environ)
     with caplog.at_level("INFO"):
-        names = steps.export_storage_credentials(spec, lambda cid: conn, env)
-    assert env == {"AWS_ACCESS_KEY_ID": "AKIA", "AWS_SECRET_ACCESS_KEY": "s3cr3t-value",
-                   "AWS_ENDPOINT_URL": "http://minio:9000", "AWS_DEFAULT_REGION": "eu-west-1"}
-    assert "s3cr3t-value" not in caplog.text and "s3cr3t-value" not in str(names)
-    assert steps.export_storage_credentials(make_spec(tmp_path), None, env) == []
+        options = steps.storage_options_for(spec, lambda cid: conn)
+    assert options == {"key": "AKIA", "secret": "s3cr3t-value", "client_kwargs": {
+        "endpoint_url": "http://minio:9000", "region_name": "eu-west-1"}}
+    assert dict(os.environ) == before
+    assert "s3cr3t-value" not in caplog.text and "'ckpt_s3'" in caplog.text
+    assert steps.storage_options_for(make_spec(tmp_path), None) == {}
+
+
+def test_unknown_job_option_names_the_entry_and_the_option(tmp_path):
+    from examples.user_activity import job
+
+    with pytest.raises(UsageError) as err:
+        steps.checked_options(job, "activity", {"normalise_case": True})
+    text = str(err.value)
+    assert "ckpt_jobs entry 'activity'" in text and "'normalise_case'" in text
+    assert "\n" not in text
+    assert steps.checked_options(job, "activity", {"normalize_case": "false"}) == {
+        "normalize_case": False}
+
+
+def test_run_task_refuses_an_unknown_option_before_any_work(tmp_path):
+    spec = make_spec(tmp_path, job="examples.user_activity:job", options={"typo": 1})
+    (tmp_path / "in" / "day=2027-01-01").mkdir(parents=True)
+    with pytest.raises(UsageError, match="ckpt_jobs entry 'clicks'.*no option 'typo'"):
+        steps.run_pipeline_job(spec, logical_date=datetime(2027, 1, 1, tzinfo=UTC),
+                               airflow_run_id="r", storage_options={})
+    assert not (tmp_path / "store").exists()
 
 
 def test_rescale_refused_while_pipeline_runs(tmp_path):
@@ -87,7 +120,8 @@ def test_rescale_parallelism_checked_before_touching_storage(tmp_path):
 def test_validate_step_names_a_missing_run(tmp_path):
     spec = make_spec(tmp_path)
     with pytest.raises(CkptError, match="no checkpoint of job 'clicks' was committed by run"):
-        steps.validate_step(spec, run_id="interval__2027-01-01T00:00:00+00:00")
+        steps.validate_step(spec, run_id="interval__2027-01-01T00:00:00+00:00",
+                            storage_options={})
 
 
 def test_run_job_refuses_missing_input(tmp_path):

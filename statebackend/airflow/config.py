@@ -5,18 +5,29 @@ Where the definitions come from (first match wins):
 1. the file named by ``CKPT_JOBS_FILE`` (YAML or JSON);
 2. the Airflow Variable ``ckpt_jobs`` (YAML or JSON text; also read from the
    ``AIRFLOW_VAR_CKPT_JOBS`` environment variable without touching the database);
-3. ``dags/ckpt_jobs.yaml`` beside the DAG files.
+3. the default file the caller names (the DAG files: ``ckpt_jobs.yaml`` beside
+   them), else ``ckpt_jobs.yaml`` in Airflow's DAGs folder.
 
 Shape::
 
     defaults:                 # optional, merged into every job (job keys win)
       storage: s3://bucket/checkpoints
+      storage_conn_id: aws_ckpt   # AWS connection: credentials as storage options
       spark: {mode: local, master: "local[*]"}
     jobs:
-      clicks:                 # job name = folder under the storage root
+      clicks:                 # entry name = folder under the storage root
+        job: keyed_aggregation        # a built-in job, or pkg.module:attribute
+        options: {}                   # the job's own options (Job.options)
         input: /data/events/dt={{ ds }}
         output: /data/out/clicks/dt={{ ds }}
         parallelism: 2
+
+``job`` names the code to run: a built-in name registered under the
+``statebackend.jobs`` entry-point group (this distribution registers
+``keyed_aggregation``) or ``pkg.module:attribute`` of a `statebackend.job.Job`.
+Only this configuration chooses code; nothing read from storage does.
+``options`` are checked against the job's declared options when its task runs.
+Unset settings take the library's defaults (`statebackend.defaults`).
 
 String values may use ``${VAR}`` / ``${VAR:-default}`` (expanded from the
 environment at load time) and Jinja fields ``{{ ds }}``, ``{{ ds_nodash }}``,
@@ -34,15 +45,27 @@ import os
 import re
 from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
+from importlib.metadata import entry_points
 
-from statebackend.checkpoints import check_job_name
-from statebackend.errors import UsageError
+from .. import defaults
+from ..checkpoints import check_job_name
+from ..errors import UsageError
 
 CONFIG_ENV = "CKPT_JOBS_FILE"
 VARIABLE_NAME = "ckpt_jobs"
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                              "dags", "ckpt_jobs.yaml")
+CONFIG_FILE_NAME = "ckpt_jobs.yaml"
 SPARK_MODES = ("local", "submit")
+JOBS_ENTRY_POINT_GROUP = "statebackend.jobs"  # built-in job name -> "module:attr"
+DEFAULT_JOB = "keyed_aggregation"
+_JOB_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# The form `statebackend.job.load_job` takes (checked here without importing the job API,
+# which pulls in pyarrow: DAG files load this module at parse time).
+_DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*"
+_JOB_REF_RE = re.compile(rf"^{_DOTTED}:{_DOTTED}$")
+
+
+def is_job_ref(text: str) -> bool:
+    return bool(_JOB_REF_RE.match(text or ""))
 _ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
@@ -68,19 +91,21 @@ class JobSpec:
     input: str
     output: str
     storage: str
+    job: str = DEFAULT_JOB  # built-in job name or "pkg.module:attribute"
+    options: dict = field(default_factory=dict)  # the job's own options (Job.options)
     parallelism: int | None = None
-    max_parallelism: int = 128
-    max_reject_fraction: float = 0.01
+    max_parallelism: int = defaults.MAX_PARALLELISM
+    max_reject_fraction: float = defaults.MAX_REJECT_FRACTION
     quarantine: str | None = None
     start_from: str | None = None  # first run only: <job>/savepoints/<name> or <job>:<id|latest>
-    storage_conn_id: str | None = None  # Airflow AWS connection exported as AWS_* env vars
+    storage_conn_id: str | None = None  # Airflow AWS connection -> storage options
     spark: SparkSettings = field(default_factory=SparkSettings)
     schedule: str = "@daily"
     maintenance_schedule: str = "@daily"
     start_date: str = "2026-01-01"
     catchup: bool = False
-    keep: int = 3
-    gc_grace_seconds: float = 3600.0
+    keep: int = defaults.RETENTION_KEEP
+    gc_grace_seconds: float = defaults.GC_GRACE_SECONDS
     retries: int = 2
     retry_delay_seconds: float = 60.0
     max_retry_delay_seconds: float = 1800.0
@@ -118,10 +143,34 @@ class JobSpec:
                                  "an ISO date (YYYY-MM-DD)") from exc
         return value if value.tzinfo else value.replace(tzinfo=UTC)
 
+    def job_ref(self) -> str:
+        """``module:attr`` of the job's code (a built-in name resolved; see `builtin_jobs`)."""
+        return resolve_job_ref(self.job, self.name)
+
     def to_json(self) -> dict:
         data = asdict(self)
         data["tags"] = list(self.tags)
         return data
+
+
+def builtin_jobs() -> dict[str, str]:
+    """Built-in job names -> ``module:attr``, from the ``statebackend.jobs`` entry points.
+
+    Installed distributions register their named jobs there (pyproject.toml:
+    ``[project.entry-points."statebackend.jobs"]``); the library names no job itself.
+    """
+    return {ep.name: ep.value for ep in entry_points(group=JOBS_ENTRY_POINT_GROUP)}
+
+
+def resolve_job_ref(job: str, entry: str = "?") -> str:
+    """``job`` as ``module:attr``: itself when it has that form, else a built-in's."""
+    if is_job_ref(job):
+        return job
+    known = builtin_jobs()
+    if job in known:
+        return known[job]
+    raise JobConfigError(f"ckpt_jobs entry {entry!r}: job {job!r} is neither a built-in job "
+                         f"{sorted(known)} nor of the form package.module:attribute")
 
 
 def expand_env(value: object, environ: dict | None = None) -> object:
@@ -192,6 +241,7 @@ def spec_from_dict(name: str, raw: dict, defaults: dict | None = None,
     for optional in ("quarantine", "start_from"):
         if merged.get(optional) == "":
             merged[optional] = None
+    _check_job(name, merged, where)
     try:
         spec = JobSpec(name=name, spark=settings, **merged)
         _check_numbers(spec)
@@ -199,6 +249,20 @@ def spec_from_dict(name: str, raw: dict, defaults: dict | None = None,
         raise JobConfigError(f"{where}: job {name!r}: {exc}") from exc
     spec.start_datetime()
     return spec
+
+
+def _check_job(name: str, merged: dict, where: str) -> None:
+    """``job`` is a name or module:attr (resolved when a task runs); ``options`` a mapping."""
+    job = merged.setdefault("job", DEFAULT_JOB)
+    if not isinstance(job, str) or not (is_job_ref(job) or _JOB_NAME_RE.match(job)):
+        raise JobConfigError(f"{where}: job {name!r}: 'job' {job!r} must be a built-in job "
+                             "name or package.module:attribute")
+    options = merged.get("options")
+    if options is None:
+        merged["options"] = {}
+    elif not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+        raise JobConfigError(f"{where}: job {name!r}: 'options' must be a mapping of option "
+                             f"names to values, got {options!r}")
 
 
 def _check_numbers(spec: JobSpec) -> None:
@@ -246,20 +310,32 @@ def _variable_text() -> str | None:
         return None
 
 
-def config_source(path: str | None = None) -> tuple[str, str]:
+def dags_folder_config() -> str:
+    """``ckpt_jobs.yaml`` in Airflow's DAGs folder (the last place definitions come from)."""
+    folder = os.environ.get("AIRFLOW__CORE__DAGS_FOLDER")
+    if not folder:
+        try:
+            from airflow.configuration import conf
+
+            folder = conf.get("core", "dags_folder")
+        except Exception:  # noqa: BLE001 - no Airflow here: the current directory
+            folder = os.getcwd()
+    return os.path.join(os.path.expanduser(folder), CONFIG_FILE_NAME)
+
+
+def config_source(path: str | None = None, default: str | None = None) -> tuple[str, str]:
     """(where, text) of the job definitions, following the documented precedence."""
     if path:
-        candidates = [path]
+        file = path
     else:
         env_path = os.environ.get(CONFIG_ENV)
         if env_path:
-            candidates = [env_path]
+            file = env_path
         else:
             text = _variable_text()
             if text:
                 return f"Airflow Variable {VARIABLE_NAME!r}", text
-            candidates = [DEFAULT_CONFIG]
-    file = candidates[0]
+            file = default or dags_folder_config()
     try:
         with open(file, encoding="utf-8") as fh:
             return file, fh.read()
@@ -268,14 +344,14 @@ def config_source(path: str | None = None) -> tuple[str, str]:
                              f"{CONFIG_ENV} or the Airflow Variable {VARIABLE_NAME!r}") from exc
 
 
-def load_job_specs(path: str | None = None) -> list[JobSpec]:
+def load_job_specs(path: str | None = None, default: str | None = None) -> list[JobSpec]:
     """Every configured job (see the module docstring for where they come from)."""
-    where, text = config_source(path)
+    where, text = config_source(path, default)
     return specs_from_config(parse_config_text(text, where), where)
 
 
-def find_spec(name: str, path: str | None = None) -> JobSpec:
-    for spec in load_job_specs(path):
+def find_spec(name: str, path: str | None = None, default: str | None = None) -> JobSpec:
+    for spec in load_job_specs(path, default):
         if spec.name == name:
             return spec
     raise JobConfigError(f"job {name!r} is not configured in ckpt_jobs")

@@ -11,8 +11,8 @@ import argparse
 import os
 import sys
 
+from demo.sample_data import generate_days
 from jobs.keyed_aggregation import JobConfig, format_summary, run
-from jobs.sample_data import generate_days
 from statebackend import cli
 
 DEMO_DIR = ".demo"
@@ -50,7 +50,7 @@ def run_demo(root: str = DEMO_DIR, *, days: int = 3, events_per_day: int = 20_00
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="jobs.demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="demo.job_demo", description=__doc__.splitlines()[0])
     p.add_argument("--root", default=DEMO_DIR)
     p.add_argument("--days", type=int, default=3)
     p.add_argument("--events-per-day", type=int, default=20_000)

@@ -1,13 +1,19 @@
-"""ckpt_jobs: loading, precedence, env expansion, refusal of bad definitions."""
+"""ckpt_jobs: loading, precedence, env expansion, job and options, library defaults,
+refusal of bad definitions."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
-from jobs import pipeline_config as pc
-from jobs.pipeline_config import JobConfigError, load_job_specs, specs_from_config
+from statebackend import defaults
+from statebackend.airflow import config as pc
+from statebackend.airflow.config import JobConfigError, load_job_specs, specs_from_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SHIPPED = os.path.join(ROOT, "dags", "ckpt_jobs.yaml")
 
 BASE = {"defaults": {"storage": "file:///tmp/s", "spark": {"master": "local[2]"}},
         "jobs": {"clicks": {"input": "/in/day={{ ds }}", "output": "/out/{{ ds }}",
@@ -45,6 +51,9 @@ def test_env_expansion_with_defaults():
     ({"keep": 0}, "keep 0"),
     ({"output": ""}, "needs 'output'"),
     ({"start_date": "yesterday"}, "start_date"),
+    ({"job": "jobs/x.py"}, "must be a built-in job name or package.module:attribute"),
+    ({"job": "a.b:"}, "'job'"),
+    ({"options": ["normalize_case"]}, "'options' must be a mapping"),
 ])
 def test_bad_definitions_are_refused(patch, message):
     data = json.loads(json.dumps(BASE))
@@ -72,7 +81,10 @@ def test_precedence_file_env_then_variable_then_default(tmp_path, monkeypatch):
     monkeypatch.setenv("AIRFLOW_VAR_CKPT_JOBS", json.dumps(variable))
     assert [s.name for s in load_job_specs()] == ["other"]
     monkeypatch.delenv("AIRFLOW_VAR_CKPT_JOBS")
-    assert "clicks" in [s.name for s in load_job_specs()]  # dags/ckpt_jobs.yaml
+    assert "clicks" in [s.name for s in load_job_specs(default=SHIPPED)]  # the DAG files' default
+    monkeypatch.setenv("AIRFLOW__CORE__DAGS_FOLDER", str(tmp_path))  # else the DAGs folder's
+    (tmp_path / "ckpt_jobs.yaml").write_text(json.dumps(variable))
+    assert [s.name for s in load_job_specs()] == ["other"]
     monkeypatch.setenv(pc.CONFIG_ENV, str(tmp_path / "missing.yaml"))
     with pytest.raises(JobConfigError, match="cannot be read"):
         load_job_specs()
@@ -81,11 +93,57 @@ def test_precedence_file_env_then_variable_then_default(tmp_path, monkeypatch):
 def test_shipped_config_parses_with_and_without_env(monkeypatch):
     for var in ("CKPT_STORAGE", "CKPT_DATA", "CKPT_SPARK_MODE", "CKPT_SPARK_MASTER"):
         monkeypatch.delenv(var, raising=False)
-    (spec,) = load_job_specs(pc.DEFAULT_CONFIG)
+    (spec,) = load_job_specs(SHIPPED)
     assert spec.spark.mode == "local" and spec.storage_conn_id is None
+    assert spec.job == "keyed_aggregation" and spec.options == {}
     monkeypatch.setenv("CKPT_STORAGE", "s3://bucket/ckpt")
     monkeypatch.setenv("CKPT_SPARK_MODE", "submit")
     monkeypatch.setenv("CKPT_STORAGE_CONN_ID", "ckpt_s3")
-    (spec,) = load_job_specs(pc.DEFAULT_CONFIG)
+    (spec,) = load_job_specs(SHIPPED)
     assert spec.asset_uri == "s3://bucket/ckpt/clicks"
     assert spec.spark.mode == "submit" and spec.storage_conn_id == "ckpt_s3"
+
+
+def test_unset_settings_take_the_library_defaults():
+    (spec,) = specs_from_config(BASE)
+    assert (spec.keep, spec.gc_grace_seconds, spec.max_parallelism, spec.max_reject_fraction) \
+        == (defaults.RETENTION_KEEP, defaults.GC_GRACE_SECONDS, defaults.MAX_PARALLELISM,
+            defaults.MAX_REJECT_FRACTION)
+    assert spec.job == "keyed_aggregation" and spec.options == {}
+
+
+def test_defaults_are_defined_once():
+    """The CLI, the run config and the lifecycle read statebackend.defaults (same values)."""
+    from statebackend.cli import build_parser
+    from statebackend.gc import DEFAULT_GRACE_SECONDS
+    from statebackend.job.run import RunConfig
+    from statebackend.keygroups import DEFAULT_MAX_PARALLELISM
+
+    config = RunConfig(input="i", storage="s", run_id="r")
+    assert config.max_parallelism == defaults.MAX_PARALLELISM == DEFAULT_MAX_PARALLELISM
+    assert config.max_reject_fraction == defaults.MAX_REJECT_FRACTION
+    assert DEFAULT_GRACE_SECONDS == defaults.GC_GRACE_SECONDS
+    args = build_parser().parse_args(["--storage", "s", "run", "examples.user_activity:job",
+                                      "--input", "i", "--run-id", "r"])
+    assert args.max_parallelism == defaults.MAX_PARALLELISM
+    assert args.max_reject_fraction == defaults.MAX_REJECT_FRACTION
+
+
+def test_job_names_a_builtin_or_module_attribute():
+    data = json.loads(json.dumps(BASE))
+    data["jobs"]["mine"] = {**data["jobs"]["clicks"], "job": "examples.user_activity:job",
+                            "options": {"normalize_case": False}}
+    clicks, mine = specs_from_config(data)
+    assert clicks.job_ref() == "jobs.keyed_aggregation:JOB"  # the entry point of the package
+    assert mine.job_ref() == "examples.user_activity:job"
+    assert mine.options == {"normalize_case": False}
+    data["jobs"]["clicks"]["job"] = "sessionz"
+    (spec, _) = specs_from_config(data)
+    with pytest.raises(JobConfigError) as err:
+        spec.job_ref()
+    assert "'sessionz' is neither a built-in job ['keyed_aggregation']" in str(err.value)
+    assert "ckpt_jobs entry 'clicks'" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_builtin_jobs_come_from_entry_points_not_from_the_library():
+    assert pc.builtin_jobs()["keyed_aggregation"] == "jobs.keyed_aggregation:JOB"

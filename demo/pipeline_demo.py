@@ -85,8 +85,8 @@ def airflow(*args: str) -> list[str]:
 
 
 def describe_latest(env: dict) -> str:
-    from jobs.pipeline_config import find_spec
-    from jobs.pipeline_tasks import open_store
+    from statebackend.airflow.config import find_spec
+    from statebackend.airflow.steps import open_store
 
     os.environ.update({k: env[k] for k in ("CKPT_STORAGE", "CKPT_DATA", "CKPT_JOBS_FILE")})
     meta = open_store(find_spec(JOB)).latest()
@@ -112,7 +112,7 @@ def main() -> int:
     step("airflow db migrate (SQLite in .demo/airflow_home)", airflow("db", "migrate"),
          "00-db-migrate.log", env)
 
-    from jobs.sample_data import expected_totals, generate_days
+    from demo.sample_data import expected_totals, generate_days
 
     print(f"==> generating {DAYS} days x {EVENTS_PER_DAY} events over {N_KEYS} keys")
     days = generate_days(os.path.join(DATA, "events"), DAYS, events_per_day=EVENTS_PER_DAY,
@@ -136,8 +136,8 @@ def main() -> int:
     step(f"{JOB}_maintenance (retention, GC, deep validation of the latest)",
          airflow("dags", "test", f"{JOB}_maintenance", dates[-1]), "06-maintenance.log", env)
 
-    from jobs.pipeline_config import find_spec
-    from jobs.pipeline_tasks import open_store, state_totals
+    from statebackend.airflow.config import find_spec
+    from statebackend.airflow.steps import open_store, state_totals
 
     spec = find_spec(JOB)
     got = state_totals(spec)

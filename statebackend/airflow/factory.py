@@ -1,0 +1,169 @@
+"""The DAG factory: three DAGs per configured job (``ckpt_jobs``), built from the operators.
+
+- ``<job>_pipeline`` (the job's schedule, one active run): run_job (Spark, idempotent
+  by interval) -> validate (publishes the checkpoint Asset) -> retain -> gc;
+- ``<job>_maintenance`` (``maintenance_schedule``): retention, GC, a deep validation
+  report of the latest checkpoint;
+- ``<job>_rescale_restore`` (manual only): typed params ``parallelism`` (1..max
+  parallelism), ``checkpoint`` (``latest``, an id or ``chk-<id>``), ``dry_run``;
+  refuses while the pipeline has an active run; validates the new checkpoint.
+
+A DAG file is one call::
+
+    from statebackend.airflow.factory import build_dags
+    build_dags()                     # every job of ckpt_jobs (see .config)
+
+Nothing heavy is imported here: DAG files are parsed often.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from airflow.sdk import DAG, Asset, CronDataIntervalTimetable, Param, task
+
+from .config import JobSpec, load_job_specs
+from .operators import (
+    CkptGcOperator,
+    CkptRescaleOperator,
+    CkptRetainOperator,
+    CkptRunJobOperator,
+    CkptValidateOperator,
+)
+from .steps import RUN_KEY_TEMPLATE
+
+CHECKPOINT_PATTERN = r"^(latest|chk-[0-9]+|[0-9]+)$"
+# Manual runs are created "now": a start_date after that (the job's first interval may lie
+# in the future) would leave a triggered run with no task to run.
+MANUAL_START = datetime(2020, 1, 1, tzinfo=UTC)
+KINDS = ("pipeline", "maintenance", "rescale")
+
+
+def default_args(spec: JobSpec) -> dict:
+    return {"owner": "ckpt", "retries": spec.retries,
+            "retry_delay": timedelta(seconds=spec.retry_delay_seconds),
+            "retry_exponential_backoff": 2.0,
+            "max_retry_delay": timedelta(seconds=spec.max_retry_delay_seconds)}
+
+
+def checkpoint_asset(spec: JobSpec) -> Asset:
+    return Asset(name=spec.asset_name, uri=spec.asset_uri, extra={"job": spec.name})
+
+
+def _storage(spec: JobSpec) -> dict:
+    return {"storage": spec.storage, "job": spec.name, "storage_conn_id": spec.storage_conn_id}
+
+
+def run_job_task(spec: JobSpec, task_id: str = "run_job"):
+    """The job's run: in this worker (``spark.mode: local``) or through spark-submit."""
+    if spec.spark.mode == "submit":
+        from .steps import spark_submit_operator
+
+        return spark_submit_operator(spec, task_id=task_id)
+    return CkptRunJobOperator(
+        task_id=task_id, job_ref=spec.job, input_path=spec.input, output_path=spec.output,
+        quarantine_path=spec.quarantine, run_key=RUN_KEY_TEMPLATE, job_options=spec.options,
+        parallelism=spec.parallelism, max_parallelism=spec.max_parallelism,
+        max_reject_fraction=spec.max_reject_fraction, start_from=spec.start_from,
+        master=spec.spark.master, **_storage(spec))
+
+
+def build_pipeline_dag(spec: JobSpec) -> DAG:
+    asset = checkpoint_asset(spec)
+    with DAG(dag_id=spec.pipeline_dag_id, start_date=spec.start_datetime(),
+             catchup=spec.catchup,
+             schedule=CronDataIntervalTimetable(spec.schedule, timezone="UTC"),
+             max_active_runs=1, default_args=default_args(spec),
+             tags=["ckpt", spec.name, *spec.tags],
+             doc_md=f"Stateful job **{spec.name}** (`{spec.job}`): Spark run on "
+                    f"`{spec.input}`, then validate, retain {spec.keep}, GC. "
+                    f"Checkpoints: `{spec.asset_uri}`.") as dag:
+        run = run_job_task(spec)
+        validate = CkptValidateOperator(task_id="validate", run_key=RUN_KEY_TEMPLATE,
+                                        job_ref=spec.job, outlets=[asset], **_storage(spec))
+        retain = CkptRetainOperator(task_id="retain", keep=spec.keep, **_storage(spec))
+        gc = CkptGcOperator(task_id="gc", grace_seconds=spec.gc_grace_seconds,
+                            **_storage(spec))
+        run >> validate >> retain >> gc
+    return dag
+
+
+def build_maintenance_dag(spec: JobSpec) -> DAG:
+    with DAG(dag_id=spec.maintenance_dag_id, start_date=spec.start_datetime(), catchup=False,
+             schedule=spec.maintenance_schedule, max_active_runs=1,
+             default_args={"owner": "ckpt", "retries": 1, "retry_delay": timedelta(minutes=5)},
+             tags=["ckpt", spec.name, "maintenance"],
+             doc_md=f"Retention (keep {spec.keep}), GC and a deep validation report of the "
+                    f"latest checkpoint of **{spec.name}**.") as dag:
+        (CkptRetainOperator(task_id="retain", keep=spec.keep, **_storage(spec))
+         >> CkptGcOperator(task_id="gc", grace_seconds=spec.gc_grace_seconds, **_storage(spec))
+         >> CkptValidateOperator(task_id="validate_latest_deep", checkpoint="latest", deep=True,
+                                 job_ref=spec.job, **_storage(spec)))
+    return dag
+
+
+def build_rescale_dag(spec: JobSpec) -> DAG:
+    with DAG(dag_id=spec.rescale_dag_id, schedule=None, start_date=MANUAL_START,
+             catchup=False, max_active_runs=1, tags=["ckpt", spec.name, "rescale"],
+             default_args={"owner": "ckpt", "retries": 0},
+             # Params render as their JSON types (parallelism an int, dry_run a bool).
+             render_template_as_native_obj=True,
+             params={
+                 "parallelism": Param(type="integer", minimum=1, maximum=spec.max_parallelism,
+                                      title="New parallelism",
+                                      description=f"Number of subtasks "
+                                                  f"(1..{spec.max_parallelism})"),
+                 "checkpoint": Param("latest", type="string", pattern=CHECKPOINT_PATTERN,
+                                     title="Source checkpoint",
+                                     description="'latest', a checkpoint id or chk-<id>"),
+                 "dry_run": Param(False, type="boolean", title="Dry run",
+                                  description="Only plan; change nothing"),
+             },
+             doc_md=f"Rescale-restore a checkpoint of **{spec.name}** to a new "
+                    "parallelism.") as dag:
+
+        @task(task_id="check_no_running_pipeline")
+        def check_no_running_pipeline(**context) -> dict:
+            from .steps import check_no_running_pipeline as check
+
+            ti = context["ti"]
+            return check(spec.pipeline_dag_id,
+                         lambda dag_id: ti.get_dr_count(dag_id=dag_id,
+                                                        states=["running", "queued"]))
+
+        rescale = CkptRescaleOperator(
+            task_id="rescale", parallelism="{{ params.parallelism }}",
+            checkpoint="{{ params.checkpoint }}", dry_run="{{ params.dry_run }}",
+            master=spec.spark.master, **_storage(spec))
+
+        @task(task_id="validate")
+        def validate(result: dict) -> dict:
+            from .hook import CheckpointHook
+            from .steps import validate_store
+
+            if result.get("dry_run"):
+                return {"skipped": "dry run: nothing to validate"}
+            store = CheckpointHook(spec.storage_conn_id, storage=spec.storage,
+                                   job=spec.name).get_store()
+            return validate_store(store, ref=result["checkpoint_id"], job_ref=spec.job)
+
+        check_no_running_pipeline() >> rescale
+        validate(rescale.output)
+    return dag
+
+
+BUILDERS = {"pipeline": build_pipeline_dag, "maintenance": build_maintenance_dag,
+            "rescale": build_rescale_dag}
+
+
+def build_dags(specs: list[JobSpec] | None = None, *, kinds: tuple[str, ...] = KINDS,
+               default_config: str | None = None) -> dict[str, DAG]:
+    """The DAGs of ``kinds`` for every job (``ckpt_jobs`` when ``specs`` is None)."""
+    if specs is None:
+        specs = load_job_specs(default=default_config)
+    dags = {}
+    for spec in specs:
+        for kind in kinds:
+            dag = BUILDERS[kind](spec)
+            dags[dag.dag_id] = dag
+    return dags

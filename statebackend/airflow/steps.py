@@ -1,0 +1,407 @@
+"""What the checkpoint tasks do, callable and testable without Airflow.
+
+Two layers. The operators (`statebackend.airflow.operators`) call the first,
+which takes plain values; the second takes a configured `JobSpec` (what the DAG
+factory and the Checkpoints page hold) and calls the first:
+
+- `run_job_once(job_ref, config)`      load the job named by the *configuration*,
+                                        run one interval (`statebackend.job.run_job`)
+- `validate_store` / `validate_step`   validate the checkpoint a run committed (found
+                                        by its run key), with the job's expectations
+- `retain_store` / `retain_step`       keep the newest N (plus savepoints and leases)
+- `gc_store` / `gc_step`               delete what nothing references (orphans after grace)
+- `rescale_store` / `rescale_step`     rescale-restore to another parallelism
+- `check_no_running_pipeline`           refuse a rescale while the pipeline DAG runs
+
+Which job runs comes from the deployment's ``ckpt_jobs`` only (`JobSpec.job`),
+never from a name read from checkpoint storage.
+
+Idempotency: the run key is ``interval__<logical date>`` (`run_key`,
+`RUN_KEY_TEMPLATE`), so a retry, a cleared run, a backfill or a manual re-run of
+the same interval finds the checkpoint already committed and counts nothing twice.
+Runs without a logical date fall back to the Airflow run id.
+
+Storage credentials come from the job's AWS connection as storage options
+(`storage_options_for`); they are passed to the library and to Spark executors,
+never written into ``os.environ``, never logged.
+
+Heavy modules (pyspark, great_expectations, rocksdict, pandas) are imported inside
+the functions: DAG files import this module at parse time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import Any
+
+from .. import defaults
+from ..errors import CkptError, UsageError
+from .config import JobSpec
+
+log = logging.getLogger(__name__)
+
+RUN_KEY_PREFIX = "interval__"
+# The run key as an Airflow template (operators' template fields); same value as `run_key`.
+RUN_KEY_TEMPLATE = "{{ '" + RUN_KEY_PREFIX + "' ~ ts if logical_date else run_id }}"
+SUMMARY_LOG_KEYS = ("checkpoint_id", "events_read", "events_rejected", "keys_touched",
+                    "bytes_uploaded", "skipped")
+
+
+class PipelineRefusedError(CkptError):
+    """A step refuses to run now (e.g. a rescale while the pipeline DAG runs)."""
+
+    exit_code = 1
+
+
+class ValidationFailedError(CkptError):
+    """The validation of a checkpoint found critical breaks."""
+
+    exit_code = 1
+
+
+# -- run values --------------------------------------------------------------
+def run_key(logical_date: datetime | str | None, airflow_run_id: str) -> str:
+    """The idempotency key of a pipeline run: one per data interval."""
+    if logical_date is None or logical_date == "":
+        return airflow_run_id
+    text = logical_date if isinstance(logical_date, str) else logical_date.isoformat()
+    return f"{RUN_KEY_PREFIX}{text}"
+
+
+def render(template: str | None, values: dict) -> str | None:
+    """Render the Jinja fields of a configured path (``{{ ds }}``, ``{{ ts }}`` ...)."""
+    if template is None or "{" not in template:
+        return template
+    import jinja2
+
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False)
+    try:
+        return env.from_string(template).render(**values)
+    except jinja2.TemplateError as exc:
+        raise CkptError(f"path template {template!r} cannot be rendered ({exc}); "
+                        f"available fields: {sorted(values)}") from exc
+
+
+def template_values(logical_date: datetime | None, airflow_run_id: str) -> dict:
+    values = {"run_id": airflow_run_id}
+    if logical_date is not None:
+        values.update(ds=logical_date.strftime("%Y-%m-%d"),
+                      ds_nodash=logical_date.strftime("%Y%m%d"),
+                      ts=logical_date.isoformat(),
+                      ts_nodash=logical_date.strftime("%Y%m%dT%H%M%S"))
+    return values
+
+
+# -- storage -------------------------------------------------------------------
+def storage_options_for(spec: JobSpec, get_connection: Callable[[str], Any] | None = None
+                        ) -> dict:
+    """The job's storage options from its ``storage_conn_id`` ({} without one)."""
+    from .connection import storage_options_from_connection
+
+    return storage_options_from_connection(spec.storage_conn_id, get_connection)
+
+
+def open_store(spec: JobSpec, storage_options: Mapping[str, Any] | None = None, *,
+               get_connection: Callable[[str], Any] | None = None):
+    """The job's `CheckpointStore`; options from its connection unless given."""
+    from ..checkpoints import CheckpointStore
+    from ..storage import open_storage
+
+    if storage_options is None:
+        storage_options = storage_options_for(spec, get_connection)
+    return CheckpointStore(open_storage(spec.storage, **storage_options), spec.name)
+
+
+def checkpoint_facts(meta) -> dict:
+    """The few figures of a checkpoint that DAGs publish (XCom, Asset event extra)."""
+    s = meta.summary()
+    return {key: s[key] for key in ("id", "kind", "run_id", "parallelism", "max_parallelism",
+                                    "bytes_referenced", "bytes_uploaded", "rows", "created_at",
+                                    "parent")}
+
+
+# -- run -------------------------------------------------------------------------
+def load_configured_job(job_ref: str, entry: str):
+    """The `Job` a configuration names (built-in name or module:attr); one-line errors."""
+    from ..job.load import load_job, module_root
+    from ..spark.session import add_to_pythonpath
+    from .config import resolve_job_ref
+
+    ref = resolve_job_ref(job_ref, entry)
+    try:
+        job = load_job(ref)
+    except UsageError as exc:
+        raise UsageError(f"ckpt_jobs entry {entry!r}: {exc}") from exc
+    # Executors import the job's module from the same place as this process.
+    root = module_root(ref)
+    if root:
+        add_to_pythonpath(root)
+    return job
+
+
+def checked_options(job, entry: str, options: Mapping[str, Any] | None) -> dict:
+    """``options`` checked against ``job.options``: one line naming the entry and option."""
+    try:
+        return dict(job.resolve_options(options or {}))
+    except UsageError as exc:
+        raise UsageError(f"ckpt_jobs entry {entry!r}: {exc}") from exc
+
+
+def run_job_once(job_ref: str, config, *, entry: str | None = None, spark=None) -> dict:
+    """Load the configured job, check its options and input, run one interval."""
+    from dataclasses import replace
+
+    from ..job.run import run_job
+
+    entry = entry or config.job or job_ref
+    job = load_configured_job(job_ref, entry)
+    config = replace(config, options=checked_options(job, entry, config.options))
+    if "://" not in config.input and not os.path.exists(config.input):
+        raise UsageError(f"input {config.input} of ckpt_jobs entry {entry!r} does not exist; "
+                         "check the 'input' pattern and that the interval's data landed")
+    summary = dict(run_job(job, config, spark=spark))
+    log.info("job %s run %s: %s", entry, config.run_id,
+             {k: summary.get(k) for k in SUMMARY_LOG_KEYS})
+    summary.setdefault("run_id", config.run_id)
+    return summary
+
+
+def build_run_config(spec: JobSpec, *, logical_date: datetime | None, airflow_run_id: str,
+                     storage_options: Mapping[str, Any] | None = None,
+                     parallelism: int | None = None, local_dir: str | None = None,
+                     context: Mapping[str, Any] | None = None):
+    """The `RunConfig` of one interval of ``spec`` (paths rendered for that interval)."""
+    from ..job.run import RunConfig
+
+    values = template_values(logical_date, airflow_run_id)
+    return RunConfig(
+        input=render(spec.input, values), storage=spec.storage, job=spec.name,
+        run_id=run_key(logical_date, airflow_run_id), output=render(spec.output, values),
+        parallelism=parallelism or spec.parallelism, max_parallelism=spec.max_parallelism,
+        master=spec.spark.master, max_reject_fraction=spec.max_reject_fraction,
+        quarantine=render(spec.quarantine, values), start_from=spec.start_from,
+        local_dir=local_dir, options=dict(spec.options), context=dict(context or {}),
+        storage_options=dict(storage_options or {}))
+
+
+def run_pipeline_job(spec: JobSpec, *, logical_date: datetime | None, airflow_run_id: str,
+                     spark=None, storage_options: Mapping[str, Any] | None = None) -> dict:
+    """Run one interval of ``spec`` in this process; a committed run key is skipped."""
+    if storage_options is None:
+        storage_options = storage_options_for(spec)
+    config = build_run_config(spec, logical_date=logical_date, airflow_run_id=airflow_run_id,
+                              storage_options=storage_options)
+    return run_job_once(spec.job, config, entry=spec.name, spark=spark)
+
+
+# -- validate ----------------------------------------------------------------------
+def _validation_dict(result) -> dict:
+    """A compact result (the full summary stays in the stored report, not in XCom)."""
+    summary = result.summary or {}
+    return {"success": bool(result.success), "checkpoint_id": result.checkpoint_id,
+            "deep": summary.get("deep"), "critical_failures": summary.get("critical_failures"),
+            "failed_checks": list(summary.get("failed_checks") or [])[:20],
+            "figures": summary.get("figures"), "report_location": result.report_location,
+            "data_docs_index": result.data_docs_index}
+
+
+def validate_store(store, *, run_id: str | None = None, ref: str | int = "latest",
+                   deep: bool = False, job_ref: str | None = None) -> dict:
+    """Validate the checkpoint committed by ``run_id`` (or ``ref``); raise if it fails.
+
+    ``job_ref`` (the configured job) adds the job's expectations on its states.
+    """
+    from ..validate import validate_checkpoint
+
+    checks = load_configured_job(job_ref, store.job).expectations if job_ref else None
+    if run_id is not None:
+        meta = store.find_by_run_id(run_id)
+        if meta is None:
+            raise CkptError(f"no checkpoint of job {store.job!r} was committed by run "
+                            f"{run_id!r}; the job task did not finish or retention already "
+                            "removed it")
+    else:
+        meta = store.resolve(ref)
+    result = _validation_dict(validate_checkpoint(store, meta.checkpoint_id, deep=deep,
+                                                  state_checks=checks or None))
+    result["checkpoint"] = checkpoint_facts(meta)
+    if not result["success"]:
+        raise ValidationFailedError(
+            f"checkpoint {meta.checkpoint_id} of job {store.job!r} failed validation; report: "
+            f"{result['data_docs_index'] or result['report_location']}")
+    return result
+
+
+def validate_step(spec: JobSpec, *, run_id: str | None = None, ref: str | int = "latest",
+                  deep: bool = False, storage_options: Mapping[str, Any] | None = None) -> dict:
+    return validate_store(open_store(spec, storage_options), run_id=run_id, ref=ref,
+                          deep=deep, job_ref=spec.job)
+
+
+# -- lifecycle -----------------------------------------------------------------------
+def retain_store(store, *, keep: int = defaults.RETENTION_KEEP, dry_run: bool = False) -> dict:
+    from ..retention import retain
+
+    return retain(store, int(keep), dry_run=bool(dry_run)).to_json()
+
+
+def retain_step(spec: JobSpec, *, keep: int | None = None, dry_run: bool = False,
+                storage_options: Mapping[str, Any] | None = None) -> dict:
+    return retain_store(open_store(spec, storage_options), keep=keep or spec.keep,
+                        dry_run=dry_run)
+
+
+def gc_store(store, *, grace_seconds: float = defaults.GC_GRACE_SECONDS,
+             dry_run: bool = False) -> dict:
+    from ..gc import collect_garbage
+
+    return collect_garbage(store, grace_seconds=float(grace_seconds),
+                           dry_run=bool(dry_run)).to_json()
+
+
+def gc_step(spec: JobSpec, *, grace_seconds: float | None = None, dry_run: bool = False,
+            storage_options: Mapping[str, Any] | None = None) -> dict:
+    grace = spec.gc_grace_seconds if grace_seconds is None else grace_seconds
+    return gc_store(open_store(spec, storage_options), grace_seconds=grace, dry_run=dry_run)
+
+
+def rescale_store(store, *, parallelism: int, checkpoint: str | int = "latest",
+                  dry_run: bool = False, master: str | None = None, spark=None) -> dict:
+    from ..keygroups import check_parallelism
+    from ..rescale import rescale
+
+    max_parallelism = store.resolve(checkpoint).max_parallelism
+    if not isinstance(parallelism, int) or isinstance(parallelism, bool):
+        raise UsageError(f"parallelism {parallelism!r} must be an integer in "
+                         f"1..{max_parallelism} (the job's max parallelism)")
+    check_parallelism(parallelism, max_parallelism)
+    # The ref, not the id resolved above: rescale resolves it again under its lease.
+    result = rescale(store, checkpoint, parallelism, master=master, spark=spark,
+                     dry_run=bool(dry_run))
+    if dry_run:
+        print(result.get("plan_text", ""))
+    return result
+
+
+def rescale_step(spec: JobSpec, *, parallelism: int, checkpoint: str | int = "latest",
+                 dry_run: bool = False, spark=None,
+                 storage_options: Mapping[str, Any] | None = None) -> dict:
+    if not isinstance(parallelism, int) or not 1 <= parallelism <= spec.max_parallelism:
+        raise CkptError(f"parallelism {parallelism!r} must be an integer in "
+                        f"1..{spec.max_parallelism} (the job's max parallelism)")
+    return rescale_store(open_store(spec, storage_options), parallelism=parallelism,
+                         checkpoint=checkpoint, dry_run=dry_run, master=spec.spark.master,
+                         spark=spark)
+
+
+def check_no_running_pipeline(dag_id: str | JobSpec, count_running: Callable[[str], int]
+                              ) -> dict:
+    """Refuse while DAG ``dag_id`` (a job's pipeline) has a running or queued run."""
+    if isinstance(dag_id, JobSpec):
+        dag_id = dag_id.pipeline_dag_id
+    running = int(count_running(dag_id))
+    if running:
+        raise PipelineRefusedError(
+            f"DAG {dag_id} has {running} active run(s); a rescale-restore would race with it. "
+            f"Pause {dag_id}, wait for the run to finish, then trigger the rescale again")
+    return {"pipeline_dag_id": dag_id, "active_runs": 0}
+
+
+def publish_extra(validation: dict) -> dict:
+    """The Asset event extra of a published checkpoint (small, JSON)."""
+    chk = validation.get("checkpoint") or {}
+    return {"checkpoint_id": chk.get("id"), "run_id": chk.get("run_id"),
+            "parallelism": chk.get("parallelism"), "bytes_referenced": chk.get("bytes_referenced"),
+            "bytes_uploaded": chk.get("bytes_uploaded"), "validated": validation.get("success"),
+            "report": validation.get("data_docs_index") or validation.get("report_location")}
+
+
+# -- spark-submit ------------------------------------------------------------------
+def submit_application() -> str:
+    """Path of the spark-submit entry point for any job (`statebackend.job.submit`)."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.join(here, "job", "submit.py")
+
+
+def spark_submit_args(spec: JobSpec) -> list[str]:
+    """application_args for spark-submit (Airflow renders the Jinja fields)."""
+    args = [spec.job_ref(), "--input", spec.input, "--storage", spec.storage,
+            "--job", spec.name, "--run-id", RUN_KEY_TEMPLATE, "--output", spec.output,
+            "--master", spec.spark.master,
+            "--max-parallelism", str(spec.max_parallelism),
+            "--max-reject-fraction", str(spec.max_reject_fraction), "--json"]
+    if spec.parallelism:
+        args += ["--parallelism", str(spec.parallelism)]
+    if spec.quarantine:
+        args += ["--quarantine", spec.quarantine]
+    if spec.start_from:
+        args += ["--start-from", spec.start_from]
+    for name, value in sorted(spec.options.items()):
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        args += ["--" + name.replace("_", "-"), text]
+    return args
+
+
+def s3_environment(options: Mapping[str, Any]) -> dict[str, str]:
+    """The standard ``AWS_*`` variables of storage options, for a child process only.
+
+    spark-submit's driver is another process whose `ckpt run` reads the standard
+    variables; they go into that process's environment (Popen ``env``), never into
+    this process's ``os.environ``.
+    """
+    names = {"key": "AWS_ACCESS_KEY_ID", "secret": "AWS_SECRET_ACCESS_KEY",
+             "token": "AWS_SESSION_TOKEN", "profile": "AWS_PROFILE"}
+    env = {var: str(options[k]) for k, var in names.items() if options.get(k)}
+    client = options.get("client_kwargs") or {}
+    if client.get("endpoint_url"):
+        env["AWS_ENDPOINT_URL"] = str(client["endpoint_url"])
+    if client.get("region_name"):
+        env["AWS_DEFAULT_REGION"] = str(client["region_name"])
+    return env
+
+
+def spark_submit_operator(spec: JobSpec, *, task_id: str, **kwargs):
+    """A SparkSubmitOperator running ``spec``'s job on ``spec.spark`` (submit mode).
+
+    The connection's credentials go into the spark-submit process's own environment
+    in ``execute`` (after templates are rendered, so they never show as a rendered
+    field); this process's environment is not touched.
+    """
+    from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+
+    class CkptSparkSubmitOperator(SparkSubmitOperator):
+        def execute(self, context):
+            self.env_vars = {**(self.env_vars or {}),
+                             **s3_environment(storage_options_for(spec))}
+            return super().execute(context)
+
+    conf = {"spark.ui.enabled": "false", **{k: str(v) for k, v in spec.spark.conf.items()}}
+    return CkptSparkSubmitOperator(
+        task_id=task_id, application=submit_application(), conn_id=spec.spark.conn_id,
+        application_args=spark_submit_args(spec), conf=conf, name=f"ckpt-{spec.name}",
+        env_vars={"PYTHONUNBUFFERED": "1"}, **kwargs)
+
+
+def state_totals(spec: JobSpec, ref: str | int = "latest",
+                 storage_options: Mapping[str, Any] | None = None):
+    """keyed_aggregation's ``totals`` state as a pandas frame (key -> count, sum, min_ts,
+    max_ts), the shape of demo.sample_data.expected_totals (checks and the demo)."""
+    import pandas as pd
+
+    from ..dump import checkpoint_rows
+
+    store = open_store(spec, storage_options)
+    meta = store.resolve(ref)
+    records = []
+    for row in checkpoint_rows(store, meta):
+        if row["state"] != "totals":
+            continue
+        value = row["value"]
+        if not isinstance(value, dict):
+            value = dict(zip(("count", "sum", "min_ts", "max_ts"), value, strict=False))
+        records.append({"key": str(row["key"]), **value})
+    frame = pd.DataFrame.from_records(records, columns=["key", "count", "sum", "min_ts", "max_ts"])
+    return frame.set_index("key").sort_index()

@@ -1,0 +1,23 @@
+"""Safety defaults of the product, defined once (style: safety defaults live in the library).
+
+Everything that has a default for these settings reads it from here: the job
+run (`statebackend.job.RunConfig`), the ``ckpt`` CLI, the Airflow job
+definitions (`statebackend.airflow.config.JobSpec`) and the lifecycle
+operations. A deployment overrides them per job in ``ckpt_jobs``.
+
+This module imports nothing: DAG files read it at parse time.
+"""
+
+from __future__ import annotations
+
+# Key groups of a new lineage (fixed for its whole life; Flink's default is 128 too).
+MAX_PARALLELISM = 128
+# A run fails (and commits nothing) when more than this fraction of its input is rejected.
+MAX_REJECT_FRACTION = 0.01
+# Retention keeps the newest N committed checkpoints (plus savepoints and leased ones).
+RETENTION_KEEP = 3
+# GC spares files no checkpoint references that are younger than this: a running
+# attempt may still commit them.
+GC_GRACE_SECONDS = 3600.0
+
+__all__ = ["GC_GRACE_SECONDS", "MAX_PARALLELISM", "MAX_REJECT_FRACTION", "RETENTION_KEEP"]
