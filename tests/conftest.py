@@ -76,3 +76,16 @@ def spark():
     session.stop()
     # py4j logs from __del__ at interpreter exit, after pytest closed the captured streams.
     logging.getLogger("py4j").setLevel(logging.WARNING)
+
+
+# A test that skips because a tool is missing must fail in CI instead (CI=true): the
+# skip would hide that the suite did not test what it claims.
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and os.environ.get("CI", "").lower() in ("1", "true", "yes") \
+            and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"skipped under CI=true (a missing tool fails in CI): {reason}"

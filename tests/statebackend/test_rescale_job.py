@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from jobs import keyed_aggregation as jobs_ka
 from statebackend.rescale import rescale
-
-jobs_ka = pytest.importorskip("jobs.keyed_aggregation")
 
 
 @pytest.mark.slow
