@@ -10,9 +10,11 @@ export PYTHONPATH := $(abspath .)
 
 .PHONY: install system-deps test test-fast demo ui bench lint clean
 
+# --locked: the versions in uv.lock, and a stop if pyproject.toml changed without
+# `uv lock`. The dev extra includes every runtime extra ([all]).
 $(VENV)/.installed: pyproject.toml uv.lock
 	@command -v uv >/dev/null || python3 -m pip install --quiet "uv==0.13.8"
-	uv sync --frozen --extra dev --python python3.11
+	uv sync --locked --extra dev --python python3.11
 	@touch $@
 
 install: $(VENV)/.installed

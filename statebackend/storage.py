@@ -574,7 +574,8 @@ def open_storage(url: str, **options: Any) -> Storage:
         try:
             fs = fsspec.filesystem("s3", **s3_storage_options(given))
         except ImportError as exc:
-            raise UsageError("s3:// storage needs s3fs: pip install s3fs") from exc
+            raise UsageError("s3:// storage needs the s3 extra: "
+                             "pip install 'ckpt-lifecycle[s3]'") from exc
         except TypeError as exc:  # an option s3fs does not know
             raise UsageError(f"storage {url}: unknown storage option(s) {sorted(given)} "
                              f"({exc}); see s3fs.S3FileSystem for the names") from exc

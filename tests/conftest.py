@@ -78,6 +78,43 @@ def spark():
     logging.getLogger("py4j").setLevel(logging.WARNING)
 
 
+# Markers name what a test needs, applied from what it uses so that no test can forget
+# one: `pytest -m "not spark and not browser"` is a quick run, `-m s3` the S3 suite.
+SPARK_FIXTURES = frozenset({"spark", "standalone_cluster", "connect_server"})
+STORAGE_PARAM_FIXTURES = ("storage_url", "durable_storage_url")
+AIRFLOW_DIRS = ("tests/dags/", "tests/airflow/", "tests/plugins/")
+BROWSER_FILES = frozenset({
+    "tests/plugins/test_standalone_ui.py",
+    "tests/plugins/test_checkpoints_page_browser.py",
+    "tests/plugins/test_report_offline.py",
+    "tests/statebackend/test_report_browser.py",
+})
+
+
+def needed_markers(item: pytest.Item) -> set[str]:
+    """The markers (spark, s3, airflow, browser) a collected test needs, from its fixtures
+    (fixturenames is the closure: a fixture built on `spark` counts) and its file."""
+    fixtures = set(getattr(item, "fixturenames", ()))
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    path = os.path.relpath(str(item.path), ROOT).replace(os.sep, "/")
+    markers = set()
+    if fixtures & SPARK_FIXTURES:
+        markers.add("spark")
+    if "s3_server" in fixtures or any(params.get(f) == "s3" for f in STORAGE_PARAM_FIXTURES):
+        markers.add("s3")
+    if path.startswith(AIRFLOW_DIRS):
+        markers.add("airflow")
+    if path in BROWSER_FILES:
+        markers.add("browser")
+    return markers
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for name in sorted(needed_markers(item) - {m.name for m in item.iter_markers()}):
+            item.add_marker(name)
+
+
 # A test that skips because a tool is missing must fail in CI instead (CI=true): the
 # skip would hide that the suite did not test what it claims.
 @pytest.hookimpl(hookwrapper=True)

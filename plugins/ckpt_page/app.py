@@ -89,12 +89,9 @@ def _server_get_connection(conn_id: str):
 
 def load_specs():
     """The deployment's ``ckpt_jobs`` (the same definitions the DAG files build from)."""
-    from airflow.configuration import conf
-
     from statebackend.airflow.config import load_job_specs
 
-    return load_job_specs(default=os.path.join(conf.get("core", "dags_folder"),
-                                               "ckpt_jobs.yaml"))
+    return load_job_specs()
 
 
 def _open_store(spec):

@@ -336,6 +336,12 @@ def config_source(path: str | None = None, default: str | None = None) -> tuple[
             if text:
                 return f"Airflow Variable {VARIABLE_NAME!r}", text
             file = default or dags_folder_config()
+            if not os.path.exists(file):
+                # A deployment without its own file: the package's default definitions.
+                from importlib.resources import files
+
+                packaged = files("statebackend.airflow") / "ckpt_jobs.default.yaml"
+                return f"{packaged} (packaged default)", packaged.read_text(encoding="utf-8")
     try:
         with open(file, encoding="utf-8") as fh:
             return file, fh.read()

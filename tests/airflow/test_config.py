@@ -141,9 +141,22 @@ def test_job_names_a_builtin_or_module_attribute():
     (spec, _) = specs_from_config(data)
     with pytest.raises(JobConfigError) as err:
         spec.job_ref()
-    assert "'sessionz' is neither a built-in job ['keyed_aggregation']" in str(err.value)
+    assert "'sessionz' is neither a built-in job [" in str(err.value)
+    assert "'keyed_aggregation'" in str(err.value)
     assert "ckpt_jobs entry 'clicks'" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_builtin_jobs_come_from_entry_points_not_from_the_library():
     assert pc.builtin_jobs()["keyed_aggregation"] == "jobs.keyed_aggregation:JOB"
+
+
+def test_packaged_default_is_used_when_the_deployment_has_no_file(tmp_path, monkeypatch):
+    from statebackend.airflow import config
+
+    monkeypatch.delenv(config.CONFIG_ENV, raising=False)
+    monkeypatch.delenv("AIRFLOW_VAR_CKPT_JOBS", raising=False)
+    monkeypatch.setenv("CKPT_JOBS_SKIP_VARIABLE", "1")
+    where, text = config.config_source(default=str(tmp_path / "nowhere" / "ckpt_jobs.yaml"))
+    assert where.endswith("(packaged default)")
+    specs = config.specs_from_config(config.parse_config_text(text, where), where)
+    assert [s.name for s in specs] == ["clicks"] and specs[0].job == "keyed_aggregation"
