@@ -13,8 +13,12 @@ so the job's own checks run too), then times:
 - deep validation (downloads with CRC32, read-only open, every entry's key group
   recomputed and value decoded, row counts, job checks, GE runs, Data Docs).
 
-Great Expectations' one-off import is timed apart (a long-lived worker pays it
-once). Goal: deep validation <= 2x restore. Usage::
+Validations are timed with ``report="none"`` (the verdict, computed without
+Great Expectations) and ``report="now"`` (verdict, then GE Data Docs). Then, as
+the scheduled pipeline's validate task runs it, a manifest validation in a new
+Python process each: without GE (``ckpt validate --report none``) and with GE
+(``--report now``), wall time including imports, and their ratio (issue 14).
+Goal: deep validation <= 2x restore. Usage::
 
     python bench/bench_validate.py [--keys N] [--quick] [--s3] [--json]
 """
@@ -25,6 +29,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -111,17 +116,19 @@ def main() -> int:
         restore_s = min(restore_runs)
         scan_s = min(time_restore(store, meta, scan=True) for _ in range(3))
         runs = {}
-        for deep in (False, True):
+        for deep, report in ((False, "none"), (True, "none"), (False, "now"), (True, "now")):
             best = None
-            for _ in range(2):
+            for _ in range(2 if report == "none" else 1):
                 t0 = time.perf_counter()
                 result = validate_checkpoint(store, meta.checkpoint_id, deep=deep,
-                                             report_dir=f"{base}/reports")
+                                             report_dir=f"{base}/reports", report=report)
                 wall = time.perf_counter() - t0
                 assert result.success, result.summary["failed_checks"]
                 if best is None or wall < best[0]:
                     best = (wall, result.summary["timings"])
-            runs["deep" if deep else "manifest"] = best
+            name = "deep" if deep else "manifest"
+            runs[name if report == "none" else f"{name}+docs"] = best
+        process = {mode: validate_in_new_process(store, mode) for mode in ("none", "now")}
         figures = {
             "keys": n_keys, "parallelism": P, "max_parallelism": M,
             "checkpoint_mib": round(mib, 1), "files": len(meta.files),
@@ -135,6 +142,11 @@ def main() -> int:
             "deep_over_restore": round(runs["deep"][0] / restore_s, 2),
             "deep_over_restore_and_scan": round(runs["deep"][0] / scan_s, 2),
             "goal_deep_over_restore": 2.0,
+            "manifest_with_docs_seconds": round(runs["manifest+docs"][0], 3),
+            "deep_with_docs_seconds": round(runs["deep+docs"][0], 3),
+            "process_without_ge_seconds": round(process["none"], 2),
+            "process_with_ge_seconds": round(process["now"], 2),
+            "process_with_over_without_ge": round(process["now"] / process["none"], 2),
         }
         if args.json:
             print(json.dumps(figures, indent=1))
@@ -151,11 +163,34 @@ def main() -> int:
                   f"({figures['deep_over_restore']}x restore; goal <= 2x)  {runs['deep'][1]}")
             print(f"ratio deep/restore: {figures['deep_over_restore']}; "
                   f"deep/(restore + scan): {figures['deep_over_restore_and_scan']}")
+            print(f"with GE Data Docs rendered after the verdict (report now): manifest "
+                  f"{figures['manifest_with_docs_seconds']} s, deep "
+                  f"{figures['deep_with_docs_seconds']} s")
+            print(f"scheduled validate task, new process each (wall incl. imports): without GE "
+                  f"(--report none) {process['none']:.2f} s, with GE (--report now) "
+                  f"{process['now']:.2f} s -> {figures['process_with_over_without_ge']}x")
     finally:
         shutil.rmtree(base, ignore_errors=True)
         if server is not None:
             server.stop()
     return 0
+
+
+def validate_in_new_process(store: CheckpointStore, report: str) -> float:
+    """Wall time of ``ckpt validate latest --report <report>`` (manifest) in a fresh
+    Python process, imports included: what one scheduled validate task costs."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    argv = [sys.executable, "-c", "import sys; from statebackend.cli import main; "
+            "sys.exit(main(sys.argv[1:]))", "--storage", store.root_storage.url,
+            "--job", store.job, "validate", "latest", "--report", report, "--json"]
+    t0 = time.perf_counter()
+    done = subprocess.run(argv, cwd=root, env={**os.environ, "PYTHONPATH": root,
+                                                "CKPT_PROGRESS": "off"},
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise SystemExit(f"validate --report {report} failed: {done.stderr.strip()[-500:]}")
+    return wall
 
 
 def start_s3():

@@ -1,10 +1,12 @@
-"""``ckpt validate [ID|latest] [--deep] [--report-dir DIR] [--json]``.
+"""``ckpt validate [ID|latest] [--deep] [--report now|none] [--report-dir DIR] [--json]``.
 
 Exit codes (the CLI's one table, see cli.py): 0 when every critical
 expectation passes, 1 when any fails, 2 for usage or access errors (bad storage
 URL or access, unknown job, unknown checkpoint, bad id): nothing was validated
 then. Those are checked before Great Expectations is imported (it takes
-seconds); the import and the validation show progress on stderr.
+seconds); the verdict is computed without it, and GE is then imported to render
+the Data Docs (``--report now``, the default) or not at all (``--report none``).
+Progress shows on stderr.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also restore every subtask read-only and check the state content")
     p.add_argument("--report-dir", default=None,
                    help="write the report to DIR/chk-<id>/ instead of the checkpoint storage")
+    p.add_argument("--report", default="now", choices=("now", "none"),
+                   help="now (default): render Great Expectations Data Docs after the verdict; "
+                        "none: store only the verdict (summary.json, overview page), without "
+                        "importing Great Expectations")
     p.add_argument("--job-def", default=None, metavar="MODULE:ATTR",
                    help="with --deep, also run the expectations the job declares on its states "
                         "(e.g. jobs.keyed_aggregation:JOB)")
@@ -52,13 +58,10 @@ def cmd_validate(args: argparse.Namespace, store: CheckpointStore) -> int:
         # The job comes from the caller's argument, never from the checkpoint's metadata.
         state_checks = load_job(args.job_def).expectations
     with Progress("validate") as progress:
-        progress.phase("loading Great Expectations")
-        from .validation.suites import load_great_expectations
-
-        load_great_expectations()
         progress.phase(f"{'deep' if args.deep else 'manifest'} validation of checkpoint {cid}")
         result = validate_checkpoint(store, cid, deep=args.deep, report_dir=args.report_dir,
-                                     state_checks=state_checks)
+                                     state_checks=state_checks, report=args.report,
+                                     progress=progress.phase)
     summary = result.summary
     if args.json:
         emit_json(summary)

@@ -66,6 +66,10 @@ Failure scenarios this design handles (numbered; tests name them):
 10. *Lease taken after planning.* A writer or hold lease taken between planning
     and deleting: the executor re-reads the live leases and spares every planned
     deletion such a lease protects (same rules as planning).
+11. *Stale or tampered registry index.* An index entry is used only while the
+    listed `_metadata` keeps its size and mtime, and when a plan with deletions
+    used any, the executor reads the real `_metadata` of those checkpoints
+    (`registry.referenced_by_records`) and spares every file they list.
 
 `plan_gc` is pure; `execute_gc` deletes best effort (batched on S3) after the
 re-checks of scenarios 3 and 10; `collect_garbage` = registry + plan + execute.
@@ -90,6 +94,7 @@ from .registry import (
     in_gc_scope,
     is_commit_record,
     read_live_leases,
+    referenced_by_records,
 )
 from .retention import prune_empty_dirs
 
@@ -135,6 +140,7 @@ class GcPlan:
     commit_records: tuple[str, ...]      # kept: _metadata of committed checkpoints
     referenced_bytes: int = 0
     commit_record_bytes: int = 0
+    indexed_ids: tuple[int, ...] = ()    # planned from the registry index: re-checked
 
     @property
     def bytes_to_delete(self) -> int:
@@ -263,8 +269,9 @@ def plan_gc(registry: Registry, *, grace_seconds: float = DEFAULT_GRACE_SECONDS)
     referenced: list[str] = []
     records: list[str] = []
     referenced_bytes = record_bytes = 0
-    for path, info in sorted(registry.files.items()):
-        if path in registry.referenced:
+    referenced_set = registry.referenced
+    for path, info in registry.files.items():  # in path order (registry.files_by_path)
+        if path in referenced_set:
             referenced.append(path)
             referenced_bytes += info.size
             continue
@@ -292,7 +299,8 @@ def plan_gc(registry: Registry, *, grace_seconds: float = DEFAULT_GRACE_SECONDS)
         target = pending if reason in ORPHAN_KEEP_REASONS else deletions
         target.append(GcFile(path, info.size, age, reason, info.mtime))
     return GcPlan(registry.job, float(grace_seconds), tuple(deletions), tuple(pending),
-                  tuple(referenced), tuple(records), referenced_bytes, record_bytes)
+                  tuple(referenced), tuple(records), referenced_bytes, record_bytes,
+                  tuple(sorted(registry.indexed_ids)))
 
 
 def execute_gc(store: CheckpointStore, plan: GcPlan, known_ids: set[int] | None = None, *,
@@ -308,6 +316,9 @@ def execute_gc(store: CheckpointStore, plan: GcPlan, known_ids: set[int] | None 
                 spare.update(f.path for f in store.load(cid).files)
             except CheckpointNotFoundError:
                 continue
+    if plan.deletions and plan.indexed_ids:  # scenario 11: the real records decide
+        spare |= referenced_by_records(store, plan.indexed_ids) & {
+            f.path for f in plan.deletions}
     guard = lease_guard(read_live_leases(store.storage, as_datetime(now)), committed)
     spare.update(f.path for f in plan.deletions if guard.reason(f.path, f.mtime) is not None)
     todo = [f for f in plan.deletions if f.path not in spare]
@@ -324,7 +335,7 @@ def collect_garbage(store: CheckpointStore, *, grace_seconds: float = DEFAULT_GR
                     dry_run: bool = False, now: datetime | float | None = None) -> GcReport:
     """Plan GC over a fresh registry; execute it unless ``dry_run``."""
     started = time.perf_counter()
-    registry = build_registry(store, now=now)
+    registry = build_registry(store, now=now, update_index=not dry_run)
     plan = plan_gc(registry, grace_seconds=grace_seconds)
     if dry_run:
         return GcReport(store.job, True, plan, (), seconds=time.perf_counter() - started)

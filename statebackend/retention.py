@@ -32,8 +32,12 @@ same id) are orphans: GC removes them after the grace period (gc.py).
 file with a reason). `execute_retention` is best effort and re-reads the
 committed ids and leases just before deleting: a checkpoint held by a lease
 taken since planning is spared, and files referenced by a checkpoint committed
-since planning are spared. A metadata deletion that fails leaves that
-checkpoint's files alone. `retain` = registry + plan + execute (or dry run).
+since planning are spared. A plan made from the registry index (registry.py)
+is re-checked against the real records: a file is deleted only if the real
+`_metadata` of a retired checkpoint lists it and no kept checkpoint's real
+`_metadata` does, so a tampered index never deletes anything. A metadata
+deletion that fails leaves that checkpoint's files alone. `retain` = registry +
+plan + execute (or dry run).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from .registry import (
     chk_id_of,
     committed_ids,
     read_live_leases,
+    referenced_by_records,
 )
 from .storage import Storage
 
@@ -109,6 +114,7 @@ class RetentionPlan:
     deletions: tuple[FileAction, ...]   # metadata first, then files
     savepoints: tuple[str, ...]
     bytes_kept: int
+    indexed_ids: tuple[int, ...] = ()   # planned from the registry index: re-checked
 
     @property
     def retained(self) -> tuple[int, ...]:
@@ -203,27 +209,27 @@ def plan_retention(registry: Registry, keep: int,
     retired = [d.checkpoint_id for d in decisions if d.action == "retire"]
     retired_labels = {checkpoint_label(c) for c in retired}
     kept_paths: set[str] = set()
-    for label, paths in registry.owner_paths.items():
-        if label not in retired_labels:
-            kept_paths.update(paths)
     candidates: set[str] = set()
-    for cid in retired:
-        candidates.update(registry.owner_paths[checkpoint_label(cid)])
+    for label, paths in registry.owner_paths.items():
+        (candidates if label in retired_labels else kept_paths).update(paths)
     released = candidates - kept_paths  # set algebra: no per-reference Python loop
-    metadata_actions = []
-    for cid in retired:
-        rel = metadata_path(cid)
-        metadata_actions.append(FileAction(rel, registry.size_of(rel), DEL_METADATA, cid))
-    file_actions = []
-    for path in sorted(released):
-        folder = chk_id_of(path)  # a private file lives in some chk-<id>/ folder
-        reason = DEL_RELEASED_SHARED if folder is None else DEL_PRIVATE
-        file_actions.append(FileAction(path, registry.size_of(path), reason, folder))
-    bytes_kept = sum(registry.size_of(p) for p in kept_paths)
+    size_of = registry.size_of
+    metadata_actions = [FileAction(rel, size_of(rel), DEL_METADATA, cid)
+                        for cid in retired for rel in (metadata_path(cid),)]
+    # a private file lives in some chk-<id>/ folder; shared ones (most) skip the parse
+    listed = registry.files
+    file_actions = [
+        FileAction(path, info.size if info is not None else size_of(path),
+                   DEL_RELEASED_SHARED if folder is None else DEL_PRIVATE, folder)
+        for path in sorted(released)
+        for folder, info in ((chk_id_of(path) if path[:4] == "chk-" else None,
+                              listed.get(path)),)]
+    bytes_kept = sum(map(size_of, kept_paths))
     return RetentionPlan(
         job=registry.job, keep=keep, decisions=tuple(decisions),
         deletions=tuple(metadata_actions + file_actions),
-        savepoints=tuple(sorted(registry.savepoints)), bytes_kept=bytes_kept)
+        savepoints=tuple(sorted(registry.savepoints)), bytes_kept=bytes_kept,
+        indexed_ids=tuple(sorted(registry.indexed_ids)))
 
 
 def _restorability(registry: Registry, ids: list[int],
@@ -282,8 +288,13 @@ def execute_retention(store: CheckpointStore, plan: RetentionPlan, *,
     meta_actions = [a for a in plan.deletions if a.reason == DEL_METADATA
                     and a.checkpoint_id not in spare_ids]
     # A retired commit record no longer names its run: the ledger must, first (runs.py).
-    unrecorded = _record_runs(store, [a.checkpoint_id for a in meta_actions])
+    records, unrecorded = _record_runs(store, [a.checkpoint_id for a in meta_actions])
     spare_ids |= unrecorded
+    # Delete only what the real records release (the plan may come from the index).
+    listed_by_retired = {f.path for m in records.values() for f in m.files}
+    kept_indexed = set(plan.indexed_ids) - {a.checkpoint_id for a in meta_actions}
+    if kept_indexed:
+        spare_paths |= referenced_by_records(store, kept_indexed)
     meta_actions = [a for a in meta_actions if a.checkpoint_id not in unrecorded]
     failures = storage.delete_many(a.path for a in meta_actions)
     failed = {p for p, _ in failures}
@@ -298,7 +309,7 @@ def execute_retention(store: CheckpointStore, plan: RetentionPlan, *,
             if meta is not None:
                 spare_paths.update(f.path for f in meta.files)
     file_actions = [a for a in plan.deletions if a.reason != DEL_METADATA
-                    and a.path not in spare_paths
+                    and a.path not in spare_paths and a.path in listed_by_retired
                     and not (a.reason == DEL_PRIVATE and a.checkpoint_id in spare_ids)]
     file_failures = storage.delete_many(a.path for a in file_actions)
     failures += file_failures
@@ -319,7 +330,7 @@ def retain(store: CheckpointStore, keep: int, *, dry_run: bool = False,
            now: datetime | float | None = None) -> RetentionReport:
     """Plan retention over a fresh registry; execute it unless ``dry_run``."""
     started = time.perf_counter()
-    registry = build_registry(store, now=now)
+    registry = build_registry(store, now=now, update_index=not dry_run)
     plan = plan_retention(registry, keep, damaged=read_damaged(store, registry))
     if dry_run:
         return RetentionReport(store.job, True, plan, (), seconds=time.perf_counter() - started)
@@ -350,18 +361,22 @@ def _recheck(store: CheckpointStore, plan: RetentionPlan,
     return spare_ids, spare_paths
 
 
-def _record_runs(store: CheckpointStore, checkpoint_ids: list[int]) -> set[int]:
-    """Write the ledger record of each checkpoint's run; the ids whose write failed."""
+def _record_runs(store: CheckpointStore, checkpoint_ids: list[int]
+                 ) -> tuple[dict[int, CheckpointMetadata], set[int]]:
+    """Write the ledger record of each checkpoint's run; the records read (strictly)
+    whose run is recorded, and the ids whose write failed."""
     failed = set()
+    records = {}
     for cid in checkpoint_ids:
         meta = _load_or_none(store, cid)
         try:
             if meta is not None:
                 store.record_run(meta)
+                records[cid] = meta
         except CkptError as exc:
             log.warning("checkpoint %s kept: its run could not be recorded (%s)", cid, exc)
             failed.add(cid)
-    return failed
+    return records, failed
 
 
 def _load_or_none(store: CheckpointStore, cid: int) -> CheckpointMetadata | None:

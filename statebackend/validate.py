@@ -16,12 +16,20 @@ parser refuses (e.g. a path with ``..``) is a failed critical check
 (``metadata_parses``, ``paths_inside_job_root``), not an exception. Great
 Expectations and pandas are imported only when a validation runs, so importing
 this module (CLI start, Airflow DAG parsing) stays fast.
+
+The verdict never waits for Great Expectations (about 10 s to import): every
+built-in check is computed with pandas (`suites.evaluate_runs`), and GE only
+renders the Data Docs, after the verdict, with ``report="now"`` (the default).
+``report="none"`` stores the verdict (summary.json and the overview page) and
+imports no GE at all, unless a deep validation runs a job's own checks (GE
+expectation objects): the scheduled pipeline's per-run validation uses it, and
+the maintenance DAG's deep validation renders the Data Docs.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from .checkpoints import CheckpointStore, metadata_path
@@ -29,7 +37,11 @@ from .errors import CheckpointNotFoundError, UsageError
 from .metadata import utc_now_iso
 from .validation.checks import StateCheck, register_state_checks, unregister_state_checks
 
-__all__ = ["ValidationResult", "validate_checkpoint", "read_report_summary",
+REPORT_NOW = "now"    # verdict, then Data Docs rendered by GE in the same call
+REPORT_NONE = "none"  # verdict only (summary.json + overview page): GE is not imported
+REPORT_MODES = (REPORT_NOW, REPORT_NONE)
+
+__all__ = ["REPORT_MODES", "ValidationResult", "validate_checkpoint", "read_report_summary",
            "register_state_checks", "unregister_state_checks", "resolve_checkpoint_id"]
 
 
@@ -77,12 +89,18 @@ def resolve_checkpoint_id(store: CheckpointStore, ref: str | int | None = "lates
 def validate_checkpoint(store: CheckpointStore, ref: str | int | None = "latest", *,
                         deep: bool = False, report_dir: str | None = None,
                         state_checks: Mapping[str, StateCheck] | None = None,
-                        work_dir: str | None = None) -> ValidationResult:
+                        work_dir: str | None = None, report: str = REPORT_NOW,
+                        progress: Callable[[str], None] | None = None) -> ValidationResult:
     """Run the manifest (and with ``deep`` the content) suites; store the report.
 
     ``state_checks`` maps a state name to a job check (see
     `statebackend.validation.checks`); it adds to / overrides the registered ones.
+    ``report``: "now" renders GE Data Docs after the verdict, "none" skips them
+    (module docstring). ``progress`` is told each phase (the CLI's notices).
     """
+    if report not in REPORT_MODES:
+        raise UsageError(f"report mode {report!r} is invalid: use one of "
+                         f"{', '.join(REPORT_MODES)}")
     from .validation import content as content_mod
     from .validation import manifest as manifest_mod
     from .validation import report as report_mod
@@ -90,9 +108,7 @@ def validate_checkpoint(store: CheckpointStore, ref: str | int | None = "latest"
     from .validation.checks import registered_state_checks
 
     cid = resolve_checkpoint_id(store, ref)
-    t0 = time.perf_counter()
-    suites_mod.load_great_expectations()
-    timings = {"ge_import_seconds": round(time.perf_counter() - t0, 3)}
+    timings: dict = {}
     started = time.perf_counter()
     tables = manifest_mod.build_manifest(store, cid, checksums=None if deep else True)
     runs = [suites_mod.builtin_run("checkpoint", tables.checkpoint),
@@ -138,16 +154,16 @@ def validate_checkpoint(store: CheckpointStore, ref: str | int | None = "latest"
             runs.append(suites_mod.builtin_run("restore", restore))
         timings["content_seconds"] = round(time.perf_counter() - t0, 3)
 
+    # the verdict: pandas over the tables (GE only for a job's own checks)
+    t0 = time.perf_counter()
+    suites, checks = suites_mod.evaluate_runs(runs)
+    failed = [c for c in checks if not c["success"]]
+    critical = [c for c in failed if c["critical"]]
+    timings["verdict_seconds"] = round(time.perf_counter() - t0, 3)
     target = report_mod.prepare_report(store.storage, cid, report_dir)
     try:
-        t0 = time.perf_counter()
-        results = suites_mod.run_suites(runs, target.docs_dir)
-        suites, checks = report_mod.check_entries(results)
-        if results:
-            timings["data_docs_seconds"] = results[0][1].meta.get("ckpt_docs_seconds")
-        failed = [c for c in checks if not c["success"]]
-        critical = [c for c in failed if c["critical"]]
-        timings["report_seconds"] = round(time.perf_counter() - t0, 3)
+        if report == REPORT_NOW:
+            _render_data_docs(runs, target.docs_dir, timings, progress)
         timings["total_seconds"] = round(time.perf_counter() - started, 3)
         summary = {
             "summary_version": report_mod.SUMMARY_VERSION,
@@ -171,6 +187,25 @@ def validate_checkpoint(store: CheckpointStore, ref: str | int | None = "latest"
     return ValidationResult(success=summary["success"], checkpoint_id=cid, summary=summary,
                             report_location=target.location, data_docs_index=index,
                             report_index=summary.get("report_index"))
+
+
+def _render_data_docs(runs: list, docs_dir: str, timings: dict,
+                      progress: Callable[[str], None] | None) -> None:
+    """GE's Data Docs of the runs (the verdict is already taken)."""
+    from .validation import suites as suites_mod
+
+    if progress is not None:
+        progress("loading Great Expectations (report)")
+    t0 = time.perf_counter()
+    suites_mod.load_great_expectations()
+    timings["ge_import_seconds"] = round(time.perf_counter() - t0, 3)
+    if progress is not None:
+        progress("rendering Data Docs")
+    t0 = time.perf_counter()
+    results = suites_mod.run_suites(runs, docs_dir)
+    if results:
+        timings["data_docs_seconds"] = results[0][1].meta.get("ckpt_docs_seconds")
+    timings["report_seconds"] = round(time.perf_counter() - t0, 3)
 
 
 def read_report_summary(store: CheckpointStore, checkpoint_id: int) -> dict | None:

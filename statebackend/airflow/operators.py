@@ -105,6 +105,8 @@ class CkptValidateOperator(_CheckpointOperator):
     """Validate the checkpoint committed by ``run_key`` (or ``checkpoint``); fail on breaks.
 
     With ``outlets`` (Assets), each gets the checkpoint's figures as its event extra.
+    ``report``: ``"now"`` renders the Great Expectations report after the verdict,
+    ``"none"`` decides without importing GE (summary and overview page only).
     """
 
     template_fields: Sequence[str] = ("storage", "run_key", "checkpoint")
@@ -112,19 +114,20 @@ class CkptValidateOperator(_CheckpointOperator):
     def __init__(self, *, storage: str, job: str, run_key: str | None = None,
                  checkpoint: str | int = "latest", deep: bool = False,
                  job_ref: str | None = None, storage_conn_id: str | None = None,
-                 **kwargs: Any) -> None:
+                 report: str = "now", **kwargs: Any) -> None:
         super().__init__(storage=storage, job=job, storage_conn_id=storage_conn_id, **kwargs)
         self.run_key = run_key
         self.checkpoint = checkpoint
         self.deep = deep
         self.job_ref = job_ref
+        self.report = report
 
     def execute(self, context) -> dict:
         from .steps import publish_extra, validate_store
 
         result = validate_store(self.hook().get_store(), run_id=self.run_key or None,
                                 ref=_as_int(self.checkpoint), deep=self.deep,
-                                job_ref=self.job_ref)
+                                job_ref=self.job_ref, report=self.report)
         for asset in self.outlets or ():
             context["outlet_events"][asset].extra = publish_extra(result)
         return result

@@ -209,10 +209,13 @@ def _validation_dict(result) -> dict:
 
 
 def validate_store(store, *, run_id: str | None = None, ref: str | int = "latest",
-                   deep: bool = False, job_ref: str | None = None) -> dict:
+                   deep: bool = False, job_ref: str | None = None,
+                   report: str = "now") -> dict:
     """Validate the checkpoint committed by ``run_id`` (or ``ref``); raise if it fails.
 
     ``job_ref`` (the configured job) adds the job's expectations on its states.
+    ``report="none"`` decides without importing Great Expectations (the scheduled
+    pipeline: its verdict must not wait ~10 s for GE); maintenance renders the report.
     """
     from ..validate import validate_checkpoint
 
@@ -226,7 +229,7 @@ def validate_store(store, *, run_id: str | None = None, ref: str | int = "latest
     else:
         meta = store.resolve(ref)
     result = _validation_dict(validate_checkpoint(store, meta.checkpoint_id, deep=deep,
-                                                  state_checks=checks or None))
+                                                  state_checks=checks or None, report=report))
     result["checkpoint"] = checkpoint_facts(meta)
     if not result["success"]:
         raise ValidationFailedError(
@@ -236,9 +239,10 @@ def validate_store(store, *, run_id: str | None = None, ref: str | int = "latest
 
 
 def validate_step(spec: JobSpec, *, run_id: str | None = None, ref: str | int = "latest",
-                  deep: bool = False, storage_options: Mapping[str, Any] | None = None) -> dict:
+                  deep: bool = False, storage_options: Mapping[str, Any] | None = None,
+                  report: str = "now") -> dict:
     return validate_store(open_store(spec, storage_options), run_id=run_id, ref=ref,
-                          deep=deep, job_ref=spec.job)
+                          deep=deep, job_ref=spec.job, report=report)
 
 
 # -- lifecycle -----------------------------------------------------------------------

@@ -157,6 +157,8 @@ def finish_report(storage: Storage, target: ReportTarget, summary: dict) -> str 
     """
     index = target.index_url if os.path.exists(os.path.join(target.docs_dir, "index.html")) \
         else None
+    if index is None:  # not rendered (report "none"): leave no empty docs folder
+        shutil.rmtree(target.docs_dir, ignore_errors=True)
     summary["report_location"] = target.location
     summary["data_docs_index"] = index
     summary["report_index"] = f"{target.location}/{OVERVIEW_FILE}"
@@ -252,9 +254,13 @@ def overview_html(summary: dict, suite_pages: dict[str, str]) -> str:
            f"<h1>{escape(title)}: <span id='status'>{status(summary['success'])}</span></h1>",
            f"<p>Validation level: {level}. Validated at {escape(summary['validated_at'])} in "
            f"{summary['duration_seconds']} s. Critical failures: "
-           f"{summary['critical_failures']}. Full Great Expectations Data Docs: "
-           f"<a href='{DOCS_DIR}/index.html'>{DOCS_DIR}/index.html</a> "
-           "(static pages: no scripts, no internet access needed).</p>",
+           f"{summary['critical_failures']}. " + (
+               "Full Great Expectations Data Docs: "
+               f"<a href='{DOCS_DIR}/index.html'>{DOCS_DIR}/index.html</a> "
+               "(static pages: no scripts, no internet access needed).</p>"
+               if summary.get("data_docs_index") else
+               "Great Expectations Data Docs were not rendered for this validation "
+               "(<code>ckpt validate --report now</code> renders them).</p>"),
            "<h2>Expectation suites</h2><table id='suites'><tr><th>Suite</th><th>Table</th>"
            "<th>Rows</th><th>Checks passed</th><th>Status</th></tr>"]
     for s in summary["suites"]:

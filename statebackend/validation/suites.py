@@ -22,10 +22,20 @@ state       ckpt.content.state         key_group_prefix_matches_hash,
 counts      ckpt.content.counts        row_counts_match (deep)
 job:<state> ckpt.job.<state>           the job's registered checks (deep)
 ==========  =========================  ==========================================
+
+The verdict does not need Great Expectations (issue 14): `evaluate_runs` computes
+every built-in check with pandas over the same tables, with GE's semantics
+(``expect_column_values_to_be_in_set``: non-null values must be in the set;
+``..._between``: non-null values within the inclusive bounds; element_count is
+every row, offending rows are the first 20 unexpected ones in table order with
+the checked column then the index columns). Only a job's own checks, which are
+GE expectation objects, are run by GE. `run_suites` still runs everything in GE
+to render Data Docs; tests compare both check by check.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -109,13 +119,21 @@ SUITE_NAMES = {
 
 @dataclass(frozen=True)
 class TableRun:
-    """One table to validate: its frame and expectations (GE objects)."""
+    """One table to validate: its frame and its checks. Built-in tables carry
+    ``builtin`` (the name in _BUILTIN, evaluated without GE) and build their GE
+    expectations only when a report is rendered; a job's table carries GE objects."""
 
     table: str
     suite_name: str
     frame: pd.DataFrame
-    expectations: list
+    job_expectations: list
     index_columns: list[str]
+    builtin: str | None = None
+
+    @property
+    def expectations(self) -> list:
+        """GE expectation objects (imports GE for a built-in table)."""
+        return builtin_expectations(self.builtin) if self.builtin else self.job_expectations
 
 
 def builtin_expectations(table: str) -> list:
@@ -135,8 +153,7 @@ def builtin_expectations(table: str) -> list:
 
 
 def builtin_run(table: str, frame: pd.DataFrame) -> TableRun:
-    return TableRun(table, SUITE_NAMES[table], frame, builtin_expectations(table),
-                    INDEX_COLUMNS[table])
+    return TableRun(table, SUITE_NAMES[table], frame, [], INDEX_COLUMNS[table], table)
 
 
 def job_run(state_name: str, frame: pd.DataFrame, expectations: list) -> TableRun:
@@ -148,6 +165,75 @@ def job_run(state_name: str, frame: pd.DataFrame, expectations: list) -> TableRu
         exp.meta = meta
     cols = [c for c in ("subtask", "key", "user_key", "key_group") if c in frame.columns]
     return TableRun(f"job:{state_name}", f"ckpt.job.{state_name}", frame, expectations, cols)
+
+
+# -- the verdict without Great Expectations ----------------------------------------
+_EXPECTATION_TYPES = {"true": "expect_column_values_to_be_in_set",
+                      "between": "expect_column_values_to_be_between"}
+
+
+def evaluate_runs(runs: list[TableRun]) -> tuple[list[dict], list[dict]]:
+    """(suites, checks) of the summary: built-in tables with pandas, job tables with GE
+    (their expectations are GE objects; GE is imported only if there are any)."""
+    from .report import check_entries
+
+    suites: list[dict] = []
+    checks: list[dict] = []
+    job_runs = [r for r in runs if r.builtin is None]
+    ge_entries: dict[str, tuple[dict, list[dict]]] = {}
+    if job_runs:
+        load_great_expectations()
+        ge_suites, ge_checks = check_entries(run_suites(job_runs, None))
+        for suite in ge_suites:
+            ge_entries[suite["name"]] = (suite, [c for c in ge_checks
+                                                 if c["suite"] == suite["name"]])
+    for run in runs:
+        if run.builtin is None:
+            suite, entries = ge_entries[run.suite_name]
+        else:
+            started = time.perf_counter()
+            entries = [_evaluate(run, spec) for spec in _BUILTIN[run.builtin]]
+            failed = sum(not e["success"] for e in entries)
+            suite = {"name": run.suite_name, "table": run.table, "success": not failed,
+                     "rows": len(run.frame), "checks": len(entries), "failed": failed,
+                     "seconds": round(time.perf_counter() - started, 3)}
+        suites.append(suite)
+        checks.extend(entries)
+    return suites, checks
+
+
+def _evaluate(run: TableRun, spec: tuple[str, str, str, str, tuple]) -> dict:
+    """One built-in check as GE reports it (see the module docstring)."""
+    from .report import plain
+
+    name, description, column, kind, args = spec
+    frame = run.frame
+    entry = {"name": name, "suite": run.suite_name, "table": run.table,
+             "expectation": _EXPECTATION_TYPES[kind], "critical": True, "success": False,
+             "description": description, "element_count": len(frame),
+             "unexpected_count": None, "offending_rows": [], "error": None}
+    if column not in frame.columns:  # GE raises a MetricResolutionError: a failed check
+        entry["error"] = f'The column "{column}" in BatchData does not exist.'
+        return entry
+    values = frame[column]
+    present = values.notna()
+    if kind == "true":
+        ok = values.isin([True])
+    else:
+        lo, hi = args
+        ok = (values >= lo) & (values <= hi)
+    bad = present & ~ok.astype(bool)
+    index_cols = [c for c in run.index_columns if c in frame.columns]
+    rows = []
+    for i in bad.to_numpy().nonzero()[0][:MAX_OFFENDING_ROWS]:
+        row = {column: values.iat[i]}
+        row.update((c, frame[c].iat[i]) for c in index_cols)
+        rows.append(row)
+    if not index_cols:
+        rows = [{"value": r[column]} for r in rows]
+    entry.update(success=not bad.any(), unexpected_count=int(bad.sum()),
+                 offending_rows=plain(rows))
+    return entry
 
 
 def load_great_expectations() -> None:
@@ -201,7 +287,11 @@ def _run_suites(gx, ProgressBarsConfig, runs, docs_dir, site_name, on_result):  
         batch = asset.add_batch_definition_whole_dataframe("whole")
         suite = ctx.suites.add(gx.ExpectationSuite(name=run.suite_name))
         for exp in run.expectations:
-            suite.add_expectation(exp)
+            # a job's expectation may already belong to the verdict's suite: GE refuses
+            # to add it to a second one, so each run gets a fresh copy
+            fresh = copy.deepcopy(exp)
+            fresh.id = None
+            suite.add_expectation(fresh)
         vd = ctx.validation_definitions.add(
             gx.ValidationDefinition(name=f"validate {run.suite_name}", data=batch, suite=suite))
         index_cols = [c for c in run.index_columns if c in run.frame.columns]

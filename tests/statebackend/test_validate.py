@@ -2,6 +2,10 @@
 
 One clean lineage is built per module (file://) and copied for each fault; the
 deep faults (wrong key group, undecodable value) need their own raw writes.
+
+The verdict is computed without Great Expectations (`suites.evaluate_runs`, issue
+14); every validation in this module also runs the same tables through GE and
+requires the same checks, counts and offending rows (`ge_agrees`, autouse).
 """
 
 from __future__ import annotations
@@ -9,9 +13,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
+import statebackend.validation.suites as suites
 from statebackend.checkpoints import CheckpointStore, metadata_path
 from statebackend.keygroups import key_group_for_bytes
 from statebackend.storage import open_storage
@@ -30,6 +37,28 @@ from tests.statebackend.test_validate_support import (
     put_raw,
     tree_fingerprint,
 )
+
+COMPARED: list[tuple[str, bool]] = []  # (check, success) of every comparison made
+
+
+@pytest.fixture(autouse=True)
+def ge_agrees(monkeypatch):
+    """Each verdict computed without GE must equal GE's own, check by check."""
+    from statebackend.validation.report import check_entries
+
+    native = suites.evaluate_runs
+
+    def both(runs):
+        suites_out, checks = native(runs)
+        suites.load_great_expectations()
+        ge_suites, ge_checks = check_entries(suites.run_suites(runs, None))
+        assert checks == ge_checks
+        strip = [{k: v for k, v in s.items() if k != "seconds"} for s in suites_out]
+        assert strip == [{k: v for k, v in s.items() if k != "seconds"} for s in ge_suites]
+        COMPARED.extend((c["name"], c["success"]) for c in checks)
+        return suites_out, checks
+
+    monkeypatch.setattr(suites, "evaluate_runs", both)
 
 
 @pytest.fixture(scope="module")
@@ -280,3 +309,50 @@ def test_clean_checkpoint_on_every_storage(storage_url, tmp_path, deep):
     summary = read_report_summary(store, meta.checkpoint_id)
     assert summary["success"] and summary["deep"] is deep
     assert summary["data_docs_index"] == result.data_docs_index
+
+
+def test_every_fault_above_was_compared_with_great_expectations():
+    """The autouse comparison ran on failed and passed checks of every suite (runs last
+    in this module; on its own it validates the faults it needs)."""
+    if not COMPARED:
+        pytest.skip("run with the rest of the module (the comparisons happen there)")
+    failed_seen = {name for name, ok in COMPARED if not ok}
+    assert {"files_exist", "file_sizes_match", "file_checksums_match", "metadata_parses",
+            "key_group_ranges_no_gap", "key_group_ranges_no_overlap", "parent_chain_intact",
+            "paths_inside_job_root", "subtasks_restore", "key_group_prefix_matches_hash",
+            "values_decode"} <= failed_seen
+
+
+def test_report_none_gives_the_same_verdict_without_importing_great_expectations(copy):
+    """A fresh process: the verdict and summary.json, no GE import, no Data Docs."""
+    store, meta = copy
+    os.unlink(os.path.join(job_dir(store), first_shared(meta)))
+    code = f"""
+import json, sys
+from statebackend.checkpoints import CheckpointStore
+from statebackend.storage import open_storage
+from statebackend.validate import validate_checkpoint
+store = CheckpointStore(open_storage({store.root_storage.url!r}), {store.job!r})
+result = validate_checkpoint(store, 2, report="none")
+print(json.dumps({{"ge": "great_expectations" in sys.modules, "summary": result.summary}}))
+"""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=root, env={**os.environ, "PYTHONPATH": root}, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["ge"] is False
+    summary = got["summary"]
+    assert summary["failed_checks"] == ["files_exist"] and summary["data_docs_index"] is None
+    assert not os.path.exists(os.path.join(job_dir(store), "reports", "chk-2", "data_docs"))
+    with_ge = validate_checkpoint(store, 2)  # report "now": same checks, plus Data Docs
+    assert with_ge.summary["checks"] == summary["checks"] and with_ge.data_docs_index
+    page = open(os.path.join(job_dir(store), "reports", "chk-2", "index.html")).read()
+    assert "data_docs/index.html" in page
+
+
+def test_unknown_report_mode_is_a_usage_error(copy):
+    from statebackend.errors import UsageError
+
+    store, _ = copy
+    with pytest.raises(UsageError, match="report mode 'later' is invalid"):
+        validate_checkpoint(store, 2, report="later")

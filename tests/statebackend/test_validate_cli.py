@@ -169,3 +169,18 @@ def test_explicit_state_checks_argument(tmp_path):
     result = validate_checkpoint(store, deep=True, state_checks={"events": events_checks})
     assert result.success  # non-critical failures do not fail the validation
     assert result.summary["failed_checks"] == ["events_all_in_group_0"]
+
+
+def test_report_none_stores_the_verdict_without_data_docs(tmp_path, capsys):
+    """--report none: same exit code and failed checks, summary and overview only."""
+    store, meta = build_checkpoint(f"file://{tmp_path}/store", str(tmp_path / "w"),
+                                   parallelism=2, n_keys=150)
+    os.unlink(os.path.join(job_dir(store), first_shared(meta)))
+    url = f"file://{tmp_path}/store"
+    assert run(url, "--report", "none", "--json") == 1
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["failed_checks"] == ["files_exist"] and summary["data_docs_index"] is None
+    assert "ge_import_seconds" not in summary["timings"]
+    report = os.path.join(job_dir(store), "reports", f"chk-{meta.checkpoint_id}")
+    assert sorted(os.listdir(report)) == ["index.html", "summary.json"]
+    assert "were not rendered" in open(os.path.join(report, "index.html")).read()
