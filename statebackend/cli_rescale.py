@@ -22,8 +22,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint", nargs="?", default="latest", help="ID, chk-ID or latest")
     p.add_argument("--parallelism", "-p", type=int, required=True, metavar="Q",
                    help="new parallelism, 1..max parallelism")
-    p.add_argument("--master", default=None,
-                   help="Spark master URL (default local[*]); e.g. spark://127.0.0.1:7077")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--master", default=None,
+                       help="Spark master URL (default local[*]); e.g. spark://127.0.0.1:7077")
+    where.add_argument("--remote", default=None, metavar="sc://HOST:PORT",
+                       help="run as a Spark Connect client of this server (no local JVM)")
     p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     p.add_argument("--compact", action="store_true",
                    help="compact each new subtask to its live keys (uploads every byte again "
@@ -73,11 +76,11 @@ def _run_rescale(args: argparse.Namespace, store: CheckpointStore, progress: Pro
     if SparkSession.getActiveSession() is None:
         from .spark.session import get_spark
 
-        created = get_spark(args.master, app_name="ckpt-rescale")
+        created = get_spark(args.master, app_name="ckpt-rescale", remote=args.remote)
     try:
         progress.phase(label)
-        return rescale(store, args.checkpoint, args.parallelism, master=args.master,
-                       spark=created, compact=args.compact)
+        return rescale(store, args.checkpoint, args.parallelism,
+                       master=args.remote or args.master, spark=created, compact=args.compact)
     finally:
         if created is not None:
             created.stop()

@@ -84,8 +84,11 @@ def add_run_arguments(p: argparse.ArgumentParser, *, with_storage: bool) -> None
                    help="subtasks P (first run of a lineage; later runs keep it)")
     p.add_argument("--max-parallelism", type=int, default=defaults.MAX_PARALLELISM,
                    help="key groups M (fixed at the first run; default %(default)s)")
-    p.add_argument("--master", default=None,
-                   help="Spark master (default: spark-submit's --master, else local[*])")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--master", default=None,
+                       help="Spark master (default: spark-submit's --master, else local[*])")
+    where.add_argument("--remote", default=None, metavar="sc://HOST:PORT",
+                       help="run as a Spark Connect client of this server (no local JVM)")
     p.add_argument("--max-reject-fraction", type=float, default=defaults.MAX_REJECT_FRACTION,
                    help="fail when more than this fraction of rows is rejected "
                         "(default %(default)s)")
@@ -119,7 +122,8 @@ def config_from_args(args: argparse.Namespace, job):
     return RunConfig(
         input=args.input, storage=args.storage, job=args.job or None, run_id=args.run_id,
         output=args.output, parallelism=args.parallelism,
-        max_parallelism=args.max_parallelism, master=args.master or default_master(),
+        max_parallelism=args.max_parallelism,
+        master=args.remote or args.master or default_master(),
         max_reject_fraction=args.max_reject_fraction, quarantine=args.quarantine,
         start_from=args.start_from, local_dir=args.local_dir, options=options)
 

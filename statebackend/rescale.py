@@ -383,6 +383,18 @@ def run_subtask_json(spec_json: str, storage_options: Mapping | None = None) -> 
     return json.dumps(run_subtask(json.loads(spec_json), storage_options))
 
 
+def run_subtask_batches(payload: Sequence[str], storage_options: Mapping | None,
+                        batches):
+    """``mapInArrow`` body: each row's ``id`` picks its spec from ``payload``; JSON results."""
+    import pyarrow as pa
+
+    for batch in batches:
+        results = [run_subtask_json(payload[i], storage_options)
+                   for i in batch.column("id").to_pylist()]
+        yield pa.RecordBatch.from_pydict({"result": results},
+                                         schema=pa.schema([("result", pa.string())]))
+
+
 # -- driver ------------------------------------------------------------------------
 
 def _task_specs(store: CheckpointStore, meta: CheckpointMetadata, plan: RescalePlan,
@@ -413,15 +425,15 @@ def _run_tasks(specs: list[dict], store: CheckpointStore, master: str | None, sp
         from .spark.session import get_spark
 
         spark = get_spark(master, app_name="ckpt-rescale")
-    sc = spark.sparkContext
-    sc.setJobDescription(description)
-    try:
-        payload = [json.dumps(s) for s in specs]
-        # One partition per new subtask: exactly one Spark task builds each.
-        task = functools.partial(run_subtask_json, storage_options=store.root_storage.options)
-        out = sc.parallelize(payload, len(payload)).map(task).collect()
-    finally:
-        sc.setJobDescription(None)
+    from .spark.dispatch import job_tag
+
+    payload = tuple(json.dumps(s) for s in specs)
+    task = functools.partial(run_subtask_batches, payload, store.root_storage.options)
+    # A DataFrame, not an RDD, so Spark Connect clients can rescale too. range() puts
+    # exactly one id in each of its n partitions: one Spark task builds each subtask.
+    tasks = spark.range(0, len(payload), 1, len(payload)).mapInArrow(task, "result string")
+    with job_tag(spark, f"ckpt-rescale-{store.job}", description):
+        out = [row["result"] for row in tasks.collect()]
     # Other processes wrote under the job root: drop this process's cached listings
     # (s3fs would otherwise answer "does not exist" for the new files).
     store.storage.fs.invalidate_cache()

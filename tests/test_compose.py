@@ -1,8 +1,8 @@
 """docker-compose.yaml and docker/Dockerfile, checked without a Docker engine.
 
 It parses (no duplicate keys), every referenced file and variable exists, every
-image is pinned, the four Airflow 3 components, Postgres, Spark master/worker and
-MinIO (with bucket creation) are there, and the DAG config resolves to s3://
+image is pinned, the four Airflow 3 components, Postgres, Spark master/worker, a
+Spark Connect server and MinIO (with bucket creation) are there, and the DAG config resolves to s3://
 storage and the Spark master with the compose environment.
 """
 
@@ -91,7 +91,7 @@ def test_every_variable_has_a_value(raw_text):
 def test_services_present(compose):
     services = compose["services"]
     for name in (*AIRFLOW_COMPONENTS, "airflow-init", "postgres", "spark-master",
-                 "spark-worker", "minio", "minio-init"):
+                 "spark-worker", "spark-connect", "minio", "minio-init"):
         assert name in services, name
     for name, command in AIRFLOW_COMPONENTS.items():
         assert services[name]["command"][:2] == ["airflow", command]
@@ -167,3 +167,29 @@ def test_airflow_points_at_s3_and_spark_master(compose, monkeypatch):
     assert spec.input.startswith("/data/events/")
     for name in AIRFLOW_COMPONENTS:
         assert compose["services"][name]["environment"] == env
+
+
+def _conf(command: list[str]) -> dict:
+    return dict(command[i + 1].split("=", 1) for i, arg in enumerate(command) if arg == "--conf")
+
+
+def test_spark_connect_server_runs_on_the_cluster(compose):
+    services = compose["services"]
+    svc = services["spark-connect"]
+    command = svc["command"]
+    assert command[0] == "spark-submit" and command[-1] == "spark-internal"
+    assert command[command.index("--class") + 1] == \
+        "org.apache.spark.sql.connect.service.SparkConnectServer"
+    # Its executors are the cluster's workers: same master as the Airflow tasks use.
+    master = services["airflow-scheduler"]["environment"]["CKPT_SPARK_MASTER"]
+    assert command[command.index("--master") + 1] == master
+    conf = _conf(command)
+    # Executors connect back to this driver by its hostname; clients reach the gRPC port.
+    assert conf["spark.driver.host"] == svc["hostname"] == "spark-connect"
+    assert conf["spark.connect.grpc.binding.address"] == "0.0.0.0"
+    port = conf["spark.connect.grpc.binding.port"]
+    assert any(p.endswith(f":{port}") for p in svc["ports"])
+    assert str(port) in " ".join(svc["healthcheck"]["test"])
+    # The same image as the workers: executors import the library and the jobs.
+    assert svc["image"] == services["spark-worker"]["image"]
+    assert {"spark-master", "spark-worker"} <= set(svc["depends_on"])

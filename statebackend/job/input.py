@@ -182,7 +182,11 @@ def read_input(spark, files: InputFiles, inp: Input):
 
     frames = []
     if files.parquet:
-        frames.append(_typed(spark.read.parquet(*files.parquet), inp, files.url)
+        reader = spark.read
+        known = parquet_read_schema(inp, files.parquet[0])
+        if known is not None:  # no schema-inference job (one Spark stage less per run)
+            reader = reader.schema(known)
+        frames.append(_typed(reader.parquet(*files.parquet), inp, files.url)
                       .withColumn(REASON, F.lit(None).cast("string"))
                       .withColumn(LINE, F.lit(None).cast("string")))
     if files.json:
@@ -193,6 +197,32 @@ def read_input(spark, files: InputFiles, inp: Input):
     for other in frames[1:]:
         df = df.unionByName(other)
     return df
+
+
+def parquet_read_schema(inp: Input, path: str) -> str | None:
+    """The Spark schema of the job's columns in Parquet file ``path``, from its footer.
+
+    Spark would infer the same from one file's footer, but with a job of its own;
+    reading just the job's columns is also what `_typed` keeps. None (Spark infers)
+    when a column's type has no plain Spark name here (timestamps, decimals ...).
+    """
+    import fsspec
+    import pyarrow.parquet as pq
+
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    with fs.open(fs_path, "rb") as fh:
+        arrow = pq.read_schema(fh)
+    if inp.key not in arrow.names:
+        return None  # Spark's schema then names the file's columns in the error
+    columns = []
+    for name in inp.schema.names:
+        if name not in arrow.names:
+            continue  # absent: `_typed` fills nulls, as with an inferred schema
+        spark_name = _SPARK_TYPES.get(arrow.field(name).type)
+        if spark_name is None:
+            return None
+        columns.append(f"`{name}` {spark_name}")
+    return ", ".join(columns) if columns else None
 
 
 def _json_lines(spark, paths: tuple[str, ...], inp: Input, url: str):

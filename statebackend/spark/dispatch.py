@@ -8,18 +8,21 @@ Spark's hash partitioner sends to partition i (`partition_values`), and
 marker row per subtask (`with_markers`) makes every task run, also a subtask
 without rows (it carries its handle forward or writes its first checkpoint).
 
-`run_tasks` runs the tasks under a job group, sets the Arrow batch size for the
-job only, and turns a failure into one line (`task_failure`: the input file Spark
-names, else the deepest cause) after the other tasks stopped (`wait_for_tasks`),
-so the caller's discard never races a task still uploading.
+`run_tasks` runs the tasks under a job tag (classic and Spark Connect), sets the
+Arrow batch size for the job only, and turns a failure into one line
+(`task_failure`: the input file Spark names, else the deepest cause) after
+cancelling the job's other tasks (`stop_tasks`; on classic it also waits for
+them, so the caller's discard never races a task still uploading).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import struct
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import mmh3
@@ -31,6 +34,7 @@ from ..errors import CkptError
 SPARK_HASH_SEED = 42
 PARTITION_COLUMN = "_p"
 ARROW_BATCH_CONF = "spark.sql.execution.arrow.maxRecordsPerBatch"
+log = logging.getLogger(__name__)
 
 
 class TaskFailedError(CkptError):
@@ -105,34 +109,87 @@ def with_markers(spark, routed, ddl: str, marker_row: Callable[[int], tuple], pa
 
 def run_tasks(spark, df, description: str, *, group_prefix: str,
               batch_rows: int | None = None) -> list[dict]:
-    """Collect ``df`` (one result row per task) under a job group; one-line failures."""
-    sc = spark.sparkContext
-    saved = spark.conf.get(ARROW_BATCH_CONF, None) if batch_rows else None
-    if batch_rows:
-        spark.conf.set(ARROW_BATCH_CONF, str(batch_rows))
-    group = f"{group_prefix}-{time.time_ns()}"
-    sc.setJobGroup(group, description)
+    """Collect ``df`` (one result row per task) under a job tag; one-line failures.
+
+    Tags (not job groups) work on classic sessions and Spark Connect alike.
+    """
+    with job_tag(spark, group_prefix, description) as tag, arrow_batch_rows(spark, batch_rows):
+        first_job = _next_job_id(spark)
+        try:
+            return [r.asDict() for r in df.collect()]
+        except Exception as exc:  # noqa: BLE001 - Py4J/PythonException: re-raised as one line
+            stop_tasks(spark, tag, first_job)
+            raise TaskFailedError(task_failure(exc)) from exc
+
+
+@contextmanager
+def job_tag(spark, prefix: str, description: str | None = None) -> Iterator[str]:
+    """Tag the jobs started inside (and describe them on classic, where the UI shows it)."""
+    from .session import is_connect
+
+    tag = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{prefix}-{time.time_ns()}")  # no ',' in a tag
+    classic = not is_connect(spark)
+    if classic and description:
+        spark.sparkContext.setJobDescription(description)
+    spark.addTag(tag)
     try:
-        return [r.asDict() for r in df.collect()]
-    except Exception as exc:  # noqa: BLE001 - Py4J/PythonException: re-raised as one line
-        wait_for_tasks(spark, group)
-        raise TaskFailedError(task_failure(exc)) from exc
+        yield tag
     finally:
-        for prop in ("spark.jobGroup.id", "spark.job.description"):
-            sc.setLocalProperty(prop, None)
-        if batch_rows:
-            if saved is None:
-                spark.conf.unset(ARROW_BATCH_CONF)
-            else:
-                spark.conf.set(ARROW_BATCH_CONF, saved)
+        spark.removeTag(tag)
+        if classic and description:
+            spark.sparkContext.setJobDescription(None)
 
 
-def wait_for_tasks(spark, group: str, timeout_s: float = 60.0) -> None:
-    """After a failed job, let its other tasks stop before their uploads are removed."""
+@contextmanager
+def arrow_batch_rows(spark, batch_rows: int | None) -> Iterator[None]:
+    """Rows per Arrow batch for the jobs started inside only."""
+    if not batch_rows:
+        yield
+        return
+    saved = spark.conf.get(ARROW_BATCH_CONF, None)
+    spark.conf.set(ARROW_BATCH_CONF, str(batch_rows))
+    try:
+        yield
+    finally:
+        if saved is None:
+            spark.conf.unset(ARROW_BATCH_CONF)
+        else:
+            spark.conf.set(ARROW_BATCH_CONF, saved)
+
+
+def stop_tasks(spark, tag: str, first_job: int | None) -> None:
+    """After a failed job: cancel what still runs under ``tag``; on classic, wait for it.
+
+    Spark Connect has no status tracker: the tasks still running are cancelled and
+    the caller's discard removes what the finished ones recorded (attempt records);
+    an upload cut short by the cancel is an orphan for ``ckpt gc``.
+    """
+    from .session import is_connect
+
+    try:
+        spark.interruptTag(tag)
+    except Exception as exc:  # noqa: BLE001 - best effort: the failure is reported anyway
+        log.warning("could not cancel the jobs tagged %s: %s", tag, exc)
+    if first_job is not None and not is_connect(spark):
+        wait_for_tasks(spark, first_job)
+
+
+def _next_job_id(spark) -> int | None:
+    """Classic only: jobs started from here on have ids >= this (ids only grow)."""
+    from .session import is_connect
+
+    if is_connect(spark):
+        return None
+    known = spark.sparkContext.statusTracker().getJobIdsForGroup()  # jobs without a group
+    return max(known, default=-1) + 1
+
+
+def wait_for_tasks(spark, first_job: int, timeout_s: float = 60.0) -> None:
+    """Classic: let the failed job's other tasks stop before their uploads are removed."""
     tracker = spark.sparkContext.statusTracker()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        stages = [st for job in tracker.getJobIdsForGroup(group)
+        stages = [st for job in tracker.getJobIdsForGroup() if job >= first_job
                   for info in [tracker.getJobInfo(job)] if info is not None
                   for st in info.stageIds]
         active = 0
@@ -162,9 +219,13 @@ def task_failure(exc: BaseException) -> str:
 
 
 def root_cause(exc: BaseException) -> str:
+    """The deepest ``SomeError: message`` line; never a JVM stack frame."""
     text = str(exc)
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     for ln in reversed(lines):
-        if re.match(r"^[A-Za-z_.]*(Error|Exception)\b.*:", ln) and "Py4J" not in ln:
+        ln = ln.removeprefix("Caused by: ")
+        if re.match(r"^[A-Za-z_.$]*(Error|Exception)\b.*:", ln) and "Py4J" not in ln:
             return ln[:500]
-    return (lines[-1] if lines else type(exc).__name__)[:500]
+    # Spark Connect's text of a JVM failure ends in frames ("at ...", "... 12 more").
+    messages = [ln for ln in lines if not re.match(r"^(at |\.\.\. \d+ more)", ln)]
+    return (messages[-1] if messages else type(exc).__name__)[:500]

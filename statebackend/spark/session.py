@@ -1,18 +1,34 @@
-"""One place that builds SparkSessions for the library (local or a standalone master).
+"""One place that builds SparkSessions for the library (local, standalone or Spark Connect).
 
 Spark on these machines must bind loopback and start workers with the venv's
 Python; we set both here so `ckpt run` and `ckpt rescale` work without a wrapper.
 Executors get ``PYTHONPATH`` and ``CKPT_LOCAL_DIR`` from the driver's environment.
 Storage credentials do not go through the environment: they travel as storage
 options inside the task parameters (`statebackend.job.task.TaskParams`).
+
+Spark Connect (``sc://host:port`` as ``remote`` or as the master) gives a client
+session: no JVM in this process, no ``SparkContext``. The server's own settings
+decide how executors start, so the server must run with the library and the
+job's code on its executors' ``PYTHONPATH`` (docker-compose: ``spark-connect``).
+A process holds either a classic session or Connect clients, not both:
+``pyspark.sql.functions`` answer for whichever mode was started first.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 DEFAULT_MASTER = "local[*]"
+CONNECT_SCHEME = "sc://"
+# Without a conf that says how many cores the Connect server has.
+CONNECT_FALLBACK_PARALLELISM = 2
+# Session (runtime) settings a Connect client may set; the rest belong to the server.
+RUNTIME_SETTINGS = {
+    "spark.sql.shuffle.partitions": "8",
+    "spark.sql.execution.arrow.pyspark.enabled": "true",
+}
 # Forwarded to executors: where the job's code is, and the local-recovery root.
 EXECUTOR_ENV = ("PYTHONPATH", "CKPT_LOCAL_DIR")
 
@@ -23,8 +39,23 @@ def spark_env_defaults() -> None:
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 
 
-def get_spark(master: str | None = None, app_name: str = "ckpt-job", conf: dict | None = None):
-    """Get or create a SparkSession (storage options travel with each task, not here)."""
+def is_remote_url(master: str | None) -> bool:
+    return bool(master) and master.startswith(CONNECT_SCHEME)
+
+
+def is_connect(spark) -> bool:
+    """True for a Spark Connect client session (no SparkContext, no RDD)."""
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
+def get_spark(master: str | None = None, app_name: str = "ckpt-job", conf: dict | None = None,
+              remote: str | None = None):
+    """Get or create a SparkSession (storage options travel with each task, not here).
+
+    ``remote`` (or a ``master`` starting with ``sc://``) gives a Spark Connect client.
+    """
+    if remote or is_remote_url(master):
+        return get_connect(remote or master, app_name, conf)  # type: ignore[arg-type]
     spark_env_defaults()
     from pyspark.sql import SparkSession
 
@@ -35,8 +66,7 @@ def get_spark(master: str | None = None, app_name: str = "ckpt-job", conf: dict 
         "spark.driver.host": os.environ.get("CKPT_SPARK_DRIVER_HOST", "127.0.0.1"),
         "spark.driver.bindAddress": os.environ.get("CKPT_SPARK_DRIVER_BIND_ADDRESS", "127.0.0.1"),
         "spark.ui.enabled": "false",
-        "spark.sql.shuffle.partitions": "8",
-        "spark.sql.execution.arrow.pyspark.enabled": "true",
+        **RUNTIME_SETTINGS,
         "spark.python.worker.reuse": "true",
         "spark.executorEnv.PYSPARK_PYTHON": os.environ["PYSPARK_PYTHON"],
     }
@@ -47,6 +77,47 @@ def get_spark(master: str | None = None, app_name: str = "ckpt-job", conf: dict 
     for key, value in settings.items():
         builder = builder.config(key, value)
     return builder.getOrCreate()
+
+
+def get_connect(url: str, app_name: str = "ckpt-job", conf: dict | None = None):
+    """A Spark Connect client session on ``url`` (``sc://host:port``) with our session settings."""
+    from pyspark.sql import SparkSession
+
+    from ..errors import UsageError
+
+    if not is_remote_url(url):
+        raise UsageError(f"--remote {url!r} is not a Spark Connect URL: use sc://host:port")
+    classic = SparkSession.getActiveSession()
+    if classic is not None and not is_connect(classic):
+        raise UsageError(f"cannot open Spark Connect session {url}: this process already runs a "
+                         "local Spark session; run the job in its own process (ckpt run --remote)")
+    try:
+        spark = SparkSession.builder.remote(url).appName(app_name).getOrCreate()
+        for key, value in {**RUNTIME_SETTINGS, **(conf or {})}.items():
+            spark.conf.set(key, value)
+    except Exception as exc:  # noqa: BLE001 - grpc/Spark errors: one line naming the server
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise UsageError(f"cannot use Spark Connect server {url}: {first}; start it "
+                         "(docker compose up spark-connect) or check --remote") from exc
+    return spark
+
+
+def default_parallelism(spark) -> int:
+    """Cores Spark schedules on: the SparkContext's figure, or the Connect server's conf."""
+    if not is_connect(spark):
+        return spark.sparkContext.defaultParallelism
+    conf = spark.conf
+    explicit = conf.get("spark.default.parallelism", None)
+    if explicit:
+        return int(explicit)
+    local = re.fullmatch(r"local\[(\d+)(?:,\d+)?\]", conf.get("spark.master", None) or "")
+    if local:
+        return int(local.group(1))
+    cores, instances = (conf.get(k, None) for k in ("spark.executor.cores",
+                                                   "spark.executor.instances"))
+    if cores and instances:
+        return int(cores) * int(instances)
+    return CONNECT_FALLBACK_PARALLELISM
 
 
 def default_master() -> str:

@@ -1,0 +1,204 @@
+"""Jobs and rescale as Spark Connect clients: the same state as a local classic session.
+
+The Connect client runs in its own process (`ckpt run/rescale --remote`): pyspark's
+functions answer for one mode per process, and this process holds the classic
+``spark`` fixture for the local reference run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from demo.sample_data import generate_events
+from jobs.keyed_aggregation import JOB
+from statebackend.checkpoints import CheckpointStore
+from statebackend.errors import UsageError
+from statebackend.job.run import RunConfig, run_job
+from statebackend.rescale import rescale
+from statebackend.spark.dispatch import task_failure
+from statebackend.spark.session import get_spark
+from statebackend.storage import open_storage
+from tests.jobs.run_reference import (
+    assert_totals_equal,
+    final_state,
+    read_output,
+    totals_days,
+    totals_reference,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CKPT_BIN = os.path.join(os.path.dirname(sys.executable), "ckpt")
+JOB_REF = "jobs.keyed_aggregation:JOB"
+CLIENT_TIMEOUT_S = 300
+
+
+def _client(server, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(args, cwd=ROOT, env=server.env, capture_output=True, text=True,
+                          timeout=CLIENT_TIMEOUT_S)
+
+
+def _ckpt_json(server, storage: str, *args: str) -> dict:
+    """``ckpt --storage S --job agg ARGS --remote URL --json``: the printed summary."""
+    done = _client(server, CKPT_BIN, "--storage", storage, "--job", "agg", *args,
+                   "--remote", server.url, "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def _run_args(folder: str, day: int, out: str) -> tuple[str, ...]:
+    return ("run", JOB_REF, "--input", f"{folder}/in{day}", "--output", out,
+            "--run-id", f"day{day}")
+
+
+def _local_run(spark, folder: str, day: int, storage: str, out: str,
+               parallelism: int | None = None) -> dict:
+    return run_job(JOB, RunConfig(input=f"{folder}/in{day}", storage=storage, job="agg",
+                                  run_id=f"day{day}", output=out, parallelism=parallelism),
+                   spark)
+
+
+@pytest.mark.slow
+def test_runs_rerun_and_rescale_through_connect_equal_the_local_run(connect_server, spark,
+                                                                     tmp_path):
+    folder = str(tmp_path)
+    days = totals_days(folder, 3, seed=41)
+    remote_store, remote_out = f"file://{tmp_path}/remote", f"{tmp_path}/remote-out"
+    local_store, local_out = f"file://{tmp_path}/local", f"{tmp_path}/local-out"
+
+    # Through the Connect server: two runs, a re-run, a rescale 3 -> 2, one more run.
+    first = _ckpt_json(connect_server, remote_store, *_run_args(folder, 0, remote_out),
+                       "--parallelism", "3")
+    second = _ckpt_json(connect_server, remote_store, *_run_args(folder, 1, remote_out))
+    again = _ckpt_json(connect_server, remote_store, *_run_args(folder, 1, remote_out))
+    scaled = _ckpt_json(connect_server, remote_store, "rescale", "-p", "2")
+    last = _ckpt_json(connect_server, remote_store, *_run_args(folder, 2, remote_out))
+    assert (first["checkpoint_id"], first["parallelism"]) == (1, 3)
+    assert (second["checkpoint_id"], second["skipped"]) == (2, False)
+    assert (again["checkpoint_id"], again["skipped"]) == (2, True)
+    assert (scaled["from_parallelism"], scaled["to_parallelism"]) == (3, 2)
+    assert (last["checkpoint_id"], last["parallelism"]) == (4, 2)
+
+    # The same sequence on the local classic session.
+    _local_run(spark, folder, 0, local_store, local_out, parallelism=3)
+    _local_run(spark, folder, 1, local_store, local_out)
+    assert _local_run(spark, folder, 1, local_store, local_out)["skipped"]
+    rescale(CheckpointStore(open_storage(local_store), "agg"), "latest", 2, spark=spark)
+    _local_run(spark, folder, 2, local_store, local_out)
+
+    remote_state = final_state(remote_store, "agg")
+    assert remote_state == final_state(local_store, "agg")  # bit-identical float sums
+    _, reference = totals_reference(days)
+    assert_totals_equal(remote_state["totals"], reference["totals"])
+    for day in range(3):
+        got, want = (read_output(out, f"run=day{day}").sort_values("key", ignore_index=True)
+                     for out in (remote_out, local_out))
+        pd.testing.assert_frame_equal(got, want)
+
+
+@pytest.mark.slow
+def test_first_run_on_connect_takes_the_servers_cores(connect_server, tmp_path):
+    days = totals_days(str(tmp_path), 1, seed=5)
+    summary = _ckpt_json(connect_server, f"file://{tmp_path}/store",
+                         *_run_args(str(tmp_path), 0, f"{tmp_path}/out"))
+    # The server runs local[2]; a Connect client has no SparkContext.defaultParallelism.
+    assert summary["parallelism"] == 2
+    assert summary["events_read"] == len(days[0]) + summary["events_rejected"]
+
+
+FAILING_RUN = """
+import sys
+from demo.sample_data import generate_events
+from jobs.keyed_aggregation import JOB
+from statebackend.errors import CkptError
+from statebackend.job.run import RunConfig, run_job
+folder, url = sys.argv[1], sys.argv[2]
+config = RunConfig(input=folder + "/in0", storage="file://" + folder + "/store", job="agg",
+                   run_id="boom", output=folder + "/out", parallelism=3, master=url,
+                   fail_subtask=1)
+try:
+    run_job(JOB, config)
+except CkptError as exc:
+    print(exc)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.slow
+def test_failed_task_on_connect_is_one_line_and_commits_nothing(connect_server, tmp_path):
+    totals_days(str(tmp_path), 1, seed=9)
+    done = _client(connect_server, sys.executable, "-c", FAILING_RUN, str(tmp_path),
+                   connect_server.url)
+    assert done.returncode == 3, done.stderr[-3000:]
+    message = done.stdout.strip()
+    assert "\n" not in message
+    assert "injected failure in subtask 1" in message
+    assert "no checkpoint was committed" in message
+    store = CheckpointStore(open_storage(f"file://{tmp_path}/store"), "agg")
+    assert store.latest() is None and store.checkpoint_ids() == []
+
+
+def test_connect_client_next_to_a_local_session_is_refused_in_one_line(spark):
+    # pyspark's functions answer for the mode started first: mixing them would fail later,
+    # deep in a plan, so the library refuses up front and names the way out.
+    with pytest.raises(UsageError, match=r"sc://127\.0\.0\.1:1: .*\(ckpt run --remote\)"):
+        get_spark(remote="sc://127.0.0.1:1")
+
+
+def test_a_connect_url_must_use_the_sc_scheme():
+    with pytest.raises(UsageError, match="'http://x:1' is not a Spark Connect URL"):
+        from statebackend.spark.session import get_connect
+
+        get_connect("http://x:1")
+
+
+JVM_FAILURE = """Job aborted due to stage failure: Task 0 in stage 1.0 failed 1 times, most \
+recent failure: Lost task 0.0 in stage 1.0 (TID 1) (localhost executor driver): \
+java.io.IOException: Cannot run program "/no/python" (in directory "/tmp"): error=2, No such file
+\tat java.base/java.lang.ProcessBuilder.start(ProcessBuilder.java:1143)
+\tat org.apache.spark.api.python.PythonWorkerFactory.create(PythonWorkerFactory.scala:120)
+Caused by: java.io.IOException: error=2, No such file or directory
+\tat java.base/java.lang.ProcessImpl.forkAndExec(Native Method)
+\t... 36 more
+\tat java.lang.Thread.run(Thread.java:840)"""
+
+
+def test_a_jvm_failure_is_reported_by_its_cause_not_a_stack_frame():
+    # Spark Connect hands the client the JVM text, stack frames last.
+    assert task_failure(RuntimeError(JVM_FAILURE)) == \
+        "java.io.IOException: error=2, No such file or directory"
+
+
+def test_parquet_input_is_read_without_a_schema_inference_job(spark, tmp_path):
+    from statebackend.job.input import list_input, read_input
+
+    generate_events(str(tmp_path / "in"), n_events=300, n_keys=40, seed=3)
+    files = list_input(str(tmp_path / "in"))
+    tracker = spark.sparkContext.statusTracker()
+    before = set(tracker.getJobIdsForGroup())
+    df = read_input(spark, files, JOB.input)
+    assert set(tracker.getJobIdsForGroup()) == before  # planning ran no Spark job
+    want = pd.read_parquet(str(tmp_path / "in"))
+    got = df.toPandas()
+    assert sorted(got["key"]) == sorted(want["key"])
+    assert got["value"].sum() == pytest.approx(want["value"].sum(), rel=1e-12)
+
+
+def test_a_timestamp_column_leaves_the_schema_to_spark(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from statebackend.job.api import Input
+    from statebackend.job.input import parquet_read_schema
+
+    path = str(tmp_path / "t.parquet")
+    pq.write_table(pa.table({"k": ["a"], "at": pa.array([1], pa.timestamp("us"))}), path)
+    schema = pa.schema([("k", pa.string()), ("at", pa.timestamp("us"))])
+    assert parquet_read_schema(Input(schema=schema, key="k"), path) is None
+    assert parquet_read_schema(Input(schema=pa.schema([("k", pa.string())]), key="k"),
+                               path) == "`k` string"
