@@ -5,4 +5,5 @@
 reference for `statebackend.job.load_job`.
 """
 
-BUILTIN_JOBS = {"keyed_aggregation": "jobs.keyed_aggregation:JOB"}
+BUILTIN_JOBS = {"keyed_aggregation": "jobs.keyed_aggregation:JOB",
+                "sessionization": "jobs.sessionization:JOB", "dedup": "jobs.dedup:JOB"}

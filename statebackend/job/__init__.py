@@ -5,10 +5,12 @@ See `statebackend.job.api` (the `Job` object and its parts),
 (the in-process processing of one subtask), `statebackend.job.run` (the run
 protocol: `run_job(job, RunConfig(...))`), `statebackend.job.task` (one Spark
 task = one subtask), `statebackend.job.input` (listing and reading input),
-`statebackend.job.load` (`load_job("pkg.module:attr")`) and docs/write-a-job.md.
+`statebackend.job.load` (`load_job("pkg.module:attr")`) and docs/write-a-job.md
+("Time": event time, timers, TTL).
 Importing this package imports neither Spark nor Great Expectations.
 """
 
+from ..ttl import StateTtl
 from .api import (
     Input,
     Job,
@@ -29,13 +31,14 @@ from .api import (
     reducing_state,
     value_state,
 )
-from .context import BatchContext, KeyContext
+from .context import BatchContext, KeyContext, KeyTimers, Timers
 from .core import ProcessResult, SubtaskProcessor, process, split_rows
 from .load import load_job
 from .run import JobRunError, RejectThresholdError, RunConfig, format_summary, run_job
 
 __all__ = [
-    "BatchContext", "Input", "Job", "JobRunError", "KeyContext", "Option", "Output", "PerKey",
+    "BatchContext", "Input", "Job", "JobRunError", "KeyContext", "KeyTimers", "Option", "Output",
+    "PerKey", "StateTtl", "Timers",
     "ProcessResult", "RejectThresholdError", "Rule", "RunConfig", "SubtaskProcessor",
     "Vectorized", "aggregating_state", "between", "finite", "format_summary", "list_state",
     "load_job", "map_state", "not_empty", "not_null", "parses", "process", "record",

@@ -19,8 +19,10 @@ A user writes::
   types are cast with Arrow's cast, e.g. ``5`` -> ``"5"``). Rules run in order;
   a row is quarantined with the reason of the first rule it fails. A row whose
   key is still null after every rule is quarantined as ``missing_<key>``.
-  ``event_time`` and ``allowed_lateness`` are declared for watermarks and timers
-  (not used yet).
+  ``event_time`` (an integer epoch-ms or timestamp column), ``allowed_lateness``
+  (ms or a timedelta) and ``accept_late`` drive the watermark: a row with
+  ``event_time <= watermark at the start of the run`` is quarantined as ``late``
+  unless ``accept_late``; see docs/write-a-job.md, "Time".
 - **states**: `statebackend.state.StateDescriptor` (value, list, map, reducing,
   aggregating, each with its codec); `value_state` ... are thin constructors.
 - **outputs**: zero or more named Arrow schemas. ``last_per=<column>`` keeps
@@ -30,7 +32,12 @@ A user writes::
   keys, batch state operations on ``ctx``) or `PerKey` (``fn(key, rows, state)``,
   once per key of the batch, per-key state handles; built on the vectorized
   form, see `statebackend.job.context`).
+- **on_timer**: the timer handler, `Vectorized` (``fn(timers, ctx)``, ``timers`` a
+  table ``key, time, tag, domain`` in time order) or `PerKey` (``fn(key, timer,
+  state)``); called at the end of each run for the due timers.
 - **options**: declared job options; values reach the logic as ``ctx.options``.
+  ``configure(job, options) -> Job`` (optional) derives the job a run uses from its
+  options (e.g. a TTL or the allowed lateness given as an option).
 - **expectations**: per state name, a callable taking the state's descriptor and
   returning Great Expectations expectations (the shape of
   `statebackend.validation.checks.StateCheck`); not called here.
@@ -42,7 +49,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from types import MappingProxyType
 from typing import Any
@@ -53,6 +60,7 @@ import pyarrow.compute as pc
 from ..errors import UsageError
 from ..serialization import Codec, JsonCodec, RecordCodec
 from ..state import AggregateFunction, StateDescriptor
+from ..ttl import StateTtl
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 RAW = "raw"
@@ -115,13 +123,24 @@ def between(column: str, lo: Any, hi: Any, reason: str | None = None) -> Rule:
 
 @dataclass(frozen=True)
 class Input:
-    """Parsed columns, key column, rules; event time for watermarks (issue 12, unused)."""
+    """Parsed columns, key column, rules; event time, allowed lateness, late rows."""
 
     schema: pa.Schema
     key: str
     rules: tuple[Rule, ...] = ()
     event_time: str | None = None
-    allowed_lateness: timedelta | None = None
+    allowed_lateness: timedelta | int | None = None  # ms when an int
+    accept_late: bool = False  # late rows reach the logic instead of the quarantine
+
+    @property
+    def lateness_ms(self) -> int:
+        """The allowed lateness in ms (0 when not declared)."""
+        lat = self.allowed_lateness
+        if lat is None:
+            return 0
+        if isinstance(lat, timedelta):
+            return int(lat.total_seconds() * 1000)
+        return int(lat)
 
 
 # -- states ---------------------------------------------------------------------------
@@ -130,16 +149,19 @@ def record(**fields: str) -> RecordCodec:
     return RecordCodec(tuple(fields.items()))
 
 
-def value_state(name: str, codec: Codec | None = None) -> StateDescriptor:
-    return StateDescriptor(name, "value", codec or JsonCodec())
+def value_state(name: str, codec: Codec | None = None,
+                ttl: StateTtl | None = None) -> StateDescriptor:
+    return StateDescriptor(name, "value", codec or JsonCodec(), ttl=ttl)
 
 
-def list_state(name: str, codec: Codec | None = None) -> StateDescriptor:
-    return StateDescriptor(name, "list", codec or JsonCodec())
+def list_state(name: str, codec: Codec | None = None,
+               ttl: StateTtl | None = None) -> StateDescriptor:
+    return StateDescriptor(name, "list", codec or JsonCodec(), ttl=ttl)
 
 
-def map_state(name: str, codec: Codec | None = None) -> StateDescriptor:
-    return StateDescriptor(name, "map", codec or JsonCodec())
+def map_state(name: str, codec: Codec | None = None,
+              ttl: StateTtl | None = None) -> StateDescriptor:
+    return StateDescriptor(name, "map", codec or JsonCodec(), ttl=ttl)
 
 
 def reducing_state(name: str, reduce_fn: Callable[[Any, Any], Any],
@@ -232,6 +254,9 @@ class Job:
     expectations: Mapping[str, Callable[[StateDescriptor], Any]] = field(
         default_factory=dict, compare=False)
     compression: str | None = None  # RocksDB block compression of every state
+    on_timer: Vectorized | PerKey | None = None  # the timer handler (see the docstring)
+    configure: Callable[[Job, Mapping[str, Any]], Job] | None = field(default=None,
+                                                                       compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -253,6 +278,33 @@ class Job:
     @property
     def key(self) -> str:
         return self.input.key
+
+    @property
+    def descriptors(self) -> tuple[StateDescriptor, ...]:
+        """What the backend opens: the states, the timer families with a timer handler
+        and the TTL index when a state has a TTL (the order `KeyedStateBackend` uses)."""
+        from ..state import internal_descriptor
+        from ..timers import with_timers
+        from ..ttl import TTL_INDEX
+
+        out = with_timers(self.states) if self.on_timer is not None else list(self.states)
+        if any(d.ttl is not None for d in self.states):
+            out.append(internal_descriptor(TTL_INDEX))
+        return tuple(out)
+
+    @property
+    def has_time(self) -> bool:
+        """Timers or TTL: a subtask without rows may still have work at the end of a run."""
+        return self.on_timer is not None or any(d.ttl is not None for d in self.states)
+
+    def configured(self, options: Mapping[str, Any]) -> Job:
+        """The job a run with ``options`` (resolved) uses: ``configure`` applied once."""
+        if self.configure is None:
+            return self
+        job = self.configure(self, options)
+        if not isinstance(job, Job):
+            raise _fail(self, f"configure returned {type(job).__name__}, not a Job")
+        return replace(job, configure=None)
 
     def state(self, name: str) -> StateDescriptor:
         for d in self.states:
@@ -311,11 +363,12 @@ def _check_input(job: Job) -> None:
         if not (pa.types.is_timestamp(t) or pa.types.is_integer(t)):
             raise _fail(job, f"input.event_time {inp.event_time!r} has type {t}; "
                         "use a timestamp or integer column")
-    if inp.allowed_lateness is not None and (
-            not isinstance(inp.allowed_lateness, timedelta) or inp.allowed_lateness
-            < timedelta(0)):
-        raise _fail(job, f"input.allowed_lateness {inp.allowed_lateness!r} must be a "
-                    "timedelta >= 0")
+    lat = inp.allowed_lateness
+    if lat is not None and not (
+            (isinstance(lat, timedelta) and lat >= timedelta(0))
+            or (isinstance(lat, int) and not isinstance(lat, bool) and lat >= 0)):
+        raise _fail(job, f"input.allowed_lateness {lat!r} must be a timedelta or an "
+                    "integer of ms >= 0")
     if inp.allowed_lateness is not None and inp.event_time is None:
         raise _fail(job, "input.allowed_lateness needs input.event_time")
 
@@ -353,6 +406,14 @@ def _check_logic(job: Job) -> None:
         raise _fail(job, f"logic must be Vectorized(fn) or PerKey(fn), got {job.logic!r}")
     if not callable(job.logic.fn):
         raise _fail(job, f"logic function {job.logic.fn!r} is not callable")
+    if job.on_timer is not None and (not isinstance(job.on_timer, Vectorized | PerKey)
+                                     or not callable(job.on_timer.fn)):
+        raise _fail(job, f"on_timer must be Vectorized(fn) or PerKey(fn) of a callable, "
+                    f"got {job.on_timer!r}")
+    if job.configure is not None and not callable(job.configure):
+        raise _fail(job, f"configure {job.configure!r} is not callable")
+    if not isinstance(job.input.accept_late, bool):
+        raise _fail(job, f"input.accept_late must be a bool, got {job.input.accept_late!r}")
 
 
 def _check_options(job: Job) -> None:

@@ -97,21 +97,23 @@ class ValueBatch(_BatchHandle):
         decode = self.codec.decode
         return [None if r is None else decode(r) for r in self.state.read_raw(rks)]
 
-    def put(self, keys: Keys, values: Sequence[Any]) -> None:
+    def put(self, keys: Keys, values: Sequence[Any], timestamps: Any = None) -> None:
         _, rks = self._keys.encode(keys)
         encode = self.codec.encode
         _same_length(self.name, rks, values)
-        self.state.write_raw(zip(rks, (encode(v) for v in values), strict=True))
+        self.state.write_raw(zip(rks, (encode(v) for v in values), strict=True),
+                             timestamps=_times(timestamps))
 
     def get_columns(self, keys: Keys) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         _, rks = self._keys.encode(keys)
         return self.state._record_codec().decode_columns(self.state.read_raw(rks))
 
-    def put_columns(self, keys: Keys, columns: Mapping[str, Any]) -> None:
+    def put_columns(self, keys: Keys, columns: Mapping[str, Any],
+                    timestamps: Any = None) -> None:
         _, rks = self._keys.encode(keys)
         encoded = self.state._record_codec().encode_columns(dict(columns))
         _same_length(self.name, rks, encoded)
-        self.state.write_raw(zip(rks, encoded, strict=True))
+        self.state.write_raw(zip(rks, encoded, strict=True), timestamps=_times(timestamps))
 
 
 class ReducingBatch(ValueBatch):
@@ -135,8 +137,12 @@ class ListBatch(_BatchHandle):
         return [[] if r is None else [decode(e) for e in decode_list(r)]
                 for r in self.state.read_raw(rks)]
 
-    def append(self, keys: Keys, values: Sequence[Any]) -> None:
-        self.state.add_many(self._keys.encode(keys)[0], values)
+    def append(self, keys: Keys, values: Sequence[Any], timestamps: Any = None) -> None:
+        # add_many keeps every stored element's own expiry (a TTL list state)
+        if timestamps is None:
+            self.state.add_many(self._keys.encode(keys)[0], values)
+        else:
+            self.state.add_many(self._keys.encode(keys)[0], values, timestamps=_times(timestamps))
 
     def put(self, keys: Keys, lists: Sequence[Sequence[Any]]) -> None:
         _, rks = self._keys.encode(keys)
@@ -155,11 +161,13 @@ class MapBatch(_BatchHandle):
         return [None if r is None else decode(r)
                 for r in self.state.read_raw(self._rkeys(keys, user_keys))]
 
-    def put(self, keys: Keys, user_keys: Keys, values: Sequence[Any]) -> None:
+    def put(self, keys: Keys, user_keys: Keys, values: Sequence[Any],
+            timestamps: Any = None) -> None:
         rks = self._rkeys(keys, user_keys)
         _same_length(self.name, rks, values)
         encode = self.codec.encode
-        self.state.write_raw(zip(rks, (encode(v) for v in values), strict=True))
+        self.state.write_raw(zip(rks, (encode(v) for v in values), strict=True),
+                             timestamps=_times(timestamps))
 
     def delete(self, keys: Keys, user_keys: Keys) -> None:  # type: ignore[override]
         self.state.remove_many(_key_list(keys), _key_list(user_keys))
@@ -174,27 +182,92 @@ _BATCH_HANDLES: dict[type, type[_BatchHandle]] = {
 }
 
 
+def _times(timestamps: Any) -> Any:
+    """TTL write times as the backend takes them (an Arrow column becomes a list)."""
+    if isinstance(timestamps, pa.Array | pa.ChunkedArray):
+        return timestamps.to_pylist()
+    if isinstance(timestamps, np.ndarray):
+        return timestamps.tolist()
+    return timestamps
+
+
 def _same_length(name: str, keys: Sequence, values: Sequence) -> None:
     if len(keys) != len(values):
         raise UsageError(f"state {name!r}: {len(keys)} keys but {len(values)} values; "
                          "pass one value per key")
 
 
+class Timers:
+    """Batch timer operations of the vectorized form (``ctx.timers``): one write batch each.
+
+    ``domain`` is ``"event"`` (fires once the watermark reaches ``time``) or
+    ``"processing"`` (once the run's logical time does); a timer is unique by
+    (key, time, domain, tag).
+    """
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+
+    def register(self, keys: Keys, times: Any, tags: Any = None, domain: str = "event") -> None:
+        from ..timers import register_timers
+
+        ks = _key_list(keys)
+        register_timers(self.backend, ks, _int_list(times, len(ks)), domain,
+                        None if tags is None else _key_list(tags))
+
+    def delete(self, keys: Keys, times: Any, tags: Any = None, domain: str = "event") -> None:
+        from ..timers import delete_timers
+
+        ks = _key_list(keys)
+        delete_timers(self.backend, ks, _int_list(times, len(ks)), domain,
+                      None if tags is None else _key_list(tags))
+
+    def list(self, key: str, domain: str | None = None) -> list:
+        """The timers of ``key`` (`statebackend.timers.Timer`), time order per domain."""
+        from ..timers import timers_of
+
+        return timers_of(self.backend, key, domain)
+
+
+def _int_list(times: Any, n: int) -> list[int]:
+    if isinstance(times, pa.Array | pa.ChunkedArray | np.ndarray):
+        times = times.tolist() if isinstance(times, np.ndarray) else times.to_pylist()
+    elif isinstance(times, int):
+        return [times] * n
+    return [int(t) for t in times]
+
+
 class BatchContext:
-    """The vectorized logic's view of one subtask: states, emit, options, run info."""
+    """The vectorized logic's view of one subtask: states, timers, emit, options, time.
+
+    ``watermark``: the watermark at the start of the run (None before any row);
+    ``new_watermark``: the one the run ends with (timers fire up to it);
+    ``processing_time``: the run's logical time (epoch ms).
+    """
 
     def __init__(self, job: Job, backend, options: Mapping[str, Any],
                  run_id: str | None = None, checkpoint_id: int | None = None,
-                 subtask: int | None = None) -> None:
+                 subtask: int | None = None, watermark: int | None = None,
+                 new_watermark: int | None = None,
+                 processing_time: int | None = None) -> None:
         self.job = job
         self.backend = backend
         self.options = options
         self.run_id = run_id
         self.checkpoint_id = checkpoint_id
         self.subtask = subtask
+        self.watermark = watermark
+        self.new_watermark = new_watermark
+        self.processing_time = processing_time
         self.keys = _KeyCache(backend)
+        self.timers = Timers(backend)
+        self.counters: dict[str, int] = {}
         self._handles: dict[str, _BatchHandle] = {}
         self._emitted: dict[str, list] = {o.name: [] for o in job.outputs}
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to the run counter ``name`` (summed over subtasks into the summary)."""
+        self.counters[name] = self.counters.get(name, 0) + int(n)
 
     def state(self, name: str) -> Any:
         handle = self._handles.get(name)
@@ -386,13 +459,50 @@ class KeyContext:
         self.options = run.ctx.options
         self.run_id = run.ctx.run_id
         self.checkpoint_id = run.ctx.checkpoint_id
+        self.watermark = run.ctx.watermark
+        self.new_watermark = run.ctx.new_watermark
+        self.processing_time = run.ctx.processing_time
         self.key: str | None = None
+        self.timers = KeyTimers(self)
 
     def __getitem__(self, name: str) -> Any:
         return self._run.handle(name)
 
     def emit(self, output: str, rows: Any) -> None:
         self._run.ctx.emit(output, rows)
+
+    def count(self, name: str, n: int = 1) -> None:
+        self._run.ctx.count(name, n)
+
+
+class KeyTimers:
+    """``state.timers`` of the per-key form: the current key's timers (written at once)."""
+
+    def __init__(self, state: KeyContext) -> None:
+        self._state = state
+
+    def register(self, time: int, tag: str = "", domain: str = "event") -> None:
+        from ..timers import register_timer
+
+        register_timer(self._state._run.ctx.backend, self._state.key, int(time), domain, tag)
+
+    def delete(self, time: int, tag: str = "", domain: str = "event") -> None:
+        from ..timers import delete_timer
+
+        run = self._state._run
+        delete_timer(run.ctx.backend, self._state.key, int(time), domain, tag)
+        run.deleted_timers.add((self._state.key, int(time), tag, domain))
+
+    def list(self, domain: str | None = None) -> list:
+        """The key's timers, including those of the current firing chunk not yet handled."""
+        from ..timers import timers_of
+
+        run = self._state._run
+        found = timers_of(run.ctx.backend, self._state.key, domain)
+        found += [t for t in run.pending_timers.get(self._state.key, ())
+                  if (domain is None or t.domain == domain)
+                  and (t.key, t.time, t.tag, t.domain) not in run.deleted_timers]
+        return sorted(found, key=lambda t: (t.domain, t.time, t.tag))
 
 
 class _PerKeyBatch:
@@ -405,6 +515,10 @@ class _PerKeyBatch:
         self._rocks_keys: list[bytes] | None = None
         self._handles: dict[str, Any] = {}
         self.current = 0
+        # Timer handler only: the chunk's timers not yet handled (already out of the
+        # queue) and the ones the handler deleted meanwhile (they must not fire).
+        self.pending_timers: dict[str, list] = {}
+        self.deleted_timers: set[tuple] = set()
 
     @property
     def rocks_keys(self) -> list[bytes]:
@@ -469,6 +583,46 @@ def run_per_key(fn, batch: pa.Table, ctx: BatchContext, timings: dict[str, float
         if single is None:
             raise UsageError(f"job {ctx.job.name!r}: the per-key logic returned rows but the "
                              f"job has {len(ctx.job.outputs)} outputs; call "
+                             "state.emit(output, rows) instead")
+        for out in emitted:
+            ctx.emit(single, out)
+
+
+def run_per_key_timers(fn, timers: pa.Table, ctx: BatchContext,
+                       timings: dict[str, float]) -> None:
+    """Call ``fn(key, timer, state)`` once per row of ``timers`` (time order), emit its rows.
+
+    The keys of the batch share one `_PerKeyBatch`: a key with several timers sees
+    the state its earlier calls left (handles keep the changed values), and the
+    changes are written back once at the end, like `run_per_key`.
+    """
+    from ..timers import Timer
+
+    keys = pc.unique(timers["key"]).to_pylist()
+    index = {k: i for i, k in enumerate(keys)}
+    run = _PerKeyBatch(ctx, keys, timings)
+    state = KeyContext(run)
+    single = ctx.job.outputs[0].name if len(ctx.job.outputs) == 1 else None
+    emitted: list = []
+    cols = [timers[c].to_pylist() for c in ("key", "time", "tag", "domain", "key_group")]
+    chunk = [Timer(t, kg, k, tag, dom) for k, t, tag, dom, kg in zip(*cols, strict=True)]
+    for timer in chunk:
+        run.pending_timers.setdefault(timer.key, []).append(timer)
+    for timer in chunk:
+        k = timer.key
+        run.pending_timers[k].remove(timer)
+        if (k, timer.time, timer.tag, timer.domain) in run.deleted_timers:
+            continue  # deleted by an earlier call: a deleted timer never fires
+        run.at(index[k])
+        state.key = k
+        out = fn(k, timer, state)
+        if out is not None:
+            emitted.append(out)
+    run.flush()
+    if emitted:
+        if single is None:
+            raise UsageError(f"job {ctx.job.name!r}: the per-key timer handler returned rows "
+                             f"but the job has {len(ctx.job.outputs)} outputs; call "
                              "state.emit(output, rows) instead")
         for out in emitted:
             ctx.emit(single, out)

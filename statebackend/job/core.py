@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -34,11 +35,17 @@ import pyarrow.compute as pc
 
 from ..errors import UsageError
 from .api import RAW, Job, Output, PerKey
-from .context import BatchContext, run_per_key
+from .context import BatchContext, run_per_key, run_per_key_timers
 
 REASON_COLUMN = "_reason"
 REASON = "reason"
-PHASES = ("validating", "processing", "grouping", "prefetch", "write_back", "outputs")
+PHASES = ("validating", "processing", "grouping", "prefetch", "write_back", "timers", "purge",
+          "outputs")
+LATE = "late"
+TIMER_BATCH = 10_000  # due timers per call of a vectorized timer handler
+TIMER_SCHEMA = pa.schema([("key", pa.string()), ("time", pa.int64()), ("tag", pa.string()),
+                          ("domain", pa.string()), ("key_group", pa.int32())])
+COMPACT_RATIO = 0.25  # purge compacts a TTL state once this fraction of it expired
 _INT_TEXT = r"^[+-]?[0-9]{1,19}$"
 _FLOAT_TEXT = (r"^[+-]?(([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|"
                r"[iI][nN][fF]([iI][nN][iI][tT][yY])?|[nN][aA][nN])$")
@@ -55,11 +62,22 @@ class ProcessResult:
     reasons: dict[str, int]
     keys_touched: int  # distinct keys among accepted rows
     timings: dict[str, float] = field(default_factory=dict)
+    timers_fired: int = 0
+    ttl_purged: int = 0  # entries deleted + list elements dropped
+    ttl_index_read: int = 0  # index entries purge read (0: purge changed nothing)
+    counters: dict[str, int] = field(default_factory=dict)
+    next_times: dict[str, int | None] = field(default_factory=dict)  # earliest timer/expiry
 
 
 # -- validation -----------------------------------------------------------------------
-def split_rows(job: Job, raw: pa.Table) -> tuple[pa.Table, pa.Table, dict[str, int]]:
-    """(accepted rows typed per the schema, rejected rows as text + reason, reason counts)."""
+def split_rows(job: Job, raw: pa.Table, watermark: int | None = None
+               ) -> tuple[pa.Table, pa.Table, dict[str, int]]:
+    """(accepted rows typed per the schema, rejected rows as text + reason, reason counts).
+
+    With an event-time column: a row without event time is ``missing_<column>``, a row
+    with ``event time <= watermark`` (the run's starting one) is ``late`` unless the
+    job accepts late rows.
+    """
     schema = job.input.schema
     n = raw.num_rows
     raw_cols = {f.name: _raw_column(raw, f.name, n) for f in schema}
@@ -85,12 +103,36 @@ def split_rows(job: Job, raw: pa.Table) -> tuple[pa.Table, pa.Table, dict[str, i
         mask = rule.check(raw_view if rule.on == RAW else typed)
         mark(rule.reason, _np_mask(mask, job, rule.reason, n))
     mark(f"missing_{job.key}", _np_mask(pc.is_null(typed[job.key])))
+    et = job.input.event_time
+    if et is not None:
+        ts = event_times(typed, et)
+        mark(f"missing_{et}", _np_mask(pc.is_null(ts)))
+        if watermark is not None and not job.input.accept_late:
+            mark(LATE, _np_mask(pc.less_equal(ts, pa.scalar(watermark, pa.int64()))))
     if not bad.any():
         return typed, _rejected_schema_table(job, raw), {}
     accepted = typed.filter(pa.array(~bad))
     rejected = _rejected(job, raw, raw_cols, bad, names, code)
     counts = np.bincount(code[bad], minlength=len(names))
     return accepted, rejected, {r: int(c) for r, c in zip(names, counts, strict=True) if c}
+
+
+def event_times(table: pa.Table, column: str) -> pa.Array:
+    """The event-time column as int64 epoch ms (a timestamp column is converted)."""
+    col = table[column]
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    if pa.types.is_timestamp(col.type):
+        col = pc.cast(col, pa.timestamp("ms", col.type.tz))
+    return pc.cast(col, pa.int64())
+
+
+def max_accepted_time(job: Job, raw: pa.Table, watermark: int | None) -> int | None:
+    """Max event time of the rows `split_rows` accepts (None: none): the driver's fold."""
+    accepted, _, _ = split_rows(job, raw, watermark)
+    if not accepted.num_rows:
+        return None
+    return pc.max(event_times(accepted, job.input.event_time)).as_py()
 
 
 def _target(job: Job, f: pa.Field) -> pa.DataType:
@@ -299,14 +341,25 @@ class SubtaskProcessor:
 
     def __init__(self, job: Job, backend, options: Mapping[str, Any] | None = None, *,
                  run_id: str | None = None, checkpoint_id: int | None = None,
-                 subtask: int | None = None) -> None:
-        missing = [d.name for d in job.states if d.name not in backend.descriptors]
+                 subtask: int | None = None, watermark: int | None = None,
+                 new_watermark: int | None = None,
+                 processing_time: int | None = None) -> None:
+        missing = [d.name for d in job.descriptors if d.name not in backend.descriptors]
         if missing:
             raise UsageError(f"job {job.name!r}: the backend does not declare state "
-                             f"{missing[0]!r}; open it with the job's states")
+                             f"{missing[0]!r}; open it with job.descriptors")
         self.job = job
         self.ctx = BatchContext(job, backend, job.resolve_options(options), run_id=run_id,
-                                checkpoint_id=checkpoint_id, subtask=subtask)
+                                checkpoint_id=checkpoint_id, subtask=subtask,
+                                watermark=watermark, new_watermark=new_watermark,
+                                processing_time=processing_time)
+        # TTL reads and writes during the logic use the clocks at the start of the run.
+        backend.set_time(event_time=watermark, processing_time=processing_time)
+        self.backend = backend
+        self.timers_fired = 0
+        self.ttl_purged = 0
+        self.ttl_index_read = 0
+        self._ended = False
         self.timings = dict.fromkeys(PHASES, 0.0)
         self.events = 0
         self.reasons: dict[str, int] = {}
@@ -318,7 +371,7 @@ class SubtaskProcessor:
     def process(self, batch: pa.RecordBatch | pa.Table) -> None:
         raw = pa.Table.from_batches([batch]) if isinstance(batch, pa.RecordBatch) else batch
         started = time.perf_counter()
-        accepted, rejected, reasons = split_rows(self.job, raw)
+        accepted, rejected, reasons = split_rows(self.job, raw, self.ctx.watermark)
         if self._rejected_empty is None:
             self._rejected_empty = rejected.schema.empty_table()
         if rejected.num_rows:
@@ -341,7 +394,87 @@ class SubtaskProcessor:
             self._emitted[name].extend(items)
         self.timings["processing"] += time.perf_counter() - started
 
+    def end_of_run(self) -> None:
+        """Fire the due timers (event: up to the new watermark, processing: up to the
+        logical time; time order), then purge expired TTL entries (once per run)."""
+        if self._ended:
+            return
+        self._ended = True
+        ctx, be = self.ctx, self.backend
+        be.set_time(event_time=ctx.new_watermark, processing_time=ctx.processing_time)
+        started = time.perf_counter()
+        if self.job.on_timer is not None:
+            for domain, up_to in (("event", ctx.new_watermark),
+                                  ("processing", ctx.processing_time)):
+                if up_to is not None:
+                    self._fire(domain, up_to)
+        self.timings["timers"] += time.perf_counter() - started
+        started = time.perf_counter()
+        from ..ttl import purge_expired
+
+        for domain, now in (("event", ctx.new_watermark), ("processing", ctx.processing_time)):
+            if now is not None:
+                stats = purge_expired(be, domain, now, compact_ratio=COMPACT_RATIO)
+                self.ttl_purged += stats.entries_deleted + stats.elements_dropped
+                self.ttl_index_read += stats.index_entries_read
+        self.timings["purge"] += time.perf_counter() - started
+
+    def _fire(self, domain: str, up_to: int) -> None:
+        """Hand the due timers to the handler in time-ordered chunks until none is due.
+
+        A pass that ran dry is closed before the handler sees its last chunk, so timers
+        the handler registers at or below ``up_to`` then fire in a new pass; in a pass
+        still running they join it (`statebackend.timers.fire_due`).
+        """
+        from ..timers import fire_due
+
+        while True:
+            firing = fire_due(self.backend, domain, up_to)
+            fired = 0
+            try:
+                while True:
+                    chunk = list(islice(firing, TIMER_BATCH))
+                    if not chunk:
+                        break
+                    fired += len(chunk)
+                    self._handle_timers(chunk)
+                    if len(chunk) < TIMER_BATCH:
+                        break  # the pass ran dry (and closed itself)
+            finally:
+                firing.close()
+            if not fired:
+                return
+
+    def _handle_timers(self, chunk: list) -> None:
+        handler = self.job.on_timer
+        self.timers_fired += len(chunk)
+        table = pa.table({
+            "key": [t.key for t in chunk], "time": [t.time for t in chunk],
+            "tag": [t.tag for t in chunk], "domain": [t.domain for t in chunk],
+            "key_group": [t.key_group for t in chunk]}, schema=TIMER_SCHEMA)
+        if isinstance(handler, PerKey):
+            run_per_key_timers(handler.fn, table, self.ctx, self.timings)
+        else:
+            handler.fn(table.drop_columns(["key_group"]), self.ctx)
+        self.ctx.keys.clear()
+        for name, items in self.ctx.take_emitted().items():
+            self._emitted[name].extend(items)
+
+    def next_times(self) -> dict[str, int | None]:
+        """Earliest timer and expiry per domain: when this subtask has work without rows."""
+        from ..timers import next_timer_time
+        from ..ttl import next_expiry
+
+        out: dict[str, int | None] = {}
+        for domain in ("event", "processing"):
+            times = [t for t in (
+                next_timer_time(self.backend, domain) if self.job.on_timer else None,
+                next_expiry(self.backend, domain)) if t is not None]
+            out[domain] = min(times) if times else None
+        return out
+
     def finish(self) -> ProcessResult:
+        self.end_of_run()
         started = time.perf_counter()
         outputs = {o.name: conform_output(self.job, o, self._emitted[o.name])
                    for o in self.job.outputs}
@@ -353,7 +486,9 @@ class SubtaskProcessor:
                 _rejected_schema_table(self.job, pa.table({}))
         return ProcessResult(outputs, rejected, self.events, rejected.num_rows,
                              dict(sorted(self.reasons.items())), len(self._keys),
-                             dict(self.timings))
+                             dict(self.timings), self.timers_fired, self.ttl_purged,
+                             self.ttl_index_read, dict(sorted(self.ctx.counters.items())),
+                             self.next_times() if self.job.has_time else {})
 
 
 def process(job: Job, backend, batches: Iterable[pa.RecordBatch | pa.Table],

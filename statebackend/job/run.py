@@ -13,7 +13,13 @@ One run (driver side; executors: `statebackend.job.task`)::
     key group, subtask -> partition i holds exactly subtask i's rows (spark.dispatch)
     task i             -> restore, validate + logic (SubtaskProcessor), outputs and
                           quarantine, snapshot + upload, handle (job.task)
-    driver             -> reject check, commit chk-<id>/_metadata (run id, input) through
+    event time         -> the new watermark: advance(parent's, max event time of the rows
+                          that are not late, allowed lateness), one Spark pass before the
+                          tasks; subtasks with a due timer or expiry run without rows
+    task i             -> ... then fire due timers (handler, time order), purge expired
+                          TTL entries (compacting), snapshot
+    driver             -> reject check, commit chk-<id>/_metadata (run id, input,
+                          watermark, processing time) through
                           one `Attempt`, or discard every upload and leave the parent latest;
                           then _SUCCESS in every run folder of the outputs
 
@@ -41,9 +47,20 @@ from ..keygroups import DEFAULT_MAX_PARALLELISM, check_parallelism
 from ..leases import writer_lease
 from ..metadata import CheckpointMetadata, SubtaskHandle, utc_now_iso
 from ..runs import RunOutcome, RunRecord, record_outcome, safe_run_name
+from ..state import INTERNAL_STATES
 from ..storage import Storage, StorageOptions, open_storage
+from ..watermark import advance
 from .api import Job
-from .input import InputFiles, check_parquet, list_input, marker_row, read_ddl, read_input
+from .core import LATE, max_accepted_time
+from .input import (
+    InputFiles,
+    check_parquet,
+    list_input,
+    marker_row,
+    raw_table,
+    read_ddl,
+    read_input,
+)
 from .task import MARKER, RESULT_DDL, TaskParams, output_folder, part_name, run_subtask
 
 ARROW_BATCH_ROWS = 100_000  # rows per Arrow batch handed to the logic
@@ -70,6 +87,8 @@ class RunConfig:
     driver's ``AWS_*`` variables. They reach executors inside the task parameters
     and their repr shows no secret.
     ``fail_subtask`` is a test hook (that subtask raises after its upload).
+    ``logical_time_ms``: the run's processing time (epoch ms) for processing-time timers
+    and TTL; Airflow passes the data interval end; default: the wall clock at start.
     """
 
     input: str
@@ -90,6 +109,7 @@ class RunConfig:
     # ..., "run_id": ..., "task_id": ..., "try_number": ...}} (the page links to it).
     context: Mapping[str, Any] = field(default_factory=dict, hash=False)
     storage_options: Mapping[str, Any] = field(default_factory=StorageOptions, hash=False)
+    logical_time_ms: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.storage_options, StorageOptions):  # repr must redact secrets
@@ -150,6 +170,7 @@ def run_job(job: Job, config: RunConfig, spark=None) -> dict:
     started = time.perf_counter()
     started_at = utc_now_iso()
     options = _check_config(job, config)
+    job = job.configured(options)
     storage = config.open(config.storage)
     if storage.protocol == "memory":
         raise UsageError(f"storage {config.storage} lives in one process, but Spark tasks run "
@@ -224,12 +245,15 @@ def _warn(warnings: list[str], text: str) -> None:
 
 
 def check_states(job: Job, parent: CheckpointMetadata | None, job_dir: str) -> None:
-    """The lineage's states must be the job's (name, kind, codec): never guess a mapping."""
+    """The lineage's states must be the job's (name, kind, codec, TTL): never guess a
+    mapping. Internal families (timers, TTL index) are the backend's, not compared."""
     if parent is None:
         return
-    stored = {s.get("name"): (s.get("kind", "value"), s.get("codec", {"type": "json"}))
-              for s in parent.states}
-    declared = {d.name: (d.kind, d.codec.to_json()) for d in job.states}
+    stored = {s.get("name"): (s.get("kind", "value"), s.get("codec", {"type": "json"}),
+                              s.get("ttl"))
+              for s in parent.states if s.get("name") not in INTERNAL_STATES}
+    declared = {d.name: (d.kind, d.codec.to_json(), d.ttl.to_json() if d.ttl else None)
+                for d in job.states}
     if stored != declared:
         diff = sorted(n for n in set(stored) | set(declared)
                       if stored.get(n) != declared.get(n))
@@ -253,7 +277,9 @@ def _lineage_shape(config: RunConfig, parent: CheckpointMetadata | None, spark,
     if config.parallelism is not None:
         check_parallelism(config.parallelism, config.max_parallelism)
         return config.parallelism, config.max_parallelism
-    p = min(spark.sparkContext.defaultParallelism, config.max_parallelism)
+    from ..spark.session import default_parallelism  # classic and Spark Connect alike
+
+    p = min(default_parallelism(spark), config.max_parallelism)
     check_parallelism(p, config.max_parallelism)
     return p, config.max_parallelism
 
@@ -270,6 +296,7 @@ def _run_attempt(spark, job: Job, config: RunConfig, options: dict, store: Check
     _delete_run_outputs(job, config)
     config.open(config.quarantine_url).delete_tree(run_dir)
     part_values = tuple(dispatch.partition_values(parallelism))
+    clock = _run_clock(spark, job, config, parent, files, parallelism)
     params = TaskParams(
         job=job, options=options, storage_url=store.root_storage.url, job_dir=store.job,
         checkpoint_id=checkpoint_id, parallelism=parallelism, max_parallelism=max_parallelism,
@@ -279,7 +306,9 @@ def _run_attempt(spark, job: Job, config: RunConfig, options: dict, store: Check
         fail_subtask=config.fail_subtask,
         # What the driver opened the storage with (its AWS_* captured when none were
         # given): executors on other hosts reach the same storage; nothing goes to env.
-        storage_options=store.root_storage.options)
+        storage_options=store.root_storage.options,
+        watermark=clock.watermark, new_watermark=clock.new_watermark,
+        processing_time=clock.processing_time, must_run=clock.must_run)
     inp = job.input
     ddl = read_ddl(inp)
     routed = dispatch.route(read_input(spark, files, inp),
@@ -301,13 +330,96 @@ def _run_attempt(spark, job: Job, config: RunConfig, options: dict, store: Check
         raise JobRunError(f"run {config.run_id!r} of job {store.job!r} failed in a Spark task: "
                           f"{exc}; {where}") from exc
     return _commit(job, config, store, attempt, parent, files, parallelism, max_parallelism,
-                   rows, started, warnings)
+                   rows, started, warnings, clock)
+
+
+# -- time: watermark, logical time, subtasks with due work -----------------------------
+@dataclass(frozen=True)
+class RunClock:
+    """The run's clocks: watermark at start and end, logical time, subtasks that must run."""
+
+    watermark: int | None
+    new_watermark: int | None
+    processing_time: int
+    must_run: tuple[bool, ...]
+
+
+def _run_clock(spark, job: Job, config: RunConfig, parent: CheckpointMetadata | None,
+               files: InputFiles, parallelism: int) -> RunClock:
+    wm = parent.watermark if parent else None
+    logical = config.logical_time_ms if config.logical_time_ms is not None else \
+        int(time.time() * 1000)
+    new_wm = wm
+    if job.input.event_time is not None:
+        new_wm = advance(wm, max_event_time(spark, job, files, wm), job.input.lateness_ms)
+    return RunClock(wm, new_wm, logical, _must_run(job, parent, parallelism, new_wm, logical))
+
+
+def max_event_time(spark, job: Job, files: InputFiles, watermark: int | None) -> int | None:
+    """Max event time of the input rows the tasks will accept (not late, valid): one
+    Spark pass that validates like the tasks do, so the watermark is exactly theirs."""
+    if not files.count:
+        return None
+    inp = job.input
+    fn = functools.partial(_max_times, job, watermark)
+    rows = read_input(spark, files, inp).mapInArrow(fn, "m bigint").collect()
+    found = [r["m"] for r in rows if r["m"] is not None]
+    return max(found) if found else None
+
+
+def _max_times(job: Job, watermark: int | None, batches):
+    import pyarrow as pa
+
+    best = None
+    for batch in batches:
+        if len(batch):
+            m = max_accepted_time(job, raw_table(job.input, batch), watermark)
+            if m is not None:
+                best = m if best is None else max(best, m)
+    yield pa.RecordBatch.from_pylist([{"m": best}], schema=pa.schema([("m", pa.int64())]))
+
+
+def _must_run(job: Job, parent: CheckpointMetadata | None, parallelism: int,
+              new_wm: int | None, logical: int) -> tuple[bool, ...]:
+    """Per subtask: a timer or expiry is due. Unknown (no record, e.g. after a rescale
+    or a run before timers): run it, so nothing due is ever skipped."""
+    if parent is None or not job.has_time:
+        return ()
+    recorded = (parent.extra.get("time") or {}).get("next") if parent.extra else None
+    if not isinstance(recorded, list) or len(recorded) != parallelism:
+        return (True,) * parallelism
+    out = []
+    for nxt in recorded:
+        if not isinstance(nxt, dict):
+            out.append(True)
+            continue
+        ev, pr = nxt.get("event"), nxt.get("processing")
+        out.append((ev is not None and new_wm is not None and ev <= new_wm)
+                   or (pr is not None and pr <= logical))
+    return tuple(out)
+
+
+def _next_times(parent: CheckpointMetadata | None, rows: dict[int, dict],
+                parallelism: int) -> list:
+    """Per subtask, the earliest timer/expiry per domain: reported, or the parent's."""
+    old = ((parent.extra.get("time") or {}).get("next") if parent and parent.extra
+           else None)
+    out = []
+    for i in range(parallelism):
+        text = rows[i].get("next_times")
+        if text:
+            out.append(json.loads(text))
+        elif isinstance(old, list) and len(old) == parallelism:
+            out.append(old[i])
+        else:
+            out.append(None)  # unknown: the next run opens this subtask
+    return out
 
 
 def _commit(job: Job, config: RunConfig, store: CheckpointStore, attempt: Attempt,
             parent: CheckpointMetadata | None, files: InputFiles, parallelism: int,
             max_parallelism: int, rows: list[dict], started: float,
-            warnings: list[str]) -> dict:
+            warnings: list[str], clock: RunClock) -> dict:
     """Check the task results, commit `_metadata` through the attempt, publish outputs."""
     by_subtask = {r["subtask"]: r for r in rows}
     for r in rows:
@@ -330,7 +442,9 @@ def _commit(job: Job, config: RunConfig, store: CheckpointStore, attempt: Attemp
             reasons[k] = reasons.get(k, 0) + v
     reasons = dict(sorted(reasons.items()))
     read = events + rejected
-    if rejected and rejected > config.max_reject_fraction * read:
+    late = reasons.get(LATE, 0)
+    # Late rows are not bad data: they do not count against --max-reject-fraction.
+    if rejected - late and rejected - late > config.max_reject_fraction * read:
         attempt.discard()
         detail = ", ".join(f"{k}={v}" for k, v in reasons.items())
         raise RejectThresholdError(
@@ -350,11 +464,26 @@ def _commit(job: Job, config: RunConfig, store: CheckpointStore, attempt: Attemp
              "metrics": run_metrics(rows, handles, started, reasons)}
     if config.context:
         extra["context"] = dict(config.context)
+    timers_fired = sum(r.get("timers_fired") or 0 for r in rows)
+    ttl_purged = sum(r.get("ttl_purged") or 0 for r in rows)
+    counters: dict[str, int] = {}
+    for r in rows:
+        for k, v in json.loads(r.get("counters") or "{}").items():
+            counters[k] = counters.get(k, 0) + v
+    if job.has_time or job.input.event_time is not None:
+        extra["time"] = {"late_rows": late, "timers_fired": timers_fired,
+                         "ttl_purged": ttl_purged,
+                         "next": _next_times(parent, by_subtask, parallelism)}
+    if counters:
+        extra["counters"] = dict(sorted(counters.items()))
     meta = build_metadata(
         job=store.job, checkpoint_id=attempt.checkpoint_id,
         parent=parent.checkpoint_id if parent else None, max_parallelism=max_parallelism,
-        states=[d.to_json() for d in job.states], handles=handles, run_id=config.run_id,
+        states=[d.to_json() for d in job.descriptors], handles=handles, run_id=config.run_id,
         inputs=[config.input], extra=extra)
+    if job.has_time or job.input.event_time is not None:  # other jobs' records stay as they were
+        meta = meta.with_changes(watermark=clock.new_watermark,
+                                 processing_time=clock.processing_time)
     # Discards the attempt (uploads and output parts) if the commit fails.
     attempt.commit(meta, winners=[(r["subtask"], r["attempt"]) for r in rows])
     # The ledger remembers the run once retention retires this checkpoint (runs.py);
@@ -370,6 +499,11 @@ def _commit(job: Job, config: RunConfig, store: CheckpointStore, attempt: Attemp
         for k, v in json.loads(r.get("t_detail") or "{}").items():
             detail[k] = round(detail.get(k, 0.0) + v, 4)
     extra_summary: dict[str, Any] = {"warnings": warnings} if warnings else {}
+    extra_summary.update(watermark=clock.new_watermark, processing_time=clock.processing_time,
+                         timers_fired=timers_fired, ttl_purged=ttl_purged, late_rows=late,
+                         counters=dict(sorted(counters.items())))
+    # A job's counters also appear at the top level (e.g. ``duplicates_dropped``).
+    extra_summary.update({k: v for k, v in counters.items() if k not in extra_summary})
     return summary(
         job, config, checkpoint_id=meta.checkpoint_id, parallelism=parallelism,
         started=started, skipped=False, events=read, rejected=rejected, keys=keys,
@@ -390,7 +524,7 @@ def run_metrics(rows: list[dict], handles: list[SubtaskHandle], started: float,
     """``extra["metrics"]`` of a commit record (format 1; read by the Checkpoints page).
 
     Phases are seconds summed over subtasks (they overlap in wall time); ``commit`` is
-    not in the record that the commit writes. ``timers`` is 0 until a job has timers.
+    not in the record that the commit writes. ``timers``: firing the due timers.
     """
     by_subtask = {r["subtask"]: r for r in rows}
     subtasks = []
@@ -400,7 +534,8 @@ def run_metrics(rows: list[dict], handles: list[SubtaskHandle], started: float,
             "index": h.index, "events": r["events"], "rejected": r["rejected"],
             "keys_touched": r["keys_touched"], "bytes_uploaded": h.bytes_uploaded,
             "state_rows": sum(h.row_counts.values()),
-            "phases": {k: round(r[col], 4) for k, col in PHASES.items()} | {"timers": 0.0}})
+            "phases": {k: round(r[col], 4) for k, col in PHASES.items()} | {
+                "timers": round(json.loads(r.get("t_detail") or "{}").get("timers", 0.0), 4)}})
     total = {k: round(sum(s["phases"][k] for s in subtasks), 4)
              for k in (*PHASES, "timers")}
     events = sum(s["events"] for s in subtasks)

@@ -5,15 +5,20 @@ subtask i's rows (`statebackend.spark.dispatch`) plus one marker row:
 
 1. restore subtask i's state from the parent handle (local recovery when this
    executor still has the instance), lazily: a subtask without rows never opens it;
-2. feed every batch to a `SubtaskProcessor` (validation, the job's logic);
+2. feed every batch to a `SubtaskProcessor` (validation, late rows against the
+   watermark at the start of the run, the job's logic), then fire the due timers
+   (event: up to the driver's new watermark; processing: up to the logical time)
+   and purge expired TTL entries;
 3. snapshot (synchronous part), then write the outputs and the quarantined rows
    while the upload runs in the background;
 4. record what this task attempt uploaded (`statebackend.attempt.record_uploads`)
    and return one result row: the new handle as JSON, counts, timings.
 
 A subtask that accepted no row returns no handle (the driver carries the parent's
-handle forward) unless the lineage has no parent yet; then it checkpoints an
-empty instance. A task that fails removes its own uploads before re-raising.
+handle forward) unless the lineage has no parent yet (then it checkpoints an
+empty instance) or a timer fired or an entry expired in it (``must_run``: the
+driver saw one due in the parent's record). A task that fails removes its own
+uploads before re-raising.
 
 Outputs: ``<output>/run=<id>/part-<subtask>.parquet`` for a job with one output,
 ``<output>/<name>/run=<id>/...`` with several; quarantine
@@ -56,12 +61,15 @@ RESULT_SCHEMA = pa.schema([
     ("uploaded", pa.string()), ("events", pa.int64()), ("rejected", pa.int64()),
     ("reasons", pa.string()), ("keys_touched", pa.int64()), ("restore_mode", pa.string()),
     ("reuploaded", pa.string()), ("outputs", pa.string()), ("bytes_uploaded", pa.int64()),
-    *[(f"t_{p}", pa.float64()) for p in PHASES], ("t_detail", pa.string())])
+    *[(f"t_{p}", pa.float64()) for p in PHASES], ("t_detail", pa.string()),
+    ("timers_fired", pa.int64()), ("ttl_purged", pa.int64()), ("counters", pa.string()),
+    ("next_times", pa.string())])
 RESULT_DDL = ("subtask int, attempt int, handle string, uploaded string, events bigint, "
               "rejected bigint, reasons string, keys_touched bigint, restore_mode string, "
               "reuploaded string, outputs string, bytes_uploaded bigint, t_restoring double, "
               "t_processing double, t_snapshotting double, t_uploading double, "
-              "t_detail string")
+              "t_detail string, timers_fired bigint, ttl_purged bigint, counters string, "
+              "next_times string")
 COMPRESSION = {"zstd": "kZSTD", "lz4": "kLZ4Compression", "snappy": "kSnappyCompression",
                "none": "kNoCompression"}
 
@@ -100,6 +108,13 @@ class TaskParams:
     local_dir: str | None = None
     fail_subtask: int | None = None
     storage_options: StorageOptions = field(default_factory=StorageOptions, hash=False)
+    # Time (issue 12): the watermark at the start of the run and the one the driver
+    # computed for its end, the run's logical time, and which subtasks must run even
+    # without rows (a timer or an expiry of theirs is due).
+    watermark: int | None = None
+    new_watermark: int | None = None
+    processing_time: int | None = None
+    must_run: tuple[bool, ...] = ()
 
     def open(self, url: str) -> Storage:
         return open_storage(url, **self.storage_options)
@@ -156,7 +171,7 @@ class SubtaskRun:
         local_dir = local_instance_dir(p, self.subtask)
         if self.parent is not None:
             self.backend = restore_subtask(self.job_storage, self.parent, local_dir,
-                                           self.job.states, p.max_parallelism)
+                                           self.job.descriptors, p.max_parallelism)
             self.restore_mode = self.backend.restore_mode
             # Stored files local recovery found damaged: this checkpoint uploads them anew.
             self.reuploaded = self.backend.reuploaded
@@ -164,11 +179,14 @@ class SubtaskRun:
             # First checkpoint of the lineage: whatever is on disk belongs to no checkpoint.
             shutil.rmtree(local_dir, ignore_errors=True)
             kg = key_group_range_for_subtask(p.max_parallelism, p.parallelism, self.subtask)
-            self.backend = KeyedStateBackend(local_dir, self.job.states, p.max_parallelism, kg)
+            self.backend = KeyedStateBackend(local_dir, self.job.descriptors,
+                                             p.max_parallelism, kg)
             self.restore_mode = "new"
         tune(self.backend, self.job.compression)
-        self.processor = SubtaskProcessor(self.job, self.backend, p.options, run_id=p.run_id,
-                                          checkpoint_id=p.checkpoint_id, subtask=self.subtask)
+        self.processor = SubtaskProcessor(
+            self.job, self.backend, p.options, run_id=p.run_id, checkpoint_id=p.checkpoint_id,
+            subtask=self.subtask, watermark=p.watermark, new_watermark=p.new_watermark,
+            processing_time=p.processing_time)
         self.t["restoring"] += time.perf_counter() - started
         return self.processor
 
@@ -189,8 +207,9 @@ class SubtaskRun:
             started = time.perf_counter()
             processor.process(raw_table(self.job.input, batch))
             self.t["processing"] += time.perf_counter() - started
-        if self.processor is None and self.parent is not None:
-            # No rows: the parent's handle is carried forward unchanged.
+        must_run = bool(self.params.must_run) and self.params.must_run[self.subtask]
+        if self.processor is None and self.parent is not None and not must_run:
+            # No rows and nothing due: the parent's handle is carried forward unchanged.
             return self._result(None, None, {})
         processor = self.processor or self.open_state()
         started = time.perf_counter()
@@ -199,8 +218,9 @@ class SubtaskRun:
         started = time.perf_counter()
         self._write_quarantine(result.rejected)
         self.t["processing"] += time.perf_counter() - started
-        if result.events == 0 and self.parent is not None:
-            return self._result(None, result, {})  # only rejected rows: carry forward
+        if result.events == 0 and self.parent is not None and not result.timers_fired \
+                and not result.ttl_index_read:
+            return self._result(None, result, {})  # nothing changed the state: carry forward
         return self._checkpoint(result)
 
     def _checkpoint(self, result: ProcessResult) -> dict:
@@ -240,6 +260,12 @@ class SubtaskRun:
             **{f"t_{k}": v for k, v in self.t.items()},
             "t_detail": json.dumps({k: round(v, 4) for k, v in
                                     (result.timings if result else {}).items()}),
+            "timers_fired": result.timers_fired if result else 0,
+            "ttl_purged": result.ttl_purged if result else 0,
+            "counters": json.dumps(result.counters if result else {}, sort_keys=True),
+            # None: the state was not opened (the driver keeps the parent's record)
+            "next_times": json.dumps(result.next_times) if result and result.next_times
+            else None,
         }
 
     # -- outputs -----------------------------------------------------------------------

@@ -1,0 +1,228 @@
+"""Bench: our sessionization job vs Spark 4.3 ``transformWithStateInPandas`` (same logic).
+
+Same generated input (`bench.peers.events`: one batch per day, late deliveries,
+sessions across midnight), local[2], P = 2 for both:
+
+- ours:  ``jobs.sessionization`` once per day (event-time timers and incremental
+  RocksDB checkpoints through the job API);
+- spark: `bench.peers.spark_sessionization` (``transformWithStateInPandas`` with
+  event-time timers, RocksDBStateStoreProvider, changelog checkpointing), one
+  ``availableNow`` query start per day on the same checkpoint.
+
+Two ways a scheduler runs them: runs in one warm session, and a new process per run
+(like an Airflow task; wall time includes the JVM start-up). Prints per mode
+events/s, bytes written to checkpoint storage per run, state operations per second
+(the same count for both: one state update per accepted event plus one per closed
+session) and the ratios ours/spark. Goals: >= 5x warm, >= 2x new process per run.
+Both sides' emitted row counts are printed (they must agree; the tests compare the
+rows with the pandas reference).
+
+    python bench/bench_sessionization.py --quick     # 3 days x 20,000 events
+    python bench/bench_sessionization.py             # 4 days x 200,000 events
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from bench.peers.events import EventsSpec, generate_days, write_days  # noqa: E402
+
+MASTER = "local[2]"
+P = 2
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run of one side: events read, rows emitted, wall seconds, checkpoint bytes."""
+
+    events: int
+    emitted: int
+    wall_s: float
+    checkpoint_bytes: int
+
+
+def env() -> dict:
+    out = dict(os.environ)
+    out.update({"SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable,
+                "PYSPARK_DRIVER_PYTHON": sys.executable,
+                "PYTHONPATH": ROOT + os.pathsep + out.get("PYTHONPATH", "")})
+    return out
+
+
+# -- ours --------------------------------------------------------------------------------
+def ours_config(job_name: str, day: str, i: int, work: str, options: dict):
+    from statebackend.job import RunConfig
+
+    return RunConfig(input=day, storage=f"file://{work}/ckpt", run_id=f"d{i}",
+                     output=f"{work}/out", parallelism=P, local_dir=f"{work}/local",
+                     max_reject_fraction=1.0, options=options, job=job_name)
+
+
+def _ours_run(s: dict, wall: float, emitted_key: str) -> Run:
+    return Run(s["events_read"], s.get(emitted_key, 0), wall, s["bytes_uploaded"])
+
+
+def ours_warm(spark, job, days: list[str], work: str, options: dict,
+              emitted: Callable[[dict, str], int]) -> list[Run]:
+    from statebackend.job import run_job
+
+    runs = []
+    for i, day in enumerate(days):
+        started = time.perf_counter()
+        s = run_job(job, ours_config(job.name, day, i, work, options), spark)
+        runs.append(Run(s["events_read"], emitted(s, work), time.perf_counter() - started,
+                        s["bytes_uploaded"]))
+    return runs
+
+
+def ours_process(module: str, days: list[str], work: str, options: dict,
+                 emitted: Callable[[dict, str], int]) -> list[Run]:
+    runs = []
+    for i, day in enumerate(days):
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
+        cmd = [sys.executable, "-m", module, "--input", day, "--storage", f"file://{work}/ckpt",
+               "--run-id", f"d{i}", "--output", f"{work}/out", "--parallelism", str(P),
+               "--local-dir", f"{work}/local", "--master", MASTER, "--max-reject-fraction",
+               "1", "--json", *flags]
+        started = time.perf_counter()
+        done = subprocess.run(cmd, env=env(), capture_output=True, text=True, check=False)
+        wall = time.perf_counter() - started
+        if done.returncode:
+            raise RuntimeError(f"{module} run {i} failed: {done.stderr[-2000:]}")
+        text = done.stdout  # the summary is the last top-level JSON object printed
+        s = json.loads(text[text.rfind("\n{") + 1:])
+        runs.append(Run(s["events_read"], emitted(s, work), wall, s["bytes_uploaded"]))
+    return runs
+
+
+def output_rows(work: str, run_id: str) -> int:
+    import pyarrow.parquet as pq
+
+    folder = os.path.join(work, "out", f"run={run_id}")
+    if not os.path.isdir(folder):
+        return 0
+    return sum(pq.ParquetFile(os.path.join(folder, n)).metadata.num_rows
+               for n in os.listdir(folder) if n.endswith(".parquet"))
+
+
+# -- spark -------------------------------------------------------------------------------
+def spark_warm(spark, run_batches: Callable, days: list[str], work: str, **kw) -> list[Run]:
+    stats = run_batches(spark, days, f"{work}/checkpoint", f"{work}/output",
+                        source_dir=f"{work}/source", shuffle_partitions=P, **kw)
+    return [Run(s.events, s.emitted, s.wall_s, s.checkpoint_bytes) for s in stats]
+
+
+def spark_process(module: str, days: list[str], work: str, flags: list[str]) -> list[Run]:
+    runs = []
+    for i, day in enumerate(days):
+        cmd = [sys.executable, "-m", module, "--day", day, "--work", work, "--start-run", str(i),
+               "--master", MASTER, "--shuffle-partitions", str(P), *flags]
+        started = time.perf_counter()
+        done = subprocess.run(cmd, env=env(), capture_output=True, text=True, check=False)
+        wall = time.perf_counter() - started
+        if done.returncode:
+            raise RuntimeError(f"{module} run {i} failed: {done.stderr[-2000:]}")
+        s = json.loads(done.stdout.strip().splitlines()[-1])[0]
+        runs.append(Run(s["events"], s["emitted"], wall, s["checkpoint_bytes"]))
+    return runs
+
+
+# -- report ------------------------------------------------------------------------------
+def figures(runs: list[Run]) -> dict:
+    events = sum(r.events for r in runs)
+    wall = sum(r.wall_s for r in runs)
+    return {"events": events, "emitted": [r.emitted for r in runs], "wall_s": round(wall, 2),
+            "events_per_s": round(events / wall), "state_ops_per_s":
+            round((events + sum(r.emitted for r in runs)) / wall),
+            "checkpoint_bytes_per_run": [r.checkpoint_bytes for r in runs]}
+
+
+def report(name: str, mode: str, ours: list[Run], spark: list[Run], goal: float) -> dict:
+    o, s = figures(ours), figures(spark)
+    ratio = o["events_per_s"] / max(1, s["events_per_s"])
+    print(f"\n{name}, {mode}:")
+    for side, f in (("ours", o), ("spark", s)):
+        print(f"  {side:5s} {f['events']:>9,} events {f['wall_s']:>8.2f}s "
+              f"{f['events_per_s']:>9,} events/s {f['state_ops_per_s']:>9,} state ops/s  "
+              f"checkpoint bytes/run {f['checkpoint_bytes_per_run']}  emitted {f['emitted']}")
+    nbytes = sum(o["checkpoint_bytes_per_run"]) / max(1, sum(s["checkpoint_bytes_per_run"]))
+    print(f"  ratio ours/spark events/s: {ratio:.2f}x (goal >= {goal}x); checkpoint bytes "
+          f"ours/spark: {nbytes:.2f}")
+    return {"mode": mode, "ours": o, "spark": s, "ratio": round(ratio, 2), "goal": goal}
+
+
+def parse(argv: list[str] | None, doc: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--days", type=int, default=None)
+    p.add_argument("--events-per-day", type=int, default=None)
+    p.add_argument("--users", type=int, default=None)
+    p.add_argument("--modes", default="warm,process")
+    p.add_argument("--work", default=None)
+    return p.parse_args(argv)
+
+
+def make_input(args: argparse.Namespace, work: str) -> list[str]:
+    days = args.days or (3 if args.quick else 4)
+    per_day = args.events_per_day or (20_000 if args.quick else 200_000)
+    users = args.users or max(100, per_day // 20)
+    return write_days(generate_days(EventsSpec(days=days, events_per_day=per_day,
+                                               users=users, seed=7)), f"{work}/in")
+
+
+def bench(args, name: str, job, module: str, options: dict, peer_module: str,
+          peer_run_batches: Callable, peer_kw: dict, peer_flags: list[str],
+          goals: dict[str, float]) -> list[dict]:
+    work = args.work or tempfile.mkdtemp(prefix=f"bench-{name}-")
+    days = make_input(args, work)
+    print(f"{name}: {len(days)} days under {work} (machine shared with other jobs: "
+          "figures are indicative)")
+    emitted = lambda s, w: output_rows(w, s["run_id"])  # noqa: E731
+    out = []
+    modes = args.modes.split(",")
+    if "warm" in modes:
+        from statebackend.spark.session import get_spark
+
+        spark = get_spark(MASTER, app_name=f"bench-{name}")
+        ours = ours_warm(spark, job, days, f"{work}/ours-warm", options, emitted)
+        peer = spark_warm(spark, peer_run_batches, days, f"{work}/spark-warm", **peer_kw)
+        spark.stop()
+        out.append(report(name, "warm session", ours, peer, goals["warm"]))
+    if "process" in modes:
+        ours = ours_process(module, days, f"{work}/ours-proc", options, emitted)
+        peer = spark_process(peer_module, days, f"{work}/spark-proc", peer_flags)
+        out.append(report(name, "new process per run", ours, peer, goals["process"]))
+    if args.work is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.peers import spark_sessionization as peer
+    from jobs import sessionization
+
+    args = parse(argv, __doc__)
+    bench(args, "sessionization", sessionization.JOB, "jobs.sessionization",
+          {"gap_minutes": 30, "allowed_lateness_minutes": 60},
+          "bench.peers.spark_sessionization", peer.run_batches,
+          {"gap_ms": 30 * 60_000, "lateness_ms": 60 * 60_000},
+          ["--gap-ms", str(30 * 60_000), "--lateness-ms", str(60 * 60_000)],
+          {"warm": 5.0, "process": 2.0})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

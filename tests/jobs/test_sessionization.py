@@ -1,0 +1,126 @@
+"""The sessionization job (jobs/sessionization.py) against the pandas reference.
+
+Six daily runs of seeded events (late deliveries within and beyond the allowed
+lateness, sessions across midnight that late events extend and merge), with a
+re-run of a committed run (skipped), a crashed attempt (``fail_subtask``) and a
+rescale 3 -> 2 in between: every run's output, late count and watermark, and the
+open sessions left in the final checkpoint, equal tests/reference/sessions.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from bench.peers.events import EventsSpec, generate_days, write_days
+from jobs import BUILTIN_JOBS
+from jobs import sessionization as sz
+from statebackend.checkpoints import CheckpointStore
+from statebackend.job import JobRunError, RunConfig, load_job, run_job
+from statebackend.job.run import run_dir_name
+from statebackend.rescale import rescale
+from statebackend.storage import open_storage
+from tests.jobs.run_reference import final_state
+from tests.reference.sessions import SESSION_COLUMNS, canonical, sessionize
+
+GAP_MIN, LATENESS_MIN = 30, 90
+SPEC = EventsSpec(days=6, events_per_day=1200, users=60, seed=12)
+
+
+def run_output(url: str, run_id: str) -> pd.DataFrame:
+    """A published run folder's rows (none when no subtask wrote a part)."""
+    import pyarrow.parquet as pq
+
+    storage = open_storage(url)
+    folder = run_dir_name(run_id)
+    assert storage.exists(f"{folder}/_SUCCESS"), f"{url}/{folder} is not published"
+    frames = []
+    for name in sorted(n for n in storage.list_dir(folder) if n.endswith(".parquet")):
+        with storage.fs.open(storage.abspath(f"{folder}/{name}"), "rb") as fh:
+            frames.append(pq.read_table(fh).to_pandas())
+    return pd.concat(frames, ignore_index=True) if frames else None
+
+
+def test_sessionization_matches_reference_over_runs(spark, tmp_path):
+    days = generate_days(SPEC)
+    dirs = write_days(days, str(tmp_path / "in"))
+    ref = sessionize([d[["user", "ts", "value"]] for d in days], GAP_MIN * 60_000,
+                     LATENESS_MIN * 60_000)
+    # the data exercises what the job must get right
+    assert sum(r.late for r in ref.runs) > 0
+    assert sum(len(r.emitted) for r in ref.runs[1:]) > 0
+
+    storage, output = f"file://{tmp_path / 'ckpt'}", str(tmp_path / "out")
+    job = load_job(BUILTIN_JOBS["sessionization"])
+    store = CheckpointStore(open_storage(storage), "sessionization")
+
+    def config(d: int, **kw) -> RunConfig:
+        return RunConfig(input=dirs[d], storage=storage, run_id=f"d{d}", output=output,
+                         local_dir=str(tmp_path / "local"), max_reject_fraction=0.0,
+                         options={"gap_minutes": GAP_MIN,
+                                  "allowed_lateness_minutes": LATENESS_MIN}, **kw)
+
+    def check(d: int, s: dict) -> None:
+        r = ref.runs[d]
+        got = run_output(output, f"d{d}")
+        got = canonical(got) if got is not None else canonical(r.emitted.iloc[:0])
+        pd.testing.assert_frame_equal(got, r.emitted, check_dtype=False)
+        assert (s["late_rows"], s["watermark"]) == (r.late, r.watermark), d
+        assert s["timers_fired"] >= len(r.emitted.drop_duplicates("user"))
+        assert store.load(s["checkpoint_id"]).watermark == r.watermark
+
+    check(0, run_job(job, config(0, parallelism=3), spark))
+    check(1, run_job(job, config(1), spark))
+    assert run_job(job, config(1), spark)["skipped"]
+    with pytest.raises(JobRunError, match="injected failure in subtask 1"):
+        run_job(job, config(2, fail_subtask=1), spark)
+    assert store.checkpoint_ids() == [1, 2]
+    assert rescale(store, "latest", 2, spark=spark)["to_parallelism"] == 2
+    assert store.load(3).watermark == ref.runs[1].watermark  # carried by the rescale
+    for d in range(2, SPEC.days):  # timers of sessions opened before fire after the rescale
+        s = run_job(job, config(d), spark)
+        assert s["parallelism"] == 2
+        check(d, s)
+
+    state = final_state(storage, "sessionization")["sessions"]
+    rows = [(k, *sess) for (k, _), sessions in state.items() for sess in sessions]
+    got = canonical(pd.DataFrame(rows, columns=SESSION_COLUMNS))
+    pd.testing.assert_frame_equal(got, ref.open_sessions, check_dtype=False)
+    # every user with open sessions has exactly its next close as a timer
+    timers = final_state(storage, "sessionization").get("_timers", {})
+    assert len(timers) == len(ref.open_sessions.drop_duplicates("user"))
+    meta = store.load(store.checkpoint_ids()[-1])
+    assert [d["name"] for d in meta.states] == ["sessions", "_timers", "_timer_keys"]
+    assert json.loads(json.dumps(meta.extra["time"]))["timers_fired"] >= 0
+
+
+def test_late_rows_are_quarantined_not_rejected(spark, tmp_path):
+    """A late row goes to the quarantine with reason ``late`` and does not count against
+    --max-reject-fraction (0 here); an accept_late job would take it."""
+    inp0, inp1 = tmp_path / "in0", tmp_path / "in1"
+    h = 3_600_000
+    for folder, rows in ((inp0, [("a", 10 * h, 1.0), ("b", 12 * h, 2.0)]),
+                         (inp1, [("a", 10 * h + 1, 4.0), ("a", 13 * h, 8.0), ("b", 14 * h, 1.0)])):
+        folder.mkdir()
+        pd.DataFrame(rows, columns=["user", "ts", "value"]).to_parquet(folder / "p.parquet")
+    storage, output = f"file://{tmp_path / 'ckpt'}", str(tmp_path / "out")
+
+    def config(d: int, folder) -> RunConfig:
+        return RunConfig(input=str(folder), storage=storage, run_id=f"d{d}", output=output,
+                         local_dir=str(tmp_path / "local"), max_reject_fraction=0.0,
+                         parallelism=2, options={"allowed_lateness_minutes": 60})
+
+    s0 = run_job(sz.JOB, config(0, inp0), spark)
+    assert (s0["watermark"], s0["late_rows"]) == (11 * h, 0)
+    # a's session [10h, 10h] closes at wm 11h >= 10h + 30 min; b's stays open
+    out = run_output(output, "d0")
+    assert out[["user", "session_start", "events"]].values.tolist() == [["a", 10 * h, 1]]
+    s1 = run_job(sz.JOB, config(1, inp1), spark)
+    # 10h+1 <= 11h: late; the watermark moves to 14h - 1h
+    assert (s1["late_rows"], s1["events_rejected"], s1["watermark"]) == (1, 1, 13 * h)
+    q = pd.read_parquet(tmp_path / "out" / "_quarantine" / run_dir_name("d1"))
+    assert q[["user", "ts", "reason"]].values.tolist() == [["a", str(10 * h + 1), "late"]]
+    out = run_output(output, "d1")
+    assert out[["user", "session_start", "events"]].values.tolist() == [["b", 12 * h, 1]]
