@@ -96,6 +96,9 @@ def add_run_arguments(p: argparse.ArgumentParser, *, with_storage: bool) -> None
                    help="folder for rejected rows (default <output>/_quarantine)")
     p.add_argument("--start-from", default=None,
                    help="first run only: start from a savepoint or another job's checkpoint")
+    p.add_argument("--logical-time-ms", type=int, default=None, metavar="MS",
+                   help="the run's processing time (epoch ms) for processing-time timers and "
+                        "TTL; Airflow passes the data interval's end (default: now)")
     p.add_argument("--local-dir", default=None,
                    help="executors' local-recovery folder (default $CKPT_LOCAL_DIR or tmp)")
 
@@ -125,7 +128,8 @@ def config_from_args(args: argparse.Namespace, job):
         max_parallelism=args.max_parallelism,
         master=args.remote or args.master or default_master(),
         max_reject_fraction=args.max_reject_fraction, quarantine=args.quarantine,
-        start_from=args.start_from, local_dir=args.local_dir, options=options)
+        start_from=args.start_from, local_dir=args.local_dir, options=options,
+        logical_time_ms=args.logical_time_ms)
 
 
 def run_from_args(args: argparse.Namespace) -> dict:

@@ -97,7 +97,8 @@ class CkptRunJobOperator(_CheckpointOperator):
             max_parallelism=self.max_parallelism, master=self.master,
             max_reject_fraction=self.max_reject_fraction, quarantine=self.quarantine_path or None,
             start_from=self.start_from or None, options=self.job_options,
-            storage_options=self.hook().storage_options(), context=_airflow_context(context))
+            storage_options=self.hook().storage_options(), context=_airflow_context(context),
+            logical_time_ms=_interval_end_ms(context))
         return run_job_once(self.job_ref, config, entry=self.job)
 
 
@@ -193,6 +194,12 @@ class CkptRescaleOperator(_CheckpointOperator):
                              parallelism=_as_int(self.parallelism),
                              checkpoint=_as_int(self.checkpoint),
                              dry_run=_as_bool(self.dry_run), master=self.master)
+
+
+def _interval_end_ms(context) -> int | None:
+    """The run's processing time: the data interval's end (a re-run sees the same time)."""
+    end = context.get("data_interval_end") if hasattr(context, "get") else None
+    return int(end.timestamp() * 1000) if end is not None else None
 
 
 def _airflow_context(context) -> dict:
