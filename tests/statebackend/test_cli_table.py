@@ -44,6 +44,10 @@ TABLE: dict[str, tuple[list[str], list[str], list[str] | None]] = {
                 ["99", "--parallelism", "1", "--dry-run"]),
 }
 ROOT_COMMANDS = {"jobs"}  # need --storage only: a bad --job does not apply
+# Commands whose text/--json rows need Spark: their successful runs are tested elsewhere
+# (tests/jobs/test_run_protocol.py runs `ckpt run` as a subprocess); their refusals here.
+SPARK_COMMANDS = {"run": ["jobs.keyed_aggregation:JOB", "--input", "{tmp}", "--run-id", "r",
+                          "--output", "{tmp}/out"]}
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +101,26 @@ def argv_of(job, command: str, args: list[str], *, storage: str | None = None,
 def test_table_covers_every_subcommand():
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    assert set(sub.choices) == set(TABLE), "add the new command's row to TABLE"
+    assert set(sub.choices) == set(TABLE) | set(SPARK_COMMANDS), \
+        "add the new command's row to TABLE"
+
+
+@pytest.mark.parametrize(("args", "text"), [
+    (["--storage", "{tmp}/store"], "module 'nosuch' not found"),       # bad job (module)
+    (["--storage", "ftp://host/x"], "unsupported scheme 'ftp'"),          # bad URL
+])
+def test_run_refusals_are_one_line_before_spark(job, args, text, capsys):
+    argv = ["run", "nosuch:JOB" if "module" in text else SPARK_COMMANDS["run"][0],
+            *SPARK_COMMANDS["run"][1:], *args]
+    code, out, err = run(capsys, [a.format(tmp=job["tmp"]) for a in argv])
+    assert (code, out) == (2, "")
+    assert text in error_line(err)
+
+
+def test_run_help_lists_the_shared_options(capsys):
+    code, out, err = run(capsys, ["run", "--help"])
+    assert code == 0 and err == "" and out.startswith("usage: ckpt run")
+    assert "--run-id" in out and "--remote" in out and "--logical-time-ms" in out
 
 
 @pytest.mark.parametrize("command", sorted(TABLE))
