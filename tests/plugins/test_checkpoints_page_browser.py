@@ -6,9 +6,9 @@ savepoint, a live and an expired lease, legacy records without timings and faile
 after the last commit; a second job has no checkpoint at all. The test logs in as the
 UI does, then checks each element in the DOM (health summary, every chart's canvas,
 history, per-subtask tables, runs, savepoints, leases, links to Airflow and reports),
-that the page ran under its CSP without a violation, and saves the screenshots under
-tests/plugins/screenshots/ (checkpoints.png, checkpoints-full.png, checkpoint-detail.png,
-validation-report.png).
+that the page ran under its CSP without a violation, and takes the screenshots
+(checkpoints.png, checkpoints-full.png, checkpoint-detail.png, validation-report.png).
+``CKPT_UPDATE_SCREENSHOTS=1`` copies them to tests/plugins/screenshots/ (the README's).
 """
 
 from __future__ import annotations
@@ -111,11 +111,15 @@ def browser(served, tmp_path_factory):
     lines = [x for x in res.stdout.splitlines() if x.startswith("BROWSER-RESULT")]
     assert res.returncode == 0 and lines, res.stderr[-3000:]
     out = json.loads(lines[0][len("BROWSER-RESULT"):])
-    os.makedirs(SCREENSHOTS, exist_ok=True)
-    for key in ("screenshot",):
-        shutil.copy(out[key], SCREENSHOTS)
-    for key in ("full_screenshot", "detail_screenshot", "failed_report_screenshot"):
-        shutil.copy(out["ops"][key], SCREENSHOTS)
+    shots = [out["screenshot"]] + [out["ops"][key] for key in (
+        "full_screenshot", "detail_screenshot", "failed_report_screenshot")]
+    out["shots_dir"] = str(tmp_path_factory.mktemp("screenshots"))
+    targets = [out["shots_dir"]] + ([SCREENSHOTS] if os.environ.get("CKPT_UPDATE_SCREENSHOTS")
+                                    else [])
+    for target in targets:
+        os.makedirs(target, exist_ok=True)
+        for path in shots:
+            shutil.copy(path, target)
     return out, job
 
 
@@ -224,10 +228,10 @@ def test_links_to_airflow_and_reports(browser):
 
 def test_screenshots_show_the_charts(browser):
     out, _ = browser
-    width, height, rows = png_pixels(os.path.join(SCREENSHOTS, "checkpoints.png"))
+    width, height, rows = png_pixels(os.path.join(out["shots_dir"], "checkpoints.png"))
     assert (width, height) == (1000, 800)
     # state size (blue) and bytes uploaded (orange) are drawn above the fold
     assert count_color(rows, (0x1F, 0x77, 0xB4), tol=24) > 200
     assert count_color(rows, (0xFF, 0x7F, 0x0E), tol=24) > 200
-    width, height, _ = png_pixels(os.path.join(SCREENSHOTS, "checkpoints-full.png"))
+    width, height, _ = png_pixels(os.path.join(out["shots_dir"], "checkpoints-full.png"))
     assert width == 1000 and height > 2000
