@@ -167,11 +167,8 @@ Where things are:
   inspect          .venv/bin/ckpt --storage {STORAGE} --job {JOB} list
 
 Open the UI (Checkpoints page in the navigation, or /ckpt/ directly):
-  export AIRFLOW_HOME={AIRFLOW_HOME} AIRFLOW__CORE__DAGS_FOLDER={ROOT}/dags \\
-         AIRFLOW__CORE__PLUGINS_FOLDER={ROOT}/plugins AIRFLOW__CORE__LOAD_EXAMPLES=False \\
-         CKPT_STORAGE={STORAGE} CKPT_DATA={DATA} SPARK_LOCAL_IP=127.0.0.1
-  .venv/bin/airflow standalone     # then http://localhost:8080 (user admin, password in
-                                   # $AIRFLOW_HOME/simple_auth_manager_passwords.json.generated)
+  make ui     # airflow standalone on this demo's data; http://localhost:8080, user admin,
+              # password in {rel(AIRFLOW_HOME, ROOT)}/simple_auth_manager_passwords.json.generated
 
 Demo finished in {time.perf_counter() - started:.0f}s.""")
     return 0 if same else 1
