@@ -201,12 +201,32 @@ def run_command(args: argparse.Namespace) -> int:
     return int(args.handler(args, target) or 0)
 
 
+# Optional dependencies (top-level module -> the package extra that installs it).
+EXTRA_OF_MODULE = {"pandas": "validate", "great_expectations": "validate", "pyspark": "spark",
+                   "s3fs": "s3", "airflow": "airflow"}
+
+
+def missing_extra(exc: ModuleNotFoundError) -> UsageError | None:
+    """A one-line install hint for a missing optional dependency, else None."""
+    module = (exc.name or "").split(".")[0]
+    extra = EXTRA_OF_MODULE.get(module)
+    if extra is None:
+        return None
+    return UsageError(f"this command needs the {extra} extra: pip install "
+                      f"'{DISTRIBUTION}[{extra}]' (missing module {module})")
+
+
 def _dispatch(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)  # usage errors: argparse exits 2
     try:
         return run_command(args)
     except CkptError as exc:
         return fail(exc)
+    except ModuleNotFoundError as exc:
+        hint = missing_extra(exc)
+        if hint is None:
+            raise
+        return fail(hint)
     except BrokenPipeError:
         raise  # handled once, in main
     except OSError as exc:  # e.g. dump --out into a folder that cannot be written

@@ -328,3 +328,22 @@ def test_pipe_into_head(job, tmp_path, args, codes):
                           env=_env(job), timeout=120)
     assert int(proc.stdout.strip()) in codes
     assert (tmp_path / "err").read_text() == ""
+
+
+@pytest.mark.parametrize(("command", "args", "blocked", "extra"), [
+    ("rescale", ["--parallelism", "1"], "pyspark", "spark"),
+    ("validate", [], "great_expectations", "validate"),
+])
+def test_a_missing_extra_is_a_one_line_install_hint(job, command, args, blocked, extra,
+                                                    capsys, monkeypatch):
+    """As in a core-only install (tests/test_wheel.py installs one): no traceback."""
+    import sys
+
+    for name in [m for m in sys.modules if m == blocked or m.startswith(blocked + ".")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, blocked, None)  # `import blocked` now fails
+    code, out, err = run(capsys, argv_of(job, command, args + (
+        ["--report", "now"] if command == "validate" else [])))
+    assert (code, out) == (2, "")
+    line = error_line(err)
+    assert f"needs the {extra} extra" in line and f"ckpt-lifecycle[{extra}]" in line
