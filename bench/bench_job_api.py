@@ -18,7 +18,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from statebackend.backend import KeyedStateBackend
 from statebackend.job import (
     Input,
     Job,
@@ -29,7 +28,8 @@ from statebackend.job import (
     record,
     value_state,
 )
-from statebackend.keygroups import KeyGroupRange
+from statebackend.state.backend import KeyedStateBackend
+from statebackend.state.keygroups import KeyGroupRange
 
 M = 128
 INPUT = Input(pa.schema([("key", pa.string()), ("value", pa.float64()),

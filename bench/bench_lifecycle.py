@@ -29,10 +29,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from statebackend.checkpoints import CheckpointStore  # noqa: E402
-from statebackend.gc import collect_garbage, plan_gc  # noqa: E402
-from statebackend.metadata import CheckpointMetadata, FileRef, SubtaskHandle  # noqa: E402
-from statebackend.registry import (  # noqa: E402
+from statebackend.checkpoint.metadata import CheckpointMetadata, FileRef, SubtaskHandle  # noqa: E402
+from statebackend.checkpoint.store import CheckpointStore  # noqa: E402
+from statebackend.lifecycle.gc import collect_garbage, plan_gc  # noqa: E402
+from statebackend.lifecycle.registry import (  # noqa: E402
     as_datetime,
     build_registry,
     chk_id_of,
@@ -42,7 +42,7 @@ from statebackend.registry import (  # noqa: E402
     make_registry,
     parse_metadata,
 )
-from statebackend.retention import execute_retention, plan_retention  # noqa: E402
+from statebackend.lifecycle.retention import execute_retention, plan_retention  # noqa: E402
 from statebackend.storage import open_storage  # noqa: E402
 
 NEW_PER_CHECKPOINT = 5

@@ -3,7 +3,7 @@
 Same state for everyone: the keyed aggregation workload's value state ``totals``
 (count, sum, min_ts, max_ts per key) for N keys (default 120,000), one event per key.
 
-- ours:   ``statebackend.rescale.rescale`` (Spark job, one task per new subtask:
+- ours:   ``statebackend.rescale.executor.rescale`` (Spark job, one task per new subtask:
           restore base + delete_range clip + SST export/ingest, incremental upload)
 - naive:  the same Spark job shape, but each new subtask starts an empty instance and
           copies every key of its range from the overlapping old handles with one put
@@ -43,15 +43,15 @@ import pandas as pd
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jobs.keyed_aggregation import DESCRIPTORS, TOTALS  # noqa: E402
-from statebackend.backend import KeyedStateBackend  # noqa: E402
-from statebackend.checkpoints import CheckpointStore, build_metadata  # noqa: E402
-from statebackend.keygroups import key_group_range_for_subtask  # noqa: E402
-from statebackend.metadata import SubtaskHandle  # noqa: E402
-from statebackend.rescale import plan_rescale, rescale  # noqa: E402
-from statebackend.restore import download_files  # noqa: E402
-from statebackend.snapshot import checkpoint_backends, upload_snapshot  # noqa: E402
+from statebackend.checkpoint.metadata import SubtaskHandle  # noqa: E402
+from statebackend.checkpoint.restore import download_files  # noqa: E402
+from statebackend.checkpoint.snapshot import checkpoint_backends, upload_snapshot  # noqa: E402
+from statebackend.checkpoint.store import CheckpointStore, build_metadata  # noqa: E402
+from statebackend.rescale.executor import plan_rescale, rescale  # noqa: E402
 from statebackend.spark.session import get_spark  # noqa: E402
-from statebackend.state import StateDescriptor  # noqa: E402
+from statebackend.state.backend import KeyedStateBackend  # noqa: E402
+from statebackend.state.keygroups import key_group_range_for_subtask  # noqa: E402
+from statebackend.state.kinds import StateDescriptor  # noqa: E402
 from statebackend.storage import open_storage  # noqa: E402
 from tests.statebackend.helpers import route  # noqa: E402
 

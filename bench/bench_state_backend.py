@@ -35,12 +35,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rocksdict import Rdict, WriteBatch  # noqa: E402
 
-from statebackend.backend import KeyedStateBackend, no_wal, rocks_options  # noqa: E402
-from statebackend.keygroups import KeyGroupRange  # noqa: E402
-from statebackend.restore import download_files, restore_subtask  # noqa: E402
-from statebackend.serialization import JsonCodec, RecordCodec  # noqa: E402
-from statebackend.snapshot import upload_snapshot  # noqa: E402
-from statebackend.state import StateDescriptor  # noqa: E402
+from statebackend.checkpoint.restore import download_files, restore_subtask  # noqa: E402
+from statebackend.checkpoint.snapshot import upload_snapshot  # noqa: E402
+from statebackend.state.backend import KeyedStateBackend, no_wal, rocks_options  # noqa: E402
+from statebackend.state.codecs import JsonCodec, RecordCodec  # noqa: E402
+from statebackend.state.keygroups import KeyGroupRange  # noqa: E402
+from statebackend.state.kinds import StateDescriptor  # noqa: E402
 from statebackend.storage import open_storage  # noqa: E402
 
 M = 128
@@ -188,7 +188,7 @@ def plain_copy_local(files: list[tuple[str, str]]) -> None:
 
 def bench_transfer(label: str, url: str, work: str, backend, local, repeat: int,
                    plain_upload: Callable, plain_download: Callable) -> list[tuple[str, float]]:
-    from statebackend.checkpoints import CheckpointStore
+    from statebackend.checkpoint.store import CheckpointStore
 
     store = CheckpointStore(open_storage(url), "bench")
     job = store.storage

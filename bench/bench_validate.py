@@ -38,14 +38,14 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from statebackend.backend import KeyedStateBackend  # noqa: E402
-from statebackend.checkpoints import CheckpointStore  # noqa: E402
-from statebackend.dump import descriptors_of  # noqa: E402
-from statebackend.keygroups import key_group_range_for_subtask  # noqa: E402
-from statebackend.restore import restored_readonly  # noqa: E402
-from statebackend.serialization import RecordCodec  # noqa: E402
-from statebackend.snapshot import checkpoint_backends  # noqa: E402
-from statebackend.state import StateDescriptor  # noqa: E402
+from statebackend.checkpoint.dump import descriptors_of  # noqa: E402
+from statebackend.checkpoint.restore import restored_readonly  # noqa: E402
+from statebackend.checkpoint.snapshot import checkpoint_backends  # noqa: E402
+from statebackend.checkpoint.store import CheckpointStore  # noqa: E402
+from statebackend.state.backend import KeyedStateBackend  # noqa: E402
+from statebackend.state.codecs import RecordCodec  # noqa: E402
+from statebackend.state.keygroups import key_group_range_for_subtask  # noqa: E402
+from statebackend.state.kinds import StateDescriptor  # noqa: E402
 from statebackend.storage import open_storage  # noqa: E402
 
 P, M = 4, 128
@@ -104,8 +104,8 @@ def main() -> int:
     base = tempfile.mkdtemp(prefix="bench-validate-")
     server = start_s3() if args.s3 else None
     try:
-        from statebackend.validate import validate_checkpoint
         from statebackend.validation.suites import load_great_expectations
+        from statebackend.validation.validate import validate_checkpoint
 
         t0 = time.perf_counter()
         load_great_expectations()
@@ -180,7 +180,7 @@ def validate_in_new_process(store: CheckpointStore, report: str) -> float:
     """Wall time of ``ckpt validate latest --report <report>`` (manifest) in a fresh
     Python process, imports included: what one scheduled validate task costs."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    argv = [sys.executable, "-c", "import sys; from statebackend.cli import main; "
+    argv = [sys.executable, "-c", "import sys; from statebackend.cli.app import main; "
             "sys.exit(main(sys.argv[1:]))", "--storage", store.root_storage.url,
             "--job", store.job, "validate", "latest", "--report", report, "--json"]
     t0 = time.perf_counter()

@@ -13,7 +13,7 @@ import sys
 
 from demo.sample_data import generate_days
 from jobs.keyed_aggregation import JobConfig, format_summary, run
-from statebackend import cli
+from statebackend.cli import app as cli
 
 DEMO_DIR = ".demo"
 JOB = "keyed_aggregation"

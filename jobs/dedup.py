@@ -45,7 +45,7 @@ from statebackend.job import (  # noqa: E402
     value_state,
 )
 from statebackend.job.context import group_by_key  # noqa: E402
-from statebackend.ttl import StateTtl  # noqa: E402
+from statebackend.state.ttl import StateTtl  # noqa: E402
 
 MINUTE_MS = 60_000
 DAY_MS = 24 * 60 * MINUTE_MS
@@ -93,7 +93,7 @@ JOB = Job(
 
 def main(argv: list[str] | None = None) -> int:
     """``ckpt run jobs.dedup:JOB`` with the given arguments (spark-submit too)."""
-    from statebackend.job.submit import main as submit
+    from statebackend.cli.submit import main as submit
 
     return submit(["jobs.dedup:JOB", *(sys.argv[1:] if argv is None else argv)])
 

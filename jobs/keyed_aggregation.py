@@ -50,9 +50,9 @@ from statebackend.job.run import (  # noqa: E402
     run_dir_name,
     skipped_warning,
 )
-from statebackend.keygroups import DEFAULT_MAX_PARALLELISM  # noqa: E402
-from statebackend.serialization import RecordCodec  # noqa: E402
-from statebackend.state import StateDescriptor  # noqa: E402
+from statebackend.state.codecs import RecordCodec  # noqa: E402
+from statebackend.state.keygroups import DEFAULT_MAX_PARALLELISM  # noqa: E402
+from statebackend.state.kinds import StateDescriptor  # noqa: E402
 
 JOB_KIND = "keyed_aggregation"
 TOTALS_FIELDS = (("count", "int64"), ("sum", "float64"), ("min_ts", "int64"),

@@ -167,7 +167,7 @@ JOB = Job(
 
 def main(argv: list[str] | None = None) -> int:
     """``ckpt run jobs.sessionization:JOB`` with the given arguments (spark-submit too)."""
-    from statebackend.job.submit import main as submit
+    from statebackend.cli.submit import main as submit
 
     return submit(["jobs.sessionization:JOB", *(sys.argv[1:] if argv is None else argv)])
 

@@ -87,7 +87,7 @@ BROWSER_FILES = frozenset({
     "tests/plugins/test_standalone_ui.py",
     "tests/plugins/test_checkpoints_page_browser.py",
     "tests/plugins/test_report_offline.py",
-    "tests/statebackend/test_report_browser.py",
+    "tests/statebackend/validation/test_report_browser.py",
 })
 
 

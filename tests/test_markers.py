@@ -10,10 +10,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 APPLIED = ("spark", "s3", "airflow", "browser", "slow")
 
-STORAGE = "tests/statebackend/test_storage.py"
+STORAGE = "tests/statebackend/storage/test_storage.py"
 INPUT = "tests/jobs/test_input.py"
 CONFIG = "tests/airflow/test_config.py"
-BROWSER = "tests/statebackend/test_report_browser.py"
+BROWSER = "tests/statebackend/validation/test_report_browser.py"
 WHEEL = "tests/test_wheel.py"
 EXPECTED = {
     f"{INPUT}::test_malformed_and_trailing_garbage_lines_are_quarantined_raw": {"spark"},

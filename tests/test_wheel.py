@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.statebackend.test_validate_support import JOB, build_checkpoint
+from tests.statebackend.validation.test_validate_support import JOB, build_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -128,7 +128,7 @@ def test_every_public_module_imports_from_the_installed_wheel(installed):
     result = json.loads(proc.stdout)
     # The code under test is the installed copy, not this source tree.
     assert Path(result["file"]).is_relative_to(installed["venv"])
-    assert {"statebackend.cli", "statebackend.validation.suites",
+    assert {"statebackend.cli.app", "statebackend.validation.suites",
             "jobs.keyed_aggregation"} <= set(result["seen"])
     expected = {name: EXTRA_TOP_MODULE[extra] for name, extra in NEEDS_EXTRA.items()}
     assert result["failed"] == expected, (

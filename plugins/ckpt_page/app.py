@@ -109,7 +109,7 @@ def _open_store(spec):
 
 def _summary_reader():
     try:
-        from statebackend.validate import read_report_summary
+        from statebackend.validation.validate import read_report_summary
     except ImportError:  # validation extras not installed: show no status
         return lambda _store, _cid: None
     return read_report_summary

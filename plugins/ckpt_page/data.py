@@ -8,7 +8,7 @@ Sources, all under ``<storage>/<job>/``, each optional:
   (keyed aggregation) or nothing at all: every figure here may be None.
   ``extra["context"]["airflow"]`` names the DAG run and task that wrote the record.
 - ``runs/history/<utc>-<run>-<outcome>.json``: one record per run outcome (committed,
-  skipped, failed), written by the run protocol (`statebackend.runs.record_outcome`).
+  skipped, failed), written by the run protocol (`statebackend.checkpoint.runs.record_outcome`).
 - ``reports/chk-<id>/summary.json`` and ``index.html``: the validation of a checkpoint.
 - ``savepoints/<name>/`` and ``leases/<name>.json``.
 
@@ -31,7 +31,7 @@ MAX_ROWS = 200          # newest checkpoints shown per job
 MAX_RUN_RECORDS = 50    # newest run records (runs/history/*.json) shown per job
 TREND_WINDOW = 10       # state size trend: latest vs. this many checkpoints before
 PHASES = ("restore", "process", "timers", "snapshot", "upload", "commit")
-RUNS_DIR = "runs/history"  # statebackend.runs.HISTORY_DIR
+RUNS_DIR = "runs/history"  # statebackend.checkpoint.runs.HISTORY_DIR
 
 
 # -- small readers -------------------------------------------------------------
@@ -226,13 +226,13 @@ def read_run_records(store) -> list[dict]:
 
 
 def read_savepoints(store) -> list[dict]:
-    from statebackend.savepoint import list_savepoints
+    from statebackend.lifecycle.savepoint import list_savepoints
 
     return [s.to_json() for s in list_savepoints(store)]
 
 
 def read_leases(store) -> list[dict]:
-    from statebackend.leases import list_leases
+    from statebackend.checkpoint.leases import list_leases
 
     now = datetime.now(UTC)
     return [{"name": lease.name, "live": not lease.expired(now), "purpose": lease.purpose,

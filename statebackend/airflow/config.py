@@ -47,9 +47,9 @@ from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from importlib.metadata import entry_points
 
-from .. import defaults
-from ..checkpoints import check_job_name
-from ..errors import UsageError
+from statebackend import defaults
+from statebackend.checkpoint.store import check_job_name
+from statebackend.errors import UsageError
 
 CONFIG_ENV = "CKPT_JOBS_FILE"
 VARIABLE_NAME = "ckpt_jobs"

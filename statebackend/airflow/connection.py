@@ -24,7 +24,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..errors import UsageError
+from statebackend.errors import UsageError
 
 log = logging.getLogger(__name__)
 

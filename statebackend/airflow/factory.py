@@ -22,15 +22,15 @@ from datetime import UTC, datetime, timedelta
 
 from airflow.sdk import DAG, Asset, CronDataIntervalTimetable, Param, task
 
-from .config import JobSpec, load_job_specs
-from .operators import (
+from statebackend.airflow.config import JobSpec, load_job_specs
+from statebackend.airflow.operators import (
     CkptGcOperator,
     CkptRescaleOperator,
     CkptRetainOperator,
     CkptRunJobOperator,
     CkptValidateOperator,
 )
-from .steps import RUN_KEY_TEMPLATE
+from statebackend.airflow.steps import RUN_KEY_TEMPLATE
 
 CHECKPOINT_PATTERN = r"^(latest|chk-[0-9]+|[0-9]+)$"
 # Manual runs are created "now": a start_date after that (the job's first interval may lie
@@ -57,7 +57,7 @@ def _storage(spec: JobSpec) -> dict:
 def run_job_task(spec: JobSpec, task_id: str = "run_job"):
     """The job's run: in this worker (``spark.mode: local``) or through spark-submit."""
     if spec.spark.mode == "submit":
-        from .steps import spark_submit_operator
+        from statebackend.airflow.steps import spark_submit_operator
 
         return spark_submit_operator(spec, task_id=task_id)
     return CkptRunJobOperator(
@@ -126,7 +126,7 @@ def build_rescale_dag(spec: JobSpec) -> DAG:
 
         @task(task_id="check_no_running_pipeline")
         def check_no_running_pipeline(**context) -> dict:
-            from .steps import check_no_running_pipeline as check
+            from statebackend.airflow.steps import check_no_running_pipeline as check
 
             ti = context["ti"]
             return check(spec.pipeline_dag_id,
@@ -140,8 +140,8 @@ def build_rescale_dag(spec: JobSpec) -> DAG:
 
         @task(task_id="validate")
         def validate(result: dict) -> dict:
-            from .hook import CheckpointHook
-            from .steps import validate_store
+            from statebackend.airflow.hook import CheckpointHook
+            from statebackend.airflow.steps import validate_store
 
             if result.get("dry_run"):
                 return {"skipped": "dry run: nothing to validate"}

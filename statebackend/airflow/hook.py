@@ -1,7 +1,7 @@
 """`CheckpointHook`: a job's checkpoint store from an Airflow connection and a URL.
 
     hook = CheckpointHook("aws_ckpt", storage="s3://bucket/checkpoints", job="clicks")
-    store = hook.get_store()          # statebackend.checkpoints.CheckpointStore
+    store = hook.get_store()          # statebackend.checkpoint.store.CheckpointStore
 
 The connection (an ``aws`` connection, see `statebackend.airflow.connection`)
 becomes storage options; without a connection id the storage opens with the
@@ -16,7 +16,7 @@ from typing import Any
 
 from airflow.sdk import BaseHook
 
-from .connection import storage_options_from_connection
+from statebackend.airflow.connection import storage_options_from_connection
 
 
 class CheckpointHook(BaseHook):
@@ -44,13 +44,13 @@ class CheckpointHook(BaseHook):
 
     def get_storage(self):
         """The storage root (all jobs), opened with the connection's options."""
-        from ..storage import open_storage
+        from statebackend.storage import open_storage
 
         return open_storage(self.storage, **self.storage_options())
 
     def get_store(self):
         """The job's `CheckpointStore`."""
-        from ..checkpoints import CheckpointStore
+        from statebackend.checkpoint.store import CheckpointStore
 
         return CheckpointStore(self.get_storage(), self.job)
 

@@ -26,9 +26,9 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
-from .. import defaults
-from .hook import CheckpointHook
-from .steps import RUN_KEY_TEMPLATE
+from statebackend import defaults
+from statebackend.airflow.hook import CheckpointHook
+from statebackend.airflow.steps import RUN_KEY_TEMPLATE
 
 
 def _as_int(value: Any) -> Any:
@@ -88,8 +88,8 @@ class CkptRunJobOperator(_CheckpointOperator):
         self.master = master
 
     def execute(self, context) -> dict:
-        from ..job.run import RunConfig
-        from .steps import run_job_once
+        from statebackend.airflow.steps import run_job_once
+        from statebackend.job.run import RunConfig
 
         config = RunConfig(
             input=self.input_path, storage=self.storage, job=self.job, run_id=self.run_key,
@@ -124,7 +124,7 @@ class CkptValidateOperator(_CheckpointOperator):
         self.report = report
 
     def execute(self, context) -> dict:
-        from .steps import publish_extra, validate_store
+        from statebackend.airflow.steps import publish_extra, validate_store
 
         result = validate_store(self.hook().get_store(), run_id=self.run_key or None,
                                 ref=_as_int(self.checkpoint), deep=self.deep,
@@ -147,7 +147,7 @@ class CkptRetainOperator(_CheckpointOperator):
         self.dry_run = dry_run
 
     def execute(self, context) -> dict:
-        from .steps import retain_store
+        from statebackend.airflow.steps import retain_store
 
         return retain_store(self.hook().get_store(), keep=_as_int(self.keep),
                             dry_run=_as_bool(self.dry_run))
@@ -166,7 +166,7 @@ class CkptGcOperator(_CheckpointOperator):
         self.dry_run = dry_run
 
     def execute(self, context) -> dict:
-        from .steps import gc_store
+        from statebackend.airflow.steps import gc_store
 
         return gc_store(self.hook().get_store(), grace_seconds=float(self.grace_seconds),
                         dry_run=_as_bool(self.dry_run))
@@ -188,7 +188,7 @@ class CkptRescaleOperator(_CheckpointOperator):
         self.master = master
 
     def execute(self, context) -> dict:
-        from .steps import rescale_store
+        from statebackend.airflow.steps import rescale_store
 
         return rescale_store(self.hook().get_store(),
                              parallelism=_as_int(self.parallelism),

@@ -37,9 +37,9 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
-from .. import defaults
-from ..errors import CkptError, UsageError
-from .config import JobSpec
+from statebackend import defaults
+from statebackend.airflow.config import JobSpec
+from statebackend.errors import CkptError, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def template_values(logical_date: datetime | None, airflow_run_id: str) -> dict:
 def storage_options_for(spec: JobSpec, get_connection: Callable[[str], Any] | None = None
                         ) -> dict:
     """The job's storage options from its ``storage_conn_id`` ({} without one)."""
-    from .connection import storage_options_from_connection
+    from statebackend.airflow.connection import storage_options_from_connection
 
     return storage_options_from_connection(spec.storage_conn_id, get_connection)
 
@@ -107,8 +107,8 @@ def storage_options_for(spec: JobSpec, get_connection: Callable[[str], Any] | No
 def open_store(spec: JobSpec, storage_options: Mapping[str, Any] | None = None, *,
                get_connection: Callable[[str], Any] | None = None):
     """The job's `CheckpointStore`; options from its connection unless given."""
-    from ..checkpoints import CheckpointStore
-    from ..storage import open_storage
+    from statebackend.checkpoint.store import CheckpointStore
+    from statebackend.storage import open_storage
 
     if storage_options is None:
         storage_options = storage_options_for(spec, get_connection)
@@ -126,9 +126,9 @@ def checkpoint_facts(meta) -> dict:
 # -- run -------------------------------------------------------------------------
 def load_configured_job(job_ref: str, entry: str):
     """The `Job` a configuration names (built-in name or module:attr); one-line errors."""
-    from ..job.load import load_job, module_root
-    from ..spark.session import add_to_pythonpath
-    from .config import resolve_job_ref
+    from statebackend.airflow.config import resolve_job_ref
+    from statebackend.job.load import load_job, module_root
+    from statebackend.spark.session import add_to_pythonpath
 
     ref = resolve_job_ref(job_ref, entry)
     try:
@@ -154,7 +154,7 @@ def run_job_once(job_ref: str, config, *, entry: str | None = None, spark=None) 
     """Load the configured job, check its options and input, run one interval."""
     from dataclasses import replace
 
-    from ..job.run import run_job
+    from statebackend.job.run import run_job
 
     entry = entry or config.job or job_ref
     job = load_configured_job(job_ref, entry)
@@ -174,7 +174,7 @@ def build_run_config(spec: JobSpec, *, logical_date: datetime | None, airflow_ru
                      parallelism: int | None = None, local_dir: str | None = None,
                      context: Mapping[str, Any] | None = None):
     """The `RunConfig` of one interval of ``spec`` (paths rendered for that interval)."""
-    from ..job.run import RunConfig
+    from statebackend.job.run import RunConfig
 
     values = template_values(logical_date, airflow_run_id)
     return RunConfig(
@@ -217,7 +217,7 @@ def validate_store(store, *, run_id: str | None = None, ref: str | int = "latest
     ``report="none"`` decides without importing Great Expectations (the scheduled
     pipeline: its verdict must not wait ~10 s for GE); maintenance renders the report.
     """
-    from ..validate import validate_checkpoint
+    from statebackend.validation.validate import validate_checkpoint
 
     checks = load_configured_job(job_ref, store.job).expectations if job_ref else None
     if run_id is not None:
@@ -247,7 +247,7 @@ def validate_step(spec: JobSpec, *, run_id: str | None = None, ref: str | int = 
 
 # -- lifecycle -----------------------------------------------------------------------
 def retain_store(store, *, keep: int = defaults.RETENTION_KEEP, dry_run: bool = False) -> dict:
-    from ..retention import retain
+    from statebackend.lifecycle.retention import retain
 
     return retain(store, int(keep), dry_run=bool(dry_run)).to_json()
 
@@ -260,7 +260,7 @@ def retain_step(spec: JobSpec, *, keep: int | None = None, dry_run: bool = False
 
 def gc_store(store, *, grace_seconds: float = defaults.GC_GRACE_SECONDS,
              dry_run: bool = False) -> dict:
-    from ..gc import collect_garbage
+    from statebackend.lifecycle.gc import collect_garbage
 
     return collect_garbage(store, grace_seconds=float(grace_seconds),
                            dry_run=bool(dry_run)).to_json()
@@ -274,8 +274,8 @@ def gc_step(spec: JobSpec, *, grace_seconds: float | None = None, dry_run: bool 
 
 def rescale_store(store, *, parallelism: int, checkpoint: str | int = "latest",
                   dry_run: bool = False, master: str | None = None, spark=None) -> dict:
-    from ..keygroups import check_parallelism
-    from ..rescale import rescale
+    from statebackend.rescale.executor import rescale
+    from statebackend.state.keygroups import check_parallelism
 
     max_parallelism = store.resolve(checkpoint).max_parallelism
     if not isinstance(parallelism, int) or isinstance(parallelism, bool):
@@ -325,9 +325,9 @@ def publish_extra(validation: dict) -> dict:
 
 # -- spark-submit ------------------------------------------------------------------
 def submit_application() -> str:
-    """Path of the spark-submit entry point for any job (`statebackend.job.submit`)."""
+    """Path of the spark-submit entry point for any job (`statebackend.cli.submit`)."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return os.path.join(here, "job", "submit.py")
+    return os.path.join(here, "cli", "submit.py")
 
 
 def spark_submit_args(spec: JobSpec) -> list[str]:
@@ -395,7 +395,7 @@ def state_totals(spec: JobSpec, ref: str | int = "latest",
     max_ts), the shape of demo.sample_data.expected_totals (checks and the demo)."""
     import pandas as pd
 
-    from ..dump import checkpoint_rows
+    from statebackend.checkpoint.dump import checkpoint_rows
 
     store = open_store(spec, storage_options)
     meta = store.resolve(ref)

@@ -10,8 +10,7 @@ task = one subtask), `statebackend.job.input` (listing and reading input),
 Importing this package imports neither Spark nor Great Expectations.
 """
 
-from ..ttl import StateTtl
-from .api import (
+from statebackend.job.api import (
     Input,
     Job,
     Option,
@@ -31,10 +30,17 @@ from .api import (
     reducing_state,
     value_state,
 )
-from .context import BatchContext, KeyContext, KeyTimers, Timers
-from .core import ProcessResult, SubtaskProcessor, process, split_rows
-from .load import load_job
-from .run import JobRunError, RejectThresholdError, RunConfig, format_summary, run_job
+from statebackend.job.context import BatchContext, KeyContext, KeyTimers, Timers
+from statebackend.job.core import ProcessResult, SubtaskProcessor, process, split_rows
+from statebackend.job.load import load_job
+from statebackend.job.run import (
+    JobRunError,
+    RejectThresholdError,
+    RunConfig,
+    format_summary,
+    run_job,
+)
+from statebackend.state.ttl import StateTtl
 
 __all__ = [
     "BatchContext", "Input", "Job", "JobRunError", "KeyContext", "KeyTimers", "Option", "Output",

@@ -23,7 +23,7 @@ A user writes::
   (ms or a timedelta) and ``accept_late`` drive the watermark: a row with
   ``event_time <= watermark at the start of the run`` is quarantined as ``late``
   unless ``accept_late``; see docs/write-a-job.md, "Time".
-- **states**: `statebackend.state.StateDescriptor` (value, list, map, reducing,
+- **states**: `statebackend.state.kinds.StateDescriptor` (value, list, map, reducing,
   aggregating, each with its codec); `value_state` ... are thin constructors.
 - **outputs**: zero or more named Arrow schemas. ``last_per=<column>`` keeps
   only the last row emitted per value of that column in a run (for outputs that
@@ -57,10 +57,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..errors import UsageError
-from ..serialization import Codec, JsonCodec, RecordCodec
-from ..state import AggregateFunction, StateDescriptor
-from ..ttl import StateTtl
+from statebackend.errors import UsageError
+from statebackend.state.codecs import Codec, JsonCodec, RecordCodec
+from statebackend.state.kinds import AggregateFunction, StateDescriptor
+from statebackend.state.ttl import StateTtl
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 RAW = "raw"
@@ -283,9 +283,9 @@ class Job:
     def descriptors(self) -> tuple[StateDescriptor, ...]:
         """What the backend opens: the states, the timer families with a timer handler
         and the TTL index when a state has a TTL (the order `KeyedStateBackend` uses)."""
-        from ..state import internal_descriptor
-        from ..timers import with_timers
-        from ..ttl import TTL_INDEX
+        from statebackend.state.kinds import internal_descriptor
+        from statebackend.state.timers import with_timers
+        from statebackend.state.ttl import TTL_INDEX
 
         out = with_timers(self.states) if self.on_timer is not None else list(self.states)
         if any(d.ttl is not None for d in self.states):

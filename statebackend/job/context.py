@@ -37,9 +37,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..errors import UsageError
-from ..serialization import decode_list, encode_list
-from ..state import (
+from statebackend.errors import UsageError
+from statebackend.job.api import Job
+from statebackend.state.codecs import decode_list, encode_list
+from statebackend.state.kinds import (
     AggregatingState,
     ListState,
     MapState,
@@ -47,7 +48,6 @@ from ..state import (
     ValueState,
     _State,
 )
-from .api import Job
 
 Keys = Sequence[str] | pa.Array | pa.ChunkedArray
 
@@ -209,22 +209,22 @@ class Timers:
         self.backend = backend
 
     def register(self, keys: Keys, times: Any, tags: Any = None, domain: str = "event") -> None:
-        from ..timers import register_timers
+        from statebackend.state.timers import register_timers
 
         ks = _key_list(keys)
         register_timers(self.backend, ks, _int_list(times, len(ks)), domain,
                         None if tags is None else _key_list(tags))
 
     def delete(self, keys: Keys, times: Any, tags: Any = None, domain: str = "event") -> None:
-        from ..timers import delete_timers
+        from statebackend.state.timers import delete_timers
 
         ks = _key_list(keys)
         delete_timers(self.backend, ks, _int_list(times, len(ks)), domain,
                       None if tags is None else _key_list(tags))
 
     def list(self, key: str, domain: str | None = None) -> list:
-        """The timers of ``key`` (`statebackend.timers.Timer`), time order per domain."""
-        from ..timers import timers_of
+        """The timers of ``key`` (`statebackend.state.timers.Timer`), time order per domain."""
+        from statebackend.state.timers import timers_of
 
         return timers_of(self.backend, key, domain)
 
@@ -482,12 +482,12 @@ class KeyTimers:
         self._state = state
 
     def register(self, time: int, tag: str = "", domain: str = "event") -> None:
-        from ..timers import register_timer
+        from statebackend.state.timers import register_timer
 
         register_timer(self._state._run.ctx.backend, self._state.key, int(time), domain, tag)
 
     def delete(self, time: int, tag: str = "", domain: str = "event") -> None:
-        from ..timers import delete_timer
+        from statebackend.state.timers import delete_timer
 
         run = self._state._run
         delete_timer(run.ctx.backend, self._state.key, int(time), domain, tag)
@@ -495,7 +495,7 @@ class KeyTimers:
 
     def list(self, domain: str | None = None) -> list:
         """The key's timers, including those of the current firing chunk not yet handled."""
-        from ..timers import timers_of
+        from statebackend.state.timers import timers_of
 
         run = self._state._run
         found = timers_of(run.ctx.backend, self._state.key, domain)
@@ -596,7 +596,7 @@ def run_per_key_timers(fn, timers: pa.Table, ctx: BatchContext,
     the state its earlier calls left (handles keep the changed values), and the
     changes are written back once at the end, like `run_per_key`.
     """
-    from ..timers import Timer
+    from statebackend.state.timers import Timer
 
     keys = pc.unique(timers["key"]).to_pylist()
     index = {k: i for i, k in enumerate(keys)}

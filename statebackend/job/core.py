@@ -33,9 +33,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..errors import UsageError
-from .api import RAW, Job, Output, PerKey
-from .context import BatchContext, run_per_key, run_per_key_timers
+from statebackend.errors import UsageError
+from statebackend.job.api import RAW, Job, Output, PerKey
+from statebackend.job.context import BatchContext, run_per_key, run_per_key_timers
 
 REASON_COLUMN = "_reason"
 REASON = "reason"
@@ -410,7 +410,7 @@ class SubtaskProcessor:
                     self._fire(domain, up_to)
         self.timings["timers"] += time.perf_counter() - started
         started = time.perf_counter()
-        from ..ttl import purge_expired
+        from statebackend.state.ttl import purge_expired
 
         for domain, now in (("event", ctx.new_watermark), ("processing", ctx.processing_time)):
             if now is not None:
@@ -424,9 +424,9 @@ class SubtaskProcessor:
 
         A pass that ran dry is closed before the handler sees its last chunk, so timers
         the handler registers at or below ``up_to`` then fire in a new pass; in a pass
-        still running they join it (`statebackend.timers.fire_due`).
+        still running they join it (`statebackend.state.timers.fire_due`).
         """
-        from ..timers import fire_due
+        from statebackend.state.timers import fire_due
 
         while True:
             firing = fire_due(self.backend, domain, up_to)
@@ -462,8 +462,8 @@ class SubtaskProcessor:
 
     def next_times(self) -> dict[str, int | None]:
         """Earliest timer and expiry per domain: when this subtask has work without rows."""
-        from ..timers import next_timer_time
-        from ..ttl import next_expiry
+        from statebackend.state.timers import next_timer_time
+        from statebackend.state.ttl import next_expiry
 
         out: dict[str, int | None] = {}
         for domain in ("event", "processing"):

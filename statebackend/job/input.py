@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..errors import InputError, UsageError
-from .api import Input
+from statebackend.errors import InputError, UsageError
+from statebackend.job.api import Input
 
 PARQUET_EXT = (".parquet",)
 JSON_EXT = (".json", ".jsonl", ".ndjson", ".json.gz", ".jsonl.gz", ".ndjson.gz")

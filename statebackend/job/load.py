@@ -12,8 +12,8 @@ import os
 import re
 import sys
 
-from ..errors import UsageError
-from .api import Job
+from statebackend.errors import UsageError
+from statebackend.job.api import Job
 
 _REF = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)"
                   r":([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)$")

@@ -39,20 +39,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .. import defaults
-from ..attempt import Attempt, cleanup_committed
-from ..checkpoints import CheckpointStore, build_metadata
-from ..errors import CkptError, UsageError
-from ..keygroups import DEFAULT_MAX_PARALLELISM, check_parallelism
-from ..leases import writer_lease
-from ..metadata import CheckpointMetadata, SubtaskHandle, utc_now_iso
-from ..runs import RunOutcome, RunRecord, record_outcome, safe_run_name
-from ..state import INTERNAL_STATES
-from ..storage import Storage, StorageOptions, open_storage
-from ..watermark import advance
-from .api import Job
-from .core import LATE, max_accepted_time
-from .input import (
+from statebackend import defaults
+from statebackend.checkpoint.attempt import Attempt, cleanup_committed
+from statebackend.checkpoint.leases import writer_lease
+from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskHandle, utc_now_iso
+from statebackend.checkpoint.runs import RunOutcome, RunRecord, record_outcome, safe_run_name
+from statebackend.checkpoint.store import CheckpointStore, build_metadata
+from statebackend.errors import CkptError, UsageError
+from statebackend.job.api import Job
+from statebackend.job.core import LATE, max_accepted_time
+from statebackend.job.input import (
     InputFiles,
     check_parquet,
     list_input,
@@ -61,7 +57,18 @@ from .input import (
     read_ddl,
     read_input,
 )
-from .task import MARKER, RESULT_DDL, TaskParams, output_folder, part_name, run_subtask
+from statebackend.job.task import (
+    MARKER,
+    RESULT_DDL,
+    TaskParams,
+    output_folder,
+    part_name,
+    run_subtask,
+)
+from statebackend.state.keygroups import DEFAULT_MAX_PARALLELISM, check_parallelism
+from statebackend.state.kinds import INTERNAL_STATES
+from statebackend.state.watermark import advance
+from statebackend.storage import Storage, StorageOptions, open_storage
 
 ARROW_BATCH_ROWS = 100_000  # rows per Arrow batch handed to the logic
 TIMING_KEYS = ("restoring", "processing", "snapshotting", "uploading", "committing")
@@ -207,7 +214,7 @@ def _run(job: Job, config: RunConfig, spark, options: dict, store: CheckpointSto
         files = list_input(config.input)
         check_parquet(files)  # before Spark starts: a bad file costs no session
         if spark is None:
-            from ..spark.session import get_spark
+            from statebackend.spark.session import get_spark
 
             spark = get_spark(config.master, app_name=f"{job.name}-{store.job}")
         return _run_attempt(spark, job, config, options, store, parent, files, started,
@@ -230,7 +237,7 @@ def _parent(config: RunConfig, store: CheckpointStore,
             warnings: list[str]) -> CheckpointMetadata | None:
     parent = store.latest()
     if parent is None and config.start_from:
-        from ..savepoint import import_start_point
+        from statebackend.lifecycle.savepoint import import_start_point
 
         return import_start_point(store.root_storage, store.job, config.start_from)
     if config.start_from:
@@ -277,7 +284,7 @@ def _lineage_shape(config: RunConfig, parent: CheckpointMetadata | None, spark,
     if config.parallelism is not None:
         check_parallelism(config.parallelism, config.max_parallelism)
         return config.parallelism, config.max_parallelism
-    from ..spark.session import default_parallelism  # classic and Spark Connect alike
+    from statebackend.spark.session import default_parallelism  # classic and Spark Connect alike
 
     p = min(default_parallelism(spark), config.max_parallelism)
     check_parallelism(p, config.max_parallelism)
@@ -287,7 +294,7 @@ def _lineage_shape(config: RunConfig, parent: CheckpointMetadata | None, spark,
 def _run_attempt(spark, job: Job, config: RunConfig, options: dict, store: CheckpointStore,
                  parent: CheckpointMetadata | None, files: InputFiles, started: float,
                  warnings: list[str]) -> dict:
-    from ..spark import dispatch
+    from statebackend.spark import dispatch
 
     parallelism, max_parallelism = _lineage_shape(config, parent, spark, warnings)
     checkpoint_id = store.next_checkpoint_id()

@@ -11,7 +11,7 @@ subtask i's rows (`statebackend.spark.dispatch`) plus one marker row:
    and purge expired TTL entries;
 3. snapshot (synchronous part), then write the outputs and the quarantined rows
    while the upload runs in the background;
-4. record what this task attempt uploaded (`statebackend.attempt.record_uploads`)
+4. record what this task attempt uploaded (`statebackend.checkpoint.attempt.record_uploads`)
    and return one result row: the new handle as JSON, counts, timings.
 
 A subtask that accepted no row returns no handle (the driver carries the parent's
@@ -40,17 +40,17 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..attempt import record_uploads
-from ..backend import KeyedStateBackend
-from ..keygroups import key_group_range_for_subtask
-from ..metadata import SubtaskHandle
-from ..restore import restore_subtask
-from ..snapshot import snapshot
-from ..storage import Storage, StorageOptions, child_storage, open_storage
-from .api import Job
-from .core import REASON, ProcessResult, SubtaskProcessor
-from .input import LINE, raw_table
-from .input import REASON as READ_REASON
+from statebackend.checkpoint.attempt import record_uploads
+from statebackend.checkpoint.metadata import SubtaskHandle
+from statebackend.checkpoint.restore import restore_subtask
+from statebackend.checkpoint.snapshot import snapshot
+from statebackend.job.api import Job
+from statebackend.job.core import REASON, ProcessResult, SubtaskProcessor
+from statebackend.job.input import LINE, raw_table
+from statebackend.job.input import REASON as READ_REASON
+from statebackend.state.backend import KeyedStateBackend
+from statebackend.state.keygroups import key_group_range_for_subtask
+from statebackend.storage import Storage, StorageOptions, child_storage, open_storage
 
 MARKER = "__subtask_marker__"  # `_reason` of the one synthetic row each subtask receives
 PARTITION_COLUMN = "_p"

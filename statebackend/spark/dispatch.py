@@ -1,7 +1,7 @@
 """Task dispatch: rows to subtasks, one Spark task per subtask, failures as one line.
 
 Routing (`route`): a row's key group is murmur3_32(UTF-8 key, seed 0) mod M and
-its subtask ``kg * P // M`` (Flink's assignment, `statebackend.keygroups`). Spark
+its subtask ``kg * P // M`` (Flink's assignment, `statebackend.state.keygroups`). Spark
 places rows by hashing a column, so each row gets ``_p``: the smallest int that
 Spark's hash partitioner sends to partition i (`partition_values`), and
 ``repartition(P, _p)`` then puts exactly subtask i's rows in partition i. One
@@ -29,7 +29,7 @@ import mmh3
 import numpy as np
 import pyarrow as pa
 
-from ..errors import CkptError
+from statebackend.errors import CkptError
 
 SPARK_HASH_SEED = 42
 PARTITION_COLUMN = "_p"
@@ -125,7 +125,7 @@ def run_tasks(spark, df, description: str, *, group_prefix: str,
 @contextmanager
 def job_tag(spark, prefix: str, description: str | None = None) -> Iterator[str]:
     """Tag the jobs started inside (and describe them on classic, where the UI shows it)."""
-    from .session import is_connect
+    from statebackend.spark.session import is_connect
 
     tag = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{prefix}-{time.time_ns()}")  # no ',' in a tag
     classic = not is_connect(spark)
@@ -164,7 +164,7 @@ def stop_tasks(spark, tag: str, first_job: int | None) -> None:
     the caller's discard removes what the finished ones recorded (attempt records);
     an upload cut short by the cancel is an orphan for ``ckpt gc``.
     """
-    from .session import is_connect
+    from statebackend.spark.session import is_connect
 
     try:
         spark.interruptTag(tag)
@@ -176,7 +176,7 @@ def stop_tasks(spark, tag: str, first_job: int | None) -> None:
 
 def _next_job_id(spark) -> int | None:
     """Classic only: jobs started from here on have ids >= this (ids only grow)."""
-    from .session import is_connect
+    from statebackend.spark.session import is_connect
 
     if is_connect(spark):
         return None

@@ -83,7 +83,7 @@ def get_connect(url: str, app_name: str = "ckpt-job", conf: dict | None = None):
     """A Spark Connect client session on ``url`` (``sc://host:port``) with our session settings."""
     from pyspark.sql import SparkSession
 
-    from ..errors import UsageError
+    from statebackend.errors import UsageError
 
     if not is_remote_url(url):
         raise UsageError(f"--remote {url!r} is not a Spark Connect URL: use sc://host:port")

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..state import StateDescriptor
+from statebackend.state.kinds import StateDescriptor
 
 StateCheck = Callable[[StateDescriptor], "list[Any] | None"]
 

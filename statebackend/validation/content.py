@@ -47,11 +47,10 @@ import mmh3
 import numpy as np
 import pandas as pd
 
-from ..backend import DB_DIR, KeyedStateBackend
-from ..errors import CkptError, StorageError
-from ..keygroups import KeyGroupRange
-from ..metadata import CheckpointMetadata, FileRef, SubtaskHandle
-from ..serialization import (
+from statebackend.checkpoint.metadata import CheckpointMetadata, FileRef, SubtaskHandle
+from statebackend.errors import CkptError, StorageError
+from statebackend.state.backend import DB_DIR, KeyedStateBackend
+from statebackend.state.codecs import (
     RECORD_FORMAT,
     TIME_BYTES,
     RecordCodec,
@@ -60,10 +59,10 @@ from ..serialization import (
     encode_list,
     split_map_key,
 )
-from ..state import StateDescriptor
-from ..storage import Storage
-from ..timers import key_bytes_of, parse_reverse_key, parse_timer_key
-from ..ttl import (
+from statebackend.state.keygroups import KeyGroupRange
+from statebackend.state.kinds import StateDescriptor
+from statebackend.state.timers import key_bytes_of, parse_reverse_key, parse_timer_key
+from statebackend.state.ttl import (
     TTL_INDEX,
     index_key,
     parse_index_key,
@@ -72,7 +71,8 @@ from ..ttl import (
     strip_list,
     strip_value,
 )
-from .manifest import FileFacts, recorded_algorithm
+from statebackend.storage import Storage
+from statebackend.validation.manifest import FileFacts, recorded_algorithm
 
 DOWNLOAD_THREADS = 4
 STATE_COLUMNS = ["subtask", "state", "key", "user_key", "key_group", "computed_key_group",
@@ -233,7 +233,7 @@ def ttl_findings(backend: KeyedStateBackend, descriptors: Sequence[StateDescript
             msg = (f"TTL: the index says this {name!r} entry expired at {due[0]} <= the "
                    f"checkpoint's {desc.ttl.time} time {now}, but a read at {now} still returns "
                    f"it (stored expiries {sorted(stored_expiries(raw, desc.kind == 'list'))})")
-            from ..serialization import domain_byte
+            from statebackend.state.codecs import domain_byte
 
             ik = index_key(rk, domain_byte(desc.ttl.time), due[0], state_tag(name))
             findings[(TTL_INDEX, ik)] = msg

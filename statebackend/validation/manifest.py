@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from ..checkpoints import CheckpointStore, metadata_path
-from ..errors import CkptError, MetadataError
-from ..keygroups import MAX_MAX_PARALLELISM
-from ..metadata import CheckpointMetadata
-from ..storage import CHECKSUM_ALGORITHM, checksum_algorithm, safe_relpath
+from statebackend.checkpoint.metadata import CheckpointMetadata
+from statebackend.checkpoint.store import CheckpointStore, metadata_path
+from statebackend.errors import CkptError, MetadataError
+from statebackend.state.keygroups import MAX_MAX_PARALLELISM
+from statebackend.storage import CHECKSUM_ALGORITHM, checksum_algorithm, safe_relpath
 
 CHECK_THREADS = 8
 

@@ -45,10 +45,10 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoints import CheckpointStore
-from ..errors import CkptError, StorageError
-from ..storage import Storage
-from .suites import MAX_OFFENDING_ROWS
+from statebackend.checkpoint.store import CheckpointStore
+from statebackend.errors import CkptError, StorageError
+from statebackend.storage import Storage
+from statebackend.validation.suites import MAX_OFFENDING_ROWS
 
 SUMMARY_VERSION = 1
 SUMMARY_FILE = "summary.json"

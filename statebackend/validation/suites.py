@@ -175,7 +175,7 @@ _EXPECTATION_TYPES = {"true": "expect_column_values_to_be_in_set",
 def evaluate_runs(runs: list[TableRun]) -> tuple[list[dict], list[dict]]:
     """(suites, checks) of the summary: built-in tables with pandas, job tables with GE
     (their expectations are GE objects; GE is imported only if there are any)."""
-    from .report import check_entries
+    from statebackend.validation.report import check_entries
 
     suites: list[dict] = []
     checks: list[dict] = []
@@ -204,7 +204,7 @@ def evaluate_runs(runs: list[TableRun]) -> tuple[list[dict], list[dict]]:
 
 def _evaluate(run: TableRun, spec: tuple[str, str, str, str, tuple]) -> dict:
     """One built-in check as GE reports it (see the module docstring)."""
-    from .report import plain
+    from statebackend.validation.report import plain
 
     name, description, column, kind, args = spec
     frame = run.frame

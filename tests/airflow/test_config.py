@@ -114,10 +114,10 @@ def test_unset_settings_take_the_library_defaults():
 
 def test_defaults_are_defined_once():
     """The CLI, the run config and the lifecycle read statebackend.defaults (same values)."""
-    from statebackend.cli import build_parser
-    from statebackend.gc import DEFAULT_GRACE_SECONDS
+    from statebackend.cli.app import build_parser
     from statebackend.job.run import RunConfig
-    from statebackend.keygroups import DEFAULT_MAX_PARALLELISM
+    from statebackend.lifecycle.gc import DEFAULT_GRACE_SECONDS
+    from statebackend.state.keygroups import DEFAULT_MAX_PARALLELISM
 
     config = RunConfig(input="i", storage="s", run_id="r")
     assert config.max_parallelism == defaults.MAX_PARALLELISM == DEFAULT_MAX_PARALLELISM

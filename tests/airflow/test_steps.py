@@ -56,7 +56,7 @@ def test_spark_submit_args_carry_the_run_key_template(tmp_path):
     assert args[args.index("--run-id") + 1].startswith("{{ 'interval__' ~ ts")
     assert args[args.index("--job") + 1] == "clicks" and "--json" in args
     assert args[0] == "jobs.keyed_aggregation:JOB"  # the configured job, resolved
-    assert steps.submit_application().endswith("statebackend/job/submit.py")
+    assert steps.submit_application().endswith("statebackend/cli/submit.py")
     mine = make_spec(tmp_path, job="examples.user_activity:job",
                      options={"normalize_case": False})
     args = steps.spark_submit_args(mine)

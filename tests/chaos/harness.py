@@ -31,7 +31,7 @@ Faults (the only mocks):
 
 Checks after every step (`Checker`):
 
-1. the latest checkpoint restores (every row read: `statebackend.dump.checkpoint_rows`);
+1. the latest checkpoint restores (every row read: `statebackend.checkpoint.dump.checkpoint_rows`);
 2. its rows equal a pandas reference over the events of every committed run
    (count, min_ts, max_ts exact, sum isclose); a run is committed iff a
    checkpoint with its run id was committed (ledger kept from storage);
@@ -61,15 +61,20 @@ import pytest
 
 from demo.sample_data import DAY_MS, DEFAULT_START_TS_MS, expected_totals, generate_events
 from jobs import keyed_aggregation as ka
-from statebackend.checkpoints import CheckpointStore
-from statebackend.dump import checkpoint_rows
+from statebackend.checkpoint.dump import checkpoint_rows
+from statebackend.checkpoint.leases import (
+    CLAIM_PREFIX,
+    CLAIM_STALE_SECONDS,
+    LEASES_DIR,
+    list_leases,
+)
+from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import LeaseConflictError, LeaseLostError, SnapshotError
-from statebackend.gc import collect_garbage
-from statebackend.leases import CLAIM_PREFIX, CLAIM_STALE_SECONDS, LEASES_DIR, list_leases
-from statebackend.registry import SAVEPOINTS_DIR, load_savepoint
-from statebackend.rescale import rescale
-from statebackend.retention import retain
-from statebackend.savepoint import create_savepoint
+from statebackend.lifecycle.gc import collect_garbage
+from statebackend.lifecycle.registry import SAVEPOINTS_DIR, load_savepoint
+from statebackend.lifecycle.retention import retain
+from statebackend.lifecycle.savepoint import create_savepoint
+from statebackend.rescale.executor import rescale
 from statebackend.storage import Storage, open_storage
 
 JOB = "chaos"
@@ -294,7 +299,7 @@ class Chaos:
         runs = self.model.committed
         if not self.config.rerun_retired:
             # Only run ids whose checkpoint is still retained (the ledger in
-            # statebackend/runs.py remembers the others; this narrows the search).
+            # statebackend/checkpoint/runs.py remembers the others; this narrows the search).
             retained = {m.run_id for m in self.store.load_all()}
             runs = [r for r in runs if r in retained] or runs[-1:]
         return self._run_step(self.rng.choice(runs))

@@ -17,9 +17,9 @@ import pytest
 
 from demo.sample_data import DAY_MS, DEFAULT_START_TS_MS, expected_totals, generate_events
 from jobs.keyed_aggregation import JobConfig, run
-from statebackend.checkpoints import CheckpointStore
-from statebackend.dump import checkpoint_rows
-from statebackend.retention import retain
+from statebackend.checkpoint.dump import checkpoint_rows
+from statebackend.checkpoint.store import CheckpointStore
+from statebackend.lifecycle.retention import retain
 from statebackend.storage import open_storage
 from tests.chaos.harness import Chaos, ChaosConfig, compare_state
 from tests.conftest import S3_BUCKET
@@ -81,7 +81,7 @@ def test_chaos_s3(spark, tmp_path, s3_server, short_leases, chaos_report):
 
 
 def test_rerun_of_a_retired_run_is_not_counted_twice(spark, tmp_path, short_leases):
-    """Chaos finding (seed 2; fixed by the run ledger, statebackend/runs.py): run a,
+    """Chaos finding (seed 2; fixed by the run ledger, statebackend/checkpoint/runs.py): run a,
     run b, retain --keep 1, run a again: skipped, nothing counted twice."""
     storage = f"file://{tmp_path}/store"
     days = [generate_events(str(tmp_path / f"in{d}"), n_events=200, n_keys=20, seed=d,

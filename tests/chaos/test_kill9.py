@@ -27,10 +27,10 @@ from datetime import datetime
 import pytest
 
 from demo.sample_data import DAY_MS, DEFAULT_START_TS_MS, expected_totals, generate_events
-from statebackend.checkpoints import CheckpointStore
-from statebackend.dump import checkpoint_rows
-from statebackend.gc import collect_garbage
-from statebackend.leases import list_leases
+from statebackend.checkpoint.dump import checkpoint_rows
+from statebackend.checkpoint.leases import list_leases
+from statebackend.checkpoint.store import CheckpointStore
+from statebackend.lifecycle.gc import collect_garbage
 from statebackend.storage import open_storage
 from tests.chaos.harness import compare_state
 

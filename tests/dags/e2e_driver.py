@@ -44,7 +44,7 @@ def main() -> int:
 
     from statebackend.airflow.config import find_spec
     from statebackend.airflow.steps import state_totals
-    from statebackend.validate import read_report_summary
+    from statebackend.validation.validate import read_report_summary
 
     bag = DagBag(dag_folder=folder)
     spec = find_spec("clicks")

@@ -134,5 +134,5 @@ def test_submit_mode_uses_spark_submit_operator(monkeypatch):
     assert cmd[:3] == ["spark-submit", "--master", "spark://spark-master:7077"]
     assert cmd[cmd.index("--deploy-mode") + 1] == "client"
     app = cmd.index(op.application)
-    assert op.application.endswith("statebackend/job/submit.py")
+    assert op.application.endswith("statebackend/cli/submit.py")
     assert cmd[app + 1] == "jobs.keyed_aggregation:JOB"  # the configured job, then its args

@@ -6,8 +6,8 @@ import math
 
 import pandas as pd
 
-from statebackend.checkpoints import CheckpointStore
-from statebackend.dump import checkpoint_rows
+from statebackend.checkpoint.dump import checkpoint_rows
+from statebackend.checkpoint.store import CheckpointStore
 from statebackend.storage import open_storage
 
 

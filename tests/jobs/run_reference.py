@@ -9,8 +9,8 @@ import numpy as np
 import pandas as pd
 
 from demo.sample_data import expected_totals, generate_events
-from statebackend.checkpoints import CheckpointStore
-from statebackend.dump import checkpoint_rows
+from statebackend.checkpoint.dump import checkpoint_rows
+from statebackend.checkpoint.store import CheckpointStore
 from statebackend.storage import open_storage
 
 CATEGORIES = ["Books", "books", "Games", "music", "MUSIC", "food"]

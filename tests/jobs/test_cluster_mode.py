@@ -92,7 +92,7 @@ def test_cluster_with_s3_equals_local_mode(standalone_cluster, s3_server, spark,
 @pytest.mark.slow
 def test_example_job_through_submit_script_on_the_cluster(standalone_cluster, s3_server,
                                                           tmp_path):
-    """`spark-submit statebackend/job/submit.py examples.user_activity:job`: the example on
+    """`spark-submit statebackend/cli/submit.py examples.user_activity:job`: the example on
     the cluster with S3 storage, two runs and a skipped re-run, against pandas."""
     from tests.conftest import S3_BUCKET
     from tests.jobs.run_reference import (

@@ -14,9 +14,9 @@ import pytest
 
 from bench.peers.events import EventsSpec, generate_days, write_days
 from jobs import BUILTIN_JOBS
-from statebackend.checkpoints import CheckpointStore
+from statebackend.checkpoint.store import CheckpointStore
 from statebackend.job import JobRunError, RunConfig, load_job, run_job
-from statebackend.rescale import rescale
+from statebackend.rescale.executor import rescale
 from statebackend.storage import open_storage
 from tests.jobs.run_reference import final_state
 from tests.jobs.test_sessionization import run_output

@@ -21,10 +21,10 @@ from jobs.keyed_aggregation import (
     run,
     run_dir_name,
 )
-from statebackend import cli
-from statebackend.attempt import Attempt
+from statebackend.checkpoint.attempt import Attempt
+from statebackend.checkpoint.leases import acquire_writer_lease, release
+from statebackend.cli import app as cli
 from statebackend.errors import LeaseConflictError
-from statebackend.leases import acquire_writer_lease, release
 from statebackend.spark.dispatch import partition_values, spark_partition_of_int
 from tests.jobs.helpers import (
     assert_state_equals,
@@ -241,7 +241,7 @@ def test_cli_json_and_skip(tmp_path):
 
 
 def test_start_from_savepoint_seeds_a_new_job(spark, tmp_path):
-    from statebackend.savepoint import create_savepoint
+    from statebackend.lifecycle.savepoint import create_savepoint
 
     a = generate_events(str(tmp_path / "a"), n_events=600, n_keys=120, seed=12)
     b = generate_events(str(tmp_path / "b"), n_events=600, n_keys=120, seed=13)

@@ -12,8 +12,8 @@ import pandas as pd
 
 from demo.sample_data import DAY_MS, DEFAULT_START_TS_MS, expected_totals, generate_events
 from jobs import keyed_aggregation as ka
-from statebackend import cli
-from statebackend.rescale import rescale
+from statebackend.cli import app as cli
+from statebackend.rescale.executor import rescale
 from tests.jobs.helpers import assert_state_equals, dump_latest, store_of
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),

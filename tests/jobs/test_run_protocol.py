@@ -19,11 +19,11 @@ import pytest
 from examples import user_activity
 from jobs import BUILTIN_JOBS
 from jobs import keyed_aggregation as ka
-from statebackend.checkpoints import CheckpointStore
+from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import UsageError
 from statebackend.job import JobRunError, RunConfig, load_job, run_job
 from statebackend.job.run import run_dir_name
-from statebackend.rescale import rescale
+from statebackend.rescale.executor import rescale
 from statebackend.storage import open_storage
 from tests.jobs.run_reference import (
     BAD_LINES,
@@ -169,7 +169,7 @@ def test_builtin_names_and_load_job():
 
 def _ckpt(*args: str, cwd: str = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "statebackend.cli", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "statebackend.cli.app", *args], env=env,
                           capture_output=True, text=True, timeout=400, cwd=cwd)
 
 

@@ -17,10 +17,10 @@ import pytest
 from bench.peers.events import EventsSpec, generate_days, write_days
 from jobs import BUILTIN_JOBS
 from jobs import sessionization as sz
-from statebackend.checkpoints import CheckpointStore
+from statebackend.checkpoint.store import CheckpointStore
 from statebackend.job import JobRunError, RunConfig, load_job, run_job
 from statebackend.job.run import run_dir_name
-from statebackend.rescale import rescale
+from statebackend.rescale.executor import rescale
 from statebackend.storage import open_storage
 from tests.jobs.run_reference import final_state
 from tests.reference.sessions import SESSION_COLUMNS, canonical, sessionize

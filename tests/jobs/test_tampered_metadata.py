@@ -21,7 +21,7 @@ EVIL = "ckpt_tamper_probe"
 
 SCRIPT = """
 import json, sys
-from statebackend import cli
+from statebackend.cli import app as cli
 url, inp, out, dump, probe = sys.argv[1:6]
 base = ["--storage", url, "--job", "user_activity"]
 codes = {

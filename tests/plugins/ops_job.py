@@ -18,11 +18,11 @@ import json
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from statebackend.checkpoints import CheckpointStore, build_metadata
-from statebackend.keygroups import key_group_range_for_subtask
-from statebackend.leases import Lease
-from statebackend.metadata import FileRef, SubtaskHandle
-from statebackend.savepoint import create_savepoint
+from statebackend.checkpoint.leases import Lease
+from statebackend.checkpoint.metadata import FileRef, SubtaskHandle
+from statebackend.checkpoint.store import CheckpointStore, build_metadata
+from statebackend.lifecycle.savepoint import create_savepoint
+from statebackend.state.keygroups import key_group_range_for_subtask
 from statebackend.storage import open_storage
 from statebackend.validation.report import overview_html
 

@@ -14,9 +14,9 @@ from datetime import timedelta
 import pytest
 
 from statebackend.airflow.config import specs_from_config
-from statebackend.checkpoints import CheckpointStore, build_metadata
-from statebackend.keygroups import key_group_range_for_subtask
-from statebackend.metadata import FileRef, SubtaskHandle
+from statebackend.checkpoint.metadata import FileRef, SubtaskHandle
+from statebackend.checkpoint.store import CheckpointStore, build_metadata
+from statebackend.state.keygroups import key_group_range_for_subtask
 from statebackend.storage import open_storage
 
 # Airflow reads AIRFLOW_HOME once, at first import: never let it default to ~/airflow.

@@ -17,7 +17,7 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from statebackend.checkpoints import CheckpointStore
+from statebackend.checkpoint.store import CheckpointStore
 from statebackend.storage import open_storage
 
 # Airflow reads AIRFLOW_HOME once, at first import: never let it default to ~/airflow.

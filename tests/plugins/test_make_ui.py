@@ -16,7 +16,8 @@ def recipe(env: dict | None = None) -> list[str]:
     """The words of the command `make ui` runs (dry run, the venv up to date)."""
     # Under `make test` the suite inherits MAKELEVEL/MAKEFLAGS, and a nested make then
     # prints "Entering/Leaving directory" lines into the dry run's output.
-    env = {k: v for k, v in (env or os.environ).items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    env = {k: v for k, v in (env or os.environ).items()
+           if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
     res = subprocess.run(["make", "--no-print-directory", "-n", "-o", ".venv/.installed", "ui"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
     assert res.returncode == 0, res.stderr

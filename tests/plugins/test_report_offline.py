@@ -18,8 +18,8 @@ from urllib.parse import unquote, urlparse
 
 import pytest
 
-from statebackend.validate import validate_checkpoint
-from tests.statebackend.test_validate_support import build_checkpoint
+from statebackend.validation.validate import validate_checkpoint
+from tests.statebackend.validation.test_validate_support import build_checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cdp_browser import Browser  # noqa: E402

@@ -204,7 +204,7 @@ def test_rest_trigger_with_conf_runs_the_rescale(client_result, standalone):
     assert out["run_state"] == "success", out
     assert out["tasks"] == {"check_no_running_pipeline": "success", "rescale": "success",
                             "validate": "success"}
-    from statebackend.checkpoints import CheckpointStore
+    from statebackend.checkpoint.store import CheckpointStore
     from statebackend.storage import open_storage
 
     latest = CheckpointStore(open_storage(standalone["storage"]), "clicks").latest()

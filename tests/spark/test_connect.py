@@ -17,10 +17,10 @@ import pytest
 
 from demo.sample_data import generate_events
 from jobs.keyed_aggregation import JOB
-from statebackend.checkpoints import CheckpointStore
+from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import UsageError
 from statebackend.job.run import RunConfig, run_job
-from statebackend.rescale import rescale
+from statebackend.rescale.executor import rescale
 from statebackend.spark.dispatch import task_failure
 from statebackend.spark.session import get_spark
 from statebackend.storage import open_storage

@@ -11,14 +11,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from statebackend.backend import KeyedStateBackend
-from statebackend.checkpoints import CheckpointStore
-from statebackend.dump import backend_rows
-from statebackend.keygroups import key_group_for_bytes, key_group_range_for_subtask
-from statebackend.metadata import CheckpointMetadata
-from statebackend.restore import restore_subtask
-from statebackend.serialization import RecordCodec
-from statebackend.state import StateDescriptor
+from statebackend.checkpoint.dump import backend_rows
+from statebackend.checkpoint.metadata import CheckpointMetadata
+from statebackend.checkpoint.restore import restore_subtask
+from statebackend.checkpoint.store import CheckpointStore
+from statebackend.state.backend import KeyedStateBackend
+from statebackend.state.codecs import RecordCodec
+from statebackend.state.keygroups import key_group_for_bytes, key_group_range_for_subtask
+from statebackend.state.kinds import StateDescriptor
 
 
 class Average:

@@ -26,7 +26,7 @@ from statebackend.job import (
     record,
     value_state,
 )
-from statebackend.serialization import RecordCodec
+from statebackend.state.codecs import RecordCodec
 
 SCHEMA = pa.schema([("user", pa.string()), ("ts", pa.int64()), ("payload", pa.binary())])
 INPUT = Input(SCHEMA, key="user")

@@ -11,8 +11,7 @@ import pyarrow.compute as pc
 import pytest
 
 from examples import user_activity
-from statebackend.backend import KeyedStateBackend
-from statebackend.dump import backend_rows
+from statebackend.checkpoint.dump import backend_rows
 from statebackend.errors import UsageError
 from statebackend.job import (
     Input,
@@ -34,7 +33,8 @@ from statebackend.job import (
     reducing_state,
     value_state,
 )
-from statebackend.keygroups import KeyGroupRange
+from statebackend.state.backend import KeyedStateBackend
+from statebackend.state.keygroups import KeyGroupRange
 from tests.statebackend.helpers import Average
 
 M = 128

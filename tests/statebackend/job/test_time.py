@@ -10,7 +10,6 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from statebackend.backend import KeyedStateBackend
 from statebackend.errors import UsageError
 from statebackend.job import (
     Input,
@@ -24,9 +23,10 @@ from statebackend.job import (
     value_state,
 )
 from statebackend.job.core import SubtaskProcessor
-from statebackend.keygroups import KeyGroupRange
-from statebackend.timers import iter_timers
-from statebackend.ttl import StateTtl
+from statebackend.state.backend import KeyedStateBackend
+from statebackend.state.keygroups import KeyGroupRange
+from statebackend.state.timers import iter_timers
+from statebackend.state.ttl import StateTtl
 
 M = 128
 SCHEMA = pa.schema([("k", pa.string()), ("ts", pa.int64())])

@@ -1,0 +1,162 @@
+"""One attempt to write a checkpoint: upload first, then commit `_metadata` or discard.
+
+Every writer of checkpoints uses this one mechanism: a job run
+(`statebackend.job.run`), rescale-restore (`statebackend.rescale.executor`) and
+in-process checkpoints (`statebackend.checkpoint.snapshot.checkpoint_backends`)::
+
+    attempt = Attempt(store, checkpoint_id)
+    ... tasks upload; each Spark task attempt records what it uploaded
+        (`record_uploads`: chk-<id>/_attempts/<subtask>-<attempt>-<uuid>.json)
+        and the driver adds the winners' paths (`add_uploaded`) ...
+    attempt.commit(meta, winners)   # verify files + lease, exclusive _metadata,
+                                    # then drop losing task attempts' uploads
+    attempt.discard()               # or: best-effort removal of every upload
+
+Invariants:
+
+- `commit` writes through `CheckpointStore.commit`, which checks that every
+  referenced file exists with its size and that the writer lease is still held,
+  and creates `_metadata` exclusively. If that raises, the attempt is discarded
+  and the error re-raised: nothing half-committed stays behind.
+- `discard` never deletes a committed checkpoint: when `_metadata` of this id
+  exists (another writer won the id) only this attempt's own uploads go.
+- Only paths under ``shared/`` and ``chk-<id>/`` are ever deleted; what cannot
+  be deleted now (storage down) is left to `ckpt gc`, which removes orphans
+  after its grace period.
+- A crash after the commit leaves attempt records behind; `cleanup_committed`
+  (run by the skipped re-run of the same run id) finishes the cleanup.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Callable, Iterable
+
+from statebackend.checkpoint.metadata import CheckpointMetadata
+from statebackend.checkpoint.store import CheckpointStore, metadata_path
+from statebackend.errors import CkptError
+from statebackend.storage import Storage
+
+ATTEMPTS_DIR = "_attempts"
+log = logging.getLogger(__name__)
+
+
+def record_uploads(job_storage: Storage, checkpoint_id: int, subtask: int, attempt: int,
+                   uploaded: Iterable[str]) -> None:
+    """Executor side: what one task attempt uploaded, before it returns its handle."""
+    record = {"subtask": subtask, "attempt": attempt, "uploaded": list(uploaded)}
+    job_storage.write_bytes(
+        f"chk-{checkpoint_id}/{ATTEMPTS_DIR}/{subtask}-{attempt}-{uuid.uuid4().hex[:8]}.json",
+        json.dumps(record).encode())
+
+
+def attempt_records(job_storage: Storage, checkpoint_id: int) -> list[dict]:
+    """The readable attempt records of ``checkpoint_id`` (unreadable ones are skipped)."""
+    records = []
+    for info in job_storage.walk_files(f"chk-{checkpoint_id}/{ATTEMPTS_DIR}"):
+        try:
+            rec = json.loads(job_storage.read_bytes(info.path))
+        except (CkptError, ValueError):
+            continue
+        if isinstance(rec, dict):
+            records.append(rec)
+    return records
+
+
+def _recorded_paths(rec: dict) -> list[str]:
+    return [p for p in rec.get("uploaded", []) if isinstance(p, str)]
+
+
+def _ours(path: str, checkpoint_id: int) -> bool:
+    return path.startswith(("shared/", f"chk-{checkpoint_id}/"))
+
+
+class Attempt:
+    """The uploads of one attempt at checkpoint ``checkpoint_id`` of ``store``'s job.
+
+    ``on_discard``: what else the attempt wrote that must go with it (a job run's
+    output parts); called first by `discard`, never after a successful commit.
+    """
+
+    def __init__(self, store: CheckpointStore, checkpoint_id: int,
+                 on_discard: Callable[[], None] | None = None) -> None:
+        self.store = store
+        self.checkpoint_id = checkpoint_id
+        self.uploaded: set[str] = set()
+        self.on_discard = on_discard
+
+    @property
+    def storage(self) -> Storage:
+        return self.store.storage
+
+    def add_uploaded(self, paths: Iterable[str]) -> None:
+        self.uploaded.update(paths)
+
+    def commit(self, meta: CheckpointMetadata,
+               winners: Iterable[tuple[int, int]] | None = None) -> CheckpointMetadata:
+        """Verify and write `_metadata`; on failure discard and re-raise; then clean up.
+
+        ``winners``: the (subtask, task attempt) pairs whose handles ``meta`` holds;
+        uploads recorded by other task attempts (retried tasks) are removed.
+        """
+        if meta.checkpoint_id != self.checkpoint_id:
+            raise CkptError(f"attempt at checkpoint {self.checkpoint_id} cannot commit "
+                            f"checkpoint {meta.checkpoint_id}")
+        try:
+            self.store.commit(meta)
+        except BaseException:
+            self.discard()
+            raise
+        # A crash from here on leaves attempt records: `cleanup_committed` finishes.
+        self.cleanup(meta, winners)
+        return meta
+
+    def cleanup(self, meta: CheckpointMetadata,
+                winners: Iterable[tuple[int, int]] | None = None) -> None:
+        """After the commit: drop losing task attempts' uploads and the attempt records."""
+        referenced = {f.path for f in meta.files}
+        won = set(winners or ())
+        losers = {p for rec in attempt_records(self.storage, self.checkpoint_id)
+                  if (rec.get("subtask"), rec.get("attempt")) not in won
+                  for p in _recorded_paths(rec)
+                  if p not in referenced and p not in self.uploaded}
+        try:
+            self.storage.delete_many(sorted(p for p in losers if _ours(p, self.checkpoint_id)))
+            self.storage.delete_tree(f"chk-{self.checkpoint_id}/{ATTEMPTS_DIR}")
+        except CkptError as exc:
+            log.warning("cleanup after checkpoint %s incomplete (%s); `ckpt gc` removes the "
+                        "orphans later", self.checkpoint_id, exc)
+
+    def discard(self) -> bool:
+        """Best effort: remove what this attempt uploaded; True if nothing is left over."""
+        if self.on_discard is not None:
+            try:
+                self.on_discard()
+            except CkptError as exc:
+                log.warning("discard of checkpoint %s attempt: %s", self.checkpoint_id, exc)
+        paths = set(self.uploaded)
+        try:
+            for rec in attempt_records(self.storage, self.checkpoint_id):
+                paths.update(_recorded_paths(rec))
+            self.storage.delete_many(sorted(p for p in paths if _ours(p, self.checkpoint_id)))
+            if self.storage.exists(metadata_path(self.checkpoint_id)):
+                # Another writer committed this id: its checkpoint stays; ours is gone.
+                self.storage.delete_tree(f"chk-{self.checkpoint_id}/{ATTEMPTS_DIR}")
+            else:
+                # Private files of tasks whose result never came back (a lost worker);
+                # their shared uploads are orphans that GC removes after its grace period.
+                self.storage.delete_tree(f"chk-{self.checkpoint_id}")
+        except CkptError as exc:
+            log.warning("discard of checkpoint %s attempt incomplete (%s); `ckpt gc` removes "
+                        "the orphans later", self.checkpoint_id, exc)
+            return False
+        return True
+
+
+def cleanup_committed(store: CheckpointStore, meta: CheckpointMetadata) -> None:
+    """Drop the attempt records (and losing attempts' uploads) a crash left after a commit."""
+    if not attempt_records(store.storage, meta.checkpoint_id):
+        return
+    Attempt(store, meta.checkpoint_id).cleanup(meta, winners=())

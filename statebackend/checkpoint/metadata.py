@@ -1,0 +1,447 @@
+"""Checkpoint metadata: the `_metadata` commit record, as frozen dataclasses.
+
+A checkpoint exists if and only if ``<job>/chk-<id>/_metadata`` exists. It is
+written last, atomically, after every file it references has been uploaded.
+The JSON carries ``format_version``; readers refuse versions they do not know
+(naming the version), and every path in it is checked to be relative to the job
+root with no ``..``. Changes must stay backward-compatible: add optional keys
+with defaults, bump FORMAT_VERSION only for incompatible changes.
+
+Parsing is strict (`from_bytes` / `from_json`): a record that parses but makes no
+sense is refused with a MetadataError naming the file (``where``) and the broken
+invariant, because every lifecycle planner trusts it (a record with P=0 and no
+subtasks once let GC delete every file of the job). Invariants:
+
+- 1 <= parallelism P <= max_parallelism M <= 32768, and exactly P subtasks;
+- subtask indexes are 0..P-1 in order and each key-group range equals Flink's
+  formula (`keygroups.key_group_range_for_subtask`): no gap, no overlap;
+- states have unique, valid names, a known kind and a known codec;
+- sizes, bytes_uploaded and row counts are integers >= 0; checkpoint_id >= 1;
+  a parent, when set, is 1 <= parent < checkpoint_id;
+- JSON nesting is at most MAX_NESTING deep (deeper input only exists to crash
+  recursive readers with RecursionError).
+
+Layout of one record (format 1)::
+
+    {"format_version": 1, "job": "orders", "checkpoint_id": 7, "parent": 6,
+     "kind": "checkpoint" | "rescale" | "savepoint",
+     "created_at": "2026-11-21T10:00:00.123456+00:00",
+     "run_id": "...", "input": ["..."], "parallelism": 4, "max_parallelism": 128,
+     "rescaled_from": null, "source": null,
+     "states": [{"name": "totals", "kind": "value", "codec": {...}}],
+     "subtasks": [{"index": 0, "key_group_start": 0, "key_group_end": 31,
+                   "backend_id": "...", "snapshot_id": "...", "bytes_uploaded": 123,
+                   "shared_files": [{"path": "shared/<uuid>-000012.sst",
+                                     "local_name": "000012.sst", "size": 1,
+                                     "checksum": "crc32c:..."}],
+                   "private_files": [...], "row_counts": {"totals": 10}}],
+     "extra": {},
+     "watermark": 1700000000000, "processing_time": 1700003600000}
+
+``watermark`` (event time, epoch ms: max event time seen minus the allowed
+lateness, never decreasing) and ``processing_time`` (the logical time of the run
+that wrote the record, epoch ms) are optional: written only when set, absent or
+null means "none yet" (records of earlier releases load unchanged). A state may
+carry ``"ttl": {"duration_ms", "time", "update_on"}``; internal column families
+(``_timers``, ``_timer_keys``, ``_ttl``) appear in ``states`` with their kinds.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from functools import cache
+from typing import Any
+
+from statebackend.errors import CkptError, MetadataError, UnsupportedFormatVersionError
+from statebackend.state.keygroups import (
+    MAX_MAX_PARALLELISM,
+    KeyGroupRange,
+    key_group_range_for_subtask,
+)
+from statebackend.storage import safe_relpath
+
+FORMAT_VERSION = 1
+SUPPORTED_FORMAT_VERSIONS = (1,)
+CHECKPOINT_KINDS = ("checkpoint", "rescale", "savepoint")
+# The deepest record this release writes is 6 levels (states -> codec -> fields);
+# free-form parts (source, extra) get room to grow, not room to crash a reader.
+MAX_NESTING = 32
+
+
+def utc_now_iso() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+@dataclass(frozen=True)
+class FileRef:
+    """One stored file: path relative to the job root, its name in the RocksDB dir."""
+
+    path: str
+    local_name: str
+    size: int
+    checksum: str
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "local_name": self.local_name, "size": self.size,
+                "checksum": self.checksum}
+
+    @staticmethod
+    def from_json(data: Any, where: str) -> FileRef:
+        _require(isinstance(data, dict), where, "file reference is not an object")
+        path = safe_relpath(_get(data, "path", str, where), f"{where} path")
+        local_name = _get(data, "local_name", str, where)
+        _require("/" not in local_name and local_name not in ("", ".", ".."), where,
+                 f"local_name {local_name!r} must be a plain file name")
+        size = _get(data, "size", int, where)
+        _require(size >= 0, where, f"size {size} is negative")
+        return FileRef(path, local_name, size, _get(data, "checksum", str, where))
+
+
+@dataclass(frozen=True)
+class SubtaskHandle:
+    """State of one subtask in one checkpoint: the files that restore it."""
+
+    index: int
+    key_group_start: int
+    key_group_end: int
+    backend_id: str
+    snapshot_id: str
+    shared_files: tuple[FileRef, ...]
+    private_files: tuple[FileRef, ...]
+    row_counts: dict[str, int] = field(default_factory=dict)
+    bytes_uploaded: int = 0
+
+    @property
+    def key_group_range(self) -> KeyGroupRange:
+        return KeyGroupRange(self.key_group_start, self.key_group_end)
+
+    @property
+    def files(self) -> tuple[FileRef, ...]:
+        return self.shared_files + self.private_files
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_json(self) -> dict:
+        return {
+            "index": self.index,
+            "key_group_start": self.key_group_start,
+            "key_group_end": self.key_group_end,
+            "backend_id": self.backend_id,
+            "snapshot_id": self.snapshot_id,
+            "bytes_uploaded": self.bytes_uploaded,
+            "shared_files": [f.to_json() for f in self.shared_files],
+            "private_files": [f.to_json() for f in self.private_files],
+            "row_counts": dict(self.row_counts),
+        }
+
+    @staticmethod
+    def from_json(data: Any, where: str) -> SubtaskHandle:
+        _require(isinstance(data, dict), where, "subtask is not an object")
+        index = _get(data, "index", int, where)
+        w = f"{where} subtask {index}"
+        shared = _get(data, "shared_files", list, w)
+        private = _get(data, "private_files", list, w)
+        counts = data.get("row_counts", {})
+        _require(isinstance(counts, dict) and all(
+            isinstance(k, str) and _is_int(v) and v >= 0 for k, v in counts.items()), w,
+            f"row_counts {counts!r} must map state names to integers >= 0")
+        uploaded = data.get("bytes_uploaded", 0)
+        _require(_is_int(uploaded) and uploaded >= 0, w,
+                 f"bytes_uploaded {uploaded!r} must be an integer >= 0")
+        return SubtaskHandle(
+            index=index,
+            key_group_start=_get(data, "key_group_start", int, w),
+            key_group_end=_get(data, "key_group_end", int, w),
+            backend_id=_get(data, "backend_id", str, w),
+            snapshot_id=_get(data, "snapshot_id", str, w),
+            shared_files=tuple(FileRef.from_json(f, w) for f in shared),
+            private_files=tuple(FileRef.from_json(f, w) for f in private),
+            row_counts=dict(counts),
+            bytes_uploaded=uploaded,
+        )
+
+
+@dataclass(frozen=True)
+class CheckpointMetadata:
+    """The commit record of one checkpoint (or savepoint)."""
+
+    job: str
+    checkpoint_id: int
+    parent: int | None
+    parallelism: int
+    max_parallelism: int
+    states: tuple[dict, ...]
+    subtasks: tuple[SubtaskHandle, ...]
+    created_at: str = field(default_factory=utc_now_iso)
+    kind: str = "checkpoint"
+    run_id: str | None = None
+    input: tuple[str, ...] = ()
+    rescaled_from: int | None = None
+    source: dict | None = None
+    extra: dict = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+    watermark: int | None = None
+    processing_time: int | None = None
+
+    # -- derived figures ---------------------------------------------------
+    @property
+    def files(self) -> tuple[FileRef, ...]:
+        return tuple(f for s in self.subtasks for f in s.files)
+
+    @property
+    def bytes_referenced(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def bytes_uploaded(self) -> int:
+        return sum(s.bytes_uploaded for s in self.subtasks)
+
+    @property
+    def created_at_epoch(self) -> float:
+        return datetime.fromisoformat(self.created_at).timestamp()
+
+    def with_changes(self, **changes: Any) -> CheckpointMetadata:
+        return replace(self, **changes)
+
+    def summary(self) -> dict:
+        """The stable JSON shape of `ckpt show --json` / `ckpt list --json`."""
+        return {
+            "id": self.checkpoint_id,
+            "job": self.job,
+            "kind": self.kind,
+            "parent": self.parent,
+            "created_at": self.created_at,
+            "run_id": self.run_id,
+            "parallelism": self.parallelism,
+            "max_parallelism": self.max_parallelism,
+            "rescaled_from": self.rescaled_from,
+            "source": self.source,
+            "files_referenced": len(self.files),
+            "bytes_referenced": self.bytes_referenced,
+            "bytes_uploaded": self.bytes_uploaded,
+            "rows": sum(sum(s.row_counts.values()) for s in self.subtasks),
+            "watermark": self.watermark,
+            "processing_time": self.processing_time,
+            "states": [s["name"] for s in self.states],
+            "subtasks": [
+                {"index": s.index, "key_group_start": s.key_group_start,
+                 "key_group_end": s.key_group_end, "files": len(s.files),
+                 "bytes": s.size, "bytes_uploaded": s.bytes_uploaded,
+                 "rows": sum(s.row_counts.values())}
+                for s in self.subtasks
+            ],
+        }
+
+    # -- serialization -----------------------------------------------------
+    def to_json(self) -> dict:
+        out = {
+            "format_version": self.format_version,
+            "job": self.job,
+            "checkpoint_id": self.checkpoint_id,
+            "parent": self.parent,
+            "kind": self.kind,
+            "created_at": self.created_at,
+            "run_id": self.run_id,
+            "input": list(self.input),
+            "parallelism": self.parallelism,
+            "max_parallelism": self.max_parallelism,
+            "rescaled_from": self.rescaled_from,
+            "source": self.source,
+            "states": [dict(s) for s in self.states],
+            "subtasks": [s.to_json() for s in self.subtasks],
+            "extra": self.extra,
+        }
+        # optional keys only when set: a record without them reads as before
+        if self.watermark is not None:
+            out["watermark"] = self.watermark
+        if self.processing_time is not None:
+            out["processing_time"] = self.processing_time
+        return out
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.to_json(), indent=1, sort_keys=True).encode()
+
+    @staticmethod
+    def from_bytes(data: bytes, where: str) -> CheckpointMetadata:
+        """Parse and check a `_metadata` file; ``where`` names it in errors."""
+        return CheckpointMetadata.from_json(decode_json(data, where, json.loads), where)
+
+    @staticmethod
+    def from_json(obj: Any, where: str) -> CheckpointMetadata:
+        _require(isinstance(obj, dict), where, "top level is not an object")
+        version = obj.get("format_version")
+        if not _is_int(version) or version not in SUPPORTED_FORMAT_VERSIONS:
+            raise UnsupportedFormatVersionError(
+                f"metadata {where} has format version {version!r}; this tool reads "
+                f"{list(SUPPORTED_FORMAT_VERSIONS)} (upgrade the tool to read newer checkpoints)")
+        kind = obj.get("kind", "checkpoint")
+        _require(kind in CHECKPOINT_KINDS, where, f"unknown kind {kind!r}")
+        states = _get(obj, "states", list, where)
+        _require(all(isinstance(s, dict) and isinstance(s.get("name"), str) for s in states),
+                 where, "states must be objects with a name")
+        subtasks = tuple(SubtaskHandle.from_json(s, where)
+                         for s in _get(obj, "subtasks", list, where))
+        parent = obj.get("parent")
+        _require(parent is None or _is_int(parent), where, "parent must be an id or null")
+        run_id = obj.get("run_id")
+        _require(run_id is None or isinstance(run_id, str), where, "run_id must be a string")
+        inputs = obj.get("input") or []
+        _require(isinstance(inputs, list) and all(isinstance(i, str) for i in inputs), where,
+                 "input must be a list of strings")
+        source, extra = obj.get("source"), obj.get("extra") or {}
+        _require(source is None or isinstance(source, dict), where,
+                 "source must be an object or null")
+        _require(isinstance(extra, dict), where, "extra must be an object")
+        watermark, processing_time = obj.get("watermark"), obj.get("processing_time")
+        for name, value in (("watermark", watermark), ("processing_time", processing_time)):
+            _require(value is None or _is_int(value), where,
+                     f"{name} {value!r} must be an integer (epoch ms) or null")
+        _check_nesting({"states": states, "source": source, "extra": extra}, where)
+        _check_states(states, where)
+        created_at = _get(obj, "created_at", str, where)
+        try:
+            datetime.fromisoformat(created_at)
+        except ValueError as exc:
+            raise MetadataError(f"malformed metadata {where}: created_at {created_at!r}") from exc
+        meta = CheckpointMetadata(
+            job=_get(obj, "job", str, where),
+            checkpoint_id=_get(obj, "checkpoint_id", int, where),
+            parent=parent,
+            parallelism=_get(obj, "parallelism", int, where),
+            max_parallelism=_get(obj, "max_parallelism", int, where),
+            states=tuple(states),
+            subtasks=subtasks,
+            created_at=created_at,
+            kind=kind,
+            run_id=run_id,
+            input=tuple(inputs),
+            rescaled_from=obj.get("rescaled_from"),
+            source=source,
+            extra=extra,
+            format_version=version,
+            watermark=watermark,
+            processing_time=processing_time,
+        )
+        _check_ids(meta, where)
+        _check_key_groups(meta, where)
+        return meta
+
+
+def decode_json(data: bytes, where: str, loads: Any) -> Any:
+    """``loads(data)`` with every decoding failure as one MetadataError naming ``where``.
+
+    Both the stdlib and msgspec decoders recurse per nesting level: a record like
+    ``[[[[...]]]]`` 100,000 deep raises RecursionError, which no caller expects.
+    """
+    try:
+        return loads(data)
+    except RecursionError as exc:
+        raise MetadataError(
+            f"malformed metadata {where}: JSON nested too deeply (a `_metadata` is at most "
+            f"{MAX_NESTING} levels deep); the file is damaged or not a commit record") from exc
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise MetadataError(
+            f"malformed or truncated metadata {where}: not valid JSON ({exc})") from exc
+
+
+def _check_ids(meta: CheckpointMetadata, where: str) -> None:
+    cid, parent = meta.checkpoint_id, meta.parent
+    _require(cid >= 1, where, f"checkpoint_id {cid} must be at least 1")
+    _require(parent is None or 1 <= parent < cid, where,
+             f"parent {parent} must be an earlier checkpoint id (1..{cid - 1}) or null")
+    origin = meta.rescaled_from
+    _require(origin is None or (_is_int(origin) and 1 <= origin <= meta.max_parallelism),
+             where, f"rescaled_from {origin!r} must be a parallelism "
+                    f"(1..{meta.max_parallelism}) or null")
+
+
+def _check_key_groups(meta: CheckpointMetadata, where: str) -> None:
+    """1 <= P <= M <= 32768; subtasks 0..P-1 in order, ranges exactly Flink's formula."""
+    m, p = meta.max_parallelism, meta.parallelism
+    _require(1 <= m <= MAX_MAX_PARALLELISM, where,
+             f"max_parallelism {m} is out of range 1..{MAX_MAX_PARALLELISM}")
+    _require(1 <= p <= m, where, f"parallelism {p} is out of range 1..max_parallelism {m}")
+    _require(len(meta.subtasks) == p, where,
+             f"{len(meta.subtasks)} subtasks recorded for parallelism {p}")
+    for i, sub in enumerate(meta.subtasks):
+        _require(sub.index == i, where,
+                 f"subtask #{i} has index {sub.index}; indexes must be 0..{p - 1} in order")
+        want = key_group_range_for_subtask(m, p, i)
+        _require(sub.key_group_range == want, where,
+                 f"subtask {i} covers key groups [{sub.key_group_start}, {sub.key_group_end}], "
+                 f"expected [{want.start}, {want.end}] for parallelism {p} and max "
+                 f"parallelism {m} (ranges must tile [0, {m}) with no gap or overlap)")
+
+
+def _check_states(states: list, where: str) -> None:
+    """Unique valid names, known kinds and codecs: what dump/validate/rescale decode with."""
+    codec_from_json, state_kinds, internal, ttl_from_json = _state_vocabulary()
+    seen: set[str] = set()
+    for s in states:
+        name = s["name"]
+        _require(bool(name) and name != "default" and "/" not in name, where,
+                 f"state name {name!r} is not allowed")
+        _require(name not in seen, where, f"state {name!r} is declared twice")
+        seen.add(name)
+        kind = s.get("kind", "value")
+        if name in internal:
+            _require(kind == internal[name], where,
+                     f"state {name!r} is reserved for kind {internal[name]!r}, got {kind!r}")
+        else:
+            _require(kind in state_kinds, where, f"state {name!r} has unknown kind {kind!r} "
+                                                 f"(known: {', '.join(state_kinds)})")
+        _require(s.get("ttl") is None or name not in internal, where,
+                 f"state {name!r} is internal and cannot have a TTL")
+        try:
+            codec_from_json(s.get("codec", {"type": "json"}))
+            if s.get("ttl") is not None:
+                ttl_from_json(s["ttl"])
+        except CkptError as exc:  # SerializationError, or UsageError from RecordCodec
+            raise MetadataError(f"malformed metadata {where}: state {name!r}: {exc}") from exc
+
+
+@cache
+def _state_vocabulary() -> tuple[Any, tuple[str, ...], dict[str, str], Any]:
+    # lazy: state and serialization pull in rocksdict and numpy, which a CLI start
+    # or a DAG parse that never reads metadata should not pay for
+    from statebackend.state.codecs import codec_from_json
+    from statebackend.state.kinds import INTERNAL_STATES, STATE_KINDS
+    from statebackend.state.ttl import StateTtl
+
+    return codec_from_json, STATE_KINDS, INTERNAL_STATES, StateTtl.from_json
+
+
+def _check_nesting(value: dict | list, where: str) -> None:
+    """Refuse JSON deeper than MAX_NESTING (level by level: must not recurse itself)."""
+    level = [value]
+    for _ in range(MAX_NESTING):
+        level = [child for item in level
+                 for child in (item.values() if isinstance(item, dict) else item)
+                 if isinstance(child, dict | list)]
+        if not level:
+            return
+    raise MetadataError(f"malformed metadata {where}: JSON nested more than {MAX_NESTING} "
+                        "levels deep")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _require(condition: bool, where: str, message: str) -> None:
+    if not condition:
+        raise MetadataError(f"malformed metadata {where}: {message}")
+
+
+def _get(obj: dict, key: str, typ: type, where: str) -> Any:
+    if key not in obj:
+        raise MetadataError(f"malformed metadata {where}: missing key {key!r}")
+    value = obj[key]
+    if typ is int and isinstance(value, bool) or not isinstance(value, typ):
+        raise MetadataError(
+            f"malformed metadata {where}: {key!r} should be {typ.__name__}, got {value!r}")
+    return value

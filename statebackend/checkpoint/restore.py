@@ -1,0 +1,253 @@
+"""Restore one subtask without rescale, preferring local recovery.
+
+Three named cases, cheapest first:
+
+1. ``local-instance``: the working instance in ``local_dir`` was closed clean right
+   after the snapshot this handle records (instance.json says so) -> open it as is;
+2. ``local-snapshot``: ``snapshots/<snapshot_id>`` is still on disk with the handle's
+   files and sizes -> hard-link it into a fresh working instance;
+3. ``download``: fetch every file of the handle in parallel into a temp folder,
+   check size and checksum, then move it into place and open it.
+
+Downloads land in a temp folder removed in ``finally``; parallel failures are
+reported as one error listing the distinct causes. Restore is two-phase
+(download everything, then open) so a half-downloaded instance is never opened.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from statebackend.checkpoint.metadata import FileRef, SubtaskHandle
+from statebackend.errors import StorageError
+from statebackend.state.backend import (
+    DB_DIR,
+    SNAPSHOTS_DIR,
+    KeyedStateBackend,
+    read_instance_marker,
+)
+from statebackend.state.keygroups import KeyGroupRange
+from statebackend.state.kinds import StateDescriptor
+from statebackend.storage import Storage, checksum_algorithm, checksum_of_bytes
+
+DOWNLOAD_THREADS = 4
+
+
+def download_files(job_storage: Storage, files: Sequence[FileRef], target_dir: str,
+                   verify: bool = True, threads: int = DOWNLOAD_THREADS) -> None:
+    """Download ``files`` into ``target_dir`` under their local names; check them."""
+    os.makedirs(target_dir, exist_ok=True)
+
+    def fetch(ref: FileRef) -> None:
+        size, checksum = job_storage.get_file(ref.path, os.path.join(target_dir, ref.local_name),
+                                              checksum_algorithm(ref.checksum))
+        if verify and (size != ref.size or checksum != ref.checksum):
+            raise StorageError(
+                f"{ref.path}: downloaded {size} bytes with {checksum}, metadata records "
+                f"{ref.size} bytes with {ref.checksum} (file corrupted or replaced)")
+
+    errors = []
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        for fut in [pool.submit(fetch, f) for f in files]:
+            try:
+                fut.result()
+            except Exception as exc:  # noqa: BLE001 - collected below
+                errors.append(exc)
+    if errors:
+        causes = sorted({str(e) for e in errors})
+        raise StorageError(f"restore failed for {len(errors)} of {len(files)} files: "
+                           + "; ".join(causes[:5]))
+
+
+@dataclass(frozen=True)
+class ReuseCheck:
+    """How local recovery checks the stored copies of the shared files it will reference.
+
+    A local restore reads nothing from storage, yet the next checkpoint references the
+    handle's shared files again instead of uploading them. So before reuse: one size
+    probe per shared file (metadata only, in parallel) and a full checksum read of a
+    bounded random sample (``checksum_sample`` files; all with ``checksum_all``).
+    """
+
+    sizes: bool = True
+    checksum_sample: int = 2
+    checksum_all: bool = False
+    threads: int = 8
+
+
+DEFAULT_REUSE_CHECK = ReuseCheck()
+
+
+@dataclass(frozen=True)
+class ReuseReport:
+    """What `verify_reused_files` checked and which stored files it refused to reuse."""
+
+    sizes_checked: int = 0
+    checksums_checked: int = 0
+    damaged: tuple[str, ...] = ()  # "path: reason" per stored file not reused
+
+
+def restore_subtask(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
+                    descriptors: Sequence[StateDescriptor], max_parallelism: int,
+                    read_only: bool = False, allow_local: bool = True,
+                    label: str | None = None,
+                    reuse_check: ReuseCheck | None = DEFAULT_REUSE_CHECK) -> KeyedStateBackend:
+    """Open the state of ``handle`` in ``local_dir`` (created or replaced).
+
+    After a local restore (not read-only), the stored shared files are checked with
+    ``reuse_check`` (None: not checked); see `verify_reused_files`.
+    """
+    local_dir = os.path.abspath(local_dir)
+    kg_range = KeyGroupRange(handle.key_group_start, handle.key_group_end)
+    marker = read_instance_marker(local_dir) if allow_local else None
+    db_path = os.path.join(local_dir, DB_DIR)
+    if marker and marker.get("clean_snapshot_id") == handle.snapshot_id \
+            and os.path.isdir(db_path):
+        mode = "local-instance"
+    else:
+        local_snapshot = os.path.join(local_dir, SNAPSHOTS_DIR, handle.snapshot_id)
+        staging = os.path.join(local_dir, f".restore-{uuid.uuid4().hex}")
+        try:
+            if allow_local and _matches(local_snapshot, handle.files):
+                mode = "local-snapshot"
+                os.makedirs(staging)
+                for ref in handle.files:
+                    _link_or_copy(os.path.join(local_snapshot, ref.local_name),
+                                  os.path.join(staging, ref.local_name))
+            else:
+                mode = "download"
+                download_files(job_storage, handle.files, staging)
+            shutil.rmtree(db_path, ignore_errors=True)
+            os.replace(staging, db_path)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    report = ReuseReport()
+    if mode != "download" and not read_only and reuse_check is not None:
+        report = verify_reused_files(job_storage, handle, local_dir, reuse_check)
+    backend = KeyedStateBackend(local_dir, descriptors, max_parallelism, kg_range,
+                                backend_id=handle.backend_id, read_only=read_only, label=label)
+    bad = {d.split(": ", 1)[0] for d in report.damaged}
+    # A damaged stored file is not referenced again: the next snapshot uploads the
+    # (verified) local copy under a new shared name.
+    backend.uploaded = {f.local_name: f for f in handle.shared_files if f.path not in bad}
+    backend.reuploaded = tuple(sorted(bad))
+    backend.reuse_report = report
+    backend.file_paths = {f.local_name: f.path for f in handle.files}
+    backend.restore_mode = mode
+    backend._last_snapshot_id = handle.snapshot_id
+    return backend
+
+
+def verify_reused_files(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
+                        check: ReuseCheck = DEFAULT_REUSE_CHECK) -> ReuseReport:
+    """Check the stored shared files of ``handle`` before a local restore reuses them.
+
+    Returns the stored files found missing, truncated or with a wrong checksum. Each of
+    them must have a good local copy (the recorded checksum over the local bytes) or no
+    local copy at all (compacted away: never referenced again); otherwise raises
+    StorageError, since neither copy can be trusted.
+    """
+    refs = list(handle.shared_files)
+    if check.checksum_all:
+        sampled = {f.path for f in refs}
+    else:
+        k = min(len(refs), max(0, check.checksum_sample))
+        sampled = {f.path for f in random.sample(refs, k)}
+
+    def probe(ref: FileRef) -> str | None:
+        if ref.path in sampled:
+            try:
+                size, checksum = job_storage.checksum(ref.path, checksum_algorithm(ref.checksum))
+            except StorageError as exc:
+                if isinstance(exc.__cause__, FileNotFoundError):
+                    return "missing"
+                raise
+            if size != ref.size or checksum != ref.checksum:
+                return (f"{size} bytes with {checksum}, recorded {ref.size} bytes with "
+                        f"{ref.checksum}")
+            return None
+        if not check.sizes:
+            return None
+        info = job_storage.info(ref.path)
+        if info is None:
+            return "missing"
+        return None if info.size == ref.size else f"{info.size} bytes, recorded {ref.size}"
+
+    with ThreadPoolExecutor(max_workers=max(1, check.threads)) as pool:
+        findings = list(pool.map(probe, refs))
+    damaged = [(ref, why) for ref, why in zip(refs, findings, strict=True) if why]
+    for ref, why in damaged:
+        _require_good_local_copy(ref, why, local_dir, handle.snapshot_id)
+    return ReuseReport(sizes_checked=len(refs) if check.sizes else len(sampled),
+                       checksums_checked=len(sampled),
+                       damaged=tuple(f"{ref.path}: {why}" for ref, why in damaged))
+
+
+def _require_good_local_copy(ref: FileRef, why: str, local_dir: str, snapshot_id: str) -> None:
+    for path in (os.path.join(local_dir, DB_DIR, ref.local_name),
+                 os.path.join(local_dir, SNAPSHOTS_DIR, snapshot_id, ref.local_name)):
+        if not os.path.exists(path):
+            continue
+        size, checksum = _local_checksum(path, checksum_algorithm(ref.checksum))
+        if size == ref.size and checksum == ref.checksum:
+            return
+        raise StorageError(
+            f"{ref.path} is damaged in storage ({why}) and its local copy {path} is damaged "
+            f"too ({size} bytes, recorded {ref.size} bytes with {ref.checksum}): neither can "
+            f"be trusted; restore from an earlier checkpoint or savepoint (`ckpt list`)")
+
+
+def _matches(directory: str, files: Sequence[FileRef]) -> bool:
+    try:
+        return all(os.path.getsize(os.path.join(directory, f.local_name)) == f.size for f in files)
+    except OSError:
+        return False
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    # SSTs are immutable: a hard link is safe; MANIFEST etc. are copied because
+    # RocksDB appends to the MANIFEST of an open instance.
+    if src.endswith(".sst"):
+        try:
+            os.link(src, dst)
+            return
+        except OSError:
+            pass
+    shutil.copyfile(src, dst)
+
+
+@contextmanager
+def restored_readonly(job_storage: Storage, handle: SubtaskHandle,
+                      descriptors: Sequence[StateDescriptor], max_parallelism: int,
+                      work_dir: str | None = None, label: str | None = None
+                      ) -> Iterator[KeyedStateBackend]:
+    """Download one subtask into a temp folder and open it read-only (removed after)."""
+    tmp = tempfile.mkdtemp(prefix=f"ckpt-read-{handle.index}-", dir=work_dir)
+    backend = None
+    try:
+        backend = restore_subtask(job_storage, handle, tmp, descriptors, max_parallelism,
+                                  read_only=True, allow_local=False, label=label)
+        yield backend
+    finally:
+        if backend is not None:
+            backend.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _local_checksum(path: str, algorithm: str) -> tuple[int, str]:
+    """(size, checksum) of a local file, read through a memory map (no copy in memory)."""
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size == 0:
+            return 0, checksum_of_bytes(b"", algorithm)
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            return size, checksum_of_bytes(view, algorithm)

@@ -1,0 +1,189 @@
+"""Incremental snapshot, asynchronous part: upload a local snapshot, build its handle.
+
+Order of a checkpoint (upload first, commit last):
+
+1. synchronous part (`KeyedStateBackend.take_local_snapshot`): flush every column
+   family, RocksDB native checkpoint into ``snapshots/<snapshot_id>`` (hard links);
+   the instance may take new writes as soon as this returns;
+2. asynchronous part (here, `start_upload` / `upload_snapshot`): every SST that a
+   committed checkpoint of this lineage already holds (``backend.uploaded``, keyed
+   by RocksDB's file name, which RocksDB never reuses within an instance) is
+   *referenced*; the other SSTs go to ``shared/<uuid>-<name>`` and the small
+   files (MANIFEST, CURRENT, OPTIONS ...) to ``chk-<id>/<subtask>/<snapshot_id>/``,
+   in parallel, with a CRC32 taken on the bytes sent;
+3. the driver writes ``chk-<id>/_metadata`` once every subtask has a handle
+   (`statebackend.checkpoint.attempt.Attempt.commit`, the one commit-or-discard of every
+   checkpoint writer).
+
+Only files of *committed* checkpoints are ever referenced: a file uploaded by an
+attempt that never committed may be deleted at any time by its own cleanup or
+by GC, so referencing it would risk data loss (Flink FLINK-8754-style bug).
+A failed upload deletes what this attempt uploaded (best effort) and raises
+SnapshotError listing the distinct causes; nothing is committed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from statebackend.checkpoint.attempt import Attempt
+from statebackend.checkpoint.metadata import CheckpointMetadata, FileRef, SubtaskHandle
+from statebackend.checkpoint.store import CheckpointStore, build_metadata
+from statebackend.errors import SnapshotError, UsageError
+from statebackend.state.backend import KeyedStateBackend, LocalSnapshot
+from statebackend.storage import Storage
+
+UPLOAD_THREADS = 4
+
+
+@dataclass(frozen=True)
+class SnapshotResult:
+    """A subtask's handle plus what this attempt uploaded (for cleanup on abort)."""
+
+    handle: SubtaskHandle
+    uploaded_paths: tuple[str, ...]
+    upload_seconds: float
+    files_reused: int
+
+
+def private_dir(checkpoint_id: int, subtask: int, snapshot_id: str) -> str:
+    return f"chk-{checkpoint_id}/{subtask}/{snapshot_id}"
+
+
+def upload_snapshot(job_storage: Storage, snapshot: LocalSnapshot, *, checkpoint_id: int,
+                    subtask: int, backend: KeyedStateBackend,
+                    threads: int = UPLOAD_THREADS) -> SnapshotResult:
+    """Upload the new files of ``snapshot``; return its handle. Commits nothing."""
+    started = time.perf_counter()
+    reused: list[FileRef] = []
+    to_upload: list[tuple[str, str, bool]] = []  # (local name, remote path, shared)
+    for name, size in snapshot.files:
+        known = backend.uploaded.get(name)
+        if name.endswith(".sst") and known is not None and known.size == size:
+            reused.append(known)
+        elif name.endswith(".sst"):
+            to_upload.append((name, f"shared/{uuid.uuid4().hex}-{name}", True))
+        else:
+            prefix = private_dir(checkpoint_id, subtask, snapshot.snapshot_id)
+            to_upload.append((name, f"{prefix}/{name}", False))
+
+    done: list[tuple[FileRef, bool]] = []
+    errors: list[BaseException] = []
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        futures = {
+            pool.submit(job_storage.put_file, os.path.join(snapshot.path, name), remote):
+                (name, remote, shared)
+            for name, remote, shared in to_upload
+        }
+        for fut, (name, remote, shared) in futures.items():
+            try:
+                size, checksum = fut.result()
+                done.append((FileRef(remote, name, size, checksum), shared))
+            except BaseException as exc:  # noqa: BLE001 - collected and re-raised below
+                errors.append(exc)
+    uploaded_paths = tuple(ref.path for ref, _ in done)
+    if errors:
+        # Every path this attempt wrote to, not only the finished ones: a transfer
+        # that broke half-way can leave a partial object behind.
+        job_storage.delete_many(remote for _, remote, _ in to_upload)
+        causes = sorted({f"{type(e).__name__}: {e}" for e in errors})
+        raise SnapshotError(
+            f"snapshot of subtask {subtask} for checkpoint {checkpoint_id} failed; "
+            f"removed {len(uploaded_paths)} uploaded files; causes: {'; '.join(causes)}"
+        ) from errors[0]
+    shared_new = [ref for ref, shared in done if shared]
+    private = [ref for ref, shared in done if not shared]
+    r = backend.key_group_range
+    handle = SubtaskHandle(
+        index=subtask,
+        key_group_start=r.start,
+        key_group_end=r.end,
+        backend_id=backend.backend_id,
+        snapshot_id=snapshot.snapshot_id,
+        shared_files=tuple(sorted(reused + shared_new, key=lambda f: f.local_name)),
+        private_files=tuple(sorted(private, key=lambda f: f.local_name)),
+        row_counts=dict(snapshot.row_counts),
+        bytes_uploaded=sum(ref.size for ref, _ in done),
+    )
+    return SnapshotResult(handle, uploaded_paths, time.perf_counter() - started, len(reused))
+
+
+class PendingSnapshot:
+    """The asynchronous part running in the background; `result()` waits for it."""
+
+    def __init__(self, future: Future, executor: ThreadPoolExecutor,
+                 local: LocalSnapshot) -> None:
+        self._future = future
+        self._executor = executor
+        self.local = local
+
+    def result(self) -> SnapshotResult:
+        try:
+            return self._future.result()
+        finally:
+            self._executor.shutdown(wait=False)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+
+def snapshot(backend: KeyedStateBackend, job_storage: Storage, *, checkpoint_id: int,
+             subtask: int, count_rows: bool = True) -> PendingSnapshot:
+    """Synchronous part now, upload in the background; writes may continue at once."""
+    local = backend.take_local_snapshot(count_rows=count_rows)
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-upload")
+    future = executor.submit(upload_snapshot, job_storage, local, checkpoint_id=checkpoint_id,
+                             subtask=subtask, backend=backend)
+    return PendingSnapshot(future, executor, local)
+
+
+def discard_uploads(job_storage: Storage, results: list[SnapshotResult]) -> None:
+    """Best-effort removal of what aborted attempts uploaded (never shared reuse)."""
+    job_storage.delete_many(p for r in results for p in r.uploaded_paths)
+
+
+def checkpoint_backends(store: CheckpointStore, backends: Sequence[KeyedStateBackend], *,
+                        parent: int | None, run_id: str | None = None,
+                        inputs: Sequence[str] = (), extra: dict | None = None,
+                        checkpoint_id: int | None = None) -> CheckpointMetadata:
+    """Checkpoint in-process backends (subtask i = backends[i]) and commit.
+
+    The driver-side loop of a checkpoint for code that holds every backend in
+    one process (library users, the demo, tests); the Spark job does the same
+    across executors.
+    """
+    if not backends:
+        raise UsageError("checkpoint_backends needs at least one backend")
+    cid = checkpoint_id if checkpoint_id is not None else store.next_checkpoint_id()
+    pending = [snapshot(b, store.storage, checkpoint_id=cid, subtask=i)
+               for i, b in enumerate(backends)]
+    results, errors = [], []
+    attempt = Attempt(store, cid)
+    for p in pending:
+        try:
+            results.append(p.result())
+            attempt.add_uploaded(results[-1].uploaded_paths)
+        except Exception as exc:  # noqa: BLE001 - wait for every subtask, then clean up
+            errors.append(exc)
+    first = backends[0]
+    if errors:
+        attempt.discard()
+        raise errors[0]
+    try:
+        meta = build_metadata(
+            job=store.job, checkpoint_id=cid, parent=parent,
+            max_parallelism=first.max_parallelism,
+            states=[d.to_json() for d in first.descriptors.values()],
+            handles=[r.handle for r in results], run_id=run_id, inputs=inputs, extra=extra)
+    except BaseException:
+        attempt.discard()
+        raise
+    attempt.commit(meta)  # verify, exclusive _metadata; discards the attempt on failure
+    for backend, result in zip(backends, results, strict=True):
+        backend.notify_checkpoint_complete(result.handle)
+    return meta

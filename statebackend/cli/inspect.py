@@ -1,0 +1,118 @@
+"""``ckpt list | show | dump``: read-only commands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import UTC, datetime
+
+from statebackend.checkpoint.dump import (
+    DUMP_FORMATS,
+    STDOUT,
+    check_dump_target,
+    checkpoint_rows,
+    write_dump,
+)
+from statebackend.checkpoint.metadata import CheckpointMetadata
+from statebackend.checkpoint.store import CheckpointStore
+from statebackend.cli.app import age_of, emit_json, human_bytes, json_flag
+from statebackend.progress import Progress
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("list", parents=[json_flag()], help="list committed checkpoints",
+                       description="List the committed checkpoints of a job, oldest first.")
+    p.set_defaults(handler=cmd_list)
+
+    p = sub.add_parser("show", parents=[json_flag()], help="show one checkpoint",
+                       description="Show one checkpoint's metadata summary. With --json the "
+                                   "object documented in the README (id, parent, created_at, "
+                                   "parallelism, max_parallelism, files_referenced, "
+                                   "bytes_referenced, bytes_uploaded, subtasks ...).")
+    p.add_argument("checkpoint", nargs="?", default="latest", help="ID, chk-ID or latest")
+    p.set_defaults(handler=cmd_show)
+
+    p = sub.add_parser("dump", help="write every state entry as rows",
+                       description="Restore a checkpoint read-only into a temp folder and write "
+                                   "each state entry as a row: state, key, user_key, value, "
+                                   "key_group, subtask.")
+    p.add_argument("checkpoint", nargs="?", default="latest", help="ID, chk-ID or latest")
+    p.add_argument("--out", required=True,
+                   help="output file, or - for stdout (jsonl only; the row count then goes "
+                        "to stderr)")
+    p.add_argument("--format", choices=DUMP_FORMATS, default="jsonl")
+    p.set_defaults(handler=cmd_dump)
+
+
+def describe(meta: CheckpointMetadata) -> str:
+    what = meta.kind
+    if meta.rescaled_from is not None:
+        what = f"rescaled from {meta.rescaled_from} to {meta.parallelism}"
+    return what
+
+
+def epoch_ms(value: int | None) -> str:
+    """``1700000000000 (2023-11-14T22:13:20+00:00)``, or ``-`` when not set."""
+    if value is None:
+        return "-"
+    try:
+        when = datetime.fromtimestamp(value / 1000, UTC).isoformat(timespec="milliseconds")
+    except (OverflowError, OSError, ValueError):  # outside what datetime can show
+        return str(value)
+    return f"{value} ({when})"
+
+
+def cmd_list(args: argparse.Namespace, store: CheckpointStore) -> int:
+    store.require_job()
+    metas = store.load_all()
+    if args.json:
+        emit_json([m.summary() for m in metas])
+        return 0
+    print(f"{'id':>6}  {'parent':>6}  {'created':>12}  {'P':>3}/{'M':<4}  {'files':>6}  "
+          f"{'size':>10}  {'uploaded':>10}  run_id (kind)")
+    for m in metas:
+        print(f"{m.checkpoint_id:>6}  {m.parent if m.parent is not None else '-':>6}  "
+              f"{age_of(m.created_at):>12}  {m.parallelism:>3}/{m.max_parallelism:<4}  "
+              f"{len(m.files):>6}  {human_bytes(m.bytes_referenced):>10}  "
+              f"{human_bytes(m.bytes_uploaded):>10}  {m.run_id or '-'} ({describe(m)})")
+    if not metas:
+        print("(no committed checkpoints)")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace, store: CheckpointStore) -> int:
+    meta = store.resolve(args.checkpoint)
+    if args.json:
+        emit_json(meta.summary())
+        return 0
+    s = meta.summary()
+    shown = dict(s, created_at=f"{meta.created_at} ({age_of(meta.created_at)})",
+                 bytes_referenced=human_bytes(s["bytes_referenced"]),
+                 bytes_uploaded=human_bytes(s["bytes_uploaded"]))
+    print(f"checkpoint {meta.checkpoint_id} of job {meta.job} ({describe(meta)})")
+    for key in ("parent", "created_at", "run_id", "parallelism", "max_parallelism",
+                "files_referenced", "bytes_referenced", "bytes_uploaded", "rows", "states"):
+        print(f"  {key:17} {shown[key]}")
+    for key in ("watermark", "processing_time"):
+        print(f"  {key:17} {epoch_ms(s[key])}")
+    if meta.source:
+        print(f"  {'source':17} {meta.source}")
+    print("  subtasks:")
+    for st in s["subtasks"]:
+        print(f"    {st['index']:>3}  key groups [{st['key_group_start']}, {st['key_group_end']}]  "
+              f"{st['files']} files  {human_bytes(st['bytes'])}  {st['rows']} rows")
+    return 0
+
+
+def cmd_dump(args: argparse.Namespace, store: CheckpointStore) -> int:
+    check_dump_target(args.out, args.format)  # refuse before restoring anything
+    meta = store.resolve(args.checkpoint)
+    with Progress("dump") as progress:
+        progress.phase(f"checkpoint {meta.checkpoint_id}", total=meta.summary()["rows"],
+                       unit="rows")
+        count = write_dump(progress.wrap(checkpoint_rows(store, meta)), args.out, args.format)
+    where = "stdout" if args.out == STDOUT else args.out
+    # with --out - stdout carries the rows: the report goes to stderr
+    print(f"wrote {count} rows of checkpoint {meta.checkpoint_id} to {where}",
+          file=sys.stderr if args.out == STDOUT else sys.stdout)
+    return 0

@@ -1,0 +1,366 @@
+"""Compaction-aware garbage collection of one job's ``shared/`` and ``chk-*/`` files.
+
+Rule: a file dies only when no committed checkpoint, no savepoint and no live
+lease references it (an *orphan*), and only once it is older than the grace
+period (default 1 h) by *storage* mtime. Files that retired checkpoints
+released are deleted by retention itself (retention.py), without a grace
+period: they were committed, so no attempt can still be uploading them.
+Committed ``_metadata`` files are never collected here (retention retires
+checkpoints); ``savepoints/``, ``leases/``, ``reports/`` and anything outside
+``shared/`` and ``chk-<id>/`` are never touched. GC never looks outside its own
+job root, so it cannot harm another job, and another job's GC cannot harm
+state this job imported (imports copy, see savepoint.py).
+
+Classification of each listed file in scope (reasons appear in the report):
+
+- ``referenced``          listed by a committed checkpoint or savepoint: keep
+- ``commit-record``       ``chk-<id>/_metadata`` of a committed checkpoint: keep
+- ``orphan-leased``       orphan inside ``chk-<id>/`` of an id a live lease names: keep
+- ``orphan-writer-active`` while a writer lease is live: orphan inside a ``chk-<id>/``
+                          above the newest committed id (the writer's attempt
+                          folder), or written after the lease was taken: keep
+- ``orphan-no-mtime``     orphan whose age the storage cannot tell: keep
+- ``orphan-pending``      orphan younger than the grace period: keep
+- ``orphan-shared``       expired orphan under ``shared/``: delete
+- ``orphan-uncommitted``  expired file of a ``chk-<id>/`` that never committed: delete
+- ``orphan-unreferenced`` expired file in a committed ``chk-<id>/`` that its
+                          ``_metadata`` does not list (an overlapping attempt): delete
+
+Failure scenarios this design handles (numbered; tests name them):
+
+1. *Upload in progress.* An attempt is still uploading while GC runs: its files
+   are listed but no `_metadata` references them yet. They are younger than
+   the grace period, so they stay (``orphan-pending``); with a live writer lease
+   they stay whatever the grace (``orphan-writer-active``), so ``--grace-seconds
+   0`` is safe while the job runs. The writer renews its lease (leases.py), so a
+   run longer than the lease TTL stays protected (issue 10, defect 2).
+2. *Commit between listing and reading.* The registry lists files *first* and
+   reads metadata *after* (registry.py): a checkpoint committed in between is
+   read, so its files are ``referenced``. The reverse order would see its files
+   but not its metadata and call them orphans.
+3. *Commit after reading, before deleting.* Its new files are young (scenario 1);
+   the files it reuses belong to its base checkpoint, which is the newest
+   committed one (retention keeps at least one) or is held by the writer's
+   lease. And the executor re-reads the committed ids just before deleting and
+   spares every file a checkpoint committed since planning references.
+4. *Aborted attempt whose files a later checkpoint references* (Flink lost
+   data this way when discarding an aborted checkpoint deleted shared state).
+   Classification is by reference first: where a file was uploaded and which
+   attempt uploaded it never matter, and aborts never delete shared files
+   another checkpoint lists.
+5. *Two overlapping attempts with the same id.* `_metadata` is created
+   exclusively, so the second commit fails; its files sit in ``chk-<id>/`` of a
+   committed checkpoint but are not listed by it (``orphan-unreferenced``) and
+   go after the grace period; the committed checkpoint's files are
+   ``referenced`` and stay.
+6. *Interrupted retention.* `_metadata` is deleted before the files, so a crash
+   leaves unreferenced, old files: ordinary orphans, collected here.
+7. *Malformed metadata or lease.* The registry raises MetadataError and
+   nothing is planned: an unreadable checkpoint could reference any file.
+8. *Clock skew.* Ages use the storage's mtime against ``now``; a writer lease's
+   ``created_at`` comes from the writer's clock, so it is compared with
+   ``WRITER_SKEW_SECONDS`` of slack.
+9. *Reader without a lease.* A restore, rescale or validation must hold a lease
+   on what it reads (leases.py); one that does not may see its checkpoint
+   retired and then fails loudly (missing file or checksum), never silently.
+10. *Lease taken after planning.* A writer or hold lease taken between planning
+    and deleting: the executor re-reads the live leases and spares every planned
+    deletion such a lease protects (same rules as planning).
+11. *Stale or tampered registry index.* An index entry is used only while the
+    listed `_metadata` keeps its size and mtime, and when a plan with deletions
+    used any, the executor reads the real `_metadata` of those checkpoints
+    (`registry.referenced_by_records`) and spares every file they list.
+
+`plan_gc` is pure; `execute_gc` deletes best effort (batched on S3) after the
+re-checks of scenarios 3 and 10; `collect_garbage` = registry + plan + execute.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+
+from statebackend.checkpoint.leases import WRITER_LEASE, Lease
+from statebackend.checkpoint.store import CheckpointStore
+from statebackend.errors import CheckpointNotFoundError, UsageError
+from statebackend.lifecycle.registry import (
+    Registry,
+    as_datetime,
+    build_registry,
+    chk_id_of,
+    committed_ids,
+    in_gc_scope,
+    is_commit_record,
+    read_live_leases,
+    referenced_by_records,
+)
+from statebackend.lifecycle.retention import prune_empty_dirs
+
+DEFAULT_GRACE_SECONDS = 3600.0
+WRITER_SKEW_SECONDS = 300.0
+LIST_CAP = 50
+
+KEEP_REFERENCED = "referenced"
+KEEP_COMMIT_RECORD = "commit-record"
+KEEP_LEASED = "orphan-leased"
+KEEP_WRITER_ACTIVE = "orphan-writer-active"
+KEEP_NO_MTIME = "orphan-no-mtime"
+KEEP_PENDING = "orphan-pending"
+DEL_SHARED = "orphan-shared"
+DEL_UNCOMMITTED = "orphan-uncommitted"
+DEL_UNREFERENCED = "orphan-unreferenced"
+ORPHAN_KEEP_REASONS = (KEEP_LEASED, KEEP_WRITER_ACTIVE, KEEP_NO_MTIME, KEEP_PENDING)
+
+
+@dataclass(frozen=True)
+class GcFile:
+    path: str
+    size: int
+    age_seconds: float | None
+    reason: str
+    mtime: float | None = None  # storage mtime, for the executor's lease re-check
+
+    def to_json(self) -> dict:
+        age = None if self.age_seconds is None else round(self.age_seconds, 3)
+        return {"path": self.path, "size": self.size, "age_seconds": age, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class GcPlan:
+    """Deletions and pending orphans file by file; kept referenced files by path only
+    (there are as many as the job has live files)."""
+
+    job: str
+    grace_seconds: float
+    deletions: tuple[GcFile, ...]
+    pending: tuple[GcFile, ...]          # orphans kept for now (grace, lease, writer, no mtime)
+    referenced: tuple[str, ...]          # kept: listed by a checkpoint or savepoint
+    commit_records: tuple[str, ...]      # kept: _metadata of committed checkpoints
+    referenced_bytes: int = 0
+    commit_record_bytes: int = 0
+    indexed_ids: tuple[int, ...] = ()    # planned from the registry index: re-checked
+
+    @property
+    def bytes_to_delete(self) -> int:
+        return sum(f.size for f in self.deletions)
+
+    @property
+    def files_kept(self) -> int:
+        return len(self.pending) + len(self.referenced) + len(self.commit_records)
+
+    @property
+    def bytes_kept(self) -> int:
+        return (sum(f.size for f in self.pending) + self.referenced_bytes
+                + self.commit_record_bytes)
+
+    def by_reason(self, deleted: set[str] | None = None) -> dict[str, dict]:
+        """{reason: {action, files, bytes}}; with ``deleted``, deletions actually done."""
+        out = {KEEP_REFERENCED: {"action": "keep", "files": len(self.referenced),
+                                 "bytes": self.referenced_bytes},
+               KEEP_COMMIT_RECORD: {"action": "keep", "files": len(self.commit_records),
+                                    "bytes": self.commit_record_bytes}}
+        for f in self.pending:
+            slot = out.setdefault(f.reason, {"action": "keep", "files": 0, "bytes": 0})
+            slot["files"] += 1
+            slot["bytes"] += f.size
+        for f in self.deletions:
+            slot = out.setdefault(f.reason, {"action": "delete", "files": 0, "bytes": 0})
+            if deleted is None or f.path in deleted:
+                slot["files"] += 1
+                slot["bytes"] += f.size
+        return out
+
+    def to_json(self) -> dict:
+        return {
+            "job": self.job, "grace_seconds": self.grace_seconds,
+            "files_to_delete": len(self.deletions), "bytes_to_delete": self.bytes_to_delete,
+            "files_kept": self.files_kept, "bytes_kept": self.bytes_kept,
+            "orphans_pending": len(self.pending),
+            "by_reason": self.by_reason(),
+            "deletions": [f.to_json() for f in self.deletions],
+            "pending": [f.to_json() for f in self.pending],
+        }
+
+
+@dataclass(frozen=True)
+class GcReport:
+    job: str
+    dry_run: bool
+    plan: GcPlan
+    deleted: tuple[GcFile, ...]
+    failures: tuple[tuple[str, str], ...] = ()
+    spared: tuple[str, ...] = ()
+    seconds: float = 0.0
+
+    @property
+    def files_deleted(self) -> int:
+        return len(self.deleted)
+
+    @property
+    def bytes_deleted(self) -> int:
+        return sum(f.size for f in self.deleted)
+
+    def to_json(self) -> dict:
+        plan = self.plan
+        pending = plan.pending
+        return {
+            "operation": "gc", "job": self.job, "dry_run": self.dry_run,
+            "grace_seconds": plan.grace_seconds,
+            "files_planned": len(plan.deletions), "bytes_planned": plan.bytes_to_delete,
+            "files_deleted": self.files_deleted, "bytes_deleted": self.bytes_deleted,
+            "files_kept": plan.files_kept, "bytes_kept": plan.bytes_kept,
+            "orphans_pending": len(pending), "orphan_bytes_pending": sum(f.size for f in pending),
+            "by_reason": plan.by_reason(None if self.dry_run else {
+                f.path for f in self.deleted}),
+            "deletions": [f.to_json() for f in (plan.deletions if self.dry_run else self.deleted)],
+            "pending": [f.to_json() for f in pending],
+            "spared": list(self.spared),
+            "failures": [{"path": p, "error": e} for p, e in self.failures],
+            "seconds": round(self.seconds, 3),
+        }
+
+
+@dataclass(frozen=True)
+class LeaseGuard:
+    """What the live leases protect from GC, whatever the grace period."""
+
+    held_ids: frozenset[int]          # chk-<id>/ folders named by a live lease
+    writer_from_id: int | None        # with a live writer: chk-<id>/ folders at or above
+    writer_since: float | None        # with a live writer: files written at or after
+
+    def reason(self, path: str, mtime: float | None) -> str | None:
+        cid = chk_id_of(path)
+        if cid is not None and cid in self.held_ids:
+            return KEEP_LEASED
+        if self.writer_from_id is not None and cid is not None and cid >= self.writer_from_id:
+            return KEEP_WRITER_ACTIVE  # the writer's attempt folder (its id is not known)
+        if self.writer_since is not None and (mtime is None or mtime >= self.writer_since):
+            return KEEP_WRITER_ACTIVE
+        return None
+
+
+def lease_guard(live: Iterable[Lease], committed: Iterable[int]) -> LeaseGuard:
+    """Pure: the protection of ``live`` leases given the committed ids."""
+    live = list(live)
+    held = frozenset(cid for lease in live for cid in lease.checkpoint_ids)
+    writers = [x for x in live if x.name == WRITER_LEASE]
+    if not writers:
+        return LeaseGuard(held, None, None)
+    # A writer's attempt id is above every committed id (next_checkpoint_id).
+    from_id = max(committed, default=0) + 1
+    try:
+        since = min(datetime.fromisoformat(w.created_at).timestamp() for w in writers) \
+            - WRITER_SKEW_SECONDS
+    except ValueError:
+        since = float("-inf")  # unknown start: protect every orphan
+    return LeaseGuard(held, from_id, since)
+
+
+def plan_gc(registry: Registry, *, grace_seconds: float = DEFAULT_GRACE_SECONDS) -> GcPlan:
+    """Classify every listed file under shared/ and chk-*/ (see the module docstring)."""
+    if grace_seconds is None or grace_seconds < 0:
+        raise UsageError(f"--grace-seconds {grace_seconds!r} is invalid: use 0 or more")
+    now = registry.now.timestamp()
+    guard = lease_guard(registry.live_leases, registry.checkpoints)
+    deletions: list[GcFile] = []
+    pending: list[GcFile] = []
+    referenced: list[str] = []
+    records: list[str] = []
+    referenced_bytes = record_bytes = 0
+    referenced_set = registry.referenced
+    for path, info in registry.files.items():  # in path order (registry.files_by_path)
+        if path in referenced_set:
+            referenced.append(path)
+            referenced_bytes += info.size
+            continue
+        if not in_gc_scope(path):
+            continue
+        cid = chk_id_of(path)
+        if is_commit_record(path) and cid in registry.checkpoints:
+            records.append(path)
+            record_bytes += info.size
+            continue
+        age = None if info.mtime is None else now - info.mtime
+        reason = guard.reason(path, info.mtime)
+        if reason is not None:
+            pass
+        elif age is None:
+            reason = KEEP_NO_MTIME
+        elif age < grace_seconds:
+            reason = KEEP_PENDING
+        elif cid is None:
+            reason = DEL_SHARED
+        elif cid in registry.checkpoints:
+            reason = DEL_UNREFERENCED
+        else:
+            reason = DEL_UNCOMMITTED
+        target = pending if reason in ORPHAN_KEEP_REASONS else deletions
+        target.append(GcFile(path, info.size, age, reason, info.mtime))
+    return GcPlan(registry.job, float(grace_seconds), tuple(deletions), tuple(pending),
+                  tuple(referenced), tuple(records), referenced_bytes, record_bytes,
+                  tuple(sorted(registry.indexed_ids)))
+
+
+def execute_gc(store: CheckpointStore, plan: GcPlan, known_ids: set[int] | None = None, *,
+               now: datetime | float | None = None) -> GcReport:
+    """Delete the planned files (best effort, batched), sparing late commits (scenario 3)
+    and what leases taken since planning protect (scenario 10)."""
+    started = time.perf_counter()
+    spare: set[str] = set()
+    committed = set(committed_ids(store, known=known_ids or ()))
+    if known_ids is not None:
+        for cid in committed - known_ids:
+            try:
+                spare.update(f.path for f in store.load(cid).files)
+            except CheckpointNotFoundError:
+                continue
+    if plan.deletions and plan.indexed_ids:  # scenario 11: the real records decide
+        spare |= referenced_by_records(store, plan.indexed_ids) & {
+            f.path for f in plan.deletions}
+    guard = lease_guard(read_live_leases(store.storage, as_datetime(now)), committed)
+    spare.update(f.path for f in plan.deletions if guard.reason(f.path, f.mtime) is not None)
+    todo = [f for f in plan.deletions if f.path not in spare]
+    failures = store.storage.delete_many(f.path for f in todo)
+    failed = {p for p, _ in failures}
+    deleted = tuple(f for f in todo if f.path not in failed)
+    prune_empty_dirs(store.storage, [f.path for f in deleted])
+    spared = tuple(sorted(f.path for f in plan.deletions if f.path in spare))
+    return GcReport(store.job, False, plan, deleted, tuple(failures), spared,
+                    time.perf_counter() - started)
+
+
+def collect_garbage(store: CheckpointStore, *, grace_seconds: float = DEFAULT_GRACE_SECONDS,
+                    dry_run: bool = False, now: datetime | float | None = None) -> GcReport:
+    """Plan GC over a fresh registry; execute it unless ``dry_run``."""
+    started = time.perf_counter()
+    registry = build_registry(store, now=now, update_index=not dry_run)
+    plan = plan_gc(registry, grace_seconds=grace_seconds)
+    if dry_run:
+        return GcReport(store.job, True, plan, (), seconds=time.perf_counter() - started)
+    report = execute_gc(store, plan, known_ids=set(registry.checkpoints), now=registry.now)
+    return GcReport(report.job, False, plan, report.deleted, report.failures, report.spared,
+                    time.perf_counter() - started)
+
+
+def summarize_text(report: GcReport) -> list[str]:
+    plan = report.plan
+    verb = "would delete" if report.dry_run else "deleted"
+    files = plan.deletions if report.dry_run else report.deleted
+    pending = plan.pending
+    lines = [
+        f"gc job {report.job} (grace {plan.grace_seconds:g} s): {verb} {len(files)} files, "
+        f"{sum(f.size for f in files)} bytes; kept {plan.files_kept} files; "
+        f"{len(pending)} orphans pending ({sum(f.size for f in pending)} bytes)",
+    ]
+    for reason, slot in sorted(plan.by_reason().items()):
+        lines.append(f"  {slot['action']:6} {reason:22} {slot['files']:>7} files "
+                     f"{slot['bytes']:>14} bytes")
+    for f in files[:LIST_CAP]:
+        lines.append(f"  {verb} {f.path} ({f.size} bytes, {f.reason})")
+    if len(files) > LIST_CAP:
+        lines.append(f"  ... and {len(files) - LIST_CAP} more (use --json for the full list)")
+    for p, e in report.failures[:LIST_CAP]:
+        lines.append(f"  FAILED {p}: {e}")
+    return lines

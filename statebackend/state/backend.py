@@ -1,0 +1,451 @@
+"""Keyed state backend: one embedded RocksDB instance per (job, subtask).
+
+Local layout of one instance (``local_dir``)::
+
+    local_dir/
+      db/                      the working RocksDB instance (raw mode, one CF per state)
+      snapshots/<snapshot_id>/ RocksDB native checkpoints (hard links), kept for
+                               local recovery; the newest two are kept
+      instance.json            {"backend_id", "clean_snapshot_id"}: set on close when
+                               the working db equals that snapshot exactly
+
+Internal column families (reserved names, recorded in ``_metadata`` like states):
+``_ttl``, the expiry index, whenever a declared state has a TTL (`statebackend.state.ttl`);
+``_timers`` and ``_timer_keys`` when declared with `statebackend.state.timers.with_timers`
+or already present in a restored instance (`statebackend.state.timers`). The instance
+keeps one clock per time domain (`set_time`): TTL reads filter with it.
+
+The WAL is disabled (as in Flink): durability comes from checkpoints, and the
+synchronous part of a snapshot flushes every column family before the native
+checkpoint, so a snapshot is SST files plus small private files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import mmh3
+from rocksdict import (
+    AccessType,
+    Checkpoint,
+    DBCompactionStyle,
+    Options,
+    Rdict,
+    RdictIter,
+    ReadOptions,
+    UniversalCompactOptions,
+    WriteBatch,
+    WriteOptions,
+)
+
+from statebackend.errors import CorruptStateError, UsageError
+from statebackend.state.codecs import as_time, serialize_key
+from statebackend.state.keygroups import KeyGroupRange, check_max_parallelism, key_group_prefix
+from statebackend.state.kinds import (
+    INTERNAL_STATES,
+    STATE_CLASSES,
+    AggregatingState,
+    ListState,
+    MapState,
+    ReducingState,
+    StateDescriptor,
+    ValueState,
+    internal_descriptor,
+)
+from statebackend.state.ttl import TTL_INDEX
+
+DB_DIR = "db"
+SNAPSHOTS_DIR = "snapshots"
+INSTANCE_FILE = "instance.json"
+LOCAL_SNAPSHOTS_KEPT = 2
+_PREFIXES = [key_group_prefix(i) for i in range(1 << 15)]
+
+
+# -- checked full scans --------------------------------------------------------------
+# rocksdict's iterators (``Rdict.items/keys/values`` and a loop that stops at
+# ``not it.valid()``) end *silently* when RocksDB hits a damaged block: the iterator
+# turns invalid and only ``RdictIter.status()`` (raises ``Exception("Corruption: ...")``)
+# tells an error from the end of the data. Every scan goes through these two
+# functions, which check the status once at the end (cheap: no per-entry cost).
+
+def _scan_iter(cf: Rdict, lower: bytes | None, upper: bytes | None) -> RdictIter:
+    ro = ReadOptions()
+    ro.set_verify_checksums(True)  # the default, made explicit: scans must verify blocks
+    if upper is not None:
+        ro.set_iterate_upper_bound(upper)
+    it = cf.iter(ro)
+    if lower:
+        it.seek(lower)
+    else:
+        it.seek_to_first()
+    return it
+
+
+def _check_scan_status(it: RdictIter, where: str, file_paths: dict[str, str] | None) -> None:
+    try:
+        it.status()
+    except Exception as exc:  # noqa: BLE001 - rocksdict raises a bare Exception
+        cause = " ".join(str(exc).split())
+        stored = [f"{name} is stored as {path}" for name, path in sorted((file_paths or {}).items())
+                  if name in cause]
+        raise CorruptStateError(
+            f"RocksDB stopped a full scan of {where} early: {cause}"
+            + (f" ({'; '.join(stored)})" if stored else "")
+            + "; the state is damaged: restore from an earlier checkpoint or savepoint "
+              "(`ckpt list`)") from exc
+
+
+def checked_scan(cf: Rdict, where: str, lower: bytes | None = None,
+                 upper: bytes | None = None, *, values: bool = True,
+                 file_paths: dict[str, str] | None = None) -> Iterator:
+    """Every entry of ``cf`` in [lower, upper): (key, value) pairs, or keys if not ``values``.
+
+    Raises `CorruptStateError` naming ``where`` (column family, subtask, checkpoint) and
+    RocksDB's message when the scan ends on an error instead of at the end of the data.
+    """
+    it = _scan_iter(cf, lower, upper)
+    valid, key, nxt = it.valid, it.key, it.next
+    if values:
+        value = it.value
+        while valid():
+            yield key(), value()
+            nxt()
+    else:
+        while valid():
+            yield key()
+            nxt()
+    _check_scan_status(it, where, file_paths)
+
+
+def checked_count(cf: Rdict, where: str, lower: bytes | None = None,
+                  upper: bytes | None = None, *,
+                  file_paths: dict[str, str] | None = None) -> int:
+    """Number of live entries of ``cf`` in [lower, upper); same checks as `checked_scan`."""
+    it = _scan_iter(cf, lower, upper)
+    valid, nxt = it.valid, it.next
+    n = 0
+    while valid():
+        n += 1
+        nxt()
+    _check_scan_status(it, where, file_paths)
+    return n
+
+
+def rocks_options(write_buffer_mb: int = 64) -> Options:
+    """Options of every instance and column family.
+
+    Universal compaction, because checkpoints are incremental: leveled compaction
+    rewrites the whole of L1 at each L0 -> L1 compaction, and while the state fits
+    in L1 (most per-subtask states of a scheduled job) that means re-uploading the
+    full state every few runs and retaining one more full copy per kept checkpoint.
+    Universal compaction merges the small recent runs and rewrites the large base
+    only when size amplification demands it. Measured over 50 runs with --keep 3
+    (tests/statebackend/lifecycle/test_lifecycle_scenarios.py): mean bytes uploaded per
+    checkpoint 160 KB vs 299 KB, referenced bytes at the end 1.13x vs 2.08x the
+    newest checkpoint (20,000 keys, 1% updated per run).
+    """
+    opts = Options(raw_mode=True)
+    opts.create_if_missing(True)
+    opts.create_missing_column_families(True)
+    opts.set_write_buffer_size(write_buffer_mb * 1024 * 1024)
+    opts.set_max_background_jobs(2)
+    opts.set_keep_log_file_num(2)
+    opts.set_compaction_style(DBCompactionStyle.universal())
+    opts.set_universal_compaction_options(UniversalCompactOptions())
+    return opts
+
+
+def no_wal() -> WriteOptions:
+    wo = WriteOptions()
+    wo.disable_wal = True
+    return wo
+
+
+@dataclass(frozen=True)
+class LocalSnapshot:
+    """Result of the synchronous part: an immutable local checkpoint directory."""
+
+    snapshot_id: str
+    path: str
+    files: tuple[tuple[str, int], ...]  # (file name, size)
+    row_counts: dict[str, int]
+
+
+class KeyedStateBackend:
+    """Keyed state of one subtask: key groups ``key_group_range`` of ``max_parallelism``."""
+
+    def __init__(self, local_dir: str, descriptors: Sequence[StateDescriptor],
+                 max_parallelism: int, key_group_range: KeyGroupRange,
+                 backend_id: str | None = None, read_only: bool = False,
+                 label: str | None = None) -> None:
+        check_max_parallelism(max_parallelism)
+        self.local_dir = os.path.abspath(local_dir)
+        self.max_parallelism = max_parallelism
+        self.key_group_range = key_group_range
+        self.descriptors = {d.name: d for d in descriptors}
+        if any(d.ttl is not None for d in descriptors):
+            self.descriptors.setdefault(TTL_INDEX, internal_descriptor(TTL_INDEX))
+        # Clock per time domain (epoch ms, None = not set): TTL reads treat entries with
+        # expiry <= the clock as gone; TTL writes without a timestamp are stamped with it.
+        self.times: dict[str, int | None] = {"event": None, "processing": None}
+        # Running `timers.fire_due` passes per domain (timers registered meanwhile join).
+        self.timer_firings: dict[str, object] = {}
+        self.read_only = read_only
+        self.backend_id = backend_id or uuid.uuid4().hex
+        # SSTs confirmed in committed checkpoints of this lineage: local name -> FileRef.
+        self.uploaded: dict = {}
+        # Remote shared files local recovery found damaged (missing, wrong size or
+        # checksum) and dropped from ``uploaded``: the next snapshot uploads them again.
+        self.reuploaded: tuple[str, ...] = ()
+        self.restore_mode = "new"
+        # Names this instance in scan errors ("subtask 1 of checkpoint 7"); stored paths
+        # of its files (local name -> path under the job root) when restored from storage.
+        self.label = label or (f"the instance at {self.local_dir} (key groups "
+                               f"[{key_group_range.start}, {key_group_range.end}])")
+        self.file_paths: dict[str, str] = {}
+        self._dirty = False
+        self._states: dict[str, object] = {}
+        os.makedirs(self.db_path, exist_ok=True)
+        names = set(self.descriptors)
+        if os.path.exists(os.path.join(self.db_path, "CURRENT")):
+            names |= set(Rdict.list_cf(self.db_path, Options(raw_mode=True))) - {"default"}
+        for name in sorted(names & set(INTERNAL_STATES)):
+            # an internal family found in a restored instance is read like a declared one
+            self.descriptors.setdefault(name, internal_descriptor(name))
+        self._cf_names = sorted(names)
+        opts = rocks_options()
+        self.db = Rdict(
+            self.db_path, opts,
+            column_families={n: rocks_options() for n in self._cf_names},
+            access_type=AccessType.read_only() if read_only else AccessType.read_write(),
+        )
+        self.db.set_write_options(no_wal())
+        self._cfs = {n: self.db.get_column_family(n) for n in self._cf_names}
+        for cf in self._cfs.values():
+            cf.set_write_options(no_wal())
+        self._handles = {n: self.db.get_column_family_handle(n) for n in self._cf_names}
+        self._forget_clean_marker()
+
+    # -- paths -------------------------------------------------------------
+    @property
+    def db_path(self) -> str:
+        return os.path.join(self.local_dir, DB_DIR)
+
+    @property
+    def snapshots_path(self) -> str:
+        return os.path.join(self.local_dir, SNAPSHOTS_DIR)
+
+    # -- keys --------------------------------------------------------------
+    def key_group_and_bytes(self, key: str) -> tuple[int, bytes]:
+        kb = serialize_key(key)
+        kg = mmh3.hash(kb, 0, signed=False) % self.max_parallelism
+        r = self.key_group_range
+        if kg < r.start or kg > r.end:
+            raise UsageError(f"key {key!r} is in key group {kg}, outside this backend's range "
+                             f"[{r.start}, {r.end}]: route keys by key group before writing")
+        return kg, kb
+
+    def rocks_key(self, key: str) -> bytes:
+        kg, kb = self.key_group_and_bytes(key)
+        return _PREFIXES[kg] + kb
+
+    def rocks_keys(self, keys: Iterable[str]) -> list[bytes]:
+        m = self.max_parallelism
+        lo, hi = self.key_group_range.start, self.key_group_range.end
+        out = []
+        append = out.append
+        hash32 = mmh3.hash
+        prefixes = _PREFIXES
+        for key in keys:
+            kb = key.encode("utf-8")
+            kg = hash32(kb, 0, False) % m
+            if kg < lo or kg > hi:
+                self.key_group_and_bytes(key)  # raises with the full message
+            append(prefixes[kg] + kb)
+        return out
+
+    # -- time ----------------------------------------------------------------
+    def set_time(self, *, event_time: int | None = None,
+                 processing_time: int | None = None) -> None:
+        """Set the clocks TTL reads and writes use (the watermark; the run's logical time).
+
+        A clock never goes back: an older value is ignored (a watermark never decreases).
+        """
+        for domain, t in (("event", event_time), ("processing", processing_time)):
+            if t is None:
+                continue
+            t = as_time(t)
+            current = self.times[domain]
+            self.times[domain] = t if current is None else max(current, t)
+
+    def current_time(self, domain: str) -> int | None:
+        return self.times[domain]
+
+    # -- states ------------------------------------------------------------
+    def state(self, name: str):
+        if name not in self._states:
+            if name not in self.descriptors:
+                raise UsageError(
+                    f"state {name!r} is not declared; declared: {sorted(self.descriptors)}")
+            desc = self.descriptors[name]
+            if desc.internal:
+                raise UsageError(f"{name!r} is the backend's internal {desc.kind} column "
+                                 "family, not a state: use statebackend.state.timers / .ttl")
+            self._states[name] = STATE_CLASSES[desc.kind](self, desc)
+        return self._states[name]
+
+    def value_state(self, name: str) -> ValueState:
+        return self._typed(name, ValueState)
+
+    def list_state(self, name: str) -> ListState:
+        return self._typed(name, ListState)
+
+    def map_state(self, name: str) -> MapState:
+        return self._typed(name, MapState)
+
+    def reducing_state(self, name: str) -> ReducingState:
+        return self._typed(name, ReducingState)
+
+    def aggregating_state(self, name: str) -> AggregatingState:
+        return self._typed(name, AggregatingState)
+
+    def _typed(self, name: str, cls: type):
+        st = self.state(name)
+        if type(st) is not cls:
+            raise UsageError(f"state {name!r} is {self.descriptors[name].kind} state, "
+                             f"not {cls.__name__}")
+        return st
+
+    def column_family(self, name: str) -> Rdict:
+        return self._cfs[name]
+
+    def column_family_handle(self, name: str):
+        return self._handles[name]
+
+    @property
+    def column_families(self) -> list[str]:
+        return list(self._cf_names)
+
+    def write(self, batch: WriteBatch) -> None:
+        self._dirty = True
+        self.db.write(batch)
+
+    def mark_dirty(self) -> None:
+        self._dirty = True
+
+    # -- raw access (dump, validation, rescale) ----------------------------
+    def scan_where(self, cf_name: str) -> str:
+        return f"column family {cf_name!r} of {self.label}"
+
+    def iter_raw(self, cf_name: str, key_groups: KeyGroupRange | None = None, *,
+                 lower: bytes | None = None, upper: bytes | None = None,
+                 values: bool = True) -> Iterator:
+        """Checked scan of one column family: ``key_groups`` or explicit byte bounds.
+
+        Yields (key, value), or keys only if not ``values``; raises `CorruptStateError`
+        if RocksDB stops the scan on an error.
+        """
+        if key_groups is not None:
+            lower, upper = key_groups.byte_bounds()
+        return checked_scan(self._cfs[cf_name], self.scan_where(cf_name), lower, upper,
+                            values=values, file_paths=self.file_paths)
+
+    def count_keys(self, cf_name: str, key_groups: KeyGroupRange | None = None) -> int:
+        """Live entries of one column family (within ``key_groups``), checked scan."""
+        lower, upper = key_groups.byte_bounds() if key_groups is not None else (None, None)
+        return checked_count(self._cfs[cf_name], self.scan_where(cf_name), lower, upper,
+                             file_paths=self.file_paths)
+
+    def count_rows(self) -> dict[str, int]:
+        return {name: self.count_keys(name) for name in self._cf_names}
+
+    def delete_key_groups_outside(self, keep: KeyGroupRange) -> None:
+        """Clip: drop every key outside ``keep`` with two range tombstones per CF."""
+        lower, upper = keep.byte_bounds()
+        for cf in self._cfs.values():
+            if lower > b"\x00\x00":
+                cf.delete_range(b"\x00\x00", lower)
+            cf.delete_range(upper, b"\xff\xff\xff")
+        self._dirty = True
+
+    def compact(self) -> None:
+        for cf in self._cfs.values():
+            cf.compact_range(None, None)
+
+    # -- snapshot: synchronous part ----------------------------------------
+    def take_local_snapshot(self, count_rows: bool = True) -> LocalSnapshot:
+        """Flush every CF and create a RocksDB native checkpoint (hard links)."""
+        for cf in self._cfs.values():
+            cf.flush(True)
+        self.db.flush(True)
+        snapshot_id = uuid.uuid4().hex
+        os.makedirs(self.snapshots_path, exist_ok=True)
+        path = os.path.join(self.snapshots_path, snapshot_id)
+        Checkpoint(self.db).create_checkpoint(path)
+        files = tuple(sorted((n, os.path.getsize(os.path.join(path, n))) for n in os.listdir(path)))
+        rows = self.count_rows() if count_rows else {}
+        self._dirty = False
+        self._last_snapshot_id = snapshot_id
+        self._prune_local_snapshots(keep=snapshot_id)
+        return LocalSnapshot(snapshot_id, path, files, rows)
+
+    def _prune_local_snapshots(self, keep: str) -> None:
+        try:
+            entries = sorted(os.scandir(self.snapshots_path), key=lambda e: e.stat().st_mtime)
+        except FileNotFoundError:
+            return
+        old = [e for e in entries if e.name != keep][: max(0, len(entries) - LOCAL_SNAPSHOTS_KEPT)]
+        for e in old:
+            shutil.rmtree(e.path, ignore_errors=True)
+
+    def notify_checkpoint_complete(self, handle) -> None:
+        """After a commit: its shared files may be referenced by later snapshots."""
+        self.uploaded = {f.local_name: f for f in handle.shared_files}
+
+    # -- lifecycle ---------------------------------------------------------
+    def close(self) -> None:
+        """Close; if nothing changed since the last snapshot, mark the instance clean."""
+        if self.db is None:
+            return
+        clean = None if self._dirty else getattr(self, "_last_snapshot_id", None)
+        self._states.clear()
+        self._cfs.clear()
+        self._handles.clear()
+        self.db.close()
+        self.db = None
+        if clean and not self.read_only:
+            write_instance_marker(self.local_dir, self.backend_id, clean)
+
+    def __enter__(self) -> KeyedStateBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _forget_clean_marker(self) -> None:
+        if not self.read_only:
+            try:
+                os.unlink(os.path.join(self.local_dir, INSTANCE_FILE))
+            except FileNotFoundError:
+                pass
+
+
+def write_instance_marker(local_dir: str, backend_id: str, clean_snapshot_id: str) -> None:
+    tmp = os.path.join(local_dir, INSTANCE_FILE + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump({"backend_id": backend_id, "clean_snapshot_id": clean_snapshot_id}, fh)
+    os.replace(tmp, os.path.join(local_dir, INSTANCE_FILE))
+
+
+def read_instance_marker(local_dir: str) -> dict | None:
+    try:
+        with open(os.path.join(local_dir, INSTANCE_FILE)) as fh:
+            data = json.load(fh)
+        return data if isinstance(data, dict) else None
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,96 @@
+"""Key groups: the unit of state redistribution (never change once data exists).
+
+- ``max_parallelism`` M (1..32768) is fixed for a job's lineage; parallelism P is 1..M.
+- key group of a key = murmur3_32(serialized key bytes, seed 0, unsigned) mod M.
+- subtask i of P owns the contiguous, inclusive range
+  ``[ceil(i*M/P), floor(((i+1)*M - 1)/P)]`` (Flink's KeyGroupRangeAssignment).
+- A RocksDB key starts with the key group as 2 bytes big-endian, so a key-group
+  range is a byte range: clip it with ``delete_range``, export it with iterator bounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mmh3
+
+from statebackend.defaults import MAX_PARALLELISM as DEFAULT_MAX_PARALLELISM  # noqa: F401 - re-exported
+from statebackend.errors import UsageError
+
+MAX_MAX_PARALLELISM = 1 << 15  # key group must fit the 2-byte prefix
+KEY_GROUP_PREFIX_BYTES = 2
+
+
+@dataclass(frozen=True, order=True)
+class KeyGroupRange:
+    """Inclusive range of key groups ``[start, end]``; empty when end < start."""
+
+    start: int
+    end: int
+
+    def __len__(self) -> int:
+        return max(0, self.end - self.start + 1)
+
+    def __contains__(self, key_group: object) -> bool:
+        return isinstance(key_group, int) and self.start <= key_group <= self.end
+
+    def intersect(self, other: KeyGroupRange) -> KeyGroupRange:
+        return KeyGroupRange(max(self.start, other.start), min(self.end, other.end))
+
+    def byte_bounds(self) -> tuple[bytes, bytes]:
+        """RocksDB key bounds ``[lower, upper)`` covering every key of the range."""
+        return key_group_prefix(self.start), key_group_prefix(self.end + 1)
+
+
+def check_max_parallelism(max_parallelism: int) -> None:
+    if not 1 <= max_parallelism <= MAX_MAX_PARALLELISM:
+        raise UsageError(
+            f"max parallelism {max_parallelism} is out of range: "
+            f"it must be 1..{MAX_MAX_PARALLELISM}"
+        )
+
+
+def check_parallelism(parallelism: int, max_parallelism: int) -> None:
+    """Raise UsageError unless 1 <= parallelism <= max_parallelism."""
+    check_max_parallelism(max_parallelism)
+    if parallelism < 1:
+        raise UsageError(f"parallelism {parallelism} is invalid: it must be at least 1")
+    if parallelism > max_parallelism:
+        raise UsageError(
+            f"parallelism {parallelism} exceeds max parallelism {max_parallelism}: "
+            "key groups cannot be split further (max parallelism is fixed for the lineage)"
+        )
+
+
+def murmur3_32(data: bytes) -> int:
+    """MurmurHash3 x86 32-bit, seed 0, as an unsigned int."""
+    return mmh3.hash(data, 0, signed=False)
+
+
+def key_group_for_bytes(serialized_key: bytes, max_parallelism: int) -> int:
+    return mmh3.hash(serialized_key, 0, signed=False) % max_parallelism
+
+
+def key_group_range_for_subtask(
+    max_parallelism: int, parallelism: int, subtask: int
+) -> KeyGroupRange:
+    """Flink's range formula; ranges of the P subtasks tile [0, M) with no gap."""
+    check_parallelism(parallelism, max_parallelism)
+    if not 0 <= subtask < parallelism:
+        raise UsageError(f"subtask {subtask} is out of range for parallelism {parallelism}")
+    start = (subtask * max_parallelism + parallelism - 1) // parallelism
+    end = ((subtask + 1) * max_parallelism - 1) // parallelism
+    return KeyGroupRange(start, end)
+
+
+def subtask_for_key_group(max_parallelism: int, parallelism: int, key_group: int) -> int:
+    """Inverse of the range formula: the subtask whose range holds ``key_group``."""
+    return key_group * parallelism // max_parallelism
+
+
+def key_group_prefix(key_group: int) -> bytes:
+    return key_group.to_bytes(KEY_GROUP_PREFIX_BYTES, "big")
+
+
+def key_group_of_rocks_key(rocks_key: bytes) -> int:
+    return int.from_bytes(rocks_key[:KEY_GROUP_PREFIX_BYTES], "big")

@@ -1,0 +1,373 @@
+"""Timers as key-group-prefixed, time-ordered state (Flink's RocksDB timer service).
+
+A timer is (key, time, domain, tag): call the job's timer handler for ``key`` once
+the ``domain`` clock (``event``: the watermark; ``processing``: the run's logical
+time) reaches ``time``. ``tag`` is a string the job chooses to tell timers of one
+key apart (e.g. which session); a timer is unique by (key, time, domain, tag), so
+registering it twice keeps one.
+
+Two internal column families (declare them with `with_timers`), values empty::
+
+    _timers      key group (2) + domain (1) + time (8) + u32 len(key) + key + tag
+    _timer_keys  key group (2) + u32 len(key) + key + domain (1) + time (8) + tag
+
+(time = `serialization.encode_time`: byte order is time order). ``_timers`` is the
+priority queue: within a key group and domain it is in time order, so the timers
+due at ``t`` of one key group are the byte range ``[kg + domain, kg + domain +
+(t + 1))``. ``_timer_keys`` is the reverse lookup: the timers of one key are one
+prefix. Both are key-group-prefixed, so rescale clips and moves them with the
+state, and checkpoints carry them incrementally like any column family.
+
+`fire_due` merges the per-key-group ranges (one seek per key group of the
+subtask, a heap over their heads: global time order) and deletes each timer as
+it fires, before the caller handles it. Timers registered while a pass runs at
+or before its ``up_to`` join the same pass in time order; timers deleted while it
+runs do not fire (Flink's ``InternalTimerServiceImpl.advanceWatermark``). Cost:
+the key groups (seeks) plus the due timers, never the state size.
+"""
+
+from __future__ import annotations
+
+import heapq
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from rocksdict import WriteBatch
+
+from statebackend.errors import SerializationError, UsageError
+from statebackend.state.codecs import (
+    DOMAIN_NAMES,
+    TIME_BYTES,
+    as_time,
+    decode_time,
+    deserialize_key,
+    domain_byte,
+    encode_time,
+    time_upper_bound,
+)
+from statebackend.state.keygroups import key_group_prefix
+from statebackend.state.kinds import StateDescriptor, internal_descriptor
+
+if TYPE_CHECKING:
+    from statebackend.state.backend import KeyedStateBackend
+
+TIMERS = "_timers"
+TIMER_KEYS = "_timer_keys"
+TIMER_DESCRIPTORS: tuple[StateDescriptor, ...] = (internal_descriptor(TIMERS),
+                                                  internal_descriptor(TIMER_KEYS))
+_U32 = struct.Struct(">I")
+
+
+def with_timers(descriptors: Sequence[StateDescriptor]) -> list[StateDescriptor]:
+    """``descriptors`` plus the timer column families (once): what a job with timers opens."""
+    have = {d.name for d in descriptors}
+    return list(descriptors) + [d for d in TIMER_DESCRIPTORS if d.name not in have]
+
+
+@dataclass(frozen=True, order=True)
+class Timer:
+    """One timer; ordering is firing order within a domain (time, then key group, key, tag)."""
+
+    time: int
+    key_group: int
+    key: str
+    tag: str = ""
+    domain: str = "event"
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "time": self.time, "domain": self.domain, "tag": self.tag,
+                "key_group": self.key_group}
+
+
+# -- byte layouts ----------------------------------------------------------------------
+
+def _framed(key_bytes: bytes) -> bytes:
+    return _U32.pack(len(key_bytes)) + key_bytes
+
+
+def timer_key(kg: int, domain: bytes, time: int, key_bytes: bytes, tag: str) -> bytes:
+    return key_group_prefix(kg) + domain + encode_time(time) + _framed(key_bytes) + \
+        tag.encode("utf-8")
+
+
+def reverse_key(kg: int, domain: bytes, time: int, key_bytes: bytes, tag: str) -> bytes:
+    return key_group_prefix(kg) + _framed(key_bytes) + domain + encode_time(time) + \
+        tag.encode("utf-8")
+
+
+def _split_framed(data: bytes, pos: int, what: str) -> tuple[bytes, int]:
+    if len(data) < pos + 4:
+        raise SerializationError(f"{what} {data[:32].hex()} is truncated (key length)")
+    (n,) = _U32.unpack_from(data, pos)
+    if pos + 4 + n > len(data):
+        raise SerializationError(f"{what} {data[:32].hex()} has a bad key length")
+    return data[pos + 4 : pos + 4 + n], pos + 4 + n
+
+
+def _domain_name(b: int, data: bytes, what: str) -> str:
+    if b not in DOMAIN_NAMES:
+        raise SerializationError(f"{what} {data[:32].hex()} has unknown time domain {b}")
+    return DOMAIN_NAMES[b]
+
+
+def parse_timer_key(tk: bytes) -> Timer:
+    """Inverse of `timer_key`; SerializationError if the bytes do not fit the layout."""
+    what = "timer key"
+    if len(tk) < 3 + TIME_BYTES:
+        raise SerializationError(f"{what} {tk[:32].hex()} is truncated")
+    domain = _domain_name(tk[2], tk, what)
+    kb, pos = _split_framed(tk, 3 + TIME_BYTES, what)
+    return Timer(decode_time(tk, 3), int.from_bytes(tk[:2], "big"), deserialize_key(kb),
+                 _utf8(tk[pos:], tk, what), domain)
+
+
+def parse_reverse_key(rk: bytes) -> Timer:
+    """Inverse of `reverse_key`."""
+    what = "timer reverse key"
+    kb, pos = _split_framed(rk, 2, what)
+    if len(rk) < pos + 1 + TIME_BYTES:
+        raise SerializationError(f"{what} {rk[:32].hex()} is truncated")
+    domain = _domain_name(rk[pos], rk, what)
+    return Timer(decode_time(rk, pos + 1), int.from_bytes(rk[:2], "big"), deserialize_key(kb),
+                 _utf8(rk[pos + 1 + TIME_BYTES :], rk, what), domain)
+
+
+def key_bytes_of(internal_key: bytes, kind: str) -> bytes:
+    """The serialized user key inside a ``timers`` / ``timer_keys`` entry (validation)."""
+    if kind == "timers":
+        return _split_framed(internal_key, 3 + TIME_BYTES, "timer key")[0]
+    return _split_framed(internal_key, 2, "timer reverse key")[0]
+
+
+def _utf8(raw: bytes, whole: bytes, what: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SerializationError(f"{what} {whole[:32].hex()}: tag is not UTF-8") from exc
+
+
+# -- register / delete / list ----------------------------------------------------------
+
+def _require_timers(backend: KeyedStateBackend) -> None:
+    if TIMERS not in backend.column_families or TIMER_KEYS not in backend.column_families:
+        raise UsageError(f"{backend.label} has no timer column families: open it with "
+                         "statebackend.state.timers.with_timers(descriptors)")
+
+
+def register_timers(backend: KeyedStateBackend, keys: Sequence[str], times: Sequence[int],
+                    domain: str = "event", tags: Sequence[str] | None = None) -> None:
+    """Register one timer per (key, time[, tag]) in one write batch (idempotent)."""
+    _set_timers(backend, keys, times, domain, tags, register=True)
+
+
+def register_timer(backend: KeyedStateBackend, key: str, time: int, domain: str = "event",
+                   tag: str = "") -> None:
+    _set_timers(backend, [key], [time], domain, [tag], register=True)
+
+
+def delete_timers(backend: KeyedStateBackend, keys: Sequence[str], times: Sequence[int],
+                  domain: str = "event", tags: Sequence[str] | None = None) -> None:
+    """Delete the given timers (absent ones are ignored) in one write batch."""
+    _set_timers(backend, keys, times, domain, tags, register=False)
+
+
+def delete_timer(backend: KeyedStateBackend, key: str, time: int, domain: str = "event",
+                 tag: str = "") -> None:
+    _set_timers(backend, [key], [time], domain, [tag], register=False)
+
+
+def _set_timers(backend: KeyedStateBackend, keys: Sequence[str], times: Sequence[int],
+                domain: str, tags: Sequence[str] | None, *, register: bool) -> None:
+    _require_timers(backend)
+    tags = [""] * len(keys) if tags is None else tags
+    if not len(keys) == len(times) == len(tags):
+        raise UsageError(f"timers: {len(keys)} keys, {len(times)} times and {len(tags)} tags; "
+                         "pass one time (and tag) per key")
+    dom = domain_byte(domain)
+    fwd, rev = backend.column_family_handle(TIMERS), backend.column_family_handle(TIMER_KEYS)
+    firing = backend.timer_firings.get(domain)
+    wb = WriteBatch(raw_mode=True)
+    for key, t, tag in zip(keys, times, tags, strict=True):
+        kg, kb = backend.key_group_and_bytes(key)
+        t = as_time(t)
+        tk = timer_key(kg, dom, t, kb, tag)
+        if register:
+            wb.put(tk, b"", fwd)
+            wb.put(reverse_key(kg, dom, t, kb, tag), b"", rev)
+            if firing is not None:
+                firing.offer(tk, t)
+        else:
+            wb.delete(tk, fwd)
+            wb.delete(reverse_key(kg, dom, t, kb, tag), rev)
+    backend.write(wb)
+
+
+def timers_of(backend: KeyedStateBackend, key: str, domain: str | None = None) -> list[Timer]:
+    """Every timer of ``key`` (of ``domain`` if given), in time order per domain."""
+    _require_timers(backend)
+    kg, kb = backend.key_group_and_bytes(key)
+    lower = key_group_prefix(kg) + _framed(kb)
+    if domain is not None:
+        lower += domain_byte(domain)
+    out = [parse_reverse_key(rk) for rk in backend.iter_raw(
+        TIMER_KEYS, lower=lower, upper=_prefix_upper(lower), values=False)]
+    return out
+
+
+def delete_timers_of(backend: KeyedStateBackend, key: str, domain: str | None = None) -> int:
+    """Delete every timer of ``key`` (of ``domain`` if given); returns how many."""
+    found = timers_of(backend, key, domain)
+    for dom in {t.domain for t in found}:
+        mine = [t for t in found if t.domain == dom]
+        delete_timers(backend, [t.key for t in mine], [t.time for t in mine], dom,
+                      [t.tag for t in mine])
+    return len(found)
+
+
+def iter_timers(backend: KeyedStateBackend) -> Iterator[Timer]:
+    """Every timer, in stored order (key group, domain, time): dump and tests."""
+    if TIMERS in backend.column_families:
+        for tk in backend.iter_raw(TIMERS, values=False):
+            yield parse_timer_key(tk)
+
+
+def next_timer_time(backend: KeyedStateBackend, domain: str = "event") -> int | None:
+    """Earliest registered time of ``domain`` (None: no timer): one seek per key group.
+
+    A run can record it per subtask, so a later run restores a subtask without new
+    rows only when a timer of it is due.
+    """
+    _require_timers(backend)
+    return earliest_time(backend, TIMERS, domain_byte(domain))
+
+
+def earliest_time(backend: KeyedStateBackend, cf_name: str, dom: bytes) -> int | None:
+    """Smallest time in a ``kg + domain + time ...`` family (timers, TTL index)."""
+    best = None
+    r = backend.key_group_range
+    for kg in range(r.start, r.end + 1):
+        lower = key_group_prefix(kg) + dom
+        for k in backend.iter_raw(cf_name, lower=lower, upper=_prefix_upper(lower),
+                                  values=False):
+            t = decode_time(k, 3)
+            best = t if best is None else min(best, t)
+            break
+    return best
+
+
+def _prefix_upper(prefix: bytes) -> bytes:
+    b = bytearray(prefix)
+    while b and b[-1] == 0xFF:
+        b.pop()
+    if not b:
+        return b"\xff" * (len(prefix) + 1)
+    b[-1] += 1
+    return bytes(b)
+
+
+# -- firing ----------------------------------------------------------------------------
+
+@dataclass
+class FireStats:
+    """Cost of one `fire_due` pass: seeks, entries read from the queue, timers fired."""
+
+    seeks: int = 0
+    entries_read: int = 0
+    fired: int = 0
+
+
+class TimerFiring:
+    """Iterator over the due timers of one domain, in time order; see `fire_due`."""
+
+    def __init__(self, backend: KeyedStateBackend, domain: str, up_to: int) -> None:
+        _require_timers(backend)
+        if backend.timer_firings.get(domain) is not None:
+            raise UsageError(f"a {domain}-time timer pass is already running on "
+                             f"{backend.label}: finish it before starting another")
+        self.backend = backend
+        self.domain = domain
+        self.up_to = up_to
+        self.stats = FireStats()
+        self._cf = backend.column_family(TIMERS)
+        self._fwd = backend.column_family_handle(TIMERS)
+        self._rev = backend.column_family_handle(TIMER_KEYS)
+        self._heap: list[tuple[bytes, int, int, bytes, Iterator | None]] = []
+        self._seq = 0  # tie-breaker: a heap entry never compares its iterator
+        self._started = False
+        self._dom = domain_byte(domain)
+        backend.timer_firings[domain] = self
+
+    def _start(self) -> None:
+        from statebackend.state.backend import checked_scan
+
+        self._started = True
+        upper_time = time_upper_bound(self.up_to)
+        r = self.backend.key_group_range
+        where = self.backend.scan_where(TIMERS)
+        for kg in range(r.start, r.end + 1):
+            lower = key_group_prefix(kg) + self._dom
+            scan = checked_scan(self._cf, where, lower, lower + upper_time, values=False,
+                                file_paths=self.backend.file_paths)
+            self.stats.seeks += 1
+            self._advance(scan)
+
+    def _advance(self, scan: Iterator) -> None:
+        tk = next(scan, None)
+        if tk is not None:
+            self.stats.entries_read += 1
+            # heap order = firing order: (time, key, tag) bytes, then key group
+            self._push(tk, scan)
+
+    def offer(self, tk: bytes, time: int) -> None:
+        """A timer registered during the pass: it fires in this pass if due."""
+        if time <= self.up_to and self._started:
+            self.stats.entries_read += 1
+            self._push(tk, None)
+
+    def _push(self, tk: bytes, scan: Iterator | None) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (tk[3:], int.from_bytes(tk[:2], "big"), self._seq, tk, scan))
+
+    def __iter__(self) -> TimerFiring:
+        return self
+
+    def __next__(self) -> Timer:
+        if not self._started:
+            self._start()
+        while self._heap:
+            _, _, _, tk, scan = heapq.heappop(self._heap)
+            if scan is not None:
+                self._advance(scan)
+            # Deleted while the pass ran, or already fired (a duplicate heap entry):
+            # the queue is the truth, one point read per due timer.
+            if self._cf.get(tk) is None:
+                continue
+            timer = parse_timer_key(tk)
+            kb = key_bytes_of(tk, "timers")
+            wb = WriteBatch(raw_mode=True)
+            wb.delete(tk, self._fwd)
+            wb.delete(reverse_key(timer.key_group, self._dom, timer.time, kb, timer.tag),
+                      self._rev)
+            self.backend.write(wb)  # deleted before the handler runs: it may re-register
+            self.stats.fired += 1
+            return timer
+        self.close()
+        raise StopIteration
+
+    def close(self) -> None:
+        """End the pass (also when the caller stops early); the rest stays registered."""
+        self._heap.clear()
+        if self.backend.timer_firings.get(self.domain) is self:
+            del self.backend.timer_firings[self.domain]
+
+
+def fire_due(backend: KeyedStateBackend, domain: str, up_to: int) -> TimerFiring:
+    """Due timers of ``domain`` (time <= ``up_to``) in global time order, deleted as they fire.
+
+    Iterate it and handle each `Timer`; the handler may register and delete timers
+    and change state. ``.stats`` tells the cost. Stop early with ``close()``.
+    """
+    domain_byte(domain)
+    return TimerFiring(backend, domain, as_time(up_to))

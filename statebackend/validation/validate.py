@@ -1,0 +1,219 @@
+"""Validate a checkpoint: manifest checks always, content checks with ``deep``.
+
+Public entry points (other parts code against these names):
+
+- `validate_checkpoint(store, ref="latest", *, deep=False, report_dir=None,
+  state_checks=None) -> ValidationResult`
+- `read_report_summary(store, checkpoint_id) -> dict | None`
+- `register_state_checks(state_name, fn)`: expectations on a state for every
+  validation in this process (see `statebackend.validation.checks`); a job's own
+  expectations come from its definition: ``state_checks=job.expectations``.
+
+Validation never modifies the checkpoint: it reads `_metadata` and the files,
+restores into temp folders opened read-only, and writes only under
+``<job root>/reports/chk-<id>/`` (or ``report_dir``). A `_metadata` the strict
+parser refuses (e.g. a path with ``..``) is a failed critical check
+(``metadata_parses``, ``paths_inside_job_root``), not an exception. Great
+Expectations and pandas are imported only when a validation runs, so importing
+this module (CLI start, Airflow DAG parsing) stays fast.
+
+The verdict never waits for Great Expectations (about 10 s to import): every
+built-in check is computed with pandas (`suites.evaluate_runs`), and GE only
+renders the Data Docs, after the verdict, with ``report="now"`` (the default).
+``report="none"`` stores the verdict (summary.json and the overview page) and
+imports no GE at all, unless a deep validation runs a job's own checks (GE
+expectation objects): the scheduled pipeline's per-run validation uses it, and
+the maintenance DAG's deep validation renders the Data Docs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from statebackend.checkpoint.metadata import utc_now_iso
+from statebackend.checkpoint.store import CheckpointStore, metadata_path
+from statebackend.errors import CheckpointNotFoundError, UsageError
+from statebackend.validation.checks import (
+    StateCheck,
+    register_state_checks,
+    unregister_state_checks,
+)
+
+REPORT_NOW = "now"    # verdict, then Data Docs rendered by GE in the same call
+REPORT_NONE = "none"  # verdict only (summary.json + overview page): GE is not imported
+REPORT_MODES = (REPORT_NOW, REPORT_NONE)
+
+__all__ = ["REPORT_MODES", "ValidationResult", "validate_checkpoint", "read_report_summary",
+           "register_state_checks", "unregister_state_checks", "resolve_checkpoint_id"]
+
+
+@dataclass(frozen=True)
+class ValidationResult:
+    """Outcome of one validation; ``summary`` is the JSON summary that was stored."""
+
+    success: bool
+    checkpoint_id: int
+    summary: dict = field(compare=False)
+    report_location: str
+    data_docs_index: str | None
+    report_index: str | None = None  # the self-contained overview page (works offline)
+
+    @property
+    def failed_checks(self) -> list[str]:
+        return list(self.summary.get("failed_checks", []))
+
+    def to_json(self) -> dict:
+        return self.summary
+
+
+def resolve_checkpoint_id(store: CheckpointStore, ref: str | int | None = "latest") -> int:
+    """Like `CheckpointStore.resolve`, without parsing the metadata (it may be bad)."""
+    store.require_job()
+    if ref in (None, "", "latest"):
+        ids = store.checkpoint_ids()
+        if not ids:
+            raise CheckpointNotFoundError(
+                f"job {store.job!r} has no committed checkpoint under {store.root_storage.url}")
+        return ids[-1]
+    text = str(ref)
+    if text.startswith("chk-"):
+        text = text[4:]
+    if not text.isdigit():
+        raise UsageError(f"checkpoint {ref!r} is not 'latest', an id or chk-<id>")
+    cid = int(text)
+    if not store.storage.exists(metadata_path(cid)):
+        raise CheckpointNotFoundError(
+            f"checkpoint {cid} of job {store.job!r} not found (no "
+            f"{store.storage.url}/{metadata_path(cid)}); see `ckpt list`")
+    return cid
+
+
+def validate_checkpoint(store: CheckpointStore, ref: str | int | None = "latest", *,
+                        deep: bool = False, report_dir: str | None = None,
+                        state_checks: Mapping[str, StateCheck] | None = None,
+                        work_dir: str | None = None, report: str = REPORT_NOW,
+                        progress: Callable[[str], None] | None = None) -> ValidationResult:
+    """Run the manifest (and with ``deep`` the content) suites; store the report.
+
+    ``state_checks`` maps a state name to a job check (see
+    `statebackend.validation.checks`); it adds to / overrides the registered ones.
+    ``report``: "now" renders GE Data Docs after the verdict, "none" skips them
+    (module docstring). ``progress`` is told each phase (the CLI's notices).
+    """
+    if report not in REPORT_MODES:
+        raise UsageError(f"report mode {report!r} is invalid: use one of "
+                         f"{', '.join(REPORT_MODES)}")
+    from statebackend.validation import content as content_mod
+    from statebackend.validation import manifest as manifest_mod
+    from statebackend.validation import report as report_mod
+    from statebackend.validation import suites as suites_mod
+    from statebackend.validation.checks import registered_state_checks
+
+    cid = resolve_checkpoint_id(store, ref)
+    timings: dict = {}
+    started = time.perf_counter()
+    tables = manifest_mod.build_manifest(store, cid, checksums=None if deep else True)
+    runs = [suites_mod.builtin_run("checkpoint", tables.checkpoint),
+            suites_mod.builtin_run("files", tables.files),
+            suites_mod.builtin_run("subtasks", tables.subtasks)]
+    figures: dict = {"files": len(tables.files), "bytes_referenced":
+                     int(tables.files["recorded_size"].clip(lower=0).sum())
+                     if len(tables.files) else 0,
+                     "subtasks": len(tables.subtasks)}
+    timings["manifest_seconds"] = round(time.perf_counter() - started, 3)
+    if deep:
+        t0 = time.perf_counter()
+        meta = tables.meta
+        job_checks = {}
+        if meta is not None:
+            from statebackend.state.kinds import StateDescriptor
+
+            checks = registered_state_checks(state_checks)
+            for s in meta.states:
+                fn = checks.get(s["name"])
+                expectations = fn(StateDescriptor.from_json(s)) if fn else None
+                if expectations:
+                    job_checks[s["name"]] = expectations
+            content = content_mod.build_content(store.storage, meta,
+                                                frame_states=set(job_checks), work_dir=work_dir)
+            manifest_mod.refresh_files(tables, content.facts)
+            runs[1] = suites_mod.builtin_run("files", tables.files)
+            runs += [suites_mod.builtin_run("restore", content.restore),
+                     suites_mod.builtin_run("state", content.state),
+                     suites_mod.builtin_run("counts", content.counts)]
+            for name, expectations in job_checks.items():
+                frame = content.frames.get(name)
+                if frame is not None:
+                    runs.append(suites_mod.job_run(name, frame, expectations))
+            figures["state_rows"] = content.rows
+        else:
+            import pandas as pd
+
+            # the record was refused: nothing can be restored safely; say so per check
+            restore = pd.DataFrame([{"subtask": -1, "restored": False,
+                                     "restore_error": "not restored: " + str(
+                                         tables.metadata_error)}])
+            runs.append(suites_mod.builtin_run("restore", restore))
+        timings["content_seconds"] = round(time.perf_counter() - t0, 3)
+
+    # the verdict: pandas over the tables (GE only for a job's own checks)
+    t0 = time.perf_counter()
+    suites, checks = suites_mod.evaluate_runs(runs)
+    failed = [c for c in checks if not c["success"]]
+    critical = [c for c in failed if c["critical"]]
+    timings["verdict_seconds"] = round(time.perf_counter() - t0, 3)
+    target = report_mod.prepare_report(store.storage, cid, report_dir)
+    try:
+        if report == REPORT_NOW:
+            _render_data_docs(runs, target.docs_dir, timings, progress)
+        timings["total_seconds"] = round(time.perf_counter() - started, 3)
+        summary = {
+            "summary_version": report_mod.SUMMARY_VERSION,
+            "job": store.job,
+            "checkpoint_id": cid,
+            "validated_at": utc_now_iso(),
+            "deep": deep,
+            "success": not critical,
+            "critical_failures": len(critical),
+            "failed_checks": sorted({c["name"] for c in failed}),
+            "suites": suites,
+            "checks": checks,
+            "figures": figures,
+            "timings": timings,
+            "duration_seconds": timings["total_seconds"],
+        }
+        index = report_mod.finish_report(store.storage, target, summary)
+    except BaseException:
+        report_mod.discard_report(target)
+        raise
+    return ValidationResult(success=summary["success"], checkpoint_id=cid, summary=summary,
+                            report_location=target.location, data_docs_index=index,
+                            report_index=summary.get("report_index"))
+
+
+def _render_data_docs(runs: list, docs_dir: str, timings: dict,
+                      progress: Callable[[str], None] | None) -> None:
+    """GE's Data Docs of the runs (the verdict is already taken)."""
+    from statebackend.validation import suites as suites_mod
+
+    if progress is not None:
+        progress("loading Great Expectations (report)")
+    t0 = time.perf_counter()
+    suites_mod.load_great_expectations()
+    timings["ge_import_seconds"] = round(time.perf_counter() - t0, 3)
+    if progress is not None:
+        progress("rendering Data Docs")
+    t0 = time.perf_counter()
+    results = suites_mod.run_suites(runs, docs_dir)
+    if results:
+        timings["data_docs_seconds"] = results[0][1].meta.get("ckpt_docs_seconds")
+    timings["report_seconds"] = round(time.perf_counter() - t0, 3)
+
+
+def read_report_summary(store: CheckpointStore, checkpoint_id: int) -> dict | None:
+    """The JSON summary of the checkpoint's last validation, or None if never validated."""
+    from statebackend.validation.report import read_report_summary as read
+
+    return read(store, checkpoint_id)

@@ -1,0 +1,160 @@
+"""Registry index (issue 14): a warm build plans like a cold one, and never deletes on
+its own say: a stale entry is re-parsed, a damaged index is ignored, and a tampered
+one (even with a valid digest) can mislead a plan but not the executors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+
+import pytest
+
+from statebackend.checkpoint.store import CheckpointStore, metadata_path
+from statebackend.errors import MetadataError
+from statebackend.lifecycle.gc import collect_garbage, plan_gc
+from statebackend.lifecycle.registry import INDEX_FILE, build_registry
+from statebackend.lifecycle.retention import plan_retention, retain
+from statebackend.storage import open_storage
+from tests.statebackend.lifecycle.test_registry import meta, write_meta
+
+
+@pytest.fixture
+def store(tmp_path):
+    """chk-1..4 on file://: a.sst in 1-2, b.sst in 2-4, c.sst in 3-4; an old orphan."""
+    s = CheckpointStore(open_storage(f"file://{tmp_path}/store"), "j")
+    for m in (meta(1, ["shared/a.sst"]), meta(2, ["shared/a.sst", "shared/b.sst"]),
+              meta(3, ["shared/b.sst", "shared/c.sst"]), meta(4, ["shared/b.sst", "shared/c.sst"])):
+        write_meta(s, m)
+    s.storage.write_bytes("shared/orphan.sst", b"o")
+    old = os.path.getmtime(s.storage.abspath("shared/orphan.sst")) - 7200
+    os.utime(s.storage.abspath("shared/orphan.sst"), (old, old))
+    return s
+
+
+def plans(registry) -> tuple:
+    return (plan_retention(registry, 1).to_json(), plan_gc(registry, grace_seconds=60).to_json())
+
+
+def files(store) -> set[str]:
+    return {f.path for f in store.storage.walk_files("") if not f.path.startswith("_index/")}
+
+
+def rewrite_index(store, change) -> None:
+    """Edit the index body and sign it again: the digest no longer protects anything."""
+    head, _, body = store.storage.read_bytes(INDEX_FILE).partition(b"\n")
+    obj = json.loads(body)
+    change(obj)
+    body = json.dumps(obj).encode()
+    header = dict(json.loads(head), sha256=hashlib.sha256(body).hexdigest())
+    store.storage.write_bytes(INDEX_FILE, json.dumps(header).encode() + b"\n" + body)
+
+
+def entry_paths(obj: dict, checkpoint_id: int) -> list[str]:
+    import base64
+    from array import array
+
+    row = next(r for r in obj["checkpoints"] if r[0] == checkpoint_id)
+    positions = array("I")
+    positions.frombytes(base64.b64decode(row[3]))
+    return [obj["paths"][i] for i in positions]
+
+
+def set_entry_paths(obj: dict, checkpoint_id: int, paths: list[str]) -> None:
+    import base64
+    from array import array
+
+    for p in paths:
+        if p not in obj["paths"]:
+            obj["paths"].append(p)
+            obj["sizes"].append(10)
+    row = next(r for r in obj["checkpoints"] if r[0] == checkpoint_id)
+    row[3] = base64.b64encode(array("I", [obj["paths"].index(p) for p in paths]).tobytes()
+                              ).decode()
+
+
+def test_warm_build_plans_exactly_like_a_cold_one(store):
+    now = time.time()
+    cold = build_registry(store, use_index=False, now=now)
+    assert not store.storage.exists(INDEX_FILE)  # only update_index writes it
+    build_registry(store, update_index=True)
+    warm = build_registry(store, now=now)
+    assert warm.indexed_ids == {1, 2, 3, 4} and cold.indexed_ids == frozenset()
+    assert warm.owner_paths == cold.owner_paths and warm.referenced == cold.referenced
+    assert plans(warm) == plans(cold)
+    assert warm.checkpoints[4] == cold.checkpoints[4]  # the real record, read on access
+
+
+def test_a_changed_record_is_parsed_again_and_refused_when_malformed(store):
+    build_registry(store, update_index=True)
+    path = store.storage.abspath(metadata_path(1))
+    os.chmod(path, 0o644)
+    with open(path, "wb") as fh:
+        fh.write(b"{not json")
+    with pytest.raises(MetadataError, match="chk-1/_metadata"):
+        build_registry(store)
+    with pytest.raises(MetadataError, match="chk-1/_metadata"):
+        collect_garbage(store, grace_seconds=0)
+
+
+def test_a_new_checkpoint_extends_the_index_and_a_retired_one_leaves_it(store):
+    build_registry(store, update_index=True)
+    write_meta(store, meta(5, ["shared/c.sst", "shared/d.sst"]))
+    reg = build_registry(store, update_index=True)
+    assert reg.indexed_ids == {1, 2, 3, 4} and "shared/d.sst" in reg.owner_paths["chk-5"]
+    retain(store, 2)
+    after = build_registry(store)
+    assert sorted(after.checkpoints) == [4, 5] and after.indexed_ids == {4, 5}
+    assert after.referenced == build_registry(store, use_index=False).referenced
+
+
+@pytest.mark.parametrize("damage", [b"", b"garbage", b"{}\n{}"])
+def test_a_damaged_index_is_ignored(store, damage):
+    now = time.time()
+    cold = build_registry(store, use_index=False, now=now)
+    store.storage.write_bytes(INDEX_FILE, damage)
+    warm = build_registry(store, now=now)
+    assert warm.indexed_ids == frozenset() and plans(warm) == plans(cold)
+
+
+def test_an_edited_index_with_a_wrong_digest_is_ignored(store):
+    build_registry(store, update_index=True)
+    data = store.storage.read_bytes(INDEX_FILE).replace(b"shared/c.sst", b"shared/x.sst")
+    store.storage.write_bytes(INDEX_FILE, data)
+    assert build_registry(store).indexed_ids == frozenset()
+
+
+def test_tampered_index_never_makes_gc_delete_a_referenced_file(store):
+    build_registry(store, update_index=True)
+    rewrite_index(store, lambda obj: [set_entry_paths(obj, c, []) for c in (1, 2, 3, 4)])
+    before = files(store)
+    plan = plan_gc(build_registry(store), grace_seconds=0)
+    # the tampered index does mislead the plan ...
+    assert {"shared/b.sst", "shared/c.sst"} <= {f.path for f in plan.deletions}
+    report = collect_garbage(store, grace_seconds=0)
+    # ... but the executor re-reads the real records: only the true orphan goes
+    assert [f.path for f in report.deleted] == ["shared/orphan.sst"]
+    assert files(store) == before - {"shared/orphan.sst"}
+    assert "shared/c.sst" in report.spared
+
+
+def test_tampered_index_never_makes_retention_delete_a_kept_or_unlisted_file(store):
+    build_registry(store, update_index=True)
+    store.storage.write_bytes("runs/r1.json", b"{}")  # no checkpoint lists it
+
+    def change(obj):
+        set_entry_paths(obj, 4, ["chk-4/0/s/MANIFEST"])            # hides b.sst and c.sst
+        set_entry_paths(obj, 3, ["chk-3/0/s/MANIFEST"])
+        set_entry_paths(obj, 1, entry_paths(obj, 1) + ["runs/r1.json"])  # claims a file
+    rewrite_index(store, change)
+    plan = plan_retention(build_registry(store), 1)
+    planned = {a.path for a in plan.deletions}
+    assert {"shared/b.sst", "runs/r1.json"} <= planned  # misled plan
+    report = retain(store, 1)
+    deleted = {a.path for a in report.deleted}
+    assert deleted.isdisjoint({"shared/b.sst", "shared/c.sst", "runs/r1.json"})
+    assert {"shared/a.sst", metadata_path(1)} <= deleted  # what the real records release
+    kept = store.load(4)
+    assert all(store.storage.exists(f.path) for f in kept.files)
+    assert store.storage.exists("runs/r1.json")
