@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -336,7 +337,7 @@ store = CheckpointStore(open_storage({store.root_storage.url!r}), {store.job!r})
 result = validate_checkpoint(store, 2, report="none")
 print(json.dumps({{"ge": "great_expectations" in sys.modules, "summary": result.summary}}))
 """
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    root = str(Path(__file__).resolve().parents[3])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=root, env={**os.environ, "PYTHONPATH": root}, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
