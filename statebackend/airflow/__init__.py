@@ -7,6 +7,8 @@
 - `statebackend.airflow.steps`      what the tasks do, callable without Airflow
 - `statebackend.airflow.factory`    the DAG factory (`build_dags`); ``dags/`` calls it
 - `statebackend.airflow.provider`   ``get_provider_info`` for Airflow's provider registry
+- `statebackend.airflow.page`       the Checkpoints page (FastAPI app, HTML, static assets)
+- `statebackend.airflow.plugin`     ``CheckpointsPlugin`` (``airflow.plugins`` entry point)
 
 Nothing is imported here: `config` must stay importable without Airflow's heavy parts.
 """

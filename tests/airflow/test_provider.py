@@ -54,7 +54,9 @@ def airflow_env(home, dags, extra: dict) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     return {**env, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             "AIRFLOW__CORE__DAGS_FOLDER": str(dags), "CKPT_JOBS_SKIP_VARIABLE": "1",
-            "AIRFLOW__CORE__PARALLELISM": "4", "PYTHONPATH": ROOT, **extra}
+            "AIRFLOW__CORE__PARALLELISM": "4",
+            "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+            **extra}
 
 
 def test_provider_info_matches_airflow_schema():
@@ -75,6 +77,38 @@ def test_airflow_providers_list_shows_the_provider(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     listed = {p["package_name"]: p for p in json.loads(proc.stdout[proc.stdout.index("["):])}
     assert "ckpt-lifecycle" in listed, sorted(listed)
+
+
+def test_installed_entry_points_are_the_projects():
+    """Airflow reads entry points from the installed metadata: an install older than
+    pyproject.toml hides the provider or the page (reinstall: `make install`)."""
+    import tomllib
+    from importlib.metadata import distribution
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
+        declared = tomllib.load(fh)["project"]["entry-points"]
+    installed = distribution("ckpt-lifecycle").entry_points
+    for group in ("apache_airflow_provider", "airflow.plugins"):
+        found = {ep.name: ep.value for ep in installed.select(group=group)}
+        assert found == declared[group], (
+            f"installed entry points of {group!r} differ from pyproject.toml: reinstall")
+
+
+def test_airflow_plugins_shows_the_page_once_from_the_entry_point(tmp_path):
+    from statebackend.airflow.plugin import PLUGIN_NAME
+
+    env = airflow_env(tmp_path / "home", tmp_path, {
+        "AIRFLOW__CORE__PLUGINS_FOLDER": os.path.join(ROOT, "plugins")})
+    proc = subprocess.run([AIRFLOW, "plugins", "--output", "json"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    listed = json.loads(proc.stdout[proc.stdout.index("["):])
+    ours = [p for p in listed if p["name"] == PLUGIN_NAME]
+    assert len(ours) == 1, listed
+    assert "group='airflow.plugins'" in ours[0]["source"]
+    assert "statebackend.airflow.plugin:CheckpointsPlugin" in ours[0]["source"]
+    assert ours[0]["fastapi_apps"][0]["url_prefix"] == "/ckpt"
+    assert "already registered" not in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow

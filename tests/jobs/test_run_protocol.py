@@ -208,7 +208,7 @@ def test_ckpt_run_cli_with_a_job_option(tmp_path):
 def test_commit_records_metrics_context_and_run_history(spark, tmp_path):
     """`_metadata` carries the run's metrics and who ran it; every outcome is in the
     history (runs/history/) that the Checkpoints page reads."""
-    from plugins.ckpt_page.data import read_run_records
+    from statebackend.airflow.page.data import read_run_records
 
     days = totals_days(str(tmp_path), 2, seed=900)
     storage = f"file://{tmp_path}/store"

@@ -1,9 +1,10 @@
-"""The Checkpoints page: history, metrics of new and old records, health, charts, static files,
-report files, plugin registration (the browser view: test_checkpoints_page_browser.py)."""
+"""The Checkpoints page (`statebackend.airflow.page`): history, metrics of new and old
+records, health, charts, static files, report files, plugin registration (the browser
+view: test_checkpoints_page_browser.py; the entry point: tests/airflow/test_provider.py)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import re
@@ -28,17 +29,10 @@ sys.path.insert(0, HERE)
 import ops_job  # noqa: E402
 
 
-def load_plugin_module():
-    spec = importlib.util.spec_from_file_location(
-        "ckpt_plugin_under_test", os.path.join(ROOT, "plugins", "ckpt_plugin.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def plugin():
-    return load_plugin_module()
+    """The page's app module (imported after AIRFLOW_HOME is set above)."""
+    return importlib.import_module("statebackend.airflow.page.app")
 
 
 def commit_fake(store: CheckpointStore, cid: int, parallelism: int, size: int, uploaded: int,
@@ -153,7 +147,7 @@ def test_page_runs_only_its_own_scripts(plugin, page_env):
 
 
 def test_chart_data_cannot_close_its_script_block(plugin):
-    from ckpt_page.render import chart_data
+    from statebackend.airflow.page.render import chart_data
 
     text = chart_data([{"job": "j", "charts": {"labels": ["</script><script>alert(1)//"]}}])
     assert "<" not in text and ">" not in text and "&" not in text
@@ -289,7 +283,7 @@ def test_charts_use_created_time_and_empty_ones_say_so(plugin, ops, page_env):
 
 
 def test_airflow_links_follow_the_ui_routes(plugin):
-    from ckpt_page.data import airflow_links
+    from statebackend.airflow.page.data import airflow_links
 
     ctx = {"dag_id": "clicks_pipeline", "run_id": "manual__2027-01-01T00:00:00+00:00",
            "task_id": "run_job", "try_number": 2}
@@ -310,16 +304,22 @@ def test_broken_run_record_is_left_out(plugin, ops):
     assert hist["errors"] == [] and len(hist["runs"]) == 6
 
 
-def test_plugin_package_is_hidden_from_airflows_plugin_loader():
-    from airflow._shared.module_loading import find_path_from_directory
+def test_plugins_folder_holds_no_second_copy_of_the_page():
+    """The entry point registers the page; a copy in the plugins folder would be loaded
+    first and the entry point's reported as an "already registered" import error."""
+    from airflow._shared.plugins_manager import _load_plugins_from_plugin_directory
 
-    found = sorted(os.path.relpath(p, ROOT) for p in find_path_from_directory(
-        os.path.join(ROOT, "plugins"), ".airflowignore", "glob") if p.endswith(".py"))
-    assert found == [os.path.join("plugins", "ckpt_plugin.py")]
+    from statebackend.airflow.plugin import PLUGIN_NAME
+
+    plugins, errors = _load_plugins_from_plugin_directory(
+        plugins_folder=os.path.join(ROOT, "plugins"), ignore_file_syntax="glob")
+    assert errors == {}
+    assert PLUGIN_NAME not in [p.name for p in plugins]
 
 
-def test_plugin_registration(plugin):
-    cls = plugin.CheckpointsPlugin
+def test_plugin_registration():
+    from statebackend.airflow.plugin import CheckpointsPlugin as cls
+
     assert cls.fastapi_apps[0]["url_prefix"] == "/ckpt"
     view = cls.external_views[0]
     assert view["name"] == "Checkpoints" and view["href"] == "/ckpt/"

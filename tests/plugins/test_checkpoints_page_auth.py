@@ -1,7 +1,9 @@
 """The Checkpoints page inside Airflow's real API server app: login and per-job access.
 
-``airflow.api_fastapi.app.create_app`` loads the plugin from ``plugins/`` through the
-plugins manager and mounts it at ``/ckpt``, next to the auth manager's ``/auth`` routes.
+``airflow.api_fastapi.app.create_app`` loads the plugin through the plugins manager (the
+package's ``airflow.plugins`` entry point; the repository's ``plugins/`` folder is the
+plugins folder and holds no copy) and mounts it at ``/ckpt``, next to the auth manager's
+``/auth`` routes.
 Users log in with ``POST /auth/token`` (real JWTs, Bearer header or the UI's ``_token``
 cookie). Two viewers: alice may read every DAG; bob is denied one DAG of job ``secret``
 (``secret_maintenance``), so he must not see that job at all.
