@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.s3 import moto_s3  # noqa: E402
 from statebackend.checkpoint.metadata import CheckpointMetadata, FileRef, SubtaskHandle  # noqa: E402
 from statebackend.checkpoint.store import CheckpointStore  # noqa: E402
 from statebackend.lifecycle.gc import collect_garbage, plan_gc  # noqa: E402
@@ -161,24 +162,8 @@ def bench_plan(checkpoints: int, files: int) -> dict:
 
 
 def bench_s3_delete(n_files: int) -> dict:
-    import logging
-
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-                           "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-                           "AWS_DEFAULT_REGION": "us-east-1"})
-        import fsspec
-
-        fsspec.filesystem("s3", client_kwargs={"endpoint_url": f"http://{host}:{port}"}) \
-            .mkdir("bench-bucket")
-        storage = open_storage("s3://bench-bucket/root")
+    with moto_s3("bench-bucket") as s3:
+        storage = open_storage("s3://bench-bucket/root", **s3.options)
         store = CheckpointStore(storage, "job")
         per = 100
         checkpoints = max(2, n_files // per)
@@ -219,8 +204,6 @@ def bench_s3_delete(n_files: int) -> dict:
                 "delete_s": t_exec, "files_deleted": deleted,
                 "delete_rate_per_s": deleted / t_exec, "single_rate_per_s": single_rate,
                 "failures": len(report.failures), "gc_deleted_after": gc.files_deleted}
-    finally:
-        server.stop()
 
 
 def main() -> None:

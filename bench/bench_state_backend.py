@@ -20,7 +20,6 @@ server on 127.0.0.1 (plain copy = s3fs put/get of the same files).
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import shutil
 import sys
@@ -35,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rocksdict import Rdict, WriteBatch  # noqa: E402
 
+from bench.s3 import moto_s3  # noqa: E402
 from statebackend.checkpoint.restore import download_files, restore_subtask  # noqa: E402
 from statebackend.checkpoint.snapshot import upload_snapshot  # noqa: E402
 from statebackend.state.backend import KeyedStateBackend, no_wal, rocks_options  # noqa: E402
@@ -187,10 +187,11 @@ def plain_copy_local(files: list[tuple[str, str]]) -> None:
 
 
 def bench_transfer(label: str, url: str, work: str, backend, local, repeat: int,
-                   plain_upload: Callable, plain_download: Callable) -> list[tuple[str, float]]:
+                   plain_upload: Callable, plain_download: Callable,
+                   options: dict | None = None) -> list[tuple[str, float]]:
     from statebackend.checkpoint.store import CheckpointStore
 
-    store = CheckpointStore(open_storage(url), "bench")
+    store = CheckpointStore(open_storage(url, **(options or {})), "bench")
     job = store.storage
     names = [name for name, _ in local.files]
     total = sum(size for _, size in local.files)
@@ -306,18 +307,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_s3(work: str, backend, local, repeat: int) -> list:
     import fsspec
-    from moto.server import ThreadedMotoServer
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-                           "AWS_ENDPOINT_URL": endpoint, "AWS_DEFAULT_REGION": "us-east-1"})
-        fs = fsspec.filesystem("s3", client_kwargs={"endpoint_url": endpoint})
-        fs.mkdir("bench-bucket")
+    with moto_s3("bench-bucket") as s3:
+        fs = fsspec.filesystem("s3", **s3.options)
         prefix = "bench-bucket/root/bench"
 
         def s3_put(pairs):
@@ -329,9 +321,7 @@ def run_s3(work: str, backend, local, repeat: int) -> list:
                 list(pool.map(lambda p: fs.get_file(f"{prefix}/{p[0]}", p[1]), pairs))
 
         return bench_transfer("s3:// (moto)", "s3://bench-bucket/root", work, backend, local,
-                              repeat, s3_put, s3_get)
-    finally:
-        server.stop()
+                              repeat, s3_put, s3_get, s3.options)
 
 
 if __name__ == "__main__":

@@ -33,11 +33,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.s3 import MotoS3, moto_s3  # noqa: E402
 from statebackend.checkpoint.dump import descriptors_of  # noqa: E402
 from statebackend.checkpoint.restore import restored_readonly  # noqa: E402
 from statebackend.checkpoint.snapshot import checkpoint_backends  # noqa: E402
@@ -53,11 +55,12 @@ TOTALS = StateDescriptor("totals", "value", RecordCodec(
     (("count", "int64"), ("sum", "float64"), ("min_ts", "int64"), ("max_ts", "int64"))))
 
 
-def build(base: str, n_keys: int, url: str | None = None
+def build(base: str, n_keys: int, url: str | None = None, options: dict | None = None
           ) -> tuple[CheckpointStore, object, float]:
     import mmh3
 
-    store = CheckpointStore(open_storage(url or f"file://{base}/store"), "bench")
+    store = CheckpointStore(open_storage(url or f"file://{base}/store", **(options or {})),
+                            "bench")
     started = time.perf_counter()
     keys = [f"user-{i:09d}" for i in range(n_keys)]
     kgs = np.fromiter((mmh3.hash(k.encode(), 0, False) % M for k in keys), np.int64, n_keys)
@@ -102,7 +105,13 @@ def main() -> int:
     args = parser.parse_args()
     n_keys = 100_000 if args.quick else args.keys
     base = tempfile.mkdtemp(prefix="bench-validate-")
-    server = start_s3() if args.s3 else None
+    with ExitStack() as stack:
+        s3 = stack.enter_context(moto_s3("bench-validate")) if args.s3 else None
+        return run(args, n_keys, base, s3)
+
+
+def run(args, n_keys: int, base: str, s3: MotoS3 | None) -> int:
+    """Build the checkpoint (under ``base``, or on ``s3``), time restore and validation."""
     try:
         from statebackend.validation.suites import load_great_expectations
         from statebackend.validation.validate import validate_checkpoint
@@ -110,7 +119,8 @@ def main() -> int:
         t0 = time.perf_counter()
         load_great_expectations()
         ge_import = time.perf_counter() - t0
-        store, meta, build_s = build(base, n_keys, "s3://bench-validate/run" if server else None)
+        store, meta, build_s = build(base, n_keys, "s3://bench-validate/run" if s3 else None,
+                                     s3.options if s3 else {})
         mib = meta.bytes_referenced / 2**20
         restore_runs = [time_restore(store, meta) for _ in range(3)]
         restore_s = min(restore_runs)
@@ -128,7 +138,9 @@ def main() -> int:
                     best = (wall, result.summary["timings"])
             name = "deep" if deep else "manifest"
             runs[name if report == "none" else f"{name}+docs"] = best
-        process = {mode: validate_in_new_process(store, mode) for mode in ("none", "now")}
+        child_env = s3.child_env() if s3 else {}
+        process = {mode: validate_in_new_process(store, mode, child_env)
+                   for mode in ("none", "now")}
         figures = {
             "keys": n_keys, "parallelism": P, "max_parallelism": M,
             "checkpoint_mib": round(mib, 1), "files": len(meta.files),
@@ -171,45 +183,26 @@ def main() -> int:
                   f"{process['now']:.2f} s -> {figures['process_with_over_without_ge']}x")
     finally:
         shutil.rmtree(base, ignore_errors=True)
-        if server is not None:
-            server.stop()
     return 0
 
 
-def validate_in_new_process(store: CheckpointStore, report: str) -> float:
+def validate_in_new_process(store: CheckpointStore, report: str,
+                            child_env: dict[str, str]) -> float:
     """Wall time of ``ckpt validate latest --report <report>`` (manifest) in a fresh
-    Python process, imports included: what one scheduled validate task costs."""
+    Python process, imports included: what one scheduled validate task costs. The CLI
+    reads s3 credentials from its environment: ``child_env`` (the child's only)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     argv = [sys.executable, "-c", "import sys; from statebackend.cli.app import main; "
             "sys.exit(main(sys.argv[1:]))", "--storage", store.root_storage.url,
             "--job", store.job, "validate", "latest", "--report", report, "--json"]
     t0 = time.perf_counter()
-    done = subprocess.run(argv, cwd=root, env={**os.environ, "PYTHONPATH": root,
+    done = subprocess.run(argv, cwd=root, env={**os.environ, **child_env, "PYTHONPATH": root,
                                                 "CKPT_PROGRESS": "off"},
                           capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if done.returncode != 0:
         raise SystemExit(f"validate --report {report} failed: {done.stderr.strip()[-500:]}")
     return wall
-
-
-def start_s3():
-    """moto's S3 API on 127.0.0.1 (free port), credentials through the environment."""
-    import logging
-
-    import fsspec
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-                       "AWS_ENDPOINT_URL": endpoint, "AWS_DEFAULT_REGION": "us-east-1"})
-    fsspec.filesystem("s3", client_kwargs={"endpoint_url": endpoint}).mkdir("bench-validate")
-    return server
 
 
 if __name__ == "__main__":
