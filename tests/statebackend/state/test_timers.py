@@ -1,4 +1,4 @@
-"""Timers as key-group-prefixed, time-ordered state; the watermark helpers.
+"""Timers as key-group-prefixed, time-ordered state (the watermark: test_watermark.py).
 
 Every firing sequence is compared with a plain Python reference (a sorted list of
 (time, key, tag)); costs are counted (seeks, entries read), never timed.
@@ -38,7 +38,6 @@ from statebackend.state.timers import (
     timers_of,
     with_timers,
 )
-from statebackend.state.watermark import advance, is_late, late_mask, max_event_time
 from statebackend.storage import open_storage
 from tests.statebackend.helpers import close_all, open_backends
 
@@ -236,27 +235,6 @@ def test_timers_survive_snapshot_and_restore_and_show_in_dump(tmp_path, capsys):
     assert timer["key_group"] == key_group_for_bytes(b"user0", M)
     assert not any(r["state"] == "_timer_keys" for r in dumped)
     assert os.path.exists(out)
-
-
-# -- watermark ---------------------------------------------------------------------------
-
-def test_watermark_advances_never_decreases_and_starts_undefined():
-    wm = advance(None, None, 100)
-    assert wm is None and not is_late(-(10**12), wm)  # before the first row nothing is late
-    wm = advance(wm, 1_000, 100)
-    assert wm == 900
-    assert advance(wm, 500, 100) == 900  # an older max never moves it back
-    assert advance(wm, None, 100) == 900  # a run without rows leaves it
-    assert advance(wm, 2_000, 0) == 2_000
-    assert is_late(900, 900) and not is_late(901, 900)  # <=, as Flink and Spark
-    assert late_mask([899, 900, 901], 900).tolist() == [True, True, False]
-    assert late_mask([1, 2], None).tolist() == [False, False]
-    assert max_event_time([5, 9, 7]) == 9 and max_event_time([]) is None
-    import numpy as np
-
-    assert max_event_time([5, 9, 7], np.array([True, False, True])) == 7
-    with pytest.raises(UsageError, match="lateness"):
-        advance(None, 1, -1)
 
 
 def test_next_timer_time_per_domain(tmp_path):
