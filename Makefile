@@ -35,9 +35,11 @@ demo: install
 
 # The Airflow UI on the demo's data (run `make demo` first): http://localhost:8080, user
 # admin, password in $AIRFLOW_HOME/simple_auth_manager_passwords.json.generated, the
-# Checkpoints page at /ckpt/. `airflow standalone` starts its components as `airflow`
-# from PATH, so the venv's bin goes first. AIRFLOW_HOME, CKPT_STORAGE and CKPT_DATA may
-# be set beforehand (the default is the demo's); Ctrl-C stops it.
+# Checkpoints page at /ckpt/ (registered by the installed package's `airflow.plugins`
+# entry point; plugins/ is the plugins folder for a deployment's own). `airflow
+# standalone` starts its components as `airflow` from PATH, so the venv's bin goes first.
+# AIRFLOW_HOME, CKPT_STORAGE and CKPT_DATA may be set beforehand (the default is the
+# demo's); Ctrl-C stops it.
 ui: install
 	AIRFLOW_HOME="$${AIRFLOW_HOME:-$(CURDIR)/.demo/airflow_home}" \
 	AIRFLOW__CORE__DAGS_FOLDER="$(CURDIR)/dags" AIRFLOW__CORE__PLUGINS_FOLDER="$(CURDIR)/plugins" \
