@@ -1,5 +1,7 @@
-"""The Spark side of the library: sessions (`session`) and task dispatch (`dispatch`).
+"""The Spark side of the library: sessions (`session`, local, standalone or Spark Connect)
+and task dispatch (`dispatch`: one Spark task per subtask).
 
-It sits on top of the state backend and the job API: nothing below imports it,
-and it never imports the application (`jobs/`, `dags/`, `plugins/`).
+An adapter under the layers that run Spark work (`job/`, `rescale/`) and above those that
+never do (`state/`, `storage/`, `checkpoint/`, `lifecycle/`, `validation/`): it imports only
+`errors`, and never the application (`jobs/`, `dags/`, `plugins/`).
 """
