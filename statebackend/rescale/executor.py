@@ -16,8 +16,12 @@ formula). Every old handle whose range meets R_j contributes:
   a bounded iterator into one SST (SstFileWriter) and ingested into the base
   (``ingest_external_file`` with move: no put-per-key, no memtable, no WAL).
 
-Execution (`rescale`): one Spark task per new subtask, so a task downloads only
-the files of the old handles that meet its range (local recovery is not assumed).
+Execution (`rescale`): one task per new subtask, so a task downloads only the files
+of the old handles that meet its range (local recovery is not assumed). On a
+cluster or through Spark Connect each task is a Spark task; with a local classic
+session (whose executors are this process) the same tasks run in this process's
+threads, one per core (`driver_threads`): a Spark job would add its scheduling and
+Python worker round trips and nothing else.
 Each task snapshots its instance and uploads it like a checkpoint of a job run:
 the base's SSTs are unchanged by the clip (the tombstones land in a new SST), so
 they are *referenced*, not uploaded again. That is safe because they belong to
@@ -419,6 +423,17 @@ def _task_specs(store: CheckpointStore, meta: CheckpointMetadata, plan: RescaleP
     return specs
 
 
+def driver_threads(spark) -> int:
+    """Threads to run the new subtasks with in this process: the cores of a local classic
+    session (its executors are this process), else 0 (Spark tasks: a cluster, or a
+    Spark Connect server whose machine may not be this one)."""
+    from statebackend.spark.session import default_parallelism, is_connect
+
+    if is_connect(spark) or not spark.sparkContext.master.startswith("local"):
+        return 0
+    return max(1, default_parallelism(spark))
+
+
 def _run_tasks(specs: list[dict], store: CheckpointStore, master: str | None, spark,
                description: str) -> list[dict]:
     if store.storage.protocol == "memory":
@@ -429,6 +444,15 @@ def _run_tasks(specs: list[dict], store: CheckpointStore, master: str | None, sp
         from statebackend.spark.session import get_spark
 
         spark = get_spark(master, app_name="ckpt-rescale")
+    threads = driver_threads(spark)
+    if threads:
+        # A local classic session runs its tasks on this machine anyway: the same tasks in
+        # this process's threads skip a Spark job's scheduling, task serialization and
+        # Python worker round trips (most of a small rescale's time). rocksdict drops
+        # the GIL in RocksDB calls, and each task works in its own folder and instance.
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            return list(pool.map(functools.partial(
+                run_subtask, storage_options=store.root_storage.options), specs))
     from statebackend.spark.dispatch import job_tag
 
     payload = tuple(json.dumps(s) for s in specs)

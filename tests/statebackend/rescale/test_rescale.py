@@ -94,6 +94,37 @@ def test_rescale_keeps_every_entry_once(spark, tmp_path, p, q):
     assert list_leases(store.storage) == []
 
 
+def _spark_jobs(spark) -> set[int]:
+    return set(spark.sparkContext.statusTracker().getJobIdsForGroup())
+
+
+def test_a_local_session_rescales_in_driver_threads_without_a_spark_job(spark, tmp_path):
+    from statebackend.rescale.executor import driver_threads
+
+    assert driver_threads(spark) == 2  # local[2]: one thread per core
+    store = build_source(tmp_path, f"file://{tmp_path}/store", 3)
+    before, jobs = content(store, store.latest()), _spark_jobs(spark)
+    rescale(store, "latest", 5, spark=spark)
+    assert _spark_jobs(spark) == jobs
+    assert content(store, store.latest()) == before
+    check_ranges_and_clip(store, store.latest())
+
+
+@pytest.mark.parametrize(("p", "q"), [(2, 3), (3, 2)])
+def test_spark_tasks_give_the_same_checkpoint_as_driver_threads(spark, tmp_path, monkeypatch,
+                                                                 p, q):
+    # the path a cluster or a Spark Connect server takes, forced on the local session
+    from statebackend.rescale import executor as mod
+
+    monkeypatch.setattr(mod, "driver_threads", lambda spark_: 0)
+    store = build_source(tmp_path, f"file://{tmp_path}/store", p)
+    before, jobs = content(store, store.latest()), _spark_jobs(spark)
+    rescale(store, "latest", q, spark=spark)
+    assert _spark_jobs(spark) - jobs  # ran as Spark tasks
+    assert content(store, store.latest()) == before
+    check_ranges_and_clip(store, store.latest())
+
+
 def test_rescale_refuses_same_parallelism(spark, tmp_path):
     store = build_source(tmp_path, f"file://{tmp_path}/store", 4)
     with pytest.raises(NothingToRescaleError, match="already at parallelism 4: nothing to do"):
