@@ -240,25 +240,24 @@ def export_key_groups(source: KeyedStateBackend, key_groups: KeyGroupRange, out_
     out: dict[str, tuple[str, int]] = {}
     for name in source.column_families:
         path = os.path.join(out_dir, f"{name}.sst")
-        writer = None
-        n = 0
-        # Checked scan: a damaged block raises instead of ending the export early
+        # Checked read: a damaged block raises instead of ending the export early
         # (which would silently drop the rest of the range from the new checkpoint).
-        for key, value in source.iter_raw(name, key_groups):
-            if writer is None:
-                writer = SstFileWriter(options=Options(raw_mode=True))
-                writer.open(path)
-            writer[key] = value
-            n += 1
-        if writer is not None:
-            writer.finish()
-            out[name] = (path, n)
+        keys, values = source.read_raw(name, key_groups)
+        if not keys:
+            continue
+        writer = SstFileWriter(options=Options(raw_mode=True))
+        writer.open(path)
+        put = writer.__setitem__
+        for key, value in zip(keys, values, strict=True):
+            put(key, value)
+        writer.finish()
+        out[name] = (path, len(keys))
     return out
 
 
 def count_keys(backend: KeyedStateBackend, cf_name: str, key_groups: KeyGroupRange) -> int:
     """Live keys of one column family within ``key_groups`` (range tombstones apply)."""
-    return backend.count_keys(cf_name, key_groups)
+    return len(backend.read_raw(cf_name, key_groups, values=False)[0])
 
 
 def run_subtask(spec: dict, storage_options: Mapping | None = None) -> dict:
@@ -339,14 +338,21 @@ def run_subtask(spec: dict, storage_options: Mapping | None = None) -> dict:
                 exported = list(pool.map(export, imports))
             t_export = time.perf_counter() - t
             t = time.perf_counter()
-            for (h, _), ssts in zip(imports, exported, strict=True):
+            # One ingestion per column family: the imported ranges are disjoint, so all
+            # their SSTs go in together (one flush of the clip's tombstones, one version).
+            per_family: dict[str, list[str]] = {}
+            for ssts in exported:
                 for cf_name, (path, n) in ssts.items():
-                    opts = IngestExternalFileOptions()
-                    opts.set_move_files(True)
-                    backend.column_family(cf_name).ingest_external_file([path], opts)
+                    per_family.setdefault(cf_name, []).append(path)
                     entries_imported += n
                     rows[cf_name] = rows.get(cf_name, 0) + n
+            for cf_name, paths in per_family.items():
+                opts = IngestExternalFileOptions()
+                opts.set_move_files(True)
+                backend.column_family(cf_name).ingest_external_file(paths, opts)
+            if per_family:
                 backend.mark_dirty()
+            for h, _ in imports:
                 shutil.rmtree(os.path.dirname(dirs[h.index]), ignore_errors=True)
             t_ingest = time.perf_counter() - t
             timings["export"] = t_export

@@ -285,27 +285,6 @@ def _decode_values(desc: StateDescriptor, values: list[bytes]) -> tuple[list, di
     return errors, None
 
 
-def read_entries(backend: KeyedStateBackend, name: str) -> tuple[list[bytes], list[bytes]]:
-    """Every (key, value) of one column family as two lists, checked like `iter_raw`.
-
-    RocksDB's bulk key and value iterators cost a fraction of a (key, value) pair per
-    step but stop silently on a read error, so the checked scan then re-reads from the
-    last key read: on intact data it yields just that key; on a damaged block it meets
-    the same error and raises `CorruptStateError` naming it.
-    """
-    cf = backend.column_family(name)
-    try:
-        keys, values = list(cf.keys()), list(cf.values())
-    except Exception:  # noqa: BLE001 - the checked scan below names the damage
-        keys = values = None
-    if keys is not None and len(keys) == len(values):
-        tail = backend.iter_raw(name, lower=keys[-1] if keys else None, values=False)
-        if sum(1 for _ in tail) == min(len(keys), 1):
-            return keys, values
-    pairs = list(backend.iter_raw(name))
-    return [k for k, _ in pairs], [v for _, v in pairs]
-
-
 def _bulk_keys(rks: list[bytes]) -> tuple[np.ndarray, pa.Array] | None:
     """(stored key-group prefixes, keys as strings) of a plain state's stored keys in
     bulk, or None when an entry is malformed (too short, not UTF-8): the per-entry
@@ -341,7 +320,7 @@ def state_rows(backend: KeyedStateBackend, desc: StateDescriptor, subtask: int,
     arrays (``key``: an Arrow string array); `build_content` joins them into the table.
     """
     # One checked pass (raises CorruptStateError if RocksDB stops the scan on an error).
-    rks, values = read_entries(backend, desc.name)
+    rks, values = backend.read_raw(desc.name)
     n = len(rks)
     bulk = None if desc.internal or desc.kind == "map" else _bulk_keys(rks)
     short: list[int] = []
