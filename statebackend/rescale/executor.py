@@ -16,15 +16,29 @@ formula). Every old handle whose range meets R_j contributes:
   a bounded iterator into one SST (SstFileWriter) and ingested into the base
   (``ingest_external_file`` with move: no put-per-key, no memtable, no WAL).
 
-Execution (`rescale`): one Spark task per new subtask, so a task downloads only
-the files of the old handles that meet its range (local recovery is not assumed).
+Execution (`rescale`): one task per new subtask, so a task downloads only the files
+of the old handles that meet its range (local recovery is not assumed). On a
+cluster or through Spark Connect each task is a Spark task; with a local classic
+session (whose executors are this process) the same tasks run in this process's
+threads, one per core (`driver_threads`): a Spark job would add its scheduling and
+Python worker round trips and nothing else.
 Each task snapshots its instance and uploads it like a checkpoint of a job run:
 the base's SSTs are unchanged by the clip (the tombstones land in a new SST), so
 they are *referenced*, not uploaded again. That is safe because they belong to
 the committed source checkpoint of this job, which GC keeps while anything
-references them; each new handle is still restorable on its own. Pass
-``compact=True`` to rewrite each new instance to its live keys instead (more
-bytes uploaded, fewer bytes referenced by later restores).
+references them; each new handle is still restorable on its own.
+
+But a clipped SST kept whole still holds the key groups its new subtask no longer
+owns: every restore downloads them and the checkpoint references them once per
+new subtask (a 2 -> 4 scale-out referenced twice the state's bytes). So when the
+base's clipped share (`clipped_share`: bytes of its files outside the kept range,
+estimated per file from its key span) exceeds ``COMPACT_CLIPPED_SHARE`` (1/3: a
+rescaled checkpoint then references at most 1.5x its live bytes), the subtask
+compacts the clipped ranges (`compact_clipped`): RocksDB rewrites the files that
+overlap them (on level 0, where a small state's files sit, that is all of them)
+and the subtask uploads its live keys. A scale-in keeps whole bases (clipped
+share 0) and is not compacted. Pass
+``compact=True`` to rewrite every new instance to its live keys instead.
 
 Order and failure handling (upload first, commit last):
 
@@ -55,7 +69,13 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from rocksdict import IngestExternalFileOptions, Options, SstFileWriter
+from rocksdict import (
+    BottommostLevelCompaction,
+    CompactOptions,
+    IngestExternalFileOptions,
+    Options,
+    SstFileWriter,
+)
 
 from statebackend.checkpoint.attempt import Attempt
 from statebackend.checkpoint.leases import hold, writer_lease
@@ -68,10 +88,16 @@ from statebackend.state.backend import KeyedStateBackend
 from statebackend.state.keygroups import (
     KeyGroupRange,
     check_parallelism,
+    key_group_of_rocks_key,
+    key_group_prefix,
     key_group_range_for_subtask,
 )
 from statebackend.state.kinds import StateDescriptor
 from statebackend.storage import Storage, open_storage
+
+# A new subtask whose base would keep more than this share of its referenced bytes only
+# for key groups it no longer owns is compacted (docs/rescale.md: the figures).
+COMPACT_CLIPPED_SHARE = 1 / 3
 
 
 class NothingToRescaleError(UsageError):
@@ -236,25 +262,61 @@ def export_key_groups(source: KeyedStateBackend, key_groups: KeyGroupRange, out_
     out: dict[str, tuple[str, int]] = {}
     for name in source.column_families:
         path = os.path.join(out_dir, f"{name}.sst")
-        writer = None
-        n = 0
-        # Checked scan: a damaged block raises instead of ending the export early
+        # Checked read: a damaged block raises instead of ending the export early
         # (which would silently drop the rest of the range from the new checkpoint).
-        for key, value in source.iter_raw(name, key_groups):
-            if writer is None:
-                writer = SstFileWriter(options=Options(raw_mode=True))
-                writer.open(path)
-            writer[key] = value
-            n += 1
-        if writer is not None:
-            writer.finish()
-            out[name] = (path, n)
+        keys, values = source.read_raw(name, key_groups)
+        if not keys:
+            continue
+        writer = SstFileWriter(options=Options(raw_mode=True))
+        writer.open(path)
+        put = writer.__setitem__
+        for key, value in zip(keys, values, strict=True):
+            put(key, value)
+        writer.finish()
+        out[name] = (path, len(keys))
     return out
 
 
 def count_keys(backend: KeyedStateBackend, cf_name: str, key_groups: KeyGroupRange) -> int:
     """Live keys of one column family within ``key_groups`` (range tombstones apply)."""
-    return backend.count_keys(cf_name, key_groups)
+    return len(backend.read_raw(cf_name, key_groups, values=False)[0])
+
+
+def clipped_share(files: Sequence[Mapping], keep: KeyGroupRange) -> float:
+    """Estimated share of the bytes of ``files`` that lie outside ``keep``.
+
+    ``files`` are RocksDB live-file records (``size``, ``start_key``, ``end_key``); a
+    file's key groups are those between its first and last key's 2-byte prefixes, and
+    its bytes are taken as spread evenly over them (keys hash evenly to key groups).
+    """
+    total = dead = 0.0
+    for f in files:
+        start, end, size = f.get("start_key") or b"", f.get("end_key") or b"", f["size"]
+        total += size
+        if len(start) < 2 or len(end) < 2:
+            continue  # no key-group prefix: counted as live
+        span = KeyGroupRange(key_group_of_rocks_key(start), key_group_of_rocks_key(end))
+        dead += size * (1 - len(span.intersect(keep)) / len(span))
+    return dead / total if total else 0.0
+
+
+def compact_clipped(backend: KeyedStateBackend, base: KeyGroupRange,
+                    keep: KeyGroupRange) -> None:
+    """Rewrite the base's files that hold key groups the clip removed (run before any
+    ingestion, so imported files are not rewritten): RocksDB compacts the files that
+    overlap the clipped ranges and drops the keys their tombstones cover."""
+    opts = CompactOptions()
+    opts.set_bottommost_level_compaction(BottommostLevelCompaction.force_optimized())
+    ranges = []
+    if base.start < keep.start:
+        ranges.append((key_group_prefix(base.start), key_group_prefix(keep.start)))
+    if keep.end < base.end:
+        ranges.append((key_group_prefix(keep.end + 1), key_group_prefix(base.end + 1)))
+    for name in backend.column_families:
+        cf = backend.column_family(name)
+        for lower, upper in ranges:
+            cf.compact_range(lower, upper, opts)
+    backend.mark_dirty()
 
 
 def run_subtask(spec: dict, storage_options: Mapping | None = None) -> dict:
@@ -308,12 +370,19 @@ def run_subtask(spec: dict, storage_options: Mapping | None = None) -> dict:
             # other key groups must come only from their owners (a stray key the base may
             # hold there is dropped), and the live rows of the base part are then exact.
             keep = target.intersect(base.key_group_range)
+            clipped = clipped_share(backend.db.live_files(), keep)
             backend.delete_key_groups_outside(keep)
             # Always count with a checked scan, even when the recorded counts would do:
             # the scan reads (and checksums) every block of the part kept, so a damaged
             # base fails here instead of being carried into the new checkpoint.
             rows = {cf: count_keys(backend, cf, keep) for cf in backend.column_families}
             timings["restore_clip"] = time.perf_counter() - t
+            compacted = bool(spec.get("compact")) or clipped > spec.get(
+                "compact_clipped_share", COMPACT_CLIPPED_SHARE)
+            if compacted and not spec.get("compact"):
+                t = time.perf_counter()
+                compact_clipped(backend, base.key_group_range, keep)
+                timings["compact"] = time.perf_counter() - t
 
             # 3. export the other handles' ranges to SSTs and ingest them
             entries_imported = 0
@@ -335,14 +404,21 @@ def run_subtask(spec: dict, storage_options: Mapping | None = None) -> dict:
                 exported = list(pool.map(export, imports))
             t_export = time.perf_counter() - t
             t = time.perf_counter()
-            for (h, _), ssts in zip(imports, exported, strict=True):
+            # One ingestion per column family: the imported ranges are disjoint, so all
+            # their SSTs go in together (one flush of the clip's tombstones, one version).
+            per_family: dict[str, list[str]] = {}
+            for ssts in exported:
                 for cf_name, (path, n) in ssts.items():
-                    opts = IngestExternalFileOptions()
-                    opts.set_move_files(True)
-                    backend.column_family(cf_name).ingest_external_file([path], opts)
+                    per_family.setdefault(cf_name, []).append(path)
                     entries_imported += n
                     rows[cf_name] = rows.get(cf_name, 0) + n
+            for cf_name, paths in per_family.items():
+                opts = IngestExternalFileOptions()
+                opts.set_move_files(True)
+                backend.column_family(cf_name).ingest_external_file(paths, opts)
+            if per_family:
                 backend.mark_dirty()
+            for h, _ in imports:
                 shutil.rmtree(os.path.dirname(dirs[h.index]), ignore_errors=True)
             t_ingest = time.perf_counter() - t
             timings["export"] = t_export
@@ -369,7 +445,8 @@ def run_subtask(spec: dict, storage_options: Mapping | None = None) -> dict:
         return {"ok": True, "index": index, "handle": result.handle.to_json(),
                 "uploaded_paths": list(uploaded), "bytes_downloaded": bytes_downloaded,
                 "bytes_uploaded": result.handle.bytes_uploaded, "files_reused": result.files_reused,
-                "entries_imported": entries_imported,
+                "entries_imported": entries_imported, "clipped_share": round(clipped, 3),
+                "compacted": compacted,
                 "rows": sum(result.handle.row_counts.values()), "timings": timings,
                 "host": socket.gethostname()}
     except BaseException as exc:  # noqa: BLE001 - reported to the driver, which aborts
@@ -414,9 +491,20 @@ def _task_specs(store: CheckpointStore, meta: CheckpointMetadata, plan: RescaleP
             "states": [dict(x) for x in meta.states],
             "handles": [by_index[i].to_json() for i in s.sources],
             "base": s.base, "imports": [i.to_json() for i in s.imports],
-            "compact": compact, "fail": fail,
+            "compact": compact, "compact_clipped_share": COMPACT_CLIPPED_SHARE, "fail": fail,
         })
     return specs
+
+
+def driver_threads(spark) -> int:
+    """Threads to run the new subtasks with in this process: the cores of a local classic
+    session (its executors are this process), else 0 (Spark tasks: a cluster, or a
+    Spark Connect server whose machine may not be this one)."""
+    from statebackend.spark.session import default_parallelism, is_connect
+
+    if is_connect(spark) or not spark.sparkContext.master.startswith("local"):
+        return 0
+    return max(1, default_parallelism(spark))
 
 
 def _run_tasks(specs: list[dict], store: CheckpointStore, master: str | None, spark,
@@ -429,6 +517,15 @@ def _run_tasks(specs: list[dict], store: CheckpointStore, master: str | None, sp
         from statebackend.spark.session import get_spark
 
         spark = get_spark(master, app_name="ckpt-rescale")
+    threads = driver_threads(spark)
+    if threads:
+        # A local classic session runs its tasks on this machine anyway: the same tasks in
+        # this process's threads skip a Spark job's scheduling, task serialization and
+        # Python worker round trips (most of a small rescale's time). rocksdict drops
+        # the GIL in RocksDB calls, and each task works in its own folder and instance.
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            return list(pool.map(functools.partial(
+                run_subtask, storage_options=store.root_storage.options), specs))
     from statebackend.spark.dispatch import job_tag
 
     payload = tuple(json.dumps(s) for s in specs)
@@ -530,7 +627,10 @@ def rescale(store: CheckpointStore, ref: str | int | None = "latest",
         "entries_imported": sum(r["entries_imported"] for r in results),
         "rows": sum(r["rows"] for r in results),
         "compacted": compact,
+        "compacted_subtasks": sum(bool(r.get("compacted")) for r in results),
         "subtasks": [{"index": r["index"], "base": s.base,
+                      "clipped_share": r.get("clipped_share"),
+                      "compacted": r.get("compacted"),
                       "imports": [i.source for i in s.imports], "rows": r["rows"],
                       "bytes_downloaded": r["bytes_downloaded"],
                       "bytes_uploaded": r["bytes_uploaded"], "files_reused": r["files_reused"],

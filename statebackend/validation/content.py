@@ -46,6 +46,7 @@ from itertools import repeat
 import mmh3
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from statebackend.checkpoint.metadata import CheckpointMetadata, FileRef, SubtaskHandle
 from statebackend.errors import CkptError, StorageError
@@ -284,41 +285,71 @@ def _decode_values(desc: StateDescriptor, values: list[bytes]) -> tuple[list, di
     return errors, None
 
 
+def _bulk_keys(rks: list[bytes]) -> tuple[np.ndarray, pa.Array] | None:
+    """(stored key-group prefixes, keys as strings) of a plain state's stored keys in
+    bulk, or None when an entry is malformed (too short, not UTF-8): the per-entry
+    path then names it."""
+    n = len(rks)
+    lengths = np.fromiter(map(len, rks), dtype=np.int64, count=n)
+    if n and lengths.min() < 2:
+        return None
+    data = np.frombuffer(b"".join(rks), dtype=np.uint8)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    starts = offsets[:-1]
+    stored = (data[starts].astype(np.int32) << 8) | data[starts + 1]
+    body = np.ones(len(data), dtype=bool)  # every byte but the 2-byte prefixes
+    body[starts] = False
+    body[starts + 1] = False
+    keys = pa.LargeStringArray.from_buffers(
+        n, pa.py_buffer(offsets - 2 * np.arange(n + 1)), pa.py_buffer(data[body]))
+    try:
+        keys.validate(full=True)  # UTF-8
+    except pa.ArrowInvalid:
+        return None
+    return stored, keys
+
+
 def state_rows(backend: KeyedStateBackend, desc: StateDescriptor, subtask: int,
                max_parallelism: int, keep_frame: bool,
                findings: dict[tuple[str, bytes], str] | None = None,
-               ) -> tuple[pd.DataFrame, pd.DataFrame | None]:
-    """The state-table rows of one column family (and the job-check frame if asked).
+               ) -> tuple[dict[str, object], pd.DataFrame | None]:
+    """The state-table columns of one column family (and the job-check frame if asked).
 
-    ``findings``: the TTL failures of the subtask (`ttl_findings`).
+    ``findings``: the TTL failures of the subtask (`ttl_findings`). Columns are NumPy
+    arrays (``key``: an Arrow string array); `build_content` joins them into the table.
     """
-    rks: list[bytes] = []
-    values: list[bytes] = []
-    add_key, add_value = rks.append, values.append
     # One checked pass (raises CorruptStateError if RocksDB stops the scan on an error).
-    for k, v in backend.iter_raw(desc.name):
-        add_key(k)
-        add_value(v)
+    rks, values = backend.read_raw(desc.name)
     n = len(rks)
-    short = [i for i, k in enumerate(rks) if len(k) < 2] if n and min(map(len, rks)) < 2 else []
-    if short:
-        rks = [k if len(k) >= 2 else k.rjust(2, b"\x00") for k in rks]
-    stored = np.frombuffer(b"".join(map(_PREFIX, rks)), dtype=">u2").astype(np.int32)
+    bulk = None if desc.internal or desc.kind == "map" else _bulk_keys(rks)
+    short: list[int] = []
+    if bulk is not None:
+        stored, key_array = bulk
+        hashed = list(map(_BODY, rks))
+        user_keys = key_errors = None
+    else:
+        if n and min(map(len, rks)) < 2:
+            short = [i for i, k in enumerate(rks) if len(k) < 2]
+            rks = [k if len(k) >= 2 else k.rjust(2, b"\x00") for k in rks]
+        stored = np.frombuffer(b"".join(map(_PREFIX, rks)), dtype=">u2").astype(np.int32)
+        if desc.internal:
+            kinds = {name: d.kind for name, d in backend.descriptors.items()}
+            hashed, keys, user_keys, key_errors = _decode_internal_keys(rks, desc.kind, kinds)
+        else:
+            hashed, keys, user_keys, key_errors = _decode_keys(list(map(_BODY, rks)),
+                                                               desc.kind == "map")
+        key_array = pa.array(keys, type=pa.large_string())
     ttl_rows = desc.ttl is not None or desc.kind == "ttl_index"
     ttl_errors = [findings.get((desc.name, k)) for k in rks] if ttl_rows and findings \
-        else [None] * n
-    if desc.internal:
-        kinds = {name: d.kind for name, d in backend.descriptors.items()}
-        hashed, keys, user_keys, key_errors = _decode_internal_keys(rks, desc.kind, kinds)
-    else:
-        hashed, keys, user_keys, key_errors = _decode_keys(list(map(_BODY, rks)),
-                                                           desc.kind == "map")
+        else None
     del rks
     hashes = np.fromiter(map(mmh3.hash, hashed, repeat(0, n), repeat(False, n)),
                          dtype=np.uint32, count=n)
+    del hashed
     computed = (hashes % np.uint32(max_parallelism)).astype(np.int32)
     r: KeyGroupRange = backend.key_group_range
-    strip_errors: list = [None] * n
+    strip_errors: list | None = None
     if desc.internal:  # internal entries hold no value
         value_errors = [None if not v else f"internal {desc.kind} entry holds a value "
                         f"({len(v)} bytes)" for v in values]
@@ -327,21 +358,34 @@ def state_rows(backend: KeyedStateBackend, desc: StateDescriptor, subtask: int,
         if desc.ttl is not None:
             values, strip_errors = _strip_ttl(desc, values)
         value_errors, record_cols = _decode_values(desc, values)
-        value_errors = [se or ve for se, ve in zip(strip_errors, value_errors, strict=True)]
-    if not any(key_errors) and not any(value_errors) and not short and not any(ttl_errors):
-        errors: list = [None] * n
+        if strip_errors is not None:
+            value_errors = [se or ve for se, ve in zip(strip_errors, value_errors, strict=True)]
+    columns_of_errors = [e for e in (key_errors, value_errors, ttl_errors) if e is not None]
+    if not short and not any(any(e) for e in columns_of_errors):
+        errors = np.full(n, None, dtype=object)
         decodes = np.ones(n, dtype=bool)
     else:
-        errors = [ke or ve or te for ke, ve, te
-                  in zip(key_errors, value_errors, ttl_errors, strict=True)]
+        errors = np.full(n, None, dtype=object)
+        for column in columns_of_errors:  # the first error of an entry wins: key, value, TTL
+            for i, e in enumerate(column):
+                if e and errors[i] is None:
+                    errors[i] = e
         for i in short:
             errors[i] = errors[i] or "stored key is shorter than its 2-byte key-group prefix"
         decodes = np.fromiter((e is None for e in errors), dtype=bool, count=n)
-    df = pd.DataFrame({
+    if ttl_rows:  # None (not checked) outside TTL states and the TTL index
+        ttl_ok = np.ones(n, dtype=bool).astype(object) if ttl_errors is None else \
+            np.fromiter((te is None for te in ttl_errors), dtype=bool, count=n).astype(object)
+    else:
+        ttl_ok = np.full(n, None, dtype=object)
+    user_key_column = np.full(n, None, dtype=object)
+    if user_keys is not None and any(uk is not None for uk in user_keys):
+        user_key_column[:] = user_keys
+    columns = {
         "subtask": np.full(n, subtask, dtype=np.int32),
-        "state": pd.Series([desc.name] * n, dtype=object),
-        "key": pd.Series(keys, dtype=object),
-        "user_key": pd.Series(user_keys, dtype=object),
+        "state": np.full(n, desc.name, dtype=object),
+        "key": key_array,
+        "user_key": user_key_column,
         "key_group": stored,
         "computed_key_group": computed,
         "range_start": np.full(n, r.start, dtype=np.int32),
@@ -350,15 +394,14 @@ def state_rows(backend: KeyedStateBackend, desc: StateDescriptor, subtask: int,
         "in_range": (stored >= r.start) & (stored <= r.end)
                     & (computed >= r.start) & (computed <= r.end),
         "decodes": decodes,
-        "decode_error": pd.Series(errors, dtype=object),
-        # None (not checked) outside TTL states and the TTL index
-        "ttl_ok": pd.Series([te is None for te in ttl_errors] if ttl_rows else [None] * n,
-                            dtype=object),
-    }, columns=STATE_COLUMNS)
+        "decode_error": errors,
+        "ttl_ok": ttl_ok,
+    }
     frame = None
     if keep_frame:
-        base = {"subtask": df["subtask"], "key": df["key"], "user_key": df["user_key"],
-                "key_group": df["key_group"]}
+        base = {"subtask": columns["subtask"], "key": _string_series(key_array),
+                "user_key": pd.Series(user_key_column, dtype=object),
+                "key_group": stored}
         if record_cols is not None:
             base.update(record_cols)
         else:
@@ -366,8 +409,25 @@ def state_rows(backend: KeyedStateBackend, desc: StateDescriptor, subtask: int,
             for v, ok in zip(values, decodes, strict=True):
                 decoded.append(_decode_one(desc, v) if ok else None)
             base["value"] = pd.Series(decoded, dtype=object)
-        frame = pd.DataFrame(base)[decodes]
-    return df, frame
+        frame = pd.DataFrame(base)[decodes].reset_index(drop=True)
+    return columns, frame
+
+
+def _string_series(array: pa.Array | pa.ChunkedArray) -> pd.Series:
+    """A pandas string column over Arrow strings (no Python object per value)."""
+    return pd.Series(pd.arrays.ArrowStringArray(array), copy=False)
+
+
+def _state_table(parts: list[dict[str, object]]) -> pd.DataFrame:
+    """One table from the columns of every column family (joined column by column: a
+    `pd.concat` of per-family frames checks object columns value by value)."""
+    if not parts:
+        return pd.DataFrame({c: pd.Series(dtype=object) for c in STATE_COLUMNS})
+    data = {c: np.concatenate([p[c] for p in parts]) for c in STATE_COLUMNS if c != "key"}
+    data["key"] = pd.arrays.ArrowStringArray(
+        pa.chunked_array([p["key"] for p in parts], type=pa.large_string()))
+    # ndarrays without a copy: pandas keeps one block per column (no consolidation)
+    return pd.DataFrame(data, columns=STATE_COLUMNS, copy=False)
 
 
 def _decode_one(desc: StateDescriptor, raw: bytes) -> object:
@@ -419,10 +479,10 @@ def build_content(storage: Storage, meta: CheckpointMetadata, *,
                     declared = list(backend.descriptors.values())
                     findings = ttl_findings(backend, declared, clocks)
                     for desc in declared:
-                        df, frame = state_rows(backend, desc, handle.index, m,
-                                               desc.name in frame_states, findings)
-                        counted[desc.name] = len(df)
-                        parts.append(df)
+                        columns, frame = state_rows(backend, desc, handle.index, m,
+                                                    desc.name in frame_states, findings)
+                        counted[desc.name] = len(columns["subtask"])
+                        parts.append(columns)
                         if frame is not None:
                             frames.setdefault(desc.name, []).append(frame)
         except Exception as exc:  # noqa: BLE001 - a damaged subtask is a finding, not a crash
@@ -441,8 +501,7 @@ def build_content(storage: Storage, meta: CheckpointMetadata, *,
         # None (not recorded: a snapshot taken with count_rows=False) is skipped by GE
         rec = row["recorded_rows"]
         row["counts_ok"] = None if rec is None else rec == row["counted_rows"]
-    state = (pd.concat(parts, ignore_index=True) if parts
-             else pd.DataFrame({c: pd.Series(dtype=object) for c in STATE_COLUMNS}))
+    state = _state_table(parts)
     counts = pd.DataFrame(count_rows, columns=["subtask", "state", "recorded_rows",
                                                "counted_rows", "counts_ok"])
     counts["counts_ok"] = counts["counts_ok"].astype(object)

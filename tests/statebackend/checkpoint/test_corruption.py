@@ -133,6 +133,9 @@ def test_every_scan_entry_point_raises(damaged):
             be.count_rows()
         with pytest.raises(CorruptStateError, match=ref.path):
             list(be.iter_raw("totals"))
+        for values in (True, False):  # the bulk read: silent bulk iterators + checked tail
+            with pytest.raises(CorruptStateError, match=ref.path):
+                be.read_raw("totals", values=values)
         with pytest.raises(CorruptStateError):
             be.count_keys("totals", be.key_group_range)
         # the other column families are intact and scan to the end

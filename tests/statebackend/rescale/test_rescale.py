@@ -94,6 +94,37 @@ def test_rescale_keeps_every_entry_once(spark, tmp_path, p, q):
     assert list_leases(store.storage) == []
 
 
+def _spark_jobs(spark) -> set[int]:
+    return set(spark.sparkContext.statusTracker().getJobIdsForGroup())
+
+
+def test_a_local_session_rescales_in_driver_threads_without_a_spark_job(spark, tmp_path):
+    from statebackend.rescale.executor import driver_threads
+
+    assert driver_threads(spark) == 2  # local[2]: one thread per core
+    store = build_source(tmp_path, f"file://{tmp_path}/store", 3)
+    before, jobs = content(store, store.latest()), _spark_jobs(spark)
+    rescale(store, "latest", 5, spark=spark)
+    assert _spark_jobs(spark) == jobs
+    assert content(store, store.latest()) == before
+    check_ranges_and_clip(store, store.latest())
+
+
+@pytest.mark.parametrize(("p", "q"), [(2, 3), (3, 2)])
+def test_spark_tasks_give_the_same_checkpoint_as_driver_threads(spark, tmp_path, monkeypatch,
+                                                                 p, q):
+    # the path a cluster or a Spark Connect server takes, forced on the local session
+    from statebackend.rescale import executor as mod
+
+    monkeypatch.setattr(mod, "driver_threads", lambda spark_: 0)
+    store = build_source(tmp_path, f"file://{tmp_path}/store", p)
+    before, jobs = content(store, store.latest()), _spark_jobs(spark)
+    rescale(store, "latest", q, spark=spark)
+    assert _spark_jobs(spark) - jobs  # ran as Spark tasks
+    assert content(store, store.latest()) == before
+    check_ranges_and_clip(store, store.latest())
+
+
 def test_rescale_refuses_same_parallelism(spark, tmp_path):
     store = build_source(tmp_path, f"file://{tmp_path}/store", 4)
     with pytest.raises(NothingToRescaleError, match="already at parallelism 4: nothing to do"):
@@ -114,17 +145,29 @@ def test_chained_rescale_3_to_5_to_2(spark, tmp_path):
     check_ranges_and_clip(store, final)
 
 
-def test_scale_out_references_the_sources_unchanged_ssts(spark, tmp_path):
+def test_scale_out_compacts_clipped_bases_so_referenced_bytes_do_not_double(spark, tmp_path):
     store = build_source(tmp_path, f"file://{tmp_path}/store", 1)
     source = store.latest()
+    before = content(store, source)
     summary = rescale(store, "latest", 4, spark=spark)
     new = store.latest()
-    source_shared = {f.path for f in source.subtasks[0].shared_files}
-    for h in new.subtasks:
-        reused = {f.path for f in h.shared_files} & source_shared
-        assert reused, "each new subtask references the base's committed SSTs"
-    assert summary["files_reused"] > 0
-    assert new.bytes_uploaded < new.bytes_referenced
+    # each new subtask keeps a quarter of the old files' key groups: above the threshold
+    assert all(s["compacted"] and s["clipped_share"] > 0.6 for s in summary["subtasks"])
+    assert summary["compacted_subtasks"] == 4
+    # kept whole, the clipped SSTs would be referenced 4 times (about 4x the bytes); the
+    # rest is each new instance's fixed per-file overhead, large beside 2000 keys
+    assert new.bytes_referenced < 2 * source.bytes_referenced
+    assert content(store, new) == before
+    check_ranges_and_clip(store, new)
+
+
+def test_scale_in_keeps_whole_bases_uncompacted(spark, tmp_path):
+    store = build_source(tmp_path, f"file://{tmp_path}/store", 4)
+    source = store.latest()
+    summary = rescale(store, "latest", 2, spark=spark)
+    assert summary["compacted_subtasks"] == 0
+    assert all(s["clipped_share"] == 0 for s in summary["subtasks"])
+    assert content(store, store.latest()) == content(store, source)
 
 
 def test_compact_option_writes_only_live_data(spark, tmp_path):

@@ -158,3 +158,21 @@ def test_cli_dry_run_prints_plan_and_writes_nothing(capsys, tmp_path, fake_store
     assert sorted(p.name for p in (tmp_path / "store" / "j").iterdir()) == ["chk-1", "shared"]
     assert sorted(p.name for p in (tmp_path / "store" / "j" / "chk-1").iterdir()) == [
         "0", "1", "2", "3", "_metadata"]
+
+
+def test_clipped_share_spreads_each_files_bytes_over_its_key_groups():
+    from statebackend.rescale.executor import clipped_share
+    from statebackend.state.keygroups import key_group_prefix
+
+    def f(start: int, end: int, size: int) -> dict:
+        return {"size": size, "start_key": key_group_prefix(start) + b"k",
+                "end_key": key_group_prefix(end) + b"k"}
+
+    keep = KeyGroupRange(0, 63)
+    assert clipped_share([f(0, 63, 100)], keep) == 0
+    assert clipped_share([f(64, 127, 100)], keep) == 1
+    assert clipped_share([f(0, 127, 100)], keep) == 0.5
+    assert clipped_share([f(0, 63, 300), f(32, 95, 100)], keep) == pytest.approx(50 / 400)
+    assert clipped_share([], keep) == 0
+    # a file without a key-group prefix counts as live
+    assert clipped_share([{"size": 10, "start_key": b"", "end_key": b""}], keep) == 0
