@@ -152,7 +152,12 @@ def _watch_connect(spark, reporter: _StageReporter, total: int | None, stages: i
         except Exception as exc:  # noqa: BLE001 - progress must never fail the work
             log.debug("progress: Spark Connect progress unreadable: %s", exc)
 
-    spark.registerProgressHandler(handler)
+    try:
+        spark.registerProgressHandler(handler)
+    except Exception as exc:  # noqa: BLE001 - progress must never fail the work
+        log.debug("progress: no Spark Connect progress handler: %s", exc)
+        yield
+        return
     try:
         yield
     finally:

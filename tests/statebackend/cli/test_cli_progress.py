@@ -18,6 +18,7 @@ import sys
 
 import pytest
 
+from statebackend.checkpoint.metrics import LEGACY_RUN_KEYS, run_figures
 from statebackend.checkpoint.snapshot import checkpoint_backends
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.cli import app as cli
@@ -273,3 +274,8 @@ def test_ckpt_run_reports_subtasks_and_phases(tmp_path):
                             x) for x in lines), lines
     assert any(x.startswith("ckpt run: run d0: publishing outputs: 1/1 outputs") for x in lines)
     assert "[Stage " not in proc.stderr  # Spark's own console bar is off
+    # the commit record keeps the run's figures once, in metrics (the summary keeps its keys)
+    meta = CheckpointStore(open_storage(f"file://{tmp_path}/store"), "keyed_aggregation").load(1)
+    assert not set(LEGACY_RUN_KEYS) & set(meta.extra)
+    assert {k: run_figures(meta.extra)[k] for k in LEGACY_RUN_KEYS} == {
+        k: summary[k] for k in LEGACY_RUN_KEYS}
