@@ -70,7 +70,7 @@ from statebackend.job.task import (
     part_name,
     run_subtask,
 )
-from statebackend.progress import NO_PROGRESS, ProgressSink, reports
+from statebackend.progress import NO_PROGRESS, ProgressSink
 from statebackend.state.keygroups import DEFAULT_MAX_PARALLELISM, check_parallelism
 from statebackend.state.kinds import INTERNAL_STATES
 from statebackend.state.watermark import advance
@@ -227,8 +227,9 @@ def _run(job: Job, config: RunConfig, spark, options: dict, store: CheckpointSto
             from statebackend.spark.session import get_spark, quiet_console
 
             progress.phase("starting Spark")
-            spark = get_spark(config.master, app_name=f"{job.name}-{store.job}",
-                              conf=quiet_console(config.master) if reports(progress) else None)
+            # A caller that shows progress (even CKPT_PROGRESS=off) wants no Spark console bar.
+            quiet = None if progress is NO_PROGRESS else quiet_console(config.master)
+            spark = get_spark(config.master, app_name=f"{job.name}-{store.job}", conf=quiet)
         return _run_attempt(spark, job, config, options, store, parent, files, started,
                             warnings, progress)
 
