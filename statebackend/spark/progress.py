@@ -136,9 +136,11 @@ def _watch_connect(spark, reporter: _StageReporter, total: int | None, stages: i
                    _interval: float) -> Iterator[None]:
     seen: set[int] = set()
 
-    def handler(stage_infos, _inflight, _operation_id, _done) -> None:
+    # pyspark's ProgressHandler: called with keywords (stages, inflight_tasks, operation_id,
+    # done); extra ones from newer clients are ignored.
+    def handler(stages=None, inflight_tasks=0, operation_id=None, done=False, **_more) -> None:
         try:
-            infos = sorted(stage_infos or (), key=lambda s: s.stage_id)
+            infos = sorted(stages or (), key=lambda s: s.stage_id)
             seen.update(s.stage_id for s in infos)
             if not infos:
                 return
