@@ -1,8 +1,12 @@
-"""Progress of long CLI work: a live bar on a terminal, periodic one-line reports otherwise.
+"""Progress of long work: a tiny protocol for the library, a display for the CLI.
 
-Library functions stay quiet: the CLI creates one `Progress` per command and
-either wraps an iterable (``progress.wrap(rows)``) or names phases
-(``progress.phase("loading Great Expectations")``) around library calls.
+Library functions that do long work (job runs, gc, retention, deep validation,
+rescale) take an optional ``progress`` argument, any `ProgressSink`:
+``phase(label, total=None, unit="")`` starts a phase (with the amount of work
+when known), ``advance(n=1)`` counts work done in it. The default,
+`NO_PROGRESS`, does nothing, so library callers that pass nothing pay nothing
+and see nothing. The CLI creates one `Progress` per command and passes it; a
+row iterator (dump) it counts itself with ``progress.wrap(rows)``.
 
 Where the output goes (always stderr, never stdout: stdout carries results):
 
@@ -12,7 +16,8 @@ Where the output goes (always stderr, never stdout: stdout carries results):
   slow import, a Spark job) still shows time passing. The display is erased
   when the command ends.
 - otherwise (a log, a pipe, CI): one line every ``CKPT_PROGRESS_INTERVAL``
-  seconds (default 5), e.g. ``ckpt dump: rows: 12000/50000 (24%), 10 s``. Work
+  seconds (default 5), e.g. ``ckpt dump: rows: 12000/50000 (24%), 10 s``, and
+  the final count of each counted phase that ends later than that. Work
   shorter than that prints nothing, so scripts of quick commands keep an
   empty stderr.
 - ``CKPT_PROGRESS`` = ``auto`` (default), ``bar``, ``lines`` or ``off``.
@@ -25,15 +30,45 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import IO, TypeVar
+from typing import IO, Protocol, TypeVar
 
 MODE_ENV = "CKPT_PROGRESS"
 INTERVAL_ENV = "CKPT_PROGRESS_INTERVAL"
 MODES = ("auto", "bar", "lines", "off")
 DEFAULT_INTERVAL = 5.0
+MIN_BEAT = 0.05  # seconds between two checks of the clock in lines mode (tiny intervals)
 WRAP_BATCH = 256  # items between two updates of the display: rows can be millions
 
 T = TypeVar("T")
+
+
+class ProgressSink(Protocol):
+    """What long library work reports to (`Progress` in the CLI; `NO_PROGRESS` by default)."""
+
+    def phase(self, label: str, total: int | None = None, unit: str = "") -> None:
+        """Start a phase named ``label``; ``total`` (of ``unit``) when the work is known."""
+
+    def advance(self, n: int = 1) -> None:
+        """``n`` more of the current phase's unit done."""
+
+
+class NoProgress:
+    """A `ProgressSink` that reports nothing (the library's default)."""
+
+    def phase(self, label: str, total: int | None = None, unit: str = "") -> None:
+        pass
+
+    def advance(self, n: int = 1) -> None:
+        pass
+
+
+NO_PROGRESS: ProgressSink = NoProgress()
+
+
+def reports(progress: ProgressSink) -> bool:
+    """Whether ``progress`` shows anything: work done only to report it (polling Spark's
+    status) is skipped for `NO_PROGRESS`."""
+    return not isinstance(progress, NoProgress) and getattr(progress, "mode", "") != "off"
 
 
 def choose_mode(stream: IO[str], requested: str | None = None) -> str:
@@ -85,6 +120,7 @@ class Progress:
         self._lock = threading.Lock()
         self._started = clock()
         self._last_line = self._started
+        self._last_state: tuple | None = None  # (label, done, total, unit) of the last line
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._live = None  # rich.progress.Progress in bar mode
@@ -98,6 +134,7 @@ class Progress:
     # -- what callers report --------------------------------------------------
     def phase(self, label: str, total: int | None = None, unit: str = "") -> None:
         """Start a new phase; ``total`` (of ``unit``) when the amount of work is known."""
+        self._end_of_phase()
         with self._lock:
             self.label, self.total, self.unit, self.done = label, total, unit, 0
             if self._live is not None:
@@ -134,13 +171,28 @@ class Progress:
             if self.mode != "lines" or not self.label or now - self._last_line < self.interval:
                 return None
             self._last_line = now
+            self._last_state = (self.label, self.done, self.total, self.unit)
             line = format_line(self.command, self.label, self.done, self.total, self.unit,
                                now - self._started)
         self._write(line + "\n")
         return line
 
+    def _end_of_phase(self) -> None:
+        """Lines mode: a counted phase that ends once the command has run for an interval
+        shows its final count (e.g. ``3/3 subtasks``), unless the last line showed it."""
+        with self._lock:
+            now = self.clock()
+            state = (self.label, self.done, self.total, self.unit)
+            if self.mode != "lines" or not self.label or not (self.total or self.done) \
+                    or now - self._started < self.interval or state == self._last_state:
+                return
+            self._last_line, self._last_state = now, state
+            line = format_line(self.command, self.label, self.done, self.total, self.unit,
+                               now - self._started)
+        self._write(line + "\n")
+
     def _beat(self) -> None:
-        step = min(self.interval, 1.0)
+        step = min(max(self.interval, MIN_BEAT), 1.0)
         while not self._stop.wait(step):
             self.tick()
 
@@ -175,6 +227,7 @@ class Progress:
         if self._thread is not None:
             self._thread.join(timeout=2)
             self._thread = None
+        self._end_of_phase()
         if self._live is not None:
             live, self._live = self._live, None
             try:

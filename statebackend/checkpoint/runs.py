@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from statebackend.checkpoint.metadata import CheckpointMetadata, utc_now_iso
+from statebackend.checkpoint.metrics import run_figures
 from statebackend.errors import CkptError, MetadataError
 from statebackend.storage import Storage
 
@@ -43,8 +44,9 @@ HISTORY_KEPT = 500
 OUTCOMES = ("committed", "skipped", "failed")
 log = logging.getLogger(__name__)
 RUN_RECORD_VERSION = 1
-# Commit-record extras a skipped re-run needs to finish publishing the run's output.
-CARRIED_EXTRA = ("output_parts", "keys_touched")
+# What a skipped re-run needs to finish publishing the run's output: the commit record's
+# ``output_parts`` and its run's ``keys_touched`` (`metrics.run_figures`).
+CARRIED_EXTRA = ("output_parts",)
 
 
 def safe_run_name(run_id: str) -> str:
@@ -73,8 +75,12 @@ class RunRecord:
     def of(meta: CheckpointMetadata) -> RunRecord:
         if meta.run_id is None:
             raise ValueError(f"checkpoint {meta.checkpoint_id} records no run id")
+        carried = {k: meta.extra[k] for k in CARRIED_EXTRA if k in meta.extra}
+        keys = run_figures(meta.extra).get("keys_touched")
+        if keys is not None:
+            carried["keys_touched"] = keys
         return RunRecord(meta.run_id, meta.checkpoint_id, meta.parallelism, meta.created_at,
-                         {k: meta.extra[k] for k in CARRIED_EXTRA if k in meta.extra})
+                         carried)
 
     def to_bytes(self) -> bytes:
         return json.dumps({"format_version": RUN_RECORD_VERSION, "run_id": self.run_id,

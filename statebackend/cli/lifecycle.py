@@ -74,7 +74,8 @@ def cmd_retain(args: argparse.Namespace, store: CheckpointStore) -> int:
     store.require_job()
     if args.keep < 1:
         raise UsageError(f"--keep {args.keep} is invalid: keep at least 1 checkpoint")
-    report = retain(store, args.keep, dry_run=args.dry_run)
+    with Progress("retain") as progress:
+        report = retain(store, args.keep, dry_run=args.dry_run, progress=progress)
     if args.json:
         emit_json(report.to_json())
     else:
@@ -85,9 +86,8 @@ def cmd_retain(args: argparse.Namespace, store: CheckpointStore) -> int:
 def cmd_gc(args: argparse.Namespace, store: CheckpointStore) -> int:
     store.require_job()
     with Progress("gc") as progress:
-        progress.phase(f"{'planning' if args.dry_run else 'collecting'} orphans of job "
-                       f"{store.job}")
-        report = collect_garbage(store, grace_seconds=args.grace_seconds, dry_run=args.dry_run)
+        report = collect_garbage(store, grace_seconds=args.grace_seconds, dry_run=args.dry_run,
+                                 progress=progress)
     if args.json:
         emit_json(report.to_json())
     else:

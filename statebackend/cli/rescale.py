@@ -74,13 +74,15 @@ def _run_rescale(args: argparse.Namespace, store: CheckpointStore, progress: Pro
     from pyspark.sql import SparkSession
 
     if SparkSession.getActiveSession() is None:
-        from statebackend.spark.session import get_spark
+        from statebackend.spark.session import get_spark, quiet_console
 
-        created = get_spark(args.master, app_name="ckpt-rescale", remote=args.remote)
+        created = get_spark(args.master, app_name="ckpt-rescale", remote=args.remote,
+                            conf=quiet_console(args.remote or args.master))
     try:
         progress.phase(label)
         return rescale(store, args.checkpoint, args.parallelism,
-                       master=args.remote or args.master, spark=created, compact=args.compact)
+                       master=args.remote or args.master, spark=created, compact=args.compact,
+                       progress=progress)
     finally:
         if created is not None:
             created.stop()

@@ -20,6 +20,7 @@ import sys
 from statebackend import defaults
 from statebackend.cli.app import emit_json, json_flag
 from statebackend.errors import UsageError
+from statebackend.progress import NO_PROGRESS, Progress, ProgressSink
 
 JOB_OPTION_PREFIX = "job_option__"
 
@@ -132,7 +133,7 @@ def config_from_args(args: argparse.Namespace, job):
         logical_time_ms=args.logical_time_ms)
 
 
-def run_from_args(args: argparse.Namespace) -> dict:
+def run_from_args(args: argparse.Namespace, progress: ProgressSink = NO_PROGRESS) -> dict:
     """Load the job, run it in a session this call owns, return the summary."""
     from statebackend.job.load import load_job, module_root
     from statebackend.job.run import run_job
@@ -144,7 +145,7 @@ def run_from_args(args: argparse.Namespace) -> dict:
     # Executors import the job's module and the library from the same places.
     add_to_pythonpath(*(r for r in (module_root(args.job_ref), _library_root()) if r))
     try:
-        return run_job(job, config)
+        return run_job(job, config, progress=progress)
     finally:
         stop_active_session()
 
@@ -167,7 +168,9 @@ def print_summary(args: argparse.Namespace, summary: dict, prog: str) -> None:
 
 
 def cmd_run(args: argparse.Namespace, _storage) -> int:
-    print_summary(args, run_from_args(args), "ckpt run")
+    with Progress("run") as progress:
+        summary = run_from_args(args, progress)
+    print_summary(args, summary, "ckpt run")
     return 0
 
 

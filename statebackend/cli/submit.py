@@ -25,13 +25,15 @@ def main(argv: list[str] | None = None) -> int:
     from statebackend.cli.app import json_flag
     from statebackend.cli.run import _JobParser, add_run_arguments, print_summary, run_from_args
     from statebackend.errors import CkptError
+    from statebackend.progress import Progress
 
     parser = _JobParser(prog="submit.py", parents=[json_flag()],
                         description="Run a stateful job (MODULE:ATTR) once under spark-submit.")
     add_run_arguments(parser, with_storage=True)
     args = parser.parse_args(argv)
     try:
-        summary = run_from_args(args)
+        with Progress("run") as progress:  # periodic lines in the Airflow task log
+            summary = run_from_args(args, progress)
     except CkptError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return exc.exit_code

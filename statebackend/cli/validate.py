@@ -58,10 +58,9 @@ def cmd_validate(args: argparse.Namespace, store: CheckpointStore) -> int:
         # The job comes from the caller's argument, never from the checkpoint's metadata.
         state_checks = load_job(args.job_def).expectations
     with Progress("validate") as progress:
-        progress.phase(f"{'deep' if args.deep else 'manifest'} validation of checkpoint {cid}")
         result = validate_checkpoint(store, cid, deep=args.deep, report_dir=args.report_dir,
                                      state_checks=state_checks, report=args.report,
-                                     progress=progress.phase)
+                                     progress=progress)
     summary = result.summary
     if args.json:
         emit_json(summary)

@@ -27,6 +27,11 @@ Outputs: ``<output>/run=<run>/part-<subtask>.parquet`` for a job with one output
 ``<output>/<name>/run=<run>/...`` with several; rejected rows go to
 ``<quarantine>/run=<run>/`` (default quarantine: ``<output>/_quarantine``).
 The summary (`run_job`'s result) is one JSON-able dict; see `summary`.
+
+Progress (``run_job(..., progress=)``, a `statebackend.progress.ProgressSink`), from the
+driver: planning, checking the input files, starting Spark, the event-time pass and
+reading the input (Spark tasks done), the subtasks done of P as their tasks finish
+(`statebackend.spark.progress`), committing, publishing the outputs.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ from statebackend.job.task import (
     part_name,
     run_subtask,
 )
+from statebackend.progress import NO_PROGRESS, ProgressSink
 from statebackend.state.keygroups import DEFAULT_MAX_PARALLELISM, check_parallelism
 from statebackend.state.kinds import INTERNAL_STATES
 from statebackend.state.watermark import advance
@@ -168,11 +174,13 @@ def summary(job: Job, config: RunConfig, *, checkpoint_id: int | None,
 
 
 # -- the run ---------------------------------------------------------------------------
-def run_job(job: Job, config: RunConfig, spark=None) -> dict:
+def run_job(job: Job, config: RunConfig, spark=None,
+            progress: ProgressSink = NO_PROGRESS) -> dict:
     """Run ``job`` once; return the summary. Raises CkptError subclasses (one line).
 
     Every outcome (committed, skipped, failed) is recorded in the run history
-    (``runs/history/``, runs.py) for the Checkpoints page.
+    (``runs/history/``, runs.py) for the Checkpoints page. ``progress`` receives the
+    run's phases and counts (module docstring).
     """
     started = time.perf_counter()
     started_at = utc_now_iso()
@@ -186,7 +194,7 @@ def run_job(job: Job, config: RunConfig, spark=None) -> dict:
     outcome = RunOutcome(config.run_id, "failed", None, started_at, 0.0, None,
                          dict(config.context))
     try:
-        result = _run(job, config, spark, options, store, started)
+        result = _run(job, config, spark, options, store, started, progress)
     except CkptError as exc:
         outcome = replace(outcome, error=str(exc))
         raise
@@ -200,7 +208,8 @@ def run_job(job: Job, config: RunConfig, spark=None) -> dict:
 
 
 def _run(job: Job, config: RunConfig, spark, options: dict, store: CheckpointStore,
-         started: float) -> dict:
+         started: float, progress: ProgressSink) -> dict:
+    progress.phase(f"run {config.run_id}: planning")
     done = store.find_run(config.run_id)
     if done is not None:
         return _skipped(job, config, store, done, started)
@@ -212,13 +221,17 @@ def _run(job: Job, config: RunConfig, spark, options: dict, store: CheckpointSto
         parent = _parent(config, store, warnings)
         check_states(job, parent, store.job)
         files = list_input(config.input)
+        progress.phase(f"run {config.run_id}: checking {files.count} input files")
         check_parquet(files)  # before Spark starts: a bad file costs no session
         if spark is None:
-            from statebackend.spark.session import get_spark
+            from statebackend.spark.session import get_spark, quiet_console
 
-            spark = get_spark(config.master, app_name=f"{job.name}-{store.job}")
+            progress.phase("starting Spark")
+            # A caller that shows progress (even CKPT_PROGRESS=off) wants no Spark console bar.
+            quiet = None if progress is NO_PROGRESS else quiet_console(config.master)
+            spark = get_spark(config.master, app_name=f"{job.name}-{store.job}", conf=quiet)
         return _run_attempt(spark, job, config, options, store, parent, files, started,
-                            warnings)
+                            warnings, progress)
 
 
 def _check_config(job: Job, config: RunConfig) -> dict:
@@ -293,8 +306,9 @@ def _lineage_shape(config: RunConfig, parent: CheckpointMetadata | None, spark,
 
 def _run_attempt(spark, job: Job, config: RunConfig, options: dict, store: CheckpointStore,
                  parent: CheckpointMetadata | None, files: InputFiles, started: float,
-                 warnings: list[str]) -> dict:
+                 warnings: list[str], progress: ProgressSink) -> dict:
     from statebackend.spark import dispatch
+    from statebackend.spark.progress import report_tasks
 
     parallelism, max_parallelism = _lineage_shape(config, parent, spark, warnings)
     checkpoint_id = store.next_checkpoint_id()
@@ -303,7 +317,9 @@ def _run_attempt(spark, job: Job, config: RunConfig, options: dict, store: Check
     _delete_run_outputs(job, config)
     config.open(config.quarantine_url).delete_tree(run_dir)
     part_values = tuple(dispatch.partition_values(parallelism))
-    clock = _run_clock(spark, job, config, parent, files, parallelism)
+    with report_tasks(spark, progress, "event times", total=None,
+                      upstream=f"run {config.run_id}: scanning event times"):
+        clock = _run_clock(spark, job, config, parent, files, parallelism)
     params = TaskParams(
         job=job, options=options, storage_url=store.root_storage.url, job_dir=store.job,
         checkpoint_id=checkpoint_id, parallelism=parallelism, max_parallelism=max_parallelism,
@@ -326,18 +342,25 @@ def _run_attempt(spark, job: Job, config: RunConfig, options: dict, store: Check
                                   parallelism, sort_by).mapInArrow(
         functools.partial(run_subtask, params), RESULT_DDL)
     attempt = Attempt(store, checkpoint_id, on_discard=lambda: _delete_run_outputs(job, config))
+    progress.phase(f"run {config.run_id}: reading input")
     try:
-        rows = dispatch.run_tasks(spark, tasks, f"{job.name} {store.job} run {config.run_id}",
-                                  group_prefix=f"{job.name}-{store.job}-{checkpoint_id}",
-                                  batch_rows=ARROW_BATCH_ROWS)
+        # The subtasks' tasks follow the routing shuffle: their job has 2 stages.
+        with report_tasks(spark, progress, f"run {config.run_id}, checkpoint {checkpoint_id}",
+                          total=parallelism, stages=2,
+                          upstream=f"run {config.run_id}: reading input"):
+            rows = dispatch.run_tasks(
+                spark, tasks, f"{job.name} {store.job} run {config.run_id}",
+                group_prefix=f"{job.name}-{store.job}-{checkpoint_id}",
+                batch_rows=ARROW_BATCH_ROWS)
     except dispatch.TaskFailedError as exc:
         attempt.discard()
         where = f"checkpoint {parent.checkpoint_id} stays latest" if parent else \
             "no checkpoint was committed"
         raise JobRunError(f"run {config.run_id!r} of job {store.job!r} failed in a Spark task: "
                           f"{exc}; {where}") from exc
+    progress.phase(f"run {config.run_id}: committing checkpoint {checkpoint_id}")
     return _commit(job, config, store, attempt, parent, files, parallelism, max_parallelism,
-                   rows, started, warnings, clock)
+                   rows, started, warnings, clock, progress)
 
 
 # -- time: watermark, logical time, subtasks with due work -----------------------------
@@ -426,7 +449,7 @@ def _next_times(parent: CheckpointMetadata | None, rows: dict[int, dict],
 def _commit(job: Job, config: RunConfig, store: CheckpointStore, attempt: Attempt,
             parent: CheckpointMetadata | None, files: InputFiles, parallelism: int,
             max_parallelism: int, rows: list[dict], started: float,
-            warnings: list[str], clock: RunClock) -> dict:
+            warnings: list[str], clock: RunClock, progress: ProgressSink) -> dict:
     """Check the task results, commit `_metadata` through the attempt, publish outputs."""
     by_subtask = {r["subtask"]: r for r in rows}
     for r in rows:
@@ -462,8 +485,8 @@ def _commit(job: Job, config: RunConfig, store: CheckpointStore, attempt: Attemp
     timings = {k: sum(r[f"t_{k}"] for r in rows) for k in TIMING_KEYS if k != "committing"}
     t0 = time.perf_counter()
     keys = sum(r["keys_touched"] for r in rows)
-    extra = {"events_read": read, "events_rejected": rejected, "rejects_by_reason": reasons,
-             "keys_touched": keys, "input_files": files.count,
+    # Events, rejects and keys touched are recorded once, in "metrics" (checkpoint.metrics).
+    extra = {"input_files": files.count,
              "input_files_skipped": len(files.skipped), "input_bytes": files.total_bytes,
              "output": config.output,
              # Which parts the run wrote: a re-run may only publish complete folders.
@@ -498,8 +521,12 @@ def _commit(job: Job, config: RunConfig, store: CheckpointStore, attempt: Attemp
     store.record_run(meta)
     # A crash from here on leaves a committed run without _SUCCESS: its re-run is
     # skipped and finishes the publication (`_skipped`).
-    for folder in run_folders(job, config.run_id).values():
+    folders = run_folders(job, config.run_id)
+    progress.phase(f"run {config.run_id}: publishing outputs", total=len(folders),
+                   unit="outputs")
+    for folder in folders.values():
         _write_success(config, folder)
+        progress.advance()
     timings["committing"] = time.perf_counter() - t0
     detail: dict[str, float] = {}
     for r in rows:

@@ -96,7 +96,8 @@ from statebackend.lifecycle.registry import (
     read_live_leases,
     referenced_by_records,
 )
-from statebackend.lifecycle.retention import prune_empty_dirs
+from statebackend.lifecycle.retention import delete_counted, prune_empty_dirs
+from statebackend.progress import NO_PROGRESS, ProgressSink
 
 DEFAULT_GRACE_SECONDS = 3600.0
 WRITER_SKEW_SECONDS = 300.0
@@ -304,9 +305,11 @@ def plan_gc(registry: Registry, *, grace_seconds: float = DEFAULT_GRACE_SECONDS)
 
 
 def execute_gc(store: CheckpointStore, plan: GcPlan, known_ids: set[int] | None = None, *,
-               now: datetime | float | None = None) -> GcReport:
+               now: datetime | float | None = None,
+               progress: ProgressSink = NO_PROGRESS) -> GcReport:
     """Delete the planned files (best effort, batched), sparing late commits (scenario 3)
-    and what leases taken since planning protect (scenario 10)."""
+    and what leases taken since planning protect (scenario 10); ``progress`` counts the
+    files deleted of those planned."""
     started = time.perf_counter()
     spare: set[str] = set()
     committed = set(committed_ids(store, known=known_ids or ()))
@@ -322,7 +325,8 @@ def execute_gc(store: CheckpointStore, plan: GcPlan, known_ids: set[int] | None 
     guard = lease_guard(read_live_leases(store.storage, as_datetime(now)), committed)
     spare.update(f.path for f in plan.deletions if guard.reason(f.path, f.mtime) is not None)
     todo = [f for f in plan.deletions if f.path not in spare]
-    failures = store.storage.delete_many(f.path for f in todo)
+    failures = delete_counted(store.storage, [f.path for f in todo], progress,
+                              f"deleting orphans of job {store.job}")
     failed = {p for p, _ in failures}
     deleted = tuple(f for f in todo if f.path not in failed)
     prune_empty_dirs(store.storage, [f.path for f in deleted])
@@ -332,14 +336,17 @@ def execute_gc(store: CheckpointStore, plan: GcPlan, known_ids: set[int] | None 
 
 
 def collect_garbage(store: CheckpointStore, *, grace_seconds: float = DEFAULT_GRACE_SECONDS,
-                    dry_run: bool = False, now: datetime | float | None = None) -> GcReport:
+                    dry_run: bool = False, now: datetime | float | None = None,
+                    progress: ProgressSink = NO_PROGRESS) -> GcReport:
     """Plan GC over a fresh registry; execute it unless ``dry_run``."""
     started = time.perf_counter()
+    progress.phase(f"planning gc of job {store.job}")
     registry = build_registry(store, now=now, update_index=not dry_run)
     plan = plan_gc(registry, grace_seconds=grace_seconds)
     if dry_run:
         return GcReport(store.job, True, plan, (), seconds=time.perf_counter() - started)
-    report = execute_gc(store, plan, known_ids=set(registry.checkpoints), now=registry.now)
+    report = execute_gc(store, plan, known_ids=set(registry.checkpoints), now=registry.now,
+                        progress=progress)
     return GcReport(report.job, False, plan, report.deleted, report.failures, report.spared,
                     time.perf_counter() - started)
 

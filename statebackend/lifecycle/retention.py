@@ -62,6 +62,7 @@ from statebackend.lifecycle.registry import (
     read_live_leases,
     referenced_by_records,
 )
+from statebackend.progress import NO_PROGRESS, ProgressSink
 from statebackend.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ DEL_METADATA = "retired-metadata"
 DEL_PRIVATE = "retired-private"
 DEL_RELEASED_SHARED = "released-shared"
 LIST_CAP = 50
+DELETE_BATCH = 1000  # files per delete call: S3's batch limit, and one progress step
 
 
 @dataclass(frozen=True)
@@ -280,8 +282,10 @@ def read_damaged(store: CheckpointStore, registry: Registry) -> set[int]:
 
 
 def execute_retention(store: CheckpointStore, plan: RetentionPlan, *,
-                      now: datetime | float | None = None) -> RetentionReport:
-    """Best effort: metadata of retired checkpoints first, then their files."""
+                      now: datetime | float | None = None,
+                      progress: ProgressSink = NO_PROGRESS) -> RetentionReport:
+    """Best effort: metadata of retired checkpoints first, then their files (``progress``
+    counts both deletions)."""
     started = time.perf_counter()
     storage = store.storage
     spare_ids, spare_paths = _recheck(store, plan, now)
@@ -296,7 +300,8 @@ def execute_retention(store: CheckpointStore, plan: RetentionPlan, *,
     if kept_indexed:
         spare_paths |= referenced_by_records(store, kept_indexed)
     meta_actions = [a for a in meta_actions if a.checkpoint_id not in unrecorded]
-    failures = storage.delete_many(a.path for a in meta_actions)
+    failures = delete_counted(storage, [a.path for a in meta_actions], progress,
+                              f"retiring checkpoints of job {store.job}: commit records")
     failed = {p for p, _ in failures}
     for cid in unrecorded:  # still committed: everything it lists stays
         meta = _load_or_none(store, cid)
@@ -311,7 +316,8 @@ def execute_retention(store: CheckpointStore, plan: RetentionPlan, *,
     file_actions = [a for a in plan.deletions if a.reason != DEL_METADATA
                     and a.path not in spare_paths and a.path in listed_by_retired
                     and not (a.reason == DEL_PRIVATE and a.checkpoint_id in spare_ids)]
-    file_failures = storage.delete_many(a.path for a in file_actions)
+    file_failures = delete_counted(storage, [a.path for a in file_actions], progress,
+                                   f"retiring checkpoints of job {store.job}: files")
     failures += file_failures
     failed |= {p for p, _ in file_failures}
     deleted = tuple(a for a in meta_actions + file_actions if a.path not in failed)
@@ -327,14 +333,16 @@ def execute_retention(store: CheckpointStore, plan: RetentionPlan, *,
 
 
 def retain(store: CheckpointStore, keep: int, *, dry_run: bool = False,
-           now: datetime | float | None = None) -> RetentionReport:
+           now: datetime | float | None = None,
+           progress: ProgressSink = NO_PROGRESS) -> RetentionReport:
     """Plan retention over a fresh registry; execute it unless ``dry_run``."""
     started = time.perf_counter()
+    progress.phase(f"planning retention of job {store.job}")
     registry = build_registry(store, now=now, update_index=not dry_run)
     plan = plan_retention(registry, keep, damaged=read_damaged(store, registry))
     if dry_run:
         return RetentionReport(store.job, True, plan, (), seconds=time.perf_counter() - started)
-    report = execute_retention(store, plan, now=now)
+    report = execute_retention(store, plan, now=now, progress=progress)
     return RetentionReport(report.job, False, plan, report.deleted, report.failures,
                            report.spared, time.perf_counter() - started)
 
@@ -393,6 +401,19 @@ def _by_reason(actions) -> dict[str, dict[str, int]]:
         slot["files"] += 1
         slot["bytes"] += a.size
     return out
+
+
+def delete_counted(storage: Storage, paths: list[str], progress: ProgressSink,
+                   label: str) -> list[tuple[str, str]]:
+    """`Storage.delete_many` in batches, counting the files in phase ``label`` of
+    ``progress``; returns the failures (gc and retention delete through this)."""
+    progress.phase(label, total=len(paths), unit="files")
+    failures: list[tuple[str, str]] = []
+    for i in range(0, len(paths), DELETE_BATCH):
+        batch = paths[i:i + DELETE_BATCH]
+        failures += storage.delete_many(batch)
+        progress.advance(len(batch))
+    return failures
 
 
 def prune_empty_dirs(storage: Storage, deleted_paths: list[str]) -> None:

@@ -84,6 +84,7 @@ from statebackend.checkpoint.restore import download_files
 from statebackend.checkpoint.snapshot import upload_snapshot
 from statebackend.checkpoint.store import CheckpointStore, build_metadata
 from statebackend.errors import CkptError, MetadataError, SnapshotError, UsageError
+from statebackend.progress import NO_PROGRESS, ProgressSink
 from statebackend.state.backend import KeyedStateBackend
 from statebackend.state.keygroups import (
     KeyGroupRange,
@@ -508,11 +509,16 @@ def driver_threads(spark) -> int:
 
 
 def _run_tasks(specs: list[dict], store: CheckpointStore, master: str | None, spark,
-               description: str) -> list[dict]:
+               description: str, progress: ProgressSink = NO_PROGRESS) -> list[dict]:
+    progress.phase("new subtasks written", total=len(specs), unit="subtasks")
     if store.storage.protocol == "memory":
         # One after the other: fsspec's memory filesystem hands every reader of a file
         # the same file object, so two subtasks reading one old handle would collide.
-        return [run_subtask(spec, store.root_storage.options) for spec in specs]
+        results = []
+        for spec in specs:
+            results.append(run_subtask(spec, store.root_storage.options))
+            progress.advance()
+        return results
     if spark is None:
         from statebackend.spark.session import get_spark
 
@@ -527,13 +533,15 @@ def _run_tasks(specs: list[dict], store: CheckpointStore, master: str | None, sp
             return list(pool.map(functools.partial(
                 run_subtask, storage_options=store.root_storage.options), specs))
     from statebackend.spark.dispatch import job_tag
+    from statebackend.spark.progress import report_tasks
 
     payload = tuple(json.dumps(s) for s in specs)
     task = functools.partial(run_subtask_batches, payload, store.root_storage.options)
     # A DataFrame, not an RDD, so Spark Connect clients can rescale too. range() puts
     # exactly one id in each of its n partitions: one Spark task builds each subtask.
     tasks = spark.range(0, len(payload), 1, len(payload)).mapInArrow(task, "result string")
-    with job_tag(spark, f"ckpt-rescale-{store.job}", description):
+    with job_tag(spark, f"ckpt-rescale-{store.job}", description), \
+            report_tasks(spark, progress, "new subtasks written", total=len(specs)):
         out = [row["result"] for row in tasks.collect()]
     # Other processes wrote under the job root: drop this process's cached listings
     # (s3fs would otherwise answer "does not exist" for the new files).
@@ -544,11 +552,12 @@ def _run_tasks(specs: list[dict], store: CheckpointStore, master: str | None, sp
 def rescale(store: CheckpointStore, ref: str | int | None = "latest",
             parallelism: int | None = None, *, master: str | None = None, spark=None,
             dry_run: bool = False, compact: bool = False,
-            _fail_subtask: int | None = None) -> dict:
+            _fail_subtask: int | None = None, progress: ProgressSink = NO_PROGRESS) -> dict:
     """Rescale checkpoint ``ref`` to ``parallelism``; commit a new checkpoint; return a summary.
 
     ``spark``: a SparkSession to use (else ``get_spark(master)``). ``dry_run`` only plans.
     ``_fail_subtask`` is a test hook: that new subtask fails after its upload.
+    ``progress`` counts the new subtasks written (`statebackend.progress`).
     """
     if parallelism is None:
         raise UsageError("rescale needs a target parallelism (--parallelism Q)")
@@ -575,7 +584,7 @@ def rescale(store: CheckpointStore, ref: str | int | None = "latest",
         attempt = Attempt(store, checkpoint_id)
         try:
             t_tasks = time.perf_counter()
-            results = _run_tasks(specs, store, master, spark, description)
+            results = _run_tasks(specs, store, master, spark, description, progress)
             attempt.add_uploaded(p for r in results if r.get("ok")
                                  for p in r.get("uploaded_paths", []))
             tasks_seconds = time.perf_counter() - t_tasks

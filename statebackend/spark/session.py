@@ -79,6 +79,12 @@ def get_spark(master: str | None = None, app_name: str = "ckpt-job", conf: dict 
     return builder.getOrCreate()
 
 
+def quiet_console(master: str | None) -> dict[str, str]:
+    """Conf without Spark's console progress bar, for a command that shows its own
+    (`statebackend.progress`); a static setting, so nothing for a Connect client."""
+    return {} if is_remote_url(master) else {"spark.ui.showConsoleProgress": "false"}
+
+
 def get_connect(url: str, app_name: str = "ckpt-job", conf: dict | None = None):
     """A Spark Connect client session on ``url`` (``sc://host:port``) with our session settings."""
     from pyspark.sql import SparkSession

@@ -50,6 +50,7 @@ import pyarrow as pa
 
 from statebackend.checkpoint.metadata import CheckpointMetadata, FileRef, SubtaskHandle
 from statebackend.errors import CkptError, StorageError
+from statebackend.progress import NO_PROGRESS, ProgressSink
 from statebackend.state.backend import DB_DIR, KeyedStateBackend
 from statebackend.state.codecs import (
     RECORD_FORMAT,
@@ -449,9 +450,10 @@ def _bad_files(handle: SubtaskHandle, facts: dict[str, FileFacts]) -> list[str]:
 
 
 def build_content(storage: Storage, meta: CheckpointMetadata, *,
-                  frame_states: Collection[str] = (), work_dir: str | None = None
-                  ) -> ContentTables:
-    """Restore every subtask read-only (one at a time) and build the content tables."""
+                  frame_states: Collection[str] = (), work_dir: str | None = None,
+                  progress: ProgressSink = NO_PROGRESS) -> ContentTables:
+    """Restore every subtask read-only (one at a time) and build the content tables;
+    ``progress`` counts the subtasks checked."""
     descriptors = [StateDescriptor.from_json(s) for s in meta.states]
     clocks = {"event": meta.watermark, "processing": meta.processing_time}
     m = meta.max_parallelism
@@ -491,6 +493,7 @@ def build_content(storage: Storage, meta: CheckpointMetadata, *,
             shutil.rmtree(tmp, ignore_errors=True)
         restore_rows.append({"subtask": handle.index, "restored": error is None,
                              "restore_error": error or ""})
+        progress.advance()
         if error is None:
             for name in dict.fromkeys([d.name for d in descriptors] + list(counted)):
                 count_rows.append({

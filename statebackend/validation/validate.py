@@ -29,12 +29,13 @@ the maintenance DAG's deep validation renders the Data Docs.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from statebackend.checkpoint.metadata import utc_now_iso
 from statebackend.checkpoint.store import CheckpointStore, metadata_path
 from statebackend.errors import CheckpointNotFoundError, UsageError
+from statebackend.progress import NO_PROGRESS, ProgressSink
 from statebackend.validation.checks import (
     StateCheck,
     register_state_checks,
@@ -94,13 +95,14 @@ def validate_checkpoint(store: CheckpointStore, ref: str | int | None = "latest"
                         deep: bool = False, report_dir: str | None = None,
                         state_checks: Mapping[str, StateCheck] | None = None,
                         work_dir: str | None = None, report: str = REPORT_NOW,
-                        progress: Callable[[str], None] | None = None) -> ValidationResult:
+                        progress: ProgressSink = NO_PROGRESS) -> ValidationResult:
     """Run the manifest (and with ``deep`` the content) suites; store the report.
 
     ``state_checks`` maps a state name to a job check (see
     `statebackend.validation.checks`); it adds to / overrides the registered ones.
     ``report``: "now" renders GE Data Docs after the verdict, "none" skips them
-    (module docstring). ``progress`` is told each phase (the CLI's notices).
+    (module docstring). ``progress`` is told each phase and, with ``deep``, the subtasks
+    restored and checked.
     """
     if report not in REPORT_MODES:
         raise UsageError(f"report mode {report!r} is invalid: use one of "
@@ -114,6 +116,7 @@ def validate_checkpoint(store: CheckpointStore, ref: str | int | None = "latest"
     cid = resolve_checkpoint_id(store, ref)
     timings: dict = {}
     started = time.perf_counter()
+    progress.phase(f"checking the manifest of checkpoint {cid}")
     tables = manifest_mod.build_manifest(store, cid, checksums=None if deep else True)
     runs = [suites_mod.builtin_run("checkpoint", tables.checkpoint),
             suites_mod.builtin_run("files", tables.files),
@@ -136,8 +139,10 @@ def validate_checkpoint(store: CheckpointStore, ref: str | int | None = "latest"
                 expectations = fn(StateDescriptor.from_json(s)) if fn else None
                 if expectations:
                     job_checks[s["name"]] = expectations
-            content = content_mod.build_content(store.storage, meta,
-                                                frame_states=set(job_checks), work_dir=work_dir)
+            progress.phase(f"deep validation of checkpoint {cid}: restoring and checking",
+                           total=len(meta.subtasks), unit="subtasks")
+            content = content_mod.build_content(store.storage, meta, frame_states=set(job_checks),
+                                                work_dir=work_dir, progress=progress)
             manifest_mod.refresh_files(tables, content.facts)
             runs[1] = suites_mod.builtin_run("files", tables.files)
             runs += [suites_mod.builtin_run("restore", content.restore),
@@ -160,6 +165,7 @@ def validate_checkpoint(store: CheckpointStore, ref: str | int | None = "latest"
 
     # the verdict: pandas over the tables (GE only for a job's own checks)
     t0 = time.perf_counter()
+    progress.phase(f"verdict on checkpoint {cid}")
     suites, checks = suites_mod.evaluate_runs(runs)
     failed = [c for c in checks if not c["success"]]
     critical = [c for c in failed if c["critical"]]
@@ -194,17 +200,15 @@ def validate_checkpoint(store: CheckpointStore, ref: str | int | None = "latest"
 
 
 def _render_data_docs(runs: list, docs_dir: str, timings: dict,
-                      progress: Callable[[str], None] | None) -> None:
+                      progress: ProgressSink) -> None:
     """GE's Data Docs of the runs (the verdict is already taken)."""
     from statebackend.validation import suites as suites_mod
 
-    if progress is not None:
-        progress("loading Great Expectations (report)")
+    progress.phase("loading Great Expectations (report)")
     t0 = time.perf_counter()
     suites_mod.load_great_expectations()
     timings["ge_import_seconds"] = round(time.perf_counter() - t0, 3)
-    if progress is not None:
-        progress("rendering Data Docs")
+    progress.phase("rendering Data Docs")
     t0 = time.perf_counter()
     results = suites_mod.run_suites(runs, docs_dir)
     if results:

@@ -38,9 +38,9 @@ JOB_REF = "jobs.keyed_aggregation:JOB"
 CLIENT_TIMEOUT_S = 300
 
 
-def _client(server, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(args, cwd=ROOT, env=server.env, capture_output=True, text=True,
-                          timeout=CLIENT_TIMEOUT_S)
+def _client(server, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(args, cwd=ROOT, env={**server.env, **(env or {})},
+                          capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S)
 
 
 def _ckpt_json(server, storage: str, *args: str) -> dict:
@@ -104,11 +104,17 @@ def test_runs_rerun_and_rescale_through_connect_equal_the_local_run(connect_serv
 @pytest.mark.slow
 def test_first_run_on_connect_takes_the_servers_cores(connect_server, tmp_path):
     days = totals_days(str(tmp_path), 1, seed=5)
-    summary = _ckpt_json(connect_server, f"file://{tmp_path}/store",
-                         *_run_args(str(tmp_path), 0, f"{tmp_path}/out"))
+    # with progress lines: the Connect client reports the subtasks from the server's stream
+    done = _client(connect_server, CKPT_BIN, "--storage", f"file://{tmp_path}/store", "--job",
+                   "agg", *_run_args(str(tmp_path), 0, f"{tmp_path}/out"), "--remote",
+                   connect_server.url, "--json",
+                   env={"CKPT_PROGRESS": "lines", "CKPT_PROGRESS_INTERVAL": "0.5"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout)
     # The server runs local[2]; a Connect client has no SparkContext.defaultParallelism.
     assert summary["parallelism"] == 2
     assert summary["events_read"] == len(days[0]) + summary["events_rejected"]
+    assert "ckpt run: run day0, checkpoint 1: 2/2 subtasks (100%)" in done.stderr
 
 
 FAILING_RUN = """

@@ -4,8 +4,8 @@ Sources, all under ``<storage>/<job>/``, each optional:
 
 - ``chk-<id>/_metadata``: the commit records. ``extra["metrics"]`` (format 1) has the
   run's and every subtask's timings and counters; records written before it carry only
-  ``extra`` ``events_read``, ``events_rejected``, ``rejects_by_reason``, ``keys_touched``
-  (keyed aggregation) or nothing at all: every figure here may be None.
+  the legacy counters or nothing at all (`statebackend.checkpoint.metrics.run_figures`
+  reads every form): every figure here may be None.
   ``extra["context"]["airflow"]`` names the DAG run and task that wrote the record.
 - ``runs/history/<utc>-<run>-<outcome>.json``: one record per run outcome (committed,
   skipped, failed), written by the run protocol (`statebackend.checkpoint.runs.record_outcome`).
@@ -66,10 +66,12 @@ def _phases(value: Any) -> dict[str, float]:
 def run_metrics(meta) -> dict:
     """The run's figures: ``extra["metrics"]["run"]`` or, for older records, the legacy
     ``extra`` counters (no timings). Unknown figures are None."""
+    from statebackend.checkpoint.metrics import run_figures
+
     extra = _dict(meta.extra)
     metrics = _dict(extra.get("metrics"))
     run = _dict(metrics.get("run")) if metrics.get("format") == 1 else {}
-    src = run or extra
+    src = run_figures(extra)
     out = {
         "duration_s": _num(run.get("duration_s")),
         "events_read": _num(src.get("events_read")),

@@ -218,9 +218,9 @@ def test_rescale_holds_source_and_writer_lease_while_running(spark, tmp_path, mo
     seen = []
     real = mod._run_tasks
 
-    def spy(specs, store_, master, spark_, description):
+    def spy(*args, **kwargs):
         seen.extend((lease.name, lease.checkpoint_ids) for lease in list_leases(store.storage))
-        return real(specs, store_, master, spark_, description)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(mod, "_run_tasks", spy)
     rescale(store, "latest", 3, spark=spark)

@@ -1,0 +1,43 @@
+"""Run figures of a commit record (statebackend/checkpoint/metrics.py): written once, in
+``extra["metrics"]``; records of older releases (top-level counters, or both) still load,
+and the run ledger still learns ``keys_touched`` from each form."""
+
+from __future__ import annotations
+
+import pytest
+
+from statebackend.checkpoint.metrics import LEGACY_RUN_KEYS, run_figures
+from statebackend.checkpoint.runs import RunRecord
+from statebackend.checkpoint.snapshot import checkpoint_backends
+from statebackend.checkpoint.store import CheckpointStore
+from statebackend.storage import open_storage
+from tests.statebackend.helpers import close_all, fill, keys, open_backends
+
+FIGURES = {"events_read": 12, "events_rejected": 2, "rejects_by_reason": {"bad_json": 2},
+           "keys_touched": 7}
+METRICS = {"format": 1, "subtasks": [], "run": {**FIGURES, "duration_s": 1.5,
+                                                "bytes_uploaded": 10, "state_rows": 7}}
+FORMS = {
+    "current": {"metrics": METRICS, "input_files": 1},
+    "legacy": {**FIGURES, "input_files": 1},             # release 1: counters, no metrics
+    "both": {**FIGURES, "metrics": METRICS, "input_files": 1},  # before the cleanup
+}
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_every_record_form_gives_the_same_figures(form, tmp_path):
+    store = CheckpointStore(open_storage(f"file://{tmp_path}/store"), "j")
+    backends = open_backends(str(tmp_path / "work"), 1)
+    fill(backends, keys(7))
+    checkpoint_backends(store, backends, parent=None, run_id="r1", extra=FORMS[form])
+    close_all(backends)
+    meta = store.load(1)
+    got = run_figures(meta.extra)
+    assert {k: got[k] for k in LEGACY_RUN_KEYS} == FIGURES
+    assert RunRecord.of(meta).extra["keys_touched"] == 7
+    assert store.find_run("r1").extra["keys_touched"] == 7
+
+
+def test_a_record_without_figures_gives_none():
+    assert run_figures({}) == {} and run_figures(None) == {}
+    assert run_figures({"metrics": {"format": 2, "run": FIGURES}}) == {}  # unknown format
