@@ -66,7 +66,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 
 from rocksdict import (
@@ -508,17 +508,25 @@ def driver_threads(spark) -> int:
     return max(1, default_parallelism(spark))
 
 
+def _run_here(specs: list[dict], storage_options, workers: int,
+              progress: ProgressSink) -> list[dict]:
+    """Run the subtasks in this process, ``workers`` at a time, counting each one written."""
+    run = functools.partial(run_subtask, storage_options=storage_options)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(run, spec) for spec in specs]
+        for done in as_completed(futures):
+            done.result()  # the first failure stops the rescale here
+            progress.advance()
+    return [f.result() for f in futures]
+
+
 def _run_tasks(specs: list[dict], store: CheckpointStore, master: str | None, spark,
                description: str, progress: ProgressSink = NO_PROGRESS) -> list[dict]:
     progress.phase("new subtasks written", total=len(specs), unit="subtasks")
     if store.storage.protocol == "memory":
         # One after the other: fsspec's memory filesystem hands every reader of a file
         # the same file object, so two subtasks reading one old handle would collide.
-        results = []
-        for spec in specs:
-            results.append(run_subtask(spec, store.root_storage.options))
-            progress.advance()
-        return results
+        return _run_here(specs, store.root_storage.options, 1, progress)
     if spark is None:
         from statebackend.spark.session import get_spark
 
@@ -529,9 +537,7 @@ def _run_tasks(specs: list[dict], store: CheckpointStore, master: str | None, sp
         # this process's threads skip a Spark job's scheduling, task serialization and
         # Python worker round trips (most of a small rescale's time). rocksdict drops
         # the GIL in RocksDB calls, and each task works in its own folder and instance.
-        with ThreadPoolExecutor(max_workers=threads) as pool:
-            return list(pool.map(functools.partial(
-                run_subtask, storage_options=store.root_storage.options), specs))
+        return _run_here(specs, store.root_storage.options, threads, progress)
     from statebackend.spark.dispatch import job_tag
     from statebackend.spark.progress import report_tasks
 
