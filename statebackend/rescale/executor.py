@@ -421,7 +421,7 @@ def _task_specs(store: CheckpointStore, meta: CheckpointMetadata, plan: RescaleP
 
 def _run_tasks(specs: list[dict], store: CheckpointStore, master: str | None, spark,
                description: str) -> list[dict]:
-    if store.storage.protocol == "memory":
+    if store.storage.process_local:
         # One after the other: fsspec's memory filesystem hands every reader of a file
         # the same file object, so two subtasks reading one old handle would collide.
         return [run_subtask(spec, store.root_storage.options) for spec in specs]
@@ -440,7 +440,7 @@ def _run_tasks(specs: list[dict], store: CheckpointStore, master: str | None, sp
         out = [row["result"] for row in tasks.collect()]
     # Other processes wrote under the job root: drop this process's cached listings
     # (s3fs would otherwise answer "does not exist" for the new files).
-    store.storage.fs.invalidate_cache()
+    store.storage.invalidate_cache()
     return [json.loads(r) for r in out]
 
 
