@@ -71,9 +71,12 @@ def chk_id_of(path: str) -> int | None:
     return int(digits) if digits.isdecimal() else None
 
 
+COMMIT_RECORD_SUFFIX = "/" + METADATA_FILE
+
+
 def is_commit_record(path: str) -> bool:
     """``chk-<id>/_metadata``."""
-    return path.endswith("/" + METADATA_FILE) and path.count("/") == 1 \
+    return path.endswith(COMMIT_RECORD_SUFFIX) and path.count("/") == 1 \
         and chk_id_of(path) is not None
 
 

@@ -28,6 +28,7 @@ parsed strictly; changes must stay backward-compatible.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
@@ -149,7 +150,10 @@ def record_outcome(job_storage: Storage, outcome: RunOutcome) -> None:
 
 
 def history_beyond(paths: list[str], keep: int = HISTORY_KEPT) -> list[str]:
-    """The history files to prune: all but the newest ``keep`` of ``paths`` (pure).
-    Names start with the UTC start time, so name order is time order."""
-    history = sorted(p for p in paths if p.startswith(layout.HISTORY_DIR + "/"))
+    """The history files to prune: all but the newest ``keep`` of ``paths`` (pure; a
+    sorted list, e.g. a listing). Names start with the UTC start time, so name order
+    is time order."""
+    first = bisect.bisect_left(paths, layout.HISTORY_DIR + "/")
+    end = bisect.bisect_left(paths, layout.HISTORY_DIR + "0", first)  # "0" follows "/"
+    history = paths[first:end]
     return history[:-keep] if len(history) > keep else []

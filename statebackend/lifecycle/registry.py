@@ -68,6 +68,7 @@ from datetime import UTC, datetime
 from operator import attrgetter, itemgetter
 
 from statebackend.checkpoint.layout import (
+    COMMIT_RECORD_SUFFIX,
     GC_SCOPE_PREFIXES,
     INDEX_FILE,
     checkpoint_dir,
@@ -211,10 +212,10 @@ def build_registry(store: CheckpointStore, *, now: datetime | float | None = Non
     when = as_datetime(now)
     storage = store.storage
     # 1. list first: see the module docstring and gc.py (failure scenario 2)
-    listing = storage.walk_files("")
-    files = files_by_path(listing)
+    files = {info.path: info for info in storage.walk_files("")}  # in path order
     # 2. committed ids from a fresh listing, so commits after step 1 are owners too
-    listed = {cid for p in files if is_commit_record(p) and (cid := chk_id_of(p)) is not None}
+    listed = {chk_id_of(p) for p in files if p.endswith(COMMIT_RECORD_SUFFIX)
+              and is_commit_record(p)}
     ids = sorted(set(store.checkpoint_ids(known=listed)) | listed)
     savepoint_names: set[str] = set()
     savepoint_dirs: set[str] = set()
@@ -414,8 +415,8 @@ def parse_index(data: bytes, job: str) -> RegistryIndex:
     paths, sizes, rows = obj["paths"], obj["sizes"], obj["checkpoints"]
     if not (isinstance(paths, list) and isinstance(sizes, list) and isinstance(rows, list)
             and len(paths) == len(sizes)
-            and all(type(p) is str for p in paths)
-            and all(type(n) is int and n >= 0 for n in sizes)):
+            and set(map(type, paths)) <= {str} and set(map(type, sizes)) <= {int}
+            and (not sizes or min(sizes) >= 0)):
         raise ValueError("paths and sizes are not two lists of strings and sizes")
     entries: dict[int, IndexEntry] = {}
     for row in rows:

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from statebackend.checkpoint.layout import (
+    CHK_PREFIX,
     PERMANENT_DIRS,
     chk_id_of,
     metadata_path,
@@ -233,7 +234,8 @@ def plan_retention(registry: Registry, keep: int,
         FileAction(path, info.size if info is not None else size_of(path),
                    DEL_RELEASED_SHARED if folder is None else DEL_PRIVATE, folder)
         for path in sorted(released)
-        for folder, info in ((chk_id_of(path), listed.get(path)),)]
+        for folder, info in ((chk_id_of(path) if path.startswith(CHK_PREFIX) else None,
+                              listed.get(path)),)]
     history_actions = [FileAction(path, listed[path].size, DEL_OLD_HISTORY)
                        for path in history_beyond(list(listed), history_kept)]
     bytes_kept = sum(map(size_of, kept_paths))

@@ -66,6 +66,16 @@ class LocalStorage(Storage):
             size, crc = copy_local_file(self.abspath(rel), local_path, algorithm)
         return size, format_checksum(algorithm, crc)
 
+    def list_dir(self, rel: str = "") -> list[str]:
+        path = self.abspath(rel)
+        with self._errors(rel or "/"):
+            try:
+                return sorted(os.listdir(path))
+            except FileNotFoundError:
+                return []
+            except NotADirectoryError:
+                return [posixpath.basename(path)]
+
     def walk_files(self, rel: str = "") -> list[FileInfo]:
         top = self.abspath(rel)
         out: list[FileInfo] = []
