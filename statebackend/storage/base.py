@@ -114,16 +114,6 @@ class Storage:
         """The path of ``rel`` on this host's filesystem, or None (not a local storage)."""
         return None
 
-    def child(self, name: str) -> Storage:
-        """The storage rooted at ``<root>/<name>`` (a job root); ``name`` is one segment."""
-        clean = safe_relpath(name, "job name")
-        if "/" in clean:
-            raise UsageError(f"job name {name!r} must not contain '/'")
-        out = copy.copy(self)  # the same filesystem, options (and quota)
-        out.url = f"{self.url.rstrip('/')}/{clean}"
-        out.root = f"{self.root}/{clean}"
-        return out
-
     # -- primitives -------------------------------------------------------
     def exists(self, rel: str) -> bool:
         with self._errors(rel):
@@ -294,10 +284,6 @@ class Storage:
     def _make_parent(self, path: str) -> None:
         """Create the folder of ``path`` where the filesystem needs one (local.py)."""
 
-    def _reserve(self, nbytes: int) -> None:
-        with self._reserved(nbytes):
-            pass
-
     @contextmanager
     def _reserved(self, nbytes: int) -> Iterator[None]:
         """Hold room for ``nbytes`` while writing (only memory.py has a maximum size)."""
@@ -321,7 +307,13 @@ class Storage:
 
 def child_storage(storage: Storage, name: str) -> Storage:
     """The storage rooted at ``<root>/<name>`` (a job root); ``name`` must be one segment."""
-    return storage.child(name)
+    clean = safe_relpath(name, "job name")
+    if "/" in clean:
+        raise UsageError(f"job name {name!r} must not contain '/'")
+    out = copy.copy(storage)  # the same class, filesystem, options (and memory quota)
+    out.url = f"{storage.url.rstrip('/')}/{clean}"
+    out.root = f"{storage.root}/{clean}"
+    return out
 
 
 def mtime_of(entry: dict) -> float | None:
