@@ -34,12 +34,18 @@ import logging
 import uuid
 from collections.abc import Callable, Iterable
 
+from statebackend.checkpoint.layout import (
+    attempt_record_path,
+    attempts_dir,
+    belongs_to_attempt,
+    checkpoint_dir,
+    metadata_path,
+)
 from statebackend.checkpoint.metadata import CheckpointMetadata
-from statebackend.checkpoint.store import CheckpointStore, metadata_path
+from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import CkptError
 from statebackend.storage import Storage
 
-ATTEMPTS_DIR = "_attempts"
 log = logging.getLogger(__name__)
 
 
@@ -48,14 +54,14 @@ def record_uploads(job_storage: Storage, checkpoint_id: int, subtask: int, attem
     """Executor side: what one task attempt uploaded, before it returns its handle."""
     record = {"subtask": subtask, "attempt": attempt, "uploaded": list(uploaded)}
     job_storage.write_bytes(
-        f"chk-{checkpoint_id}/{ATTEMPTS_DIR}/{subtask}-{attempt}-{uuid.uuid4().hex[:8]}.json",
+        attempt_record_path(checkpoint_id, subtask, attempt, uuid.uuid4().hex[:8]),
         json.dumps(record).encode())
 
 
 def attempt_records(job_storage: Storage, checkpoint_id: int) -> list[dict]:
     """The readable attempt records of ``checkpoint_id`` (unreadable ones are skipped)."""
     records = []
-    for info in job_storage.walk_files(f"chk-{checkpoint_id}/{ATTEMPTS_DIR}"):
+    for info in job_storage.walk_files(attempts_dir(checkpoint_id)):
         try:
             rec = json.loads(job_storage.read_bytes(info.path))
         except (CkptError, ValueError):
@@ -67,10 +73,6 @@ def attempt_records(job_storage: Storage, checkpoint_id: int) -> list[dict]:
 
 def _recorded_paths(rec: dict) -> list[str]:
     return [p for p in rec.get("uploaded", []) if isinstance(p, str)]
-
-
-def _ours(path: str, checkpoint_id: int) -> bool:
-    return path.startswith(("shared/", f"chk-{checkpoint_id}/"))
 
 
 class Attempt:
@@ -123,8 +125,9 @@ class Attempt:
                   for p in _recorded_paths(rec)
                   if p not in referenced and p not in self.uploaded}
         try:
-            self.storage.delete_many(sorted(p for p in losers if _ours(p, self.checkpoint_id)))
-            self.storage.delete_tree(f"chk-{self.checkpoint_id}/{ATTEMPTS_DIR}")
+            self.storage.delete_many(sorted(
+                p for p in losers if belongs_to_attempt(p, self.checkpoint_id)))
+            self.storage.delete_tree(attempts_dir(self.checkpoint_id))
         except CkptError as exc:
             log.warning("cleanup after checkpoint %s incomplete (%s); `ckpt gc` removes the "
                         "orphans later", self.checkpoint_id, exc)
@@ -140,14 +143,15 @@ class Attempt:
         try:
             for rec in attempt_records(self.storage, self.checkpoint_id):
                 paths.update(_recorded_paths(rec))
-            self.storage.delete_many(sorted(p for p in paths if _ours(p, self.checkpoint_id)))
+            self.storage.delete_many(sorted(
+                p for p in paths if belongs_to_attempt(p, self.checkpoint_id)))
             if self.storage.exists(metadata_path(self.checkpoint_id)):
                 # Another writer committed this id: its checkpoint stays; ours is gone.
-                self.storage.delete_tree(f"chk-{self.checkpoint_id}/{ATTEMPTS_DIR}")
+                self.storage.delete_tree(attempts_dir(self.checkpoint_id))
             else:
                 # Private files of tasks whose result never came back (a lost worker);
                 # their shared uploads are orphans that GC removes after its grace period.
-                self.storage.delete_tree(f"chk-{self.checkpoint_id}")
+                self.storage.delete_tree(checkpoint_dir(self.checkpoint_id))
         except CkptError as exc:
             log.warning("discard of checkpoint %s attempt incomplete (%s); `ckpt gc` removes "
                         "the orphans later", self.checkpoint_id, exc)

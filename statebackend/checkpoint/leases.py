@@ -1,4 +1,7 @@
-"""Leases: time-bounded claims written to ``<job>/leases/<name>.json``.
+"""Leases: time-bounded claims written to ``<job>/leases/<name>.json`` (layout.py).
+
+This module is the one reader of lease files (`read_lease_file`, `list_leases`,
+`live_leases`); the lifecycle registry reads the leases of its listing with it.
 
 - The *writer* lease (``leases/writer.json``) makes a job run, rescale or
   savepoint the only writer of a job: it is created exclusively, so a second
@@ -55,17 +58,16 @@ from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
+from statebackend.checkpoint.layout import LEASES_DIR, claim_path, is_lease_file, lease_path
 from statebackend.errors import LeaseConflictError, LeaseLostError, MetadataError, UsageError
 from statebackend.storage import Storage
 
-LEASES_DIR = "leases"
 WRITER_LEASE = "writer"
 LEASE_FORMAT_VERSION = 1
 DEFAULT_TTL_SECONDS = 60.0
 HEARTBEATS_PER_TTL = 4
 TTL_ENV = "CKPT_LEASE_TTL_SECONDS"
 HEARTBEAT_ENV = "CKPT_LEASE_HEARTBEAT_SECONDS"
-CLAIM_PREFIX = ".takeover-"
 CLAIM_STALE_SECONDS = 30.0
 
 log = logging.getLogger(__name__)
@@ -85,7 +87,7 @@ class Lease:
 
     @property
     def path(self) -> str:
-        return f"{LEASES_DIR}/{self.name}.json"
+        return lease_path(self.name)
 
     @property
     def identity(self) -> str:
@@ -163,14 +165,18 @@ def _new_lease(name: str, purpose: str, checkpoint_ids: Sequence[int], ttl_secon
                  uuid.uuid4().hex)
 
 
+def read_lease_file(job_storage: Storage, rel: str) -> Lease | None:
+    """The lease in ``rel``, strictly parsed; None if it is gone (released meanwhile).
+    Only "absent" means no lease: an unreachable store must not look like a free lease."""
+    data = job_storage.read_bytes_if_exists(rel)
+    return None if data is None else Lease.from_bytes(data, job_storage.url_of(rel))
+
+
 def list_leases(job_storage: Storage) -> list[Lease]:
-    out = []
-    for info in job_storage.walk_files(LEASES_DIR):
-        name = info.path.rsplit("/", 1)[-1]
-        if name.endswith(".json") and not name.startswith("."):
-            out.append(Lease.from_bytes(job_storage.read_bytes(info.path),
-                                        f"{job_storage.url}/{info.path}"))
-    return out
+    """Every lease of a job root, live or expired; leases released meanwhile are skipped."""
+    paths = [p for name in job_storage.list_dir(LEASES_DIR)
+             if is_lease_file(p := f"{LEASES_DIR}/{name}")]
+    return [x for x in (read_lease_file(job_storage, p) for p in paths) if x is not None]
 
 
 def live_leases(job_storage: Storage, now: datetime | None = None) -> list[Lease]:
@@ -192,7 +198,7 @@ def acquire_writer_lease(job_storage: Storage, purpose: str, *, checkpoint_ids: 
             return lease
         except FileExistsError:
             pass
-        current = _read(job_storage, lease.path)
+        current = read_lease_file(job_storage, lease.path)
         if current is None:
             continue  # released meanwhile: try again
         if not current.expired():
@@ -208,7 +214,7 @@ def acquire_writer_lease(job_storage: Storage, purpose: str, *, checkpoint_ids: 
 def _take_over(job_storage: Storage, stale: Lease) -> None:
     """Remove the expired ``stale`` lease, unless another taker is doing so (scenario 3)."""
     digest = hashlib.sha256(stale.identity.encode()).hexdigest()[:32]
-    claim = f"{LEASES_DIR}/{CLAIM_PREFIX}{digest}"
+    claim = claim_path(digest)
     now = datetime.now(UTC)
     try:
         job_storage.write_exclusive(claim, json.dumps(
@@ -221,7 +227,7 @@ def _take_over(job_storage: Storage, stale: Lease) -> None:
             f"job {job_storage.url}: another writer is taking over the expired writer lease "
             f"of {stale.purpose} by {stale.holder}; retry later") from None
     try:
-        current = _read(job_storage, stale.path)
+        current = read_lease_file(job_storage, stale.path)
         if current is not None and current.identity == stale.identity:
             job_storage.delete_many([stale.path])
     finally:
@@ -253,7 +259,7 @@ def acquire_hold(job_storage: Storage, purpose: str, checkpoint_ids: Sequence[in
 def release(job_storage: Storage, lease: Lease | HeldLease) -> None:
     """Delete the lease file if it is still this acquisition's."""
     record = lease.lease if isinstance(lease, HeldLease) else lease
-    current = _read(job_storage, record.path)
+    current = read_lease_file(job_storage, record.path)
     if current is not None and current.identity == record.identity:
         job_storage.delete_many([record.path])
 
@@ -300,7 +306,8 @@ class HeldLease:
                 return False
             renewed = replace(self.lease,
                               expires_at=(now + timedelta(seconds=self.ttl_seconds)).isoformat())
-            _overwrite(self.storage, self.lease.path, renewed.to_bytes())
+            # readers (GC, takers) must never see half a lease
+            self.storage.write_atomic(self.lease.path, renewed.to_bytes())
             self.lease = renewed
             self.renewals += 1
             return True
@@ -317,7 +324,7 @@ class HeldLease:
                     "commit: run it again")
 
     def _check(self, now: datetime) -> None:
-        current = _read(self.storage, self.lease.path)
+        current = read_lease_file(self.storage, self.lease.path)
         if current is None:
             self._lost = "its file was removed"
         elif current.identity != self.lease.identity:
@@ -398,22 +405,3 @@ def hold(job_storage: Storage, purpose: str, checkpoint_ids: Sequence[int], *,
     lease = acquire_hold(job_storage, purpose, checkpoint_ids, ttl_seconds=ttl, holder=holder)
     with _renewed(job_storage, lease, ttl, beat) as held:
         yield held
-
-
-def _overwrite(job_storage: Storage, rel: str, data: bytes) -> None:
-    """Replace a lease file atomically: readers (GC, takers) must never see half a lease.
-    A PUT on S3 and a memory:// write are atomic; a local write is not (temp + rename,
-    the temp written through the storage like every other write)."""
-    if job_storage.protocol != "file":
-        job_storage.write_bytes(rel, data)
-        return
-    folder, name = rel.rsplit("/", 1)
-    tmp = f"{folder}/.{name}.{uuid.uuid4().hex}.tmp"  # not *.json: never read as a lease
-    job_storage.write_bytes(tmp, data)
-    os.replace(job_storage.abspath(tmp), job_storage.abspath(rel))
-
-
-def _read(job_storage: Storage, rel: str) -> Lease | None:
-    # Only "absent" means no lease: an unreachable store must not look like a free lease.
-    data = job_storage.read_bytes_if_exists(rel)
-    return None if data is None else Lease.from_bytes(data, f"{job_storage.url}/{rel}")

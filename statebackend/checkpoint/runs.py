@@ -2,7 +2,9 @@
 
 ``<job>/runs/<run>.json``: one file per committed run id (the ledger).
 ``<job>/runs/history/<utc>-<run>-<outcome>.json``: one file per finished attempt
-(committed, skipped or failed), the newest `HISTORY_KEPT` kept, for the page.
+(committed, skipped or failed), for the page; retention keeps the newest
+`HISTORY_KEPT` (lifecycle/retention.py: planned, dry-run, then deleted), so a run
+never lists the history. Paths: layout.py.
 
 Runs are idempotent by run id: a run id that was committed once must never count
 its input again. The commit record (`_metadata`) names its run id, but retention
@@ -26,6 +28,7 @@ parsed strictly; changes must stay backward-compatible.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
@@ -33,13 +36,12 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from statebackend.checkpoint import layout
 from statebackend.checkpoint.metadata import CheckpointMetadata, utc_now_iso
 from statebackend.checkpoint.metrics import run_figures
 from statebackend.errors import CkptError, MetadataError
 from statebackend.storage import Storage
 
-RUNS_DIR = "runs"
-HISTORY_DIR = f"{RUNS_DIR}/history"
 HISTORY_KEPT = 500
 OUTCOMES = ("committed", "skipped", "failed")
 log = logging.getLogger(__name__)
@@ -58,7 +60,7 @@ def safe_run_name(run_id: str) -> str:
 
 
 def run_record_path(run_id: str) -> str:
-    return f"{RUNS_DIR}/{safe_run_name(run_id)}.json"
+    return layout.run_record_path(safe_run_name(run_id))
 
 
 @dataclass(frozen=True)
@@ -144,13 +146,20 @@ class RunOutcome:
 
 
 def record_outcome(job_storage: Storage, outcome: RunOutcome) -> None:
-    """Best effort: add ``outcome`` to the history and drop the oldest beyond HISTORY_KEPT."""
+    """Best effort: add ``outcome`` to the history (one write; retention prunes it)."""
     stamp = re.sub(r"[^0-9]", "", outcome.started_at)[:20]
-    rel = f"{HISTORY_DIR}/{stamp}-{safe_run_name(outcome.run_id)}-{outcome.outcome}.json"
+    rel = layout.history_path(stamp, safe_run_name(outcome.run_id), outcome.outcome)
     try:
         job_storage.write_bytes(rel, outcome.to_bytes())
-        names = sorted(job_storage.list_dir(HISTORY_DIR))
-        if len(names) > HISTORY_KEPT:
-            job_storage.delete_many(f"{HISTORY_DIR}/{n}" for n in names[:-HISTORY_KEPT])
     except CkptError as exc:  # the history is a report: a run never fails for it
         log.warning("run history not recorded (%s)", exc)
+
+
+def history_beyond(paths: list[str], keep: int = HISTORY_KEPT) -> list[str]:
+    """The history files to prune: all but the newest ``keep`` of ``paths`` (pure; a
+    sorted list, e.g. a listing). Names start with the UTC start time, so name order
+    is time order."""
+    first = bisect.bisect_left(paths, layout.HISTORY_DIR + "/")
+    end = bisect.bisect_left(paths, layout.HISTORY_DIR + "0", first)  # "0" follows "/"
+    history = paths[first:end]
+    return history[:-keep] if len(history) > keep else []

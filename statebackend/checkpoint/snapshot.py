@@ -32,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from statebackend.checkpoint.attempt import Attempt
+from statebackend.checkpoint.layout import private_dir, shared_path
 from statebackend.checkpoint.metadata import CheckpointMetadata, FileRef, SubtaskHandle
 from statebackend.checkpoint.store import CheckpointStore, build_metadata
 from statebackend.errors import SnapshotError, UsageError
@@ -51,10 +52,6 @@ class SnapshotResult:
     files_reused: int
 
 
-def private_dir(checkpoint_id: int, subtask: int, snapshot_id: str) -> str:
-    return f"chk-{checkpoint_id}/{subtask}/{snapshot_id}"
-
-
 def upload_snapshot(job_storage: Storage, snapshot: LocalSnapshot, *, checkpoint_id: int,
                     subtask: int, backend: KeyedStateBackend,
                     threads: int = UPLOAD_THREADS) -> SnapshotResult:
@@ -67,7 +64,7 @@ def upload_snapshot(job_storage: Storage, snapshot: LocalSnapshot, *, checkpoint
         if name.endswith(".sst") and known is not None and known.size == size:
             reused.append(known)
         elif name.endswith(".sst"):
-            to_upload.append((name, f"shared/{uuid.uuid4().hex}-{name}", True))
+            to_upload.append((name, shared_path(f"{uuid.uuid4().hex}-{name}"), True))
         else:
             prefix = private_dir(checkpoint_id, subtask, snapshot.snapshot_id)
             to_upload.append((name, f"{prefix}/{name}", False))

@@ -1,13 +1,9 @@
 """Checkpoints of one job: list, load, resolve, allocate ids, commit.
 
-Job root layout (see DESIGN.md)::
-
-    <root>/<job>/shared/<unique>.sst      immutable, shared by checkpoints
-    <root>/<job>/chk-<id>/<subtask>/...   private files of one checkpoint
-    <root>/<job>/chk-<id>/_metadata       commit record, written last
-    <root>/<job>/savepoints/<name>/...    self-contained, never collected
-    <root>/<job>/leases/<lease>.json      holds checkpoints against retention/GC
-    <root>/<job>/reports/chk-<id>/...     validation reports
+Job root layout: layout.py (the one module that names paths; DESIGN.md).
+This module is the one lister of committed checkpoints (`checkpoint_ids`) and
+the one reader of their `_metadata` (`parse`, `load`): the lifecycle registry
+builds on both.
 
 Invariants: a checkpoint exists iff its `_metadata` exists; `_metadata` is created
 exclusively (a second commit of the same id fails instead of overwriting);
@@ -28,8 +24,14 @@ import re
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from statebackend.checkpoint.layout import CHK_DIR_RE, chk_id_of, metadata_path
 from statebackend.checkpoint.leases import HeldLease, held_writer_leases
-from statebackend.checkpoint.metadata import CheckpointMetadata, FileRef, SubtaskHandle
+from statebackend.checkpoint.metadata import (
+    CheckpointMetadata,
+    FileRef,
+    SubtaskHandle,
+    parse_metadata,
+)
 from statebackend.checkpoint.runs import RunRecord, read_run_record, write_run_record
 from statebackend.errors import (
     CheckpointNotFoundError,
@@ -42,8 +44,6 @@ from statebackend.errors import (
 from statebackend.state.keygroups import check_parallelism, key_group_range_for_subtask
 from statebackend.storage import Storage, child_storage, safe_relpath
 
-METADATA_FILE = "_metadata"
-CHK_DIR_RE = re.compile(r"^chk-(\d+)$")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
 VERIFY_THREADS = 16
 MISSING_LIST_CAP = 5
@@ -58,10 +58,6 @@ def check_name(what: str, name: str) -> str:
 
 def check_job_name(job: str) -> str:
     return check_name("job name", job)
-
-
-def metadata_path(checkpoint_id: int) -> str:
-    return f"chk-{checkpoint_id}/{METADATA_FILE}"
 
 
 class CheckpointStore:
@@ -88,36 +84,56 @@ class CheckpointStore:
 
     def checkpoint_dirs(self) -> list[int]:
         """Ids of every chk-<id> folder, committed or not, ascending."""
-        ids = []
-        for name in self.storage.list_dir(""):
-            m = CHK_DIR_RE.match(name)
-            if m:
-                ids.append(int(m.group(1)))
-        return sorted(ids)
+        return sorted(cid for name in self.storage.list_dir("")
+                      if (cid := chk_id_of(name)) is not None)
 
-    def checkpoint_ids(self) -> list[int]:
-        """Ids of committed checkpoints (those with `_metadata`), ascending."""
-        committed = set()
-        for path in self.storage.glob(f"chk-*/{METADATA_FILE}"):
-            m = CHK_DIR_RE.match(path.split("/")[0])
-            if m:
-                committed.add(int(m.group(1)))
-        return sorted(committed)
+    def checkpoint_ids(self, known: Iterable[int] = ()) -> list[int]:
+        """Ids of committed checkpoints (those with `_metadata`), ascending.
 
-    def load(self, checkpoint_id: int) -> CheckpointMetadata:
-        rel = metadata_path(checkpoint_id)
-        where = f"{self.storage.url}/{rel}"
-        data = self.storage.read_bytes_if_exists(rel)
-        if data is None:
-            raise CheckpointNotFoundError(
-                f"checkpoint {checkpoint_id} of job {self.job!r} not found "
-                f"(no {where}); see `ckpt list`")
-        meta = CheckpointMetadata.from_bytes(data, where)
+        One listing of the job root's folders; ids in ``known`` (committed when
+        the caller last looked) are taken as they are (a retired one is skipped
+        later, when its `_metadata` cannot be read), every other ``chk-<id>``
+        folder costs one existence check of its `_metadata`: a handful of
+        requests instead of a listing of every file of the job.
+        """
+        known = set(known)
+        folders = self.checkpoint_dirs()
+        unknown = [cid for cid in folders if cid not in known]
+        workers = min(VERIFY_THREADS, len(unknown)) if self.storage.remote else 1
+        if workers > 1:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                found = list(pool.map(self._committed, unknown))
+        else:
+            found = [self._committed(cid) for cid in unknown]
+        return sorted([cid for cid, ok in zip(unknown, found, strict=True) if ok]
+                      + [cid for cid in folders if cid in known])
+
+    def _committed(self, checkpoint_id: int) -> bool:
+        return self.storage.exists(metadata_path(checkpoint_id))
+
+    def read_record(self, checkpoint_id: int) -> bytes | None:
+        """The raw `_metadata` of ``checkpoint_id``, or None if it does not exist."""
+        return self.storage.read_bytes_if_exists(metadata_path(checkpoint_id))
+
+    def parse(self, checkpoint_id: int, data: bytes, memo: dict | None = None
+              ) -> CheckpointMetadata:
+        """The `_metadata` bytes of ``checkpoint_id``, strictly parsed and checked to
+        describe this job and id. ``memo``: shared across many records (metadata.py)."""
+        where = f"{self.storage.url}/{metadata_path(checkpoint_id)}"
+        meta = parse_metadata(data, where, memo if memo is not None else {})
         if meta.checkpoint_id != checkpoint_id or meta.job != self.job:
             raise MetadataError(
                 f"malformed metadata {where}: it describes job {meta.job!r} checkpoint "
                 f"{meta.checkpoint_id}, not job {self.job!r} checkpoint {checkpoint_id}")
         return meta
+
+    def load(self, checkpoint_id: int) -> CheckpointMetadata:
+        data = self.read_record(checkpoint_id)
+        if data is None:
+            raise CheckpointNotFoundError(
+                f"checkpoint {checkpoint_id} of job {self.job!r} not found "
+                f"(no {self.storage.url}/{metadata_path(checkpoint_id)}); see `ckpt list`")
+        return self.parse(checkpoint_id, data)
 
     def load_all(self) -> list[CheckpointMetadata]:
         return [self.load(i) for i in self.checkpoint_ids()]

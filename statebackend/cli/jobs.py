@@ -13,11 +13,11 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 
-from statebackend.checkpoint.leases import LEASES_DIR
-from statebackend.checkpoint.store import CHK_DIR_RE, CheckpointStore, check_job_name
+from statebackend.checkpoint.layout import CHK_DIR_RE, LEASES_DIR, SAVEPOINTS_DIR
+from statebackend.checkpoint.leases import live_leases
+from statebackend.checkpoint.store import CheckpointStore, check_job_name
 from statebackend.cli.app import age_of, emit_json, human_bytes, json_flag
 from statebackend.errors import CkptError, StorageError, UsageError
-from statebackend.lifecycle.registry import SAVEPOINTS_DIR, committed_ids, read_live_leases
 from statebackend.storage import Storage
 
 LIST_THREADS = 8
@@ -63,8 +63,8 @@ def job_info(storage: Storage, name: str) -> JobInfo | None:
     savepoints = len(store.storage.list_dir(SAVEPOINTS_DIR)) if SAVEPOINTS_DIR in entries else 0
     info = JobInfo(job=name, savepoints=savepoints)
     try:
-        ids = committed_ids(store)
-        leases = len(read_live_leases(store.storage)) if LEASES_DIR in entries else 0
+        ids = store.checkpoint_ids()
+        leases = len(live_leases(store.storage)) if LEASES_DIR in entries else 0
         info = JobInfo(job=name, checkpoints=len(ids), savepoints=savepoints, live_leases=leases)
         if ids:
             meta = store.load(ids[-1])
@@ -80,7 +80,8 @@ def job_info(storage: Storage, name: str) -> JobInfo | None:
 
 def list_jobs(storage: Storage) -> list[JobInfo]:
     storage.check_reachable()
-    if storage.protocol == "file" and not os.path.isdir(storage.root):
+    local_root = storage.local_path("")
+    if local_root is not None and not os.path.isdir(local_root):
         raise StorageError(f"storage root {storage.url} does not exist; check --storage")
     names = storage.list_dir("")
     with ThreadPoolExecutor(max_workers=LIST_THREADS) as pool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from statebackend.checkpoint.layout import savepoint_dir
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.cli.app import age_of, emit_json, human_bytes, json_flag
 from statebackend.errors import UsageError
@@ -104,7 +105,7 @@ def cmd_savepoint(args: argparse.Namespace, store: CheckpointStore) -> int:
     with Progress("savepoint") as progress:
         progress.phase(f"copying checkpoint {args.checkpoint} to savepoint {args.name}")
         meta = create_savepoint(store, args.checkpoint, args.name)
-    path = f"{store.job}/savepoints/{args.name}"
+    path = f"{store.job}/{savepoint_dir(args.name)}"
     url = f"{store.root_storage.url}/{path}"
     if args.json:
         emit_json(dict(meta.summary(), savepoint=args.name, path=path, url=url, start_from=path,

@@ -187,7 +187,7 @@ def run_job(job: Job, config: RunConfig, spark=None,
     options = _check_config(job, config)
     job = job.configured(options)
     storage = config.open(config.storage)
-    if storage.protocol == "memory":
+    if storage.process_local:
         raise UsageError(f"storage {config.storage} lives in one process, but Spark tasks run "
                          "in others: use a file:// path or s3://")
     store = CheckpointStore(storage, config.job_dir(job))

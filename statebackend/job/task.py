@@ -328,8 +328,5 @@ def write_parquet(storage: Storage | str, rel: str, table: pa.Table) -> None:
 
     if isinstance(storage, str):
         storage = open_storage(storage)
-    path = storage.abspath(rel)
-    if storage.protocol == "file":
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-    with storage.fs.open(path, "wb") as fh:
+    with storage.open_write(rel) as fh:
         pq.write_table(table, fh)

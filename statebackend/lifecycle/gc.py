@@ -82,7 +82,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 
-from statebackend.checkpoint.leases import WRITER_LEASE, Lease
+from statebackend.checkpoint.leases import WRITER_LEASE, Lease, live_leases
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import CheckpointNotFoundError, UsageError
 from statebackend.lifecycle.registry import (
@@ -90,10 +90,8 @@ from statebackend.lifecycle.registry import (
     as_datetime,
     build_registry,
     chk_id_of,
-    committed_ids,
     in_gc_scope,
     is_commit_record,
-    read_live_leases,
     referenced_by_records,
 )
 from statebackend.lifecycle.retention import delete_counted, prune_empty_dirs
@@ -312,7 +310,7 @@ def execute_gc(store: CheckpointStore, plan: GcPlan, known_ids: set[int] | None 
     files deleted of those planned."""
     started = time.perf_counter()
     spare: set[str] = set()
-    committed = set(committed_ids(store, known=known_ids or ()))
+    committed = set(store.checkpoint_ids(known=known_ids or ()))
     if known_ids is not None:
         for cid in committed - known_ids:
             try:
@@ -322,7 +320,7 @@ def execute_gc(store: CheckpointStore, plan: GcPlan, known_ids: set[int] | None 
     if plan.deletions and plan.indexed_ids:  # scenario 11: the real records decide
         spare |= referenced_by_records(store, plan.indexed_ids) & {
             f.path for f in plan.deletions}
-    guard = lease_guard(read_live_leases(store.storage, as_datetime(now)), committed)
+    guard = lease_guard(live_leases(store.storage, as_datetime(now)), committed)
     spare.update(f.path for f in plan.deletions if guard.reason(f.path, f.mtime) is not None)
     todo = [f for f in plan.deletions if f.path not in spare]
     failures = delete_counted(store.storage, [f.path for f in todo], progress,

@@ -25,9 +25,13 @@ unreadable checkpoint references). A `_metadata` or lease that disappears
 between listing and reading (a concurrent retention or release) is skipped:
 it no longer exists. Metadata is read by a thread pool (I/O bound on S3).
 
+Paths come from checkpoint/layout.py; committed ids from the one lister
+(`CheckpointStore.checkpoint_ids`), records from the one `_metadata` reader
+(`CheckpointStore.parse`), leases from the one lease reader (leases.py).
+
 Scale (10,000 checkpoints x 100 references): each distinct file reference is
-validated once (`parse_metadata`), committed ids come from one listing of the
-job's folders (`committed_ids`), ``file://`` is listed with ``os.scandir``, and
+validated once (`metadata.parse_metadata`), committed ids come from one listing
+of the job's folders, ``file://`` is listed with ``os.scandir`` (local.py), and
 planners use set algebra over `owner_paths` instead of per-reference loops.
 
 Registry index (``<job>/_index/registry.json``, issue 14): a cache of what each
@@ -55,60 +59,44 @@ import base64
 import hashlib
 import json
 import logging
-import os
 import sys
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from operator import attrgetter, itemgetter
 
-from statebackend.checkpoint.leases import LEASES_DIR, WRITER_LEASE, Lease
-from statebackend.checkpoint.metadata import CheckpointMetadata, FileRef, decode_json
-from statebackend.checkpoint.store import (
-    CHK_DIR_RE,
-    METADATA_FILE,
-    CheckpointStore,
-    check_name,
+from statebackend.checkpoint.layout import (
+    COMMIT_RECORD_SUFFIX,
+    GC_SCOPE_PREFIXES,
+    INDEX_FILE,
+    checkpoint_dir,
+    chk_id_of,
+    in_gc_scope,
+    is_commit_record,
+    is_lease_file,
     metadata_path,
+    savepoint_metadata_path,
+    savepoint_of,
 )
-from statebackend.errors import CheckpointNotFoundError, CkptError, MetadataError, StorageError
-from statebackend.storage import FileInfo, Storage, safe_relpath
+from statebackend.checkpoint.leases import WRITER_LEASE, Lease, read_lease_file
+from statebackend.checkpoint.metadata import CheckpointMetadata, fast_loads
+from statebackend.checkpoint.store import CheckpointStore, check_name
+from statebackend.errors import CheckpointNotFoundError, CkptError, MetadataError
+from statebackend.storage import FileInfo
 
 log = logging.getLogger(__name__)
 
-SHARED_DIR = "shared"
-INDEX_DIR = "_index"
-INDEX_FILE = f"{INDEX_DIR}/registry.json"
 INDEX_FORMAT = "ckpt-registry-index/1"
-LOCAL_PROTOCOLS = ("file", "memory")  # parsing is CPU-bound there: threads only add GIL contention
-SAVEPOINTS_DIR = "savepoints"
 READ_THREADS = 16
-try:  # msgspec (an Airflow dependency) decodes JSON about twice as fast as the stdlib
-    from msgspec.json import decode as _msgspec_decode
-
-    def _loads(data: bytes) -> object:
-        try:
-            return _msgspec_decode(data)
-        except RecursionError:
-            raise  # deep nesting: decode_json names it as such
-        except Exception as exc:  # noqa: BLE001 - msgspec.DecodeError: report as ValueError
-            raise ValueError(str(exc)) from exc
-except ImportError:  # pragma: no cover - stdlib fallback
-    _loads = json.loads
-
-
 def check_savepoint_name(name: str) -> str:
     return check_name("savepoint name", name)
 
 
-def savepoint_metadata_path(name: str) -> str:
-    return f"{SAVEPOINTS_DIR}/{name}/{METADATA_FILE}"
-
-
 def checkpoint_label(checkpoint_id: int) -> str:
-    return f"chk-{checkpoint_id}"
+    """An owner's label: a checkpoint is named by its folder."""
+    return checkpoint_dir(checkpoint_id)
 
 
 def savepoint_label(name: str) -> str:
@@ -122,24 +110,6 @@ def as_datetime(now: datetime | float | None) -> datetime:
     if isinstance(now, int | float):
         return datetime.fromtimestamp(float(now), UTC)
     return now if now.tzinfo else now.replace(tzinfo=UTC)
-
-
-def chk_id_of(path: str) -> int | None:
-    """The id of ``chk-<id>/...`` paths, else None."""
-    if not path.startswith("chk-"):  # most paths are shared/...: skip the regex
-        return None
-    m = CHK_DIR_RE.match(path.split("/", 1)[0])
-    return int(m.group(1)) if m else None
-
-
-def in_gc_scope(path: str) -> bool:
-    """Files GC may ever consider: under ``shared/`` or a ``chk-<id>/`` folder."""
-    return path.startswith(SHARED_DIR + "/") or chk_id_of(path) is not None
-
-
-def is_commit_record(path: str) -> bool:
-    return path.endswith("/" + METADATA_FILE) and path.count("/") == 1 \
-        and chk_id_of(path) is not None
 
 
 @dataclass(frozen=True)
@@ -242,22 +212,22 @@ def build_registry(store: CheckpointStore, *, now: datetime | float | None = Non
     when = as_datetime(now)
     storage = store.storage
     # 1. list first: see the module docstring and gc.py (failure scenario 2)
-    listing = list_job_files(storage)
-    files = {info.path: info for info in listing}
+    files = {info.path: info for info in storage.walk_files("")}  # in path order
     # 2. committed ids from a fresh listing, so commits after step 1 are owners too
-    listed = {cid for p in files if is_commit_record(p) and (cid := chk_id_of(p)) is not None}
-    ids = sorted(set(committed_ids(store, known=listed)) | listed)
+    listed = {chk_id_of(p) for p in files if p.endswith(COMMIT_RECORD_SUFFIX)
+              and is_commit_record(p)}
+    ids = sorted(set(store.checkpoint_ids(known=listed)) | listed)
     savepoint_names: set[str] = set()
     savepoint_dirs: set[str] = set()
     lease_paths = []
     for path in files:
-        if path.startswith(("shared/", "chk-")):
+        if path.startswith(GC_SCOPE_PREFIXES):
             continue  # most of the listing: neither savepoint nor lease
-        parts = path.split("/")
-        if parts[0] == SAVEPOINTS_DIR and len(parts) >= 3:
-            savepoint_dirs.add(parts[1])
-            if len(parts) == 3 and parts[2] == METADATA_FILE:
-                savepoint_names.add(parts[1])
+        savepoint = savepoint_of(path)
+        if savepoint is not None:
+            savepoint_dirs.add(savepoint[0])
+            if savepoint[1]:
+                savepoint_names.add(savepoint[0])
         elif is_lease_file(path):
             lease_paths.append(path)
 
@@ -267,57 +237,39 @@ def build_registry(store: CheckpointStore, *, now: datetime | float | None = Non
     memo: dict = {}
 
     def read_lease(path: str) -> Lease | None:
-        return _read_lease(storage, path)
+        return read_lease_file(storage, path)
 
     def read_savepoint(name: str) -> CheckpointMetadata:
         return load_savepoint(store, name)
 
-    workers = 1 if storage.protocol in LOCAL_PROTOCOLS else max(1, threads)
+    # parsing is CPU-bound: threads only help to overlap remote reads
+    workers = max(1, threads) if storage.remote else 1
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         leases = [x for x in pool.map(read_lease, sorted(lease_paths)) if x is not None]
         reader = pool.map if workers > 1 else map  # remote: overlap reads, parse here
-        metas = [m for cid, data in zip(to_parse, reader(_read_record(storage), to_parse),
-                                        strict=True)
-                 if (m := _parse_record(store, cid, data, memo)) is not None]
+        metas = [store.parse(cid, data, memo)
+                 for cid, data in zip(to_parse, reader(store.read_record, to_parse), strict=True)
+                 if data is not None]  # None: retired since the listing
         savepoints = list(pool.map(read_savepoint, sorted(savepoint_names)))
 
-    registry = _assemble(store, when, listing, metas, cached, index,
+    registry = _assemble(store, when, files, metas, cached, index,
                          dict(zip(sorted(savepoint_names), savepoints, strict=True)),
                          leases, sorted(savepoint_dirs - savepoint_names))
-    if update_index and storage.protocol != "memory" and (
+    # (memory:// lives as long as this process: an index would only cost a write)
+    if update_index and not storage.process_local and (
             index is None or to_parse or len(cached) != len(index.entries)):
         write_index(store, registry, index, metas)
     return registry
 
 
-def _read_record(storage: Storage) -> Callable[[int], bytes | None]:
-    def read(cid: int) -> bytes | None:
-        return storage.read_bytes_if_exists(metadata_path(cid))
-    return read
-
-
-def _parse_record(store: CheckpointStore, cid: int, data: bytes | None,
-                  memo: dict) -> CheckpointMetadata | None:
-    """The strictly parsed record of ``cid`` (None: retired since the listing)."""
-    if data is None:
-        return None
-    where = f"{store.storage.url}/{metadata_path(cid)}"
-    meta = parse_metadata(data, where, memo)
-    if meta.checkpoint_id != cid or meta.job != store.job:
-        raise MetadataError(
-            f"malformed metadata {where}: it describes job {meta.job!r} checkpoint "
-            f"{meta.checkpoint_id}, not job {store.job!r} checkpoint {cid}")
-    return meta
-
-
-def _assemble(store: CheckpointStore, when: datetime, listing: list[FileInfo],
+def _assemble(store: CheckpointStore, when: datetime, files: dict[str, FileInfo],
               metas: list[CheckpointMetadata], cached: dict[int, tuple[str, ...]],
               index: RegistryIndex | None, savepoints: dict[str, CheckpointMetadata],
               leases: list[Lease], incomplete: list[str]) -> Registry:
     """`make_registry`, with the references of ``cached`` ids taken from the index and
     their records read (strictly) only when someone asks for them."""
     if not cached:
-        return make_registry(job=store.job, now=when, files=listing, checkpoints=metas,
+        return make_registry(job=store.job, now=when, files=files, checkpoints=metas,
                              savepoints=savepoints, leases=leases,
                              incomplete_savepoints=incomplete)
     parsed = {m.checkpoint_id: m for m in metas}
@@ -338,7 +290,7 @@ def _assemble(store: CheckpointStore, when: datetime, listing: list[FileInfo],
             yield from ((ref.path, ref.size) for ref in m.files)
 
     return Registry(
-        job=store.job, now=when, files=files_by_path(listing), checkpoints=checkpoints,
+        job=store.job, now=when, files=files, checkpoints=checkpoints,
         savepoints=savepoints, incomplete_savepoints=tuple(incomplete), leases=tuple(leases),
         owner_paths=owner_paths, referenced=frozenset(referenced),
         indexed_ids=frozenset(cached), _sizes_source=sizes)
@@ -401,17 +353,22 @@ class RegistryIndex:
             if entry is None or info is None or info.mtime is None \
                     or info.size != entry.size or info.mtime != entry.mtime:
                 continue  # new, changed or unlisted: parse the real record
-            positions = _positions(entry.refs, len(table))
-            if positions is None:
-                return {}  # damaged: trust nothing in this index
-            if len(positions) == 1:
-                out[cid] = (table[positions[0]],)
-            else:
-                out[cid] = itemgetter(*positions)(table) if positions else ()
+            positions = _positions(entry.refs)
+            try:
+                if positions is None:
+                    raise IndexError("refs are not base64 of uint32 positions")
+                if len(positions) == 1:
+                    out[cid] = (table[positions[0]],)
+                else:
+                    out[cid] = itemgetter(*positions)(table) if positions else ()
+            except IndexError:
+                return {}  # damaged (or a position beyond the table): trust nothing here
         return out
 
 
-def _positions(refs: str, table_size: int) -> array | None:
+def _positions(refs: str, table_size: int | None = None) -> array | None:
+    """The positions ``refs`` encodes; None if malformed or (given ``table_size``) out
+    of range. Without ``table_size`` the caller's indexing raises IndexError instead."""
     try:
         raw = base64.b64decode(refs, validate=True)
     except ValueError:
@@ -422,7 +379,7 @@ def _positions(refs: str, table_size: int) -> array | None:
     out.frombytes(raw)
     if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
         out.byteswap()
-    if out and max(out) >= table_size:
+    if table_size is not None and out and max(out) >= table_size:
         return None
     return out
 
@@ -446,20 +403,20 @@ def parse_index(data: bytes, job: str) -> RegistryIndex:
     head, sep, body = data.partition(b"\n")
     if not sep:
         raise ValueError("no header line")
-    header = _loads(head)
+    header = fast_loads(head)
     if not isinstance(header, dict) or set(header) != {"format", "job", "sha256"} \
             or header["format"] != INDEX_FORMAT or header["job"] != job:
         raise ValueError(f"header {head[:200]!r} is not a {INDEX_FORMAT} index of job {job!r}")
     if hashlib.sha256(body).hexdigest() != header["sha256"]:
         raise ValueError("body does not match its SHA-256 (torn or edited)")
-    obj = _loads(body)
+    obj = fast_loads(body)
     if not isinstance(obj, dict) or set(obj) != {"paths", "sizes", "checkpoints"}:
         raise ValueError("body keys are not paths, sizes, checkpoints")
     paths, sizes, rows = obj["paths"], obj["sizes"], obj["checkpoints"]
     if not (isinstance(paths, list) and isinstance(sizes, list) and isinstance(rows, list)
             and len(paths) == len(sizes)
-            and all(type(p) is str for p in paths)
-            and all(type(n) is int and n >= 0 for n in sizes)):
+            and set(map(type, paths)) <= {str} and set(map(type, sizes)) <= {int}
+            and (not sizes or min(sizes) >= 0)):
         raise ValueError("paths and sizes are not two lists of strings and sizes")
     entries: dict[int, IndexEntry] = {}
     for row in rows:
@@ -534,46 +491,22 @@ def _compact(paths: list[str], sizes: list[int], rows: list[list]
 
 def referenced_by_records(store: CheckpointStore, ids: Iterable[int],
                           threads: int = READ_THREADS) -> set[str]:
-    """Every path the real `_metadata` of ``ids`` lists (retired ones are skipped).
-
-    The executors' re-check of a plan made from the index: the JSON is decoded and
-    each file reference's path normalised as the strict parser does, without the
-    rest of its checks (a superset is safe here: it only spares files). A record
-    whose shape is off goes through the strict parser, whose error stops the caller.
-    """
-    storage = store.storage
+    """Every path the real `_metadata` of ``ids`` lists (retired ones are skipped):
+    the executors' re-check of a plan made from the index, read strictly."""
     ids = sorted(set(ids))
-    workers = 1 if storage.protocol in LOCAL_PROTOCOLS else max(1, threads)
+    workers = max(1, min(threads, len(ids))) if store.storage.remote else 1
     out: set[str] = set()
-    normal: dict[str, str] = {}
+    memo: dict = {}
     with ThreadPoolExecutor(max_workers=workers) as pool:
         reader = pool.map if workers > 1 else map
-        for cid, data in zip(ids, reader(_read_record(storage), ids), strict=True):
+        for cid, data in zip(ids, reader(store.read_record, ids), strict=True):
             if data is not None:
-                out.update(_record_paths(store, cid, data, normal))
+                out.update(paths_of(store.parse(cid, data, memo)))
     return out
 
 
-def _record_paths(store: CheckpointStore, cid: int, data: bytes,
-                  normal: dict[str, str]) -> list[str]:
-    where = f"{store.storage.url}/{metadata_path(cid)}"
-    try:
-        obj = decode_json(data, where, _loads)
-        found = []
-        for sub in obj["subtasks"]:
-            for key in ("shared_files", "private_files"):
-                for entry in sub[key]:
-                    raw = entry["path"]
-                    path = normal.get(raw)
-                    if path is None:
-                        path = normal[raw] = safe_relpath(raw, f"{where} path")
-                    found.append(path)
-        return found
-    except (CkptError, TypeError, KeyError, IndexError, AttributeError):
-        return [ref.path for ref in _parse_record(store, cid, data, {}).files]
-
-
-def make_registry(*, job: str, now: datetime | float | None, files: Iterable[FileInfo],
+def make_registry(*, job: str, now: datetime | float | None,
+                  files: Iterable[FileInfo] | Mapping[str, FileInfo],
                   checkpoints: Iterable[CheckpointMetadata],
                   savepoints: Mapping[str, CheckpointMetadata] | None = None,
                   leases: Iterable[Lease] = (),
@@ -602,8 +535,11 @@ def make_registry(*, job: str, now: datetime | float | None, files: Iterable[Fil
     )
 
 
-def files_by_path(files: Iterable[FileInfo]) -> dict[str, FileInfo]:
-    """Listing by path, in path order (planners iterate it without sorting again)."""
+def files_by_path(files: Iterable[FileInfo] | Mapping[str, FileInfo]) -> dict[str, FileInfo]:
+    """Listing by path, in path order (planners iterate it without sorting again);
+    a mapping is taken as such one (`build_registry` made it)."""
+    if isinstance(files, Mapping):
+        return files if isinstance(files, dict) else dict(files)
     listing = sorted(files, key=_path_key)  # near free on an already sorted listing
     return {f.path: f for f in listing}
 
@@ -614,154 +550,6 @@ _path_key = attrgetter("path")
 def paths_of(meta: CheckpointMetadata) -> tuple[str, ...]:
     return tuple(ref.path for sub in meta.subtasks
                  for ref in sub.shared_files + sub.private_files)
-
-
-def parse_metadata(data: bytes, where: str, memo: dict) -> CheckpointMetadata:
-    """`CheckpointMetadata.from_bytes`, with each distinct file reference validated once.
-
-    Thousands of checkpoints list the same shared files again and again; parsing
-    each reference once (keyed by its exact, typed values) keeps planning over
-    10,000 checkpoints fast. Every reference still goes through FileRef.from_json
-    and everything else through CheckpointMetadata.from_json, so the result and
-    the errors are the same as `from_bytes`.
-    """
-    obj = decode_json(data, where, _loads)
-    if not isinstance(obj, dict) or not isinstance(obj.get("subtasks"), list) \
-            or not all(isinstance(s, dict) for s in obj["subtasks"]):
-        return CheckpointMetadata.from_json(obj, where)  # raises the precise error
-    try:
-        refs = _take_refs(obj, where, memo)
-    except MetadataError:
-        # the strict parser checks a subtask's own keys before its file references
-        # and names the subtask: let it give the precise error (an error path only)
-        return CheckpointMetadata.from_bytes(data, where)
-    meta = CheckpointMetadata.from_json(obj, where)
-    subtasks = tuple(replace(s, shared_files=shared, private_files=private)
-                     for s, (shared, private) in zip(meta.subtasks, refs, strict=True))
-    return replace(meta, subtasks=subtasks)
-
-
-def _take_refs(obj: dict, where: str, memo: dict
-               ) -> list[tuple[tuple[FileRef, ...], tuple[FileRef, ...]]]:
-    """Each subtask's (shared, private) references, memoised; the lists are emptied in
-    place (``obj`` is ours, freshly decoded) so from_json skips them."""
-    get = memo.get
-    refs: list[tuple[tuple[FileRef, ...], tuple[FileRef, ...]]] = []
-    for sub in obj["subtasks"]:
-        pair = []
-        for key in ("shared_files", "private_files"):
-            entries = sub.get(key)
-            if not isinstance(entries, list):
-                pair.append(())
-                continue
-            out = []
-            for e in entries:  # the fast path of _memo_ref, inlined: 1M references
-                try:
-                    ref = get((e["path"], e["local_name"], e["size"], e["checksum"]))
-                except (TypeError, KeyError, IndexError):
-                    ref = None
-                if ref is None or type(e["size"]) is not int or len(e) != 4:
-                    ref = _memo_ref(e, where, memo)
-                out.append(ref)
-            pair.append(tuple(out))
-            sub[key] = []
-        refs.append((pair[0], pair[1]))
-    return refs
-
-
-def _memo_ref(entry: object, where: str, memo: dict) -> FileRef:
-    try:
-        key = (entry["path"], entry["local_name"], entry["size"], entry["checksum"])
-        ref = memo.get(key)
-    except (TypeError, KeyError, IndexError):  # not a dict, or unhashable values
-        key, ref = None, None
-    # strings only equal strings, but True == 1.0 == 1: re-check the size's type
-    if ref is not None and type(entry["size"]) is int and len(entry) == 4:
-        return ref
-    ref = FileRef.from_json(entry, where)  # raises on anything malformed
-    if key is not None and type(entry) is dict and len(entry) == 4:
-        memo[key] = ref
-    return ref
-
-
-def list_job_files(storage: Storage) -> list[FileInfo]:
-    """`storage.walk_files("")`, with a scandir fast path on file:// (fsspec's local
-    find costs a stat and path normalisation per entry: seconds at 100,000 files)."""
-    if storage.protocol != "file":
-        return storage.walk_files("")
-    out: list[FileInfo] = []
-    root = storage.root
-    stack = [("", root)]
-    while stack:
-        rel, path = stack.pop()
-        try:
-            with os.scandir(path) as it:
-                entries = list(it)
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            raise StorageError(f"{storage.url}: cannot list {rel or '/'}: {exc}") from exc
-        for e in entries:
-            child = f"{rel}/{e.name}" if rel else e.name
-            if e.is_dir(follow_symlinks=False):
-                stack.append((child, e.path))
-            elif e.is_file(follow_symlinks=False):
-                st = e.stat(follow_symlinks=False)
-                out.append(FileInfo(child, st.st_size, st.st_mtime))
-    out.sort(key=lambda f: f.path)
-    return out
-
-
-def committed_ids(store: CheckpointStore, known: Iterable[int] = ()) -> list[int]:
-    """Ids of committed checkpoints, from one listing of the job root's folders.
-
-    Ids in ``known`` (committed when the caller last looked) are taken as they are
-    (a retired one is skipped later, when its `_metadata` cannot be read); every
-    other ``chk-<id>`` folder costs one existence check of its `_metadata`. That
-    is a handful of requests instead of a glob over every file of the job.
-    """
-    storage = store.storage
-    known = set(known)
-    ids = []
-    for name in storage.list_dir(""):
-        cid = chk_id_of(name)
-        if cid is None:
-            continue
-        if cid in known:
-            ids.append(cid)
-        elif storage.protocol == "file":
-            if os.path.isfile(os.path.join(storage.root, name, METADATA_FILE)):
-                ids.append(cid)
-        elif storage.exists(metadata_path(cid)):
-            ids.append(cid)
-    return sorted(ids)
-
-
-def is_lease_file(path: str) -> bool:
-    parts = path.split("/")
-    return (len(parts) == 2 and parts[0] == LEASES_DIR and parts[1].endswith(".json")
-            and not parts[1].startswith("."))
-
-
-def _read_lease(storage: Storage, path: str) -> Lease | None:
-    data = storage.read_bytes_if_exists(path)
-    if data is None:
-        return None  # released since the listing
-    where = f"{storage.url}/{path}"
-    try:
-        return Lease.from_bytes(data, where)
-    except RecursionError as exc:  # [[[[...]]]] 100,000 deep: the decoder recurses per level
-        raise MetadataError(f"malformed lease {where}: JSON nested too deeply; the file is "
-                            "damaged or not a lease") from exc
-
-
-def read_live_leases(storage: Storage, now: datetime | float | None = None) -> list[Lease]:
-    """Live leases of a job root, strictly parsed; leases released meanwhile are skipped."""
-    when = as_datetime(now)
-    paths = storage.list_dir(LEASES_DIR)
-    leases = [_read_lease(storage, f"{LEASES_DIR}/{name}") for name in paths
-              if is_lease_file(f"{LEASES_DIR}/{name}")]
-    return [x for x in leases if x is not None and not x.expired(when)]
 
 
 def load_savepoint(store: CheckpointStore, name: str) -> CheckpointMetadata:

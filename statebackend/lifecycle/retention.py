@@ -24,6 +24,10 @@ Retiring checkpoint C, in this order:
    referenced (Flink's shared-state registry: a file dies with its last
    reference). This is what reclaims SSTs replaced by RocksDB compaction.
 
+Run history (``runs/history/``, runs.py): the files beyond the newest
+`HISTORY_KEPT` are planned for deletion too (reason ``old-run-history``), so a run
+only ever writes its outcome and never lists the history.
+
 A file referenced by anything kept is never deleted, whatever folder it is in.
 Files in ``chk-<C>/`` that C does not list (uploads of a failed attempt with the
 same id) are orphans: GC removes them after the grace period (gc.py).
@@ -49,17 +53,24 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from statebackend.checkpoint.layout import (
+    CHK_PREFIX,
+    PERMANENT_DIRS,
+    chk_id_of,
+    metadata_path,
+    report_dir,
+    report_summary_path,
+)
+from statebackend.checkpoint.leases import live_leases
 from statebackend.checkpoint.metadata import CheckpointMetadata
-from statebackend.checkpoint.store import CheckpointStore, metadata_path
+from statebackend.checkpoint.runs import HISTORY_KEPT, history_beyond
+from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import CheckpointNotFoundError, CkptError, UsageError
 from statebackend.lifecycle.registry import (
     Registry,
     as_datetime,
     build_registry,
     checkpoint_label,
-    chk_id_of,
-    committed_ids,
-    read_live_leases,
     referenced_by_records,
 )
 from statebackend.progress import NO_PROGRESS, ProgressSink
@@ -73,12 +84,11 @@ KEEP_LEASED = "leased"
 KEEP_LAST_RESTORABLE = "keep-last-restorable"     # the newest checkpoint that restores
 KEEP_ABOVE_RESTORABLE = "keep-above-restorable"   # newer, but does not restore
 KEEP_NONE_RESTORABLE = "keep-none-restorable"     # nothing restores: retire nothing
-REPORTS_DIR = "reports"
-SUMMARY_FILE = "summary.json"
 RETIRE_BEYOND_KEEP = "beyond-keep"
 DEL_METADATA = "retired-metadata"
 DEL_PRIVATE = "retired-private"
 DEL_RELEASED_SHARED = "released-shared"
+DEL_OLD_HISTORY = "old-run-history"
 LIST_CAP = 50
 DELETE_BATCH = 1000  # files per delete call: S3's batch limit, and one progress step
 
@@ -180,10 +190,12 @@ class RetentionReport:
 
 
 def plan_retention(registry: Registry, keep: int,
-                   damaged: Iterable[int] = ()) -> RetentionPlan:
+                   damaged: Iterable[int] = (), history_kept: int = HISTORY_KEPT
+                   ) -> RetentionPlan:
     """Decide, per committed checkpoint and per file, what retention keeps and deletes.
 
-    ``damaged``: ids whose latest validation report failed (read by `retain`).
+    ``damaged``: ids whose latest validation report failed (read by `retain`);
+    ``history_kept``: how many run-history files stay (runs.py).
     """
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
         raise UsageError(f"--keep {keep!r} is invalid: keep at least 1 checkpoint (the newest "
@@ -224,12 +236,14 @@ def plan_retention(registry: Registry, keep: int,
         FileAction(path, info.size if info is not None else size_of(path),
                    DEL_RELEASED_SHARED if folder is None else DEL_PRIVATE, folder)
         for path in sorted(released)
-        for folder, info in ((chk_id_of(path) if path[:4] == "chk-" else None,
+        for folder, info in ((chk_id_of(path) if path.startswith(CHK_PREFIX) else None,
                               listed.get(path)),)]
+    history_actions = [FileAction(path, listed[path].size, DEL_OLD_HISTORY)
+                       for path in history_beyond(list(listed), history_kept)]
     bytes_kept = sum(map(size_of, kept_paths))
     return RetentionPlan(
         job=registry.job, keep=keep, decisions=tuple(decisions),
-        deletions=tuple(metadata_actions + file_actions),
+        deletions=tuple(metadata_actions + file_actions + history_actions),
         savepoints=tuple(sorted(registry.savepoints)), bytes_kept=bytes_kept,
         indexed_ids=tuple(sorted(registry.indexed_ids)))
 
@@ -267,7 +281,7 @@ def read_damaged(store: CheckpointStore, registry: Registry) -> set[int]:
     for cid in sorted(registry.checkpoints, reverse=True):
         if missing_or_resized(registry, cid):
             continue
-        rel = f"{REPORTS_DIR}/chk-{cid}/{SUMMARY_FILE}"
+        rel = report_summary_path(cid)
         data = store.storage.read_bytes_if_exists(rel) if rel in registry.files else None
         if data is None:
             return out  # never validated (or retired meanwhile): nothing says it is damaged
@@ -313,7 +327,9 @@ def execute_retention(store: CheckpointStore, plan: RetentionPlan, *,
             meta = _load_or_none(store, a.checkpoint_id)
             if meta is not None:
                 spare_paths.update(f.path for f in meta.files)
-    file_actions = [a for a in plan.deletions if a.reason != DEL_METADATA
+    # run history is referenced by nothing: planned files go as planned
+    file_actions = [a for a in plan.deletions if a.reason == DEL_OLD_HISTORY] + [
+                    a for a in plan.deletions if a.reason not in (DEL_METADATA, DEL_OLD_HISTORY)
                     and a.path not in spare_paths and a.path in listed_by_retired
                     and not (a.reason == DEL_PRIVATE and a.checkpoint_id in spare_ids)]
     file_failures = delete_counted(storage, [a.path for a in file_actions], progress,
@@ -324,7 +340,7 @@ def execute_retention(store: CheckpointStore, plan: RetentionPlan, *,
     # A retired checkpoint's validation report describes state that no longer exists.
     for a in meta_actions:
         if a.path not in failed:
-            storage.delete_tree(f"reports/chk-{a.checkpoint_id}")
+            storage.delete_tree(report_dir(a.checkpoint_id))
     prune_empty_dirs(storage, [a.path for a in deleted])
     spared = tuple(sorted({a.path for a in plan.deletions} - {a.path for a in deleted}
                           - failed))
@@ -352,12 +368,12 @@ def _recheck(store: CheckpointStore, plan: RetentionPlan,
              now: datetime | float | None) -> tuple[set[int], set[str]]:
     """Ids held by leases taken since planning; paths of checkpoints committed since."""
     when = as_datetime(now)
-    held = {cid for lease in read_live_leases(store.storage, when)
+    held = {cid for lease in live_leases(store.storage, when)
             for cid in lease.checkpoint_ids}
     spare_ids = held & set(plan.retired)
     known = {d.checkpoint_id for d in plan.decisions}
     spare_paths: set[str] = set()
-    for cid in set(committed_ids(store, known=known)) - known:
+    for cid in set(store.checkpoint_ids(known=known)) - known:
         meta = _load_or_none(store, cid)
         if meta is not None:
             spare_paths.update(f.path for f in meta.files)
@@ -417,24 +433,14 @@ def delete_counted(storage: Storage, paths: list[str], progress: ProgressSink,
 
 
 def prune_empty_dirs(storage: Storage, deleted_paths: list[str]) -> None:
-    """Remove folders left empty by deletions (file:// and memory:// only; S3 has none)."""
-    if storage.protocol not in ("file", "memory"):
-        return
+    """Remove folders left empty by deletions (where the storage has folders)."""
     dirs: set[str] = set()
     for p in deleted_paths:
         parts = p.split("/")[:-1]
         while parts:
             dirs.add("/".join(parts))
             parts.pop()
-    for d in sorted(dirs, key=lambda x: x.count("/"), reverse=True):
-        if d in ("shared", "leases", "savepoints"):
-            continue
-        try:
-            storage.fs.rmdir(storage.abspath(d))  # refuses a non-empty folder: race-safe
-        except (OSError, ValueError):
-            pass
-        except Exception:  # noqa: BLE001 - pruning is cosmetic
-            pass
+    storage.remove_empty_dirs(dirs - PERMANENT_DIRS)
 
 
 _SAFETY_NOTES = {

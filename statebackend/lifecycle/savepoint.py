@@ -46,10 +46,18 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from statebackend.checkpoint.leases import Lease, default_holder, hold
+from statebackend.checkpoint.layout import (
+    CHK_PREFIX,
+    METADATA_FILE,
+    SAVEPOINTS_DIR,
+    private_dir,
+    savepoint_dir,
+    savepoint_metadata_path,
+    shared_path,
+)
+from statebackend.checkpoint.leases import Lease, default_holder, hold, live_leases
 from statebackend.checkpoint.metadata import CheckpointMetadata, FileRef, SubtaskHandle, utc_now_iso
-from statebackend.checkpoint.snapshot import private_dir
-from statebackend.checkpoint.store import METADATA_FILE, CheckpointStore, check_job_name
+from statebackend.checkpoint.store import CheckpointStore, check_job_name
 from statebackend.errors import (
     CheckpointNotFoundError,
     LeaseConflictError,
@@ -57,20 +65,13 @@ from statebackend.errors import (
     UsageError,
 )
 from statebackend.lifecycle.registry import (
-    SAVEPOINTS_DIR,
     check_savepoint_name,
     load_savepoint,
-    read_live_leases,
-    savepoint_metadata_path,
 )
 from statebackend.storage import Storage
 
 COPY_THREADS = 8
 CLAIM_FILE = "_claim"
-
-
-def savepoint_dir(name: str) -> str:
-    return f"{SAVEPOINTS_DIR}/{name}"
 
 
 def savepoint_purpose(name: str, action: str | None = None) -> str:
@@ -155,7 +156,7 @@ def plan_savepoint_deletion(store: CheckpointStore, name: str) -> SavepointDelet
         raise CheckpointNotFoundError(
             f"savepoint {name!r} of job {store.job!r} not found (no {store.storage.url}/{base}); "
             "see `ckpt savepoints`")
-    users = [x for x in read_live_leases(store.storage) if uses_savepoint(x, name)]
+    users = [x for x in live_leases(store.storage) if uses_savepoint(x, name)]
     if users:
         x = users[0]
         raise LeaseConflictError(
@@ -250,7 +251,7 @@ def parse_start_spec(storage: Storage, spec: str) -> tuple[str, str, str]:
     if ":" in spec and "/" not in spec:
         job, what = spec.split(":", 1)
         check_job_name(job)
-        what = what.removeprefix("chk-")
+        what = what.removeprefix(CHK_PREFIX)
         if what != "latest" and not what.isdigit():
             raise UsageError(f"start point {spec!r}: checkpoint must be an id, chk-<id> or "
                              "latest")
@@ -280,8 +281,9 @@ def parse_start_spec(storage: Storage, spec: str) -> tuple[str, str, str]:
 def _relative_to_root(storage: Storage, location: str) -> str:
     """``<job>/savepoints/<name>`` of a URL (or file:// absolute path) under ``storage``."""
     prefixes = [storage.url.rstrip("/") + "/"]
-    if storage.protocol == "file":
-        prefixes += [storage.root + "/", f"file://{storage.root}/"]
+    local_root = storage.local_path("")
+    if local_root is not None:
+        prefixes += [local_root + "/", f"file://{local_root}/"]
     for prefix in prefixes:
         if location.startswith(prefix) and len(location) > len(prefix):
             return location[len(prefix):]
@@ -320,7 +322,7 @@ def _import(root: Storage, target: CheckpointStore, meta: CheckpointMetadata,
     for sub in meta.subtasks:
         prefix = private_dir(cid, sub.index, sub.snapshot_id)
         subtasks.append(_relocated(
-            sub, copies, shared_to=lambda f: f"shared/{uuid.uuid4().hex}-{f.local_name}",
+            sub, copies, shared_to=lambda f: shared_path(f"{uuid.uuid4().hex}-{f.local_name}"),
             private_to=lambda f, p=prefix: f"{p}/{f.local_name}"))
     _check_unique([dst for _, dst in copies], f"checkpoint {cid} of job {target.job!r}")
     first = CheckpointMetadata(

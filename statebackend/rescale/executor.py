@@ -523,7 +523,7 @@ def _run_here(specs: list[dict], storage_options, workers: int,
 def _run_tasks(specs: list[dict], store: CheckpointStore, master: str | None, spark,
                description: str, progress: ProgressSink = NO_PROGRESS) -> list[dict]:
     progress.phase("new subtasks written", total=len(specs), unit="subtasks")
-    if store.storage.protocol == "memory":
+    if store.storage.process_local:
         # One after the other: fsspec's memory filesystem hands every reader of a file
         # the same file object, so two subtasks reading one old handle would collide.
         return _run_here(specs, store.root_storage.options, 1, progress)
@@ -551,7 +551,7 @@ def _run_tasks(specs: list[dict], store: CheckpointStore, master: str | None, sp
         out = [row["result"] for row in tasks.collect()]
     # Other processes wrote under the job root: drop this process's cached listings
     # (s3fs would otherwise answer "does not exist" for the new files).
-    store.storage.fs.invalidate_cache()
+    store.storage.invalidate_cache()
     return [json.loads(r) for r in out]
 
 

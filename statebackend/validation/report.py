@@ -45,19 +45,20 @@ from typing import Any
 
 import numpy as np
 
+from statebackend.checkpoint import layout
+from statebackend.checkpoint.layout import SUMMARY_FILE
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import CkptError, StorageError
 from statebackend.storage import Storage
 from statebackend.validation.suites import MAX_OFFENDING_ROWS
 
 SUMMARY_VERSION = 1
-SUMMARY_FILE = "summary.json"
 OVERVIEW_FILE = "index.html"
 DOCS_DIR = "data_docs"
 
 
 def report_rel(checkpoint_id: int) -> str:
-    return f"reports/chk-{checkpoint_id}"
+    return layout.report_dir(checkpoint_id)
 
 
 def plain(value: Any) -> Any:
@@ -131,13 +132,14 @@ class ReportTarget:
 def prepare_report(storage: Storage, checkpoint_id: int, report_dir: str | None) -> ReportTarget:
     """An empty local folder for the report (replacing the checkpoint's previous one)."""
     if report_dir:
-        local = os.path.join(os.path.abspath(report_dir), f"chk-{checkpoint_id}")
+        local = os.path.join(os.path.abspath(report_dir), layout.checkpoint_dir(checkpoint_id))
         target = ReportTarget(local, f"file://{local}", None)
     else:
         rel = report_rel(checkpoint_id)
         storage.delete_tree(rel)
-        if storage.protocol == "file":
-            target = ReportTarget(storage.abspath(rel), f"{storage.url}/{rel}", None)
+        local = storage.local_path(rel)
+        if local is not None:
+            target = ReportTarget(local, f"{storage.url}/{rel}", None)
         else:
             target = ReportTarget(tempfile.mkdtemp(prefix="ckpt-report-"),
                                   f"{storage.url}/{rel}", rel)
@@ -215,7 +217,7 @@ def discard_report(target: ReportTarget) -> None:
 
 def read_report_summary(store: CheckpointStore, checkpoint_id: int) -> dict | None:
     """The stored JSON summary of a checkpoint's last validation, or None."""
-    rel = f"{report_rel(checkpoint_id)}/{SUMMARY_FILE}"
+    rel = layout.report_summary_path(checkpoint_id)
     data = store.storage.read_bytes_if_exists(rel)
     if data is None:
         return None

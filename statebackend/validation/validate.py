@@ -32,6 +32,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from statebackend.checkpoint.layout import CHK_PREFIX
 from statebackend.checkpoint.metadata import utc_now_iso
 from statebackend.checkpoint.store import CheckpointStore, metadata_path
 from statebackend.errors import CheckpointNotFoundError, UsageError
@@ -79,8 +80,7 @@ def resolve_checkpoint_id(store: CheckpointStore, ref: str | int | None = "lates
                 f"job {store.job!r} has no committed checkpoint under {store.root_storage.url}")
         return ids[-1]
     text = str(ref)
-    if text.startswith("chk-"):
-        text = text[4:]
+    text = text.removeprefix(CHK_PREFIX)
     if not text.isdigit():
         raise UsageError(f"checkpoint {ref!r} is not 'latest', an id or chk-<id>")
     cid = int(text)

@@ -62,16 +62,16 @@ import pytest
 from demo.sample_data import DAY_MS, DEFAULT_START_TS_MS, expected_totals, generate_events
 from jobs import keyed_aggregation as ka
 from statebackend.checkpoint.dump import checkpoint_rows
-from statebackend.checkpoint.leases import (
+from statebackend.checkpoint.layout import (
     CLAIM_PREFIX,
-    CLAIM_STALE_SECONDS,
     LEASES_DIR,
-    list_leases,
+    savepoint_metadata_path,
 )
+from statebackend.checkpoint.leases import CLAIM_STALE_SECONDS, list_leases
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import LeaseConflictError, LeaseLostError, SnapshotError
 from statebackend.lifecycle.gc import collect_garbage
-from statebackend.lifecycle.registry import SAVEPOINTS_DIR, load_savepoint
+from statebackend.lifecycle.registry import load_savepoint
 from statebackend.lifecycle.retention import retain
 from statebackend.lifecycle.savepoint import create_savepoint
 from statebackend.rescale.executor import rescale
@@ -144,8 +144,11 @@ class FaultInjector:
     @contextmanager
     def installed(self) -> Iterator[FaultInjector]:
         with pytest.MonkeyPatch.context() as mp:
-            for name in MUTATIONS:
-                mp.setattr(Storage, name, self.wrap(name, getattr(Storage, name)))
+            # each scheme's class overrides some primitives: wrap every definition
+            for cls in (Storage, *Storage.__subclasses__()):
+                for name in MUTATIONS:
+                    if name in vars(cls):
+                        mp.setattr(cls, name, self.wrap(name, vars(cls)[name]))
             yield self
 
 
@@ -348,7 +351,7 @@ class Chaos:
         kill = self.rng.random() < self.config.kill_probability
         detail, outcome = self.attempt(
             "savepoint", lambda: create_savepoint(self.store, "latest", name), kill)
-        if self.store.storage.exists(f"{SAVEPOINTS_DIR}/{name}/_metadata"):
+        if self.store.storage.exists(savepoint_metadata_path(name)):
             self.model.savepoints[name] = runs
         return name + detail, outcome
 

@@ -239,6 +239,7 @@ def create_app(specs_loader: Callable[[], Iterable[Any]] = load_specs,
 
     @app.get("/reports/{job}/{path:path}")
     def report_file(job: str, path: str, user: UserDep) -> Response:
+        from statebackend.checkpoint.layout import REPORTS_DIR
         from statebackend.errors import CkptError
         from statebackend.storage import safe_relpath
 
@@ -256,7 +257,7 @@ def create_app(specs_loader: Callable[[], Iterable[Any]] = load_specs,
             raise HTTPException(404, f"report path {path!r} of job {job!r} is not a report "
                                      f"file type ({', '.join(sorted(REPORT_TYPES))})")
         try:
-            content = _open_store(spec).storage.read_bytes(f"reports/{rel}")
+            content = _open_store(spec).storage.read_bytes(f"{REPORTS_DIR}/{rel}")
         except CkptError as exc:
             raise HTTPException(404, f"report file {path!r} of job {job!r} not found") from exc
         return Response(content=content, headers={**_secure_headers(REPORT_CSP),

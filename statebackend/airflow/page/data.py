@@ -24,6 +24,8 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote, urlencode
 
+from statebackend.checkpoint.layout import HISTORY_DIR, REPORTS_DIR, chk_id_of
+
 log = logging.getLogger(__name__)
 
 URL_PREFIX = "/ckpt"
@@ -31,7 +33,7 @@ MAX_ROWS = 200          # newest checkpoints shown per job
 MAX_RUN_RECORDS = 50    # newest run records (runs/history/*.json) shown per job
 TREND_WINDOW = 10       # state size trend: latest vs. this many checkpoints before
 PHASES = ("restore", "process", "timers", "snapshot", "upload", "commit")
-RUNS_DIR = "runs/history"  # statebackend.checkpoint.runs.HISTORY_DIR
+RUNS_DIR = HISTORY_DIR
 
 
 # -- small readers -------------------------------------------------------------
@@ -162,11 +164,11 @@ def validation_status(summary: dict | None) -> str:
 def report_files(store) -> dict[int, list[str]]:
     """chk id -> report paths relative to ``<job>/reports/``."""
     out: dict[int, list[str]] = {}
-    for info in store.storage.walk_files("reports"):
-        rel = info.path[len("reports/"):] if info.path.startswith("reports/") else info.path
-        head = rel.split("/", 1)[0]
-        if head.startswith("chk-") and head[4:].isdigit():
-            out.setdefault(int(head[4:]), []).append(rel)
+    for info in store.storage.walk_files(REPORTS_DIR):
+        rel = info.path.removeprefix(REPORTS_DIR + "/")
+        cid = chk_id_of(rel.split("/", 1)[0])
+        if cid is not None:
+            out.setdefault(cid, []).append(rel)
     return out
 
 

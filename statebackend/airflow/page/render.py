@@ -14,6 +14,8 @@ import html
 import json
 from datetime import datetime
 
+from statebackend.checkpoint.layout import savepoint_dir
+
 from .data import PHASES, URL_PREFIX, has_points
 
 STATIC = f"{URL_PREFIX}/static"
@@ -265,7 +267,7 @@ def render_savepoints(job: str, savepoints: list[dict]) -> str:
         out.append(f'<tr><td>{esc(s["name"])}</td><td>{source}</td><td>{when(s["created_at"])}'
                    f'</td><td>{esc(s["parallelism"] or "–")}</td><td>{s["files"]}</td>'
                    f'<td>{human_bytes(s["bytes"])}</td>'
-                   f'<td><code>{esc(job)}/savepoints/{esc(s["name"])}</code></td></tr>')
+                   f'<td><code>{esc(job)}/{esc(savepoint_dir(s["name"]))}</code></td></tr>')
     out.append("</tbody></table>")
     return "".join(out)
 

@@ -13,10 +13,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from statebackend.checkpoint.layout import CLAIM_PREFIX, LEASES_DIR
 from statebackend.checkpoint.leases import (
-    CLAIM_PREFIX,
     DEFAULT_TTL_SECONDS,
-    LEASES_DIR,
     TTL_ENV,
     Lease,
     acquire_writer_lease,

@@ -11,15 +11,16 @@ import json
 
 import pytest
 
-from statebackend.checkpoint.metadata import CheckpointMetadata, FileRef, SubtaskHandle
-from statebackend.checkpoint.store import CheckpointStore, metadata_path
-from statebackend.errors import MetadataError
-from statebackend.lifecycle.registry import (
-    build_registry,
-    load_savepoint,
+from statebackend.checkpoint.layout import metadata_path, savepoint_metadata_path
+from statebackend.checkpoint.metadata import (
+    CheckpointMetadata,
+    FileRef,
+    SubtaskHandle,
     parse_metadata,
-    savepoint_metadata_path,
 )
+from statebackend.checkpoint.store import CheckpointStore
+from statebackend.errors import MetadataError
+from statebackend.lifecycle.registry import build_registry, load_savepoint
 from statebackend.lifecycle.savepoint import create_savepoint
 from statebackend.rescale.executor import rescale
 from statebackend.state.keygroups import key_group_range_for_subtask

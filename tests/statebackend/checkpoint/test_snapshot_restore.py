@@ -126,13 +126,14 @@ def test_writes_after_synchronous_part_go_to_the_next_snapshot(durable_storage_u
 
     # Hold the upload until the writes below are done: they overlap the async part.
     gate = threading.Event()
-    real_put = Storage.put_file
+    scheme_class = type(store.storage)
+    real_put = scheme_class.put_file
 
     def gated_put(self, local_path, rel):
         assert gate.wait(30)
         return real_put(self, local_path, rel)
 
-    monkeypatch.setattr(Storage, "put_file", gated_put)
+    monkeypatch.setattr(scheme_class, "put_file", gated_put)
     pending = snapshot(backend, store.storage, checkpoint_id=1, subtask=0)
     assert not pending.done()
     totals.put("after", {"count": 2, "sum": 2.0, "flag": False})
@@ -156,9 +157,9 @@ def test_writes_after_synchronous_part_go_to_the_next_snapshot(durable_storage_u
         assert r2.list_state("events").get("after") == ["x"]
 
 
-def _failing_put_file(monkeypatch, fail_after: int, partial: bool):
-    """Storage.put_file that fails from the (fail_after+1)-th call on, across threads."""
-    real_put = Storage.put_file
+def _failing_put_file(monkeypatch, storage: Storage, fail_after: int, partial: bool):
+    """``storage``'s put_file, failing from the (fail_after+1)-th call on, across threads."""
+    real_put = type(storage).put_file
     lock = threading.Lock()
     calls = {"n": 0}
 
@@ -173,7 +174,7 @@ def _failing_put_file(monkeypatch, fail_after: int, partial: bool):
                 self.write_bytes(rel, fh.read(max(1, os.path.getsize(local_path) // 2)))
         raise StorageError(f"{self.url}: injected failure uploading {rel}")
 
-    monkeypatch.setattr(Storage, "put_file", put_file)
+    monkeypatch.setattr(type(storage), "put_file", put_file)
     return calls
 
 
@@ -188,7 +189,7 @@ def test_failed_upload_never_commits_and_cleans_up(durable_storage_url, tmp_path
     before = set(stored_files(store, ""))
 
     fill(backends, keys(20_000)[::7], version=3)
-    _failing_put_file(monkeypatch, fail_after=3, partial=partial)
+    _failing_put_file(monkeypatch, store.storage, fail_after=3, partial=partial)
     with pytest.raises(SnapshotError, match="injected failure") as err:
         checkpoint_backends(store, backends, parent=first.checkpoint_id)
     assert "\n" not in str(err.value)

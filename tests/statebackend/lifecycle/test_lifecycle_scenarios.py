@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from statebackend.checkpoint.dump import checkpoint_rows
+from statebackend.checkpoint.layout import INDEX_DIR, INDEX_FILE
 from statebackend.checkpoint.leases import acquire_writer_lease, writer_lease
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.snapshot import checkpoint_backends, upload_snapshot
@@ -31,7 +32,7 @@ from statebackend.lifecycle.gc import (
     execute_gc,
     plan_gc,
 )
-from statebackend.lifecycle.registry import INDEX_DIR, INDEX_FILE, build_registry
+from statebackend.lifecycle.registry import build_registry
 from statebackend.lifecycle.retention import DEL_RELEASED_SHARED, KEEP_LAST_RESTORABLE, retain
 from statebackend.lifecycle.savepoint import create_savepoint, import_start_point
 from statebackend.state.backend import KeyedStateBackend

@@ -126,7 +126,7 @@ def test_many_checkpoints_read_in_parallel(tmp_path):
 
 
 def test_fast_parse_equals_from_bytes_and_rejects_the_same():
-    from statebackend.lifecycle.registry import parse_metadata
+    from statebackend.checkpoint.metadata import parse_metadata
 
     m = meta(3, ["shared/a.sst", "shared/b.sst"])
     memo: dict = {}

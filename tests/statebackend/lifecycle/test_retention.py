@@ -10,6 +10,7 @@ from statebackend.errors import MetadataError, UsageError
 from statebackend.lifecycle.registry import build_registry, make_registry
 from statebackend.lifecycle.retention import (
     DEL_METADATA,
+    DEL_OLD_HISTORY,
     DEL_PRIVATE,
     DEL_RELEASED_SHARED,
     KEEP_LAST_RESTORABLE,
@@ -185,3 +186,34 @@ def test_retiring_a_checkpoint_removes_its_validation_report(tmp_path):
     retain(store, 2)
     assert not store.storage.exists("reports/chk-1/summary.json")
     assert store.storage.exists("reports/chk-4/summary.json")
+
+
+def test_run_history_beyond_the_newest_is_planned_then_pruned(store):
+    """Runs only write their outcome; retention prunes the history (plan, dry run, execute)."""
+    from statebackend.checkpoint.runs import RunOutcome, record_outcome
+
+    for i in range(5):
+        record_outcome(store.storage, RunOutcome(f"run-{i}", "committed", None,
+                                                 f"2026-11-2{i}T00:00:00+00:00", 1.0, None))
+    history = [f.path for f in store.storage.walk_files("runs/history")]
+    assert len(history) == 5  # a run never prunes
+    plan = plan_retention(build_registry(store), 4, history_kept=2)
+    planned = [a.path for a in plan.deletions if a.reason == DEL_OLD_HISTORY]
+    assert planned == history[:3]  # the oldest (names start with the UTC start time)
+    dry = retain(store, 4, dry_run=True)
+    assert dry.files_deleted == 0 and len(store.storage.walk_files("runs/history")) == 5
+    report = execute_retention(store, plan)
+    assert {a.path for a in report.deleted} == set(history[:3])
+    assert [f.path for f in store.storage.walk_files("runs/history")] == history[3:]
+    assert store.checkpoint_ids() == [1, 2, 3, 4]  # nothing else retired with keep 4
+
+
+def test_one_lister_of_committed_checkpoints(store):
+    store.storage.write_bytes("chk-7/0/s/CURRENT", b"an attempt that never committed")
+    assert store.checkpoint_ids() == [1, 2, 3, 4]
+    assert store.checkpoint_dirs() == [1, 2, 3, 4, 7]
+    # ids the caller knows are committed are not checked again; unknown folders are
+    assert store.checkpoint_ids(known={1, 2, 3, 4}) == [1, 2, 3, 4]
+    store.storage.delete_many(["chk-4/_metadata"])
+    assert store.checkpoint_ids() == [1, 2, 3]
+    assert build_registry(store).checkpoints.keys() == {1, 2, 3}

@@ -19,6 +19,9 @@ from statebackend.storage import (
     open_storage,
     safe_relpath,
 )
+from statebackend.storage.local import LocalStorage
+from statebackend.storage.memory import MemoryStorage
+from statebackend.storage.s3 import S3Storage
 
 
 @pytest.fixture
@@ -104,6 +107,52 @@ def test_walk_list_glob_delete_many(storage):
     assert storage.read_bytes("other/x") == b"x"
 
 
+def test_write_atomic_replaces_whole(storage):
+    storage.write_atomic("leases/writer.json", b"first")
+    storage.write_atomic("leases/writer.json", b"second, longer")
+    assert storage.read_bytes("leases/writer.json") == b"second, longer"
+    assert storage.list_dir("leases") == ["writer.json"]  # no temp file left behind
+
+
+def test_open_write_creates_the_file(storage):
+    with storage.open_write("out/part-0.bin") as fh:
+        fh.write(b"abc")
+        fh.write(b"def")
+    assert storage.read_bytes("out/part-0.bin") == b"abcdef"
+
+
+def test_url_of_and_local_path(storage, storage_url):
+    assert storage.url_of("") == storage.url
+    assert storage.url_of("a//b") == storage.url.rstrip("/") + "/a/b"
+    with pytest.raises(UnsafePathError):
+        storage.url_of("../x")
+    local = storage.local_path("a/b")
+    if storage_url.startswith("file://"):
+        assert storage.is_local and local == os.path.join(storage_url[len("file://"):], "a/b")
+        storage.write_bytes("a/b", b"x")
+        with open(local, "rb") as fh:
+            assert fh.read() == b"x"
+    else:
+        assert not storage.is_local and local is None
+    assert storage.remote == storage_url.startswith("s3://")
+    assert storage.process_local == storage_url.startswith("memory://")
+
+
+def test_remove_empty_dirs_keeps_non_empty_ones(storage):
+    storage.write_bytes("chk-1/0/s/CURRENT", b"c")
+    storage.write_bytes("chk-2/0/s/CURRENT", b"c")
+    storage.delete_many(["chk-1/0/s/CURRENT"])
+    storage.remove_empty_dirs(["chk-1", "chk-1/0", "chk-1/0/s", "chk-2", "chk-2/0"])
+    assert storage.list_dir("") == ["chk-2"]  # (S3 has no folders: chk-1 vanished with its file)
+    assert storage.read_bytes("chk-2/0/s/CURRENT") == b"c"
+
+
+def test_walk_files_of_one_file(storage):
+    storage.write_bytes("a/b.bin", b"xy")
+    (info,) = storage.walk_files("a/b.bin")
+    assert (info.path, info.size) == ("a/b.bin", 2)
+
+
 def test_child_storage_is_rooted(storage):
     job = child_storage(storage, "orders")
     job.write_bytes("chk-1/_metadata", b"m")
@@ -140,12 +189,12 @@ def test_listings_see_other_writers(storage):
     storage.write_bytes("job/chk-1/_metadata", b"1")
     assert storage.list_dir("job") == ["chk-1"]
     other = storage.fs
-    if storage.protocol == "s3":
+    if storage.scheme == "s3":
         import s3fs
 
         other = s3fs.S3FileSystem(skip_instance_cache=True, client_kwargs={
             "endpoint_url": os.environ["AWS_ENDPOINT_URL"]})
-    if storage.protocol == "file":
+    if storage.scheme == "file":
         other.makedirs(f"{storage.root}/job/chk-2", exist_ok=True)
     other.pipe_file(f"{storage.root}/job/chk-2/_metadata", b"2")
     assert storage.list_dir("job") == ["chk-1", "chk-2"]
@@ -193,7 +242,9 @@ def test_memory_max_bytes_must_be_a_positive_integer(value):
 
 def test_open_storage_urls(tmp_path):
     assert open_storage(str(tmp_path)).url == f"file://{tmp_path}"
-    assert open_storage(f"file://{tmp_path}").protocol == "file"
+    assert isinstance(open_storage(f"file://{tmp_path}"), LocalStorage)
+    assert isinstance(open_storage("memory://x"), MemoryStorage)
+    assert isinstance(open_storage("s3://bucket/x", key="k", secret="s"), S3Storage)
     with pytest.raises(UsageError, match="unsupported scheme 'ftp'"):
         open_storage("ftp://host/x")
     with pytest.raises(UsageError, match="names no bucket"):

@@ -76,7 +76,7 @@ def put_raw(backend: KeyedStateBackend, state: str, key_group: int, key: str,
 
 
 def job_dir(store: CheckpointStore) -> str:
-    assert store.storage.protocol == "file"
+    assert store.storage.is_local
     return store.storage.root
 
 

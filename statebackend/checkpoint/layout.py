@@ -1,0 +1,149 @@
+"""Every path name of a job root, in one place.
+
+Nothing else in the library spells these names (tests/statebackend/checkpoint/
+test_layout.py scans the string constants of statebackend/ and plugins/)::
+
+    <job>/shared/<unique>.sst                  immutable, shared by checkpoints
+    <job>/chk-<id>/_metadata                   commit record, written last
+    <job>/chk-<id>/<subtask>/<snapshot>/...    private files of one checkpoint
+    <job>/chk-<id>/_attempts/<s>-<a>-<u>.json  what one task attempt uploaded
+    <job>/savepoints/<name>/_metadata          self-contained, never collected
+    <job>/leases/<lease>.json                  writer lease and hold leases
+    <job>/leases/.takeover-<digest>            claim of a writer taking over a stale lease
+    <job>/runs/<run>.json                      ledger of committed runs
+    <job>/runs/history/<utc>-<run>-<outcome>.json   outcome of each finished attempt
+    <job>/reports/chk-<id>/summary.json        validation report (and its data docs)
+    <job>/_index/registry.json                 registry index (lifecycle/registry.py)
+
+All functions are pure and return paths relative to the job root. Changing a
+name breaks every existing store: names here only ever get added.
+"""
+
+from __future__ import annotations
+
+import re
+
+METADATA_FILE = "_metadata"
+SHARED_DIR = "shared"
+CHK_PREFIX = "chk-"
+CHK_DIR_RE = re.compile(r"^chk-(\d+)$")
+ATTEMPTS_DIR = "_attempts"
+SAVEPOINTS_DIR = "savepoints"
+LEASES_DIR = "leases"
+LEASE_SUFFIX = ".json"
+CLAIM_PREFIX = ".takeover-"
+RUNS_DIR = "runs"
+HISTORY_DIR = f"{RUNS_DIR}/history"
+REPORTS_DIR = "reports"
+SUMMARY_FILE = "summary.json"
+INDEX_DIR = "_index"
+INDEX_FILE = f"{INDEX_DIR}/registry.json"
+GC_SCOPE_PREFIXES = (SHARED_DIR + "/", CHK_PREFIX)  # `in_gc_scope`'s cheap first test
+# Top-level folders that stay when emptied (retention prunes the others).
+PERMANENT_DIRS = frozenset({SHARED_DIR, LEASES_DIR, SAVEPOINTS_DIR})
+
+
+# -- checkpoints ---------------------------------------------------------------------
+def checkpoint_dir(checkpoint_id: int) -> str:
+    """``chk-<id>``: the folder of one checkpoint (also its label in reports)."""
+    return f"{CHK_PREFIX}{checkpoint_id}"
+
+
+def metadata_path(checkpoint_id: int) -> str:
+    return f"{checkpoint_dir(checkpoint_id)}/{METADATA_FILE}"
+
+
+def private_dir(checkpoint_id: int, subtask: int, snapshot_id: str) -> str:
+    return f"{checkpoint_dir(checkpoint_id)}/{subtask}/{snapshot_id}"
+
+
+def shared_path(unique_name: str) -> str:
+    return f"{SHARED_DIR}/{unique_name}"
+
+
+def chk_id_of(path: str) -> int | None:
+    """The id of ``chk-<id>`` or ``chk-<id>/...``, else None (CHK_DIR_RE's digits,
+    without a regex: called for every listed file)."""
+    if not path.startswith(CHK_PREFIX):
+        return None
+    end = path.find("/")
+    digits = path[len(CHK_PREFIX):] if end < 0 else path[len(CHK_PREFIX):end]
+    return int(digits) if digits.isdecimal() else None
+
+
+COMMIT_RECORD_SUFFIX = "/" + METADATA_FILE
+
+
+def is_commit_record(path: str) -> bool:
+    """``chk-<id>/_metadata``."""
+    return path.endswith(COMMIT_RECORD_SUFFIX) and path.count("/") == 1 \
+        and chk_id_of(path) is not None
+
+
+def in_gc_scope(path: str) -> bool:
+    """Files GC may ever consider: under ``shared/`` or a ``chk-<id>/`` folder."""
+    return path.startswith(SHARED_DIR + "/") or chk_id_of(path) is not None
+
+
+def belongs_to_attempt(path: str, checkpoint_id: int) -> bool:
+    """Whether an attempt at ``checkpoint_id`` may have written ``path`` (and may delete it)."""
+    return path.startswith((SHARED_DIR + "/", checkpoint_dir(checkpoint_id) + "/"))
+
+
+def attempts_dir(checkpoint_id: int) -> str:
+    return f"{checkpoint_dir(checkpoint_id)}/{ATTEMPTS_DIR}"
+
+
+def attempt_record_path(checkpoint_id: int, subtask: int, attempt: int, unique: str) -> str:
+    return f"{attempts_dir(checkpoint_id)}/{subtask}-{attempt}-{unique}.json"
+
+
+# -- savepoints ----------------------------------------------------------------------
+def savepoint_dir(name: str) -> str:
+    return f"{SAVEPOINTS_DIR}/{name}"
+
+
+def savepoint_metadata_path(name: str) -> str:
+    return f"{savepoint_dir(name)}/{METADATA_FILE}"
+
+
+def savepoint_of(path: str) -> tuple[str, bool] | None:
+    """(name, is its _metadata) of a path under ``savepoints/<name>/``, else None."""
+    parts = path.split("/")
+    if parts[0] != SAVEPOINTS_DIR or len(parts) < 3:
+        return None
+    return parts[1], len(parts) == 3 and parts[2] == METADATA_FILE
+
+
+# -- leases --------------------------------------------------------------------------
+def lease_path(name: str) -> str:
+    return f"{LEASES_DIR}/{name}{LEASE_SUFFIX}"
+
+
+def is_lease_file(path: str) -> bool:
+    """``leases/<name>.json`` (temp files and take-over claims start with a dot)."""
+    parts = path.split("/")
+    return (len(parts) == 2 and parts[0] == LEASES_DIR and parts[1].endswith(LEASE_SUFFIX)
+            and not parts[1].startswith("."))
+
+
+def claim_path(digest: str) -> str:
+    return f"{LEASES_DIR}/{CLAIM_PREFIX}{digest}"
+
+
+# -- runs ----------------------------------------------------------------------------
+def run_record_path(safe_run_name: str) -> str:
+    return f"{RUNS_DIR}/{safe_run_name}.json"
+
+
+def history_path(stamp: str, safe_run_name: str, outcome: str) -> str:
+    return f"{HISTORY_DIR}/{stamp}-{safe_run_name}-{outcome}.json"
+
+
+# -- reports -------------------------------------------------------------------------
+def report_dir(checkpoint_id: int) -> str:
+    return f"{REPORTS_DIR}/{checkpoint_dir(checkpoint_id)}"
+
+
+def report_summary_path(checkpoint_id: int) -> str:
+    return f"{report_dir(checkpoint_id)}/{SUMMARY_FILE}"
