@@ -25,9 +25,9 @@ DISTINCT = {layout.METADATA_FILE, layout.INDEX_DIR, layout.ATTEMPTS_DIR, "regist
             "chk-*"}
 # Web routes of the Checkpoints page and Airflow UI links: URLs, not storage paths.
 WEB_ROUTES = {
-    ("plugins/ckpt_page/app.py", "/reports/{job}/{path:path}"),
-    ("plugins/ckpt_page/data.py", "/dags/{}/runs/{}"),
-    ("plugins/ckpt_page/data.py", "{}/reports/{}/{}"),
+    ("statebackend/airflow/page/app.py", "/reports/{job}/{path:path}"),
+    ("statebackend/airflow/page/data.py", "/dags/{}/runs/{}"),
+    ("statebackend/airflow/page/data.py", "{}/reports/{}/{}"),
 }
 
 
