@@ -9,7 +9,11 @@ events/s, and the time split by phase from the commit's run metrics
 subtasks, so they exceed the wall time on 2 cores), then how cost grows with N
 (seconds per million events against the smallest size: 1.00 is linear).
 
-It also prints the key hashing of the hot path (key group of every key, the one
+It also times the two input readers on the same local input (``--readers``, read
+and hand every column to Python as Arrow, nothing else): Spark's file sources and
+the executor-side pyarrow reader over fsspec (`statebackend.job.arrow_input`), for
+Parquet and for JSON lines; ``auto`` picks Spark's for local files, Arrow's for any
+other URL. And it prints the key hashing of the hot path (key group of every key, the one
 step per input row before any state work) column-wise against the per-key loop it
 replaced, on the same keys.
 
@@ -71,6 +75,37 @@ def key_hashing(keys) -> tuple[float, float]:
     return min(col), min(loop)
 
 
+def _count_rows(batches):
+    import pyarrow as pa
+
+    n = sum(len(b) for b in batches)
+    yield pa.RecordBatch.from_pylist([{"n": n}], schema=pa.schema([("n", pa.int64())]))
+
+
+def compare_readers(spark, work: str, events: int, rounds: int = 3) -> list[tuple]:
+    """(format, events, best s spark, best s arrow) for reading the same local input."""
+    from demo.sample_data import generate_events
+    from jobs.keyed_aggregation import JOB
+    from statebackend.job.input import list_input, read_input
+
+    out = []
+    for fmt, n in (("parquet", events), ("json", min(events, 500_000))):
+        folder = os.path.join(work, f"readers-{fmt}")
+        generate_events(folder, n_events=n, n_keys=max(1, n // 2), seed=5, fmt=fmt)
+        files = list_input(folder)
+        best = {"spark": float("inf"), "arrow": float("inf")}
+        for _ in range(rounds):
+            for reader in best:  # interleaved: the load hits both alike
+                t0 = time.perf_counter()
+                rows = read_input(spark, files, JOB.input, reader).mapInArrow(
+                    _count_rows, "n long").collect()
+                best[reader] = min(best[reader], time.perf_counter() - t0)
+                assert sum(r["n"] for r in rows) == n
+        out.append((fmt, n, best["spark"], best["arrow"]))
+        shutil.rmtree(folder, ignore_errors=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="1M,4M", help="events per run, e.g. 1M,4M,10M")
@@ -78,6 +113,8 @@ def main() -> None:
     ap.add_argument("--parallelism", type=int, default=4)
     ap.add_argument("--master", default="local[2]")
     ap.add_argument("--work", default=None, help="work folder (default: a temp folder)")
+    ap.add_argument("--readers", default="on", choices=("on", "off"),
+                    help="also time Spark's and the Arrow input reader")
     args = ap.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
 
@@ -137,6 +174,7 @@ def main() -> None:
                 col, loop = key_hashing(keys_col)
                 hashing = (len(keys_col), col, loop)
             shutil.rmtree(base, ignore_errors=True)
+        readers = compare_readers(spark, work, sizes[0]) if args.readers == "on" else []
     finally:
         spark.stop()
         if not args.work:
@@ -153,6 +191,9 @@ def main() -> None:
     n_keys, col, loop = hashing
     print(f"\nkey groups of {n_keys:,} keys: column-wise {col * 1000:.0f} ms, per-key loop "
           f"{loop * 1000:.0f} ms ({loop / col:.1f}x)")
+    for fmt, n, t_spark, t_arrow in readers:
+        print(f"read {n:,} events of {fmt}: Spark's reader {t_spark:.2f} s, Arrow reader "
+              f"{t_arrow:.2f} s (spark/arrow {t_spark / t_arrow:.2f}x)")
     print(f"load at end {os.getloadavg()[0]:.1f}")
 
 

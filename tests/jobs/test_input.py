@@ -89,7 +89,15 @@ def test_a_folder_of_only_unsupported_files_is_refused(tmp_path):
     assert list_input(str(tmp_path / "empty")).count == 0  # empty stays a valid input
 
 
-def test_malformed_and_trailing_garbage_lines_are_quarantined_raw(spark, tmp_path, reader):
+def test_malformed_and_trailing_garbage_lines_are_quarantined_raw(spark, tmp_path):
+    _malformed_lines_case(spark, tmp_path, "spark")
+
+
+def test_malformed_lines_are_quarantined_raw_by_the_arrow_reader(spark, tmp_path):
+    _malformed_lines_case(spark, tmp_path, "arrow")
+
+
+def _malformed_lines_case(spark, tmp_path, reader: str) -> None:
     inp = tmp_path / "in"
     good = generate_events(str(inp), n_events=1000, n_keys=120, seed=34, fmt="json")
     missing_key = '{"ts":1798761600000,"value":3}'
@@ -157,3 +165,21 @@ def test_quarantine_keeps_its_columns_and_adds_raw():
     from statebackend.job.task import quarantine_schema
 
     assert quarantine_schema(JOB).names == ["key", "ts", "value", "reason", "run_id", "raw"]
+
+
+def test_reader_choice_is_spark_for_local_files_and_arrow_elsewhere(tmp_path):
+    from statebackend.errors import UsageError
+    from statebackend.job.input import InputFiles, choose_reader
+
+    generate_events(str(tmp_path / "in"), n_events=10, n_keys=3, seed=38)
+    local = list_input(str(tmp_path / "in"))
+    assert [choose_reader(local, r) for r in ("auto", "spark", "arrow")] == \
+        ["spark", "spark", "arrow"]
+    remote = InputFiles("s3://bucket/in", ("s3://bucket/in/a.parquet",), (), 1)
+    assert choose_reader(remote) == "arrow"
+    with pytest.raises(UsageError, match="needs a Hadoop connector for s3://"):
+        choose_reader(remote, "spark")
+    with pytest.raises(UsageError, match="input reader 'fast' is unknown"):
+        choose_reader(local, "fast")
+    with pytest.raises(UsageError, match="input reader 'fast' is unknown"):
+        run(config(tmp_path, tmp_path / "in", "r1", reader="fast"))
