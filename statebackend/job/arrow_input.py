@@ -51,11 +51,15 @@ _ARROW_TYPES = {
 
 
 def files_frame(spark, paths: tuple[str, ...], tasks: int):
-    """One row per file, spread over up to ``tasks`` partitions (largest first is not
-    known here: the listing order, round robin)."""
-    rows = [(i % max(1, tasks), p) for i, p in enumerate(paths)]
+    """One row per file, the files dealt round robin to ``min(tasks, files)`` partitions
+    (each slot value lands in its own partition: `dispatch.partition_values`)."""
+    from statebackend.spark.dispatch import partition_values
+
+    n = max(1, min(tasks, len(paths)))
+    slots = partition_values(n)
+    rows = [(slots[i % n], p) for i, p in enumerate(paths)]
     df = spark.createDataFrame(rows, f"_slot int, {FILE_COLUMN} string")
-    return df.repartition(min(max(1, tasks), max(1, len(paths))), "_slot").select(FILE_COLUMN)
+    return df.repartition(n, "_slot").select(FILE_COLUMN)
 
 
 def output_schema(inp: Input) -> pa.Schema:
