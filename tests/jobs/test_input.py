@@ -167,14 +167,20 @@ def test_quarantine_keeps_its_columns_and_adds_raw():
     assert quarantine_schema(JOB).names == ["key", "ts", "value", "reason", "run_id", "raw"]
 
 
-def test_reader_choice_is_spark_for_local_files_and_arrow_elsewhere(tmp_path):
+def test_reader_choice_is_spark_for_local_parquet_and_arrow_elsewhere(tmp_path):
     from statebackend.errors import UsageError
-    from statebackend.job.input import InputFiles, choose_reader
+    from statebackend.job.input import InputFiles, choose_reader, choose_readers
 
     generate_events(str(tmp_path / "in"), n_events=10, n_keys=3, seed=38)
     local = list_input(str(tmp_path / "in"))
     assert [choose_reader(local, r) for r in ("auto", "spark", "arrow")] == \
         ["spark", "spark", "arrow"]
+    # local JSON lines: Arrow's reader (faster than Spark's there); mixed folders: both
+    (tmp_path / "in" / "more.jsonl").write_text('{"key":"a","ts":1,"value":1.0}\n')
+    mixed = list_input(str(tmp_path / "in"))
+    assert choose_readers(mixed) == {"parquet": "spark", "json": "arrow"}
+    assert choose_reader(mixed) == "spark+arrow"
+    assert choose_reader(mixed, "arrow") == "arrow"
     remote = InputFiles("s3://bucket/in", ("s3://bucket/in/a.parquet",), (), 1)
     assert choose_reader(remote) == "arrow"
     with pytest.raises(UsageError, match="needs a Hadoop connector for s3://"):
