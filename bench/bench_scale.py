@@ -12,10 +12,10 @@ subtasks, so they exceed the wall time on 2 cores), then how cost grows with N
 It also times the two input readers on the same local input (``--readers``, read
 and hand every column to Python as Arrow, nothing else): Spark's file sources and
 the executor-side pyarrow reader over fsspec (`statebackend.job.arrow_input`), for
-Parquet and for JSON lines; ``auto`` picks Spark's for local files, Arrow's for any
-other URL. And it prints the key hashing of the hot path (key group of every key, the one
-step per input row before any state work) column-wise against the per-key loop it
-replaced, on the same keys.
+Parquet and for JSON lines (``auto`` follows these figures: Spark's for local Parquet,
+Arrow's for local JSON lines and any other URL). And it prints the key hashing of
+the hot path (key group of every key, the one step per input row before any state
+work) column-wise against the per-key loop it replaced, on the same keys.
 
     PYTHONPATH=. .venv/bin/python bench/bench_scale.py                  # 1M and 4M events
     PYTHONPATH=. .venv/bin/python bench/bench_scale.py --sizes 1M,4M,10M --runs 2
