@@ -70,7 +70,9 @@ class _KeyCache:
             if obj is keys:
                 return ks, rks
         ks = _key_list(keys)
-        rks = self.backend.rocks_keys(ks)
+        # An Arrow column is encoded as is (column-wise), not from its Python list.
+        rks = self.backend.rocks_keys(keys if isinstance(keys, pa.Array | pa.ChunkedArray)
+                                      else ks)
         self._entries = [(keys, ks, rks), *self._entries[:3]]
         return ks, rks
 

@@ -54,8 +54,10 @@ from statebackend.errors import CkptError, UsageError
 from statebackend.job.api import Job
 from statebackend.job.core import LATE, max_accepted_time
 from statebackend.job.input import (
+    READERS,
     InputFiles,
     check_parquet,
+    choose_reader,
     list_input,
     marker_row,
     raw_table,
@@ -123,6 +125,7 @@ class RunConfig:
     context: Mapping[str, Any] = field(default_factory=dict, hash=False)
     storage_options: Mapping[str, Any] = field(default_factory=StorageOptions, hash=False)
     logical_time_ms: int | None = None
+    input_reader: str = "auto"  # "spark" | "arrow" | "auto" (statebackend.job.input)
 
     def __post_init__(self) -> None:
         if not isinstance(self.storage_options, StorageOptions):  # repr must redact secrets
@@ -220,7 +223,7 @@ def _run(job: Job, config: RunConfig, spark, options: dict, store: CheckpointSto
         warnings: list[str] = []
         parent = _parent(config, store, warnings)
         check_states(job, parent, store.job)
-        files = list_input(config.input)
+        files = list_input(config.input, config.storage_options)
         progress.phase(f"run {config.run_id}: checking {files.count} input files")
         check_parquet(files)  # before Spark starts: a bad file costs no session
         if spark is None:
@@ -243,6 +246,9 @@ def _check_config(job: Job, config: RunConfig) -> dict:
         raise UsageError(f"job {job.name!r} writes outputs {[o.name for o in job.outputs]}: "
                          "give --output")
     config.quarantine_url  # noqa: B018 - raises when neither is given
+    if config.input_reader not in READERS:
+        raise UsageError(f"input reader {config.input_reader!r} is unknown; use one of "
+                         f"{list(READERS)}")
     return dict(job.resolve_options(config.options))
 
 
@@ -334,7 +340,7 @@ def _run_attempt(spark, job: Job, config: RunConfig, options: dict, store: Check
         processing_time=clock.processing_time, must_run=clock.must_run)
     inp = job.input
     ddl = read_ddl(inp)
-    routed = dispatch.route(read_input(spark, files, inp),
+    routed = dispatch.route(read_input(spark, files, inp, config.input_reader),
                             dispatch.Routing(inp.key, max_parallelism, parallelism, part_values),
                             ddl)
     sort_by = (inp.key, *[n for n in inp.schema.names if n != inp.key])
@@ -381,18 +387,20 @@ def _run_clock(spark, job: Job, config: RunConfig, parent: CheckpointMetadata | 
         int(time.time() * 1000)
     new_wm = wm
     if job.input.event_time is not None:
-        new_wm = advance(wm, max_event_time(spark, job, files, wm), job.input.lateness_ms)
+        new_wm = advance(wm, max_event_time(spark, job, files, wm, config.input_reader),
+                         job.input.lateness_ms)
     return RunClock(wm, new_wm, logical, _must_run(job, parent, parallelism, new_wm, logical))
 
 
-def max_event_time(spark, job: Job, files: InputFiles, watermark: int | None) -> int | None:
+def max_event_time(spark, job: Job, files: InputFiles, watermark: int | None,
+                   reader: str = "auto") -> int | None:
     """Max event time of the input rows the tasks will accept (not late, valid): one
     Spark pass that validates like the tasks do, so the watermark is exactly theirs."""
     if not files.count:
         return None
     inp = job.input
     fn = functools.partial(_max_times, job, watermark)
-    rows = read_input(spark, files, inp).mapInArrow(fn, "m bigint").collect()
+    rows = read_input(spark, files, inp, reader).mapInArrow(fn, "m bigint").collect()
     found = [r["m"] for r in rows if r["m"] is not None]
     return max(found) if found else None
 
@@ -488,6 +496,7 @@ def _commit(job: Job, config: RunConfig, store: CheckpointStore, attempt: Attemp
     # Events, rejects and keys touched are recorded once, in "metrics" (checkpoint.metrics).
     extra = {"input_files": files.count,
              "input_files_skipped": len(files.skipped), "input_bytes": files.total_bytes,
+             "input_reader": choose_reader(files, config.input_reader),
              "output": config.output,
              # Which parts the run wrote: a re-run may only publish complete folders.
              "output_parts": _output_parts(job, rows), "job_kind": job.name,
@@ -546,7 +555,8 @@ def _commit(job: Job, config: RunConfig, store: CheckpointStore, attempt: Attemp
         reuploaded=sorted(p for r in rows for p in json.loads(r.get("reuploaded") or "[]")),
         parent=meta.parent, published=True, output=config.output,
         input_files=files.count, input_bytes=files.total_bytes,
-        logic_timings=detail, **files.skipped_report(), **extra_summary)
+        input_reader=choose_reader(files, config.input_reader), logic_timings=detail,
+        **files.skipped_report(), **extra_summary)
 
 
 PHASES = {"restore": "t_restoring", "process": "t_processing", "snapshot": "t_snapshotting",

@@ -30,6 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from statebackend.errors import CkptError
+from statebackend.state.keygroups import key_groups
 
 SPARK_HASH_SEED = 42
 PARTITION_COLUMN = "_p"
@@ -74,11 +75,8 @@ def assign_partition(routing: Routing, batches: Iterator[pa.RecordBatch]
     """Add ``_p`` (int32): the shuffle value of each row's subtask; keyless rows go to 0."""
     m, p = routing.max_parallelism, routing.parallelism
     values = np.asarray(routing.part_values, dtype=np.int32)
-    hash32 = mmh3.hash
     for batch in batches:
-        keys = batch.column(routing.key).to_pylist()
-        kgs = np.fromiter((hash32(k.encode("utf-8"), 0, False) % m if k else 0 for k in keys),
-                          dtype=np.int64, count=len(keys))
+        kgs = key_groups(batch.column(routing.key), m)  # a null key: key group 0
         yield batch.append_column(PARTITION_COLUMN,
                                   pa.array(values[kgs * p // m], pa.int32()))
 

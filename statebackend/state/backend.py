@@ -30,6 +30,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import mmh3
+import numpy as np
+import pyarrow as pa
 from rocksdict import (
     AccessType,
     Checkpoint,
@@ -44,8 +46,14 @@ from rocksdict import (
 )
 
 from statebackend.errors import CorruptStateError, UsageError
-from statebackend.state.codecs import as_time, serialize_key
-from statebackend.state.keygroups import KeyGroupRange, check_max_parallelism, key_group_prefix
+from statebackend.state.codecs import as_time, serialize_key, serialize_keys
+from statebackend.state.keygroups import (
+    KeyGroupRange,
+    check_max_parallelism,
+    key_group_prefix,
+    key_groups,
+    prefixed_keys,
+)
 from statebackend.state.kinds import (
     INTERNAL_STATES,
     STATE_CLASSES,
@@ -288,20 +296,17 @@ class KeyedStateBackend:
         kg, kb = self.key_group_and_bytes(key)
         return _PREFIXES[kg] + kb
 
-    def rocks_keys(self, keys: Iterable[str]) -> list[bytes]:
-        m = self.max_parallelism
-        lo, hi = self.key_group_range.start, self.key_group_range.end
-        out = []
-        append = out.append
-        hash32 = mmh3.hash
-        prefixes = _PREFIXES
-        for key in keys:
-            kb = key.encode("utf-8")
-            kg = hash32(kb, 0, False) % m
-            if kg < lo or kg > hi:
-                self.key_group_and_bytes(key)  # raises with the full message
-            append(prefixes[kg] + kb)
-        return out
+    def rocks_keys(self, keys: Iterable[str] | pa.Array | pa.ChunkedArray) -> list[bytes]:
+        """`rocks_key` of every key, computed column-wise (no per-key Python step)."""
+        key_bytes = serialize_keys(keys)
+        if not len(key_bytes):
+            return []
+        kgs = key_groups(key_bytes, self.max_parallelism)
+        r = self.key_group_range
+        outside = (kgs < r.start) | (kgs > r.end)
+        if outside.any():
+            self.key_group_and_bytes(key_bytes[int(np.argmax(outside))].as_py().decode())
+        return prefixed_keys(kgs, key_bytes).to_pylist()
 
     # -- time ----------------------------------------------------------------
     def set_time(self, *, event_time: int | None = None,

@@ -14,8 +14,10 @@ Codecs (declared per state, recorded in `_metadata` as JSON):
 - ``str``    b"\\x04" + UTF-8
 
 Keys are strings; the serialized key is its UTF-8 bytes (the key group is
-murmur3 of exactly these bytes). Map state appends the user key after a 4-byte
-big-endian length of the primary key so that (key, user key) pairs never collide.
+murmur3 of exactly these bytes). `serialize_keys` does the same for a whole column
+at once (an Arrow string array is already its UTF-8 bytes: no per-key step).
+Map state appends the user key after a 4-byte big-endian length of the primary
+key so that (key, user key) pairs never collide.
 List values are a sequence of u32-length-prefixed element encodings, so an
 append is a byte concatenation with no decode.
 
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from statebackend.errors import SerializationError, UsageError
 
@@ -55,6 +58,27 @@ def serialize_key(key: str) -> bytes:
     if not isinstance(key, str):
         raise UsageError(f"state keys must be strings, got {type(key).__name__}: {key!r}")
     return key.encode("utf-8")
+
+
+def serialize_keys(keys: Iterable[str] | pa.Array | pa.ChunkedArray) -> pa.Array:
+    """`serialize_key` of every key, as one binary array (no copy for an Arrow string array)."""
+    if isinstance(keys, pa.ChunkedArray):
+        keys = keys.combine_chunks() if keys.num_chunks != 1 else keys.chunk(0)
+    if not isinstance(keys, pa.Array):
+        keys = keys if isinstance(keys, list) else list(keys)
+        if not keys:
+            return pa.array([], pa.binary())
+        try:  # inferred, not forced: bytes or numbers among the keys are refused below
+            keys = pa.array(keys)
+        except (pa.ArrowTypeError, pa.ArrowInvalid):
+            keys = pa.array([], pa.null())
+        if not pa.types.is_string(keys.type):
+            raise UsageError(f"state keys must be strings, got {keys.type} keys")
+    if not (pa.types.is_string(keys.type) or pa.types.is_large_string(keys.type)):
+        raise UsageError(f"state keys must be strings, got a column of {keys.type}")
+    if keys.null_count:
+        serialize_key(None)  # type: ignore[arg-type]  # raises: a key must be a string
+    return keys.view(pa.large_binary() if pa.types.is_large_string(keys.type) else pa.binary())
 
 
 def deserialize_key(data: bytes) -> str:

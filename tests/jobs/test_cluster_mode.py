@@ -131,3 +131,72 @@ def test_example_job_through_submit_script_on_the_cluster(standalone_cluster, s3
 
         pd.testing.assert_frame_equal(got, expected[d], check_dtype=False)
     assert final_state(s3_url, "user_activity") == state
+
+
+S3_INPUT_DRIVER = """
+import json, sys
+from jobs.keyed_aggregation import JOB
+from statebackend.job import RunConfig, run_job
+from statebackend.spark.session import get_spark
+args = json.loads(sys.argv[1])
+spark = get_spark(args["master"], app_name="s3-input-test")
+for inp, run_id in args["runs"]:
+    s = run_job(JOB, RunConfig(input=inp, storage=args["storage"], job="agg", run_id=run_id,
+                               output=args["output"], master=args["master"], parallelism=2,
+                               storage_options=args["options"]), spark)
+    print(json.dumps(s), flush=True)
+spark.stop()
+"""
+
+
+@pytest.mark.slow
+def test_s3_input_on_the_cluster_equals_local_mode(standalone_cluster, s3_server, spark,
+                                                   tmp_path):
+    """Input on s3:// (Parquet, and gzip JSON lines with a bad line) read by the executors
+    with pyarrow over fsspec: no Hadoop connector, credentials only as storage options
+    (the driver process has no AWS_* variables). State equals a local-mode run."""
+    import gzip
+
+    import fsspec
+
+    from tests.conftest import S3_BUCKET
+
+    days = [generate_events(str(tmp_path / f"in{d}"), n_events=3000, n_keys=800, seed=60 + d,
+                            start_ts_ms=1_800_000_000_000 + d * 86_400_000,
+                            fmt="parquet" if d == 0 else "json")
+            for d in range(2)]
+    jsonl = tmp_path / "in1" / "part-00000.jsonl"
+    with open(jsonl, "rb") as src, gzip.open(tmp_path / "in1" / "part-00000.jsonl.gz", "wb") as gz:
+        gz.write(src.read() + b'{"key":"bad","ts":1,"value":1} trailing\n')
+    os.remove(jsonl)
+    options = {"key": "testing", "secret": "testing",
+               "client_kwargs": {"endpoint_url": s3_server}}
+    fs = fsspec.filesystem("s3", **options)
+    prefix = f"{S3_BUCKET}/input-{uuid.uuid4().hex[:8]}"
+    for d in range(2):
+        fs.put(str(tmp_path / f"in{d}") + "/", f"{prefix}/in{d}/", recursive=True)
+    s3_store = f"s3://{S3_BUCKET}/s3in-{uuid.uuid4().hex[:8]}"
+    env = {k: v for k, v in standalone_cluster.env.items() if not k.startswith("AWS_")}
+    env["PYTHONPATH"] = ROOT
+    args = {"master": standalone_cluster.master_url, "storage": s3_store,
+            "output": str(tmp_path / "out"), "options": options,
+            "runs": [[f"s3://{prefix}/in0", "d0"], [f"s3://{prefix}/in1", "d1"]]}
+    proc = subprocess.run([sys.executable, "-c", S3_INPUT_DRIVER, json.dumps(args)], env=env,
+                          capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summaries = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    assert [s["input_reader"] for s in summaries] == ["arrow", "arrow"]
+    assert [(s["events_read"], s["events_rejected"]) for s in summaries] == \
+        [(3000, 0), (3001, 1)]
+    assert summaries[1]["rejects_by_reason"] == {"malformed": 1}
+    assert "testing" not in proc.stdout + proc.stderr  # the secret is never printed
+
+    cluster_state = dump_latest(s3_store, "agg")
+    assert_state_equals(cluster_state, expected_totals(days))
+    local_url = f"file://{tmp_path}/local-store"
+    for d in range(2):
+        s = run(JobConfig(input=str(tmp_path / f"in{d}"), storage=local_url, job="agg",
+                          run_id=f"d{d}", output=str(tmp_path / "local-out"), parallelism=2),
+                spark)
+        assert s["input_reader"] == "spark"
+    assert dump_latest(local_url, "agg") == cluster_state

@@ -12,8 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from demo.sample_data import expected_totals, generate_events
-from jobs.keyed_aggregation import JobConfig, JobRunError, RejectThresholdError, run
+from jobs.keyed_aggregation import JobRunError, RejectThresholdError, run
 from statebackend.errors import InputError
+from statebackend.job import RunConfig
 from statebackend.job.input import list_input
 from tests.jobs.helpers import assert_state_equals, dump_latest, store_of
 
@@ -28,9 +29,15 @@ MALFORMED = ['not json',
              '42']
 
 
-def config(tmp_path, input_dir, run_id, **kw) -> JobConfig:
-    return JobConfig(input=str(input_dir), storage=f"file://{tmp_path}/store", job="agg",
-                     run_id=run_id, output=str(tmp_path / "out"), **kw)
+def config(tmp_path, input_dir, run_id, reader: str = "auto", **kw) -> RunConfig:
+    return RunConfig(input=str(input_dir), storage=f"file://{tmp_path}/store", job="agg",
+                     run_id=run_id, output=str(tmp_path / "out"), input_reader=reader, **kw)
+
+
+@pytest.fixture(params=["spark", "arrow"])
+def reader(request) -> str:
+    """Both input readers must give the same runs (statebackend.job.input)."""
+    return request.param
 
 
 def gzip_file(path, dest) -> None:
@@ -39,7 +46,8 @@ def gzip_file(path, dest) -> None:
     os.remove(path)
 
 
-def test_gz_json_lines_count_like_plain_and_unsupported_files_are_reported(spark, tmp_path):
+def test_gz_json_lines_count_like_plain_and_unsupported_files_are_reported(spark, tmp_path,
+                                                                           reader):
     inp = tmp_path / "in"
     plain = generate_events(str(inp), n_events=700, n_keys=90, seed=31)  # part-00000.parquet
     zipped = generate_events(str(tmp_path / "j"), n_events=500, n_keys=90, seed=32, fmt="json")
@@ -48,8 +56,9 @@ def test_gz_json_lines_count_like_plain_and_unsupported_files_are_reported(spark
     (inp / "readme.txt").write_text("hello")
     (inp / "_SUCCESS").write_text("")  # marker files stay ignored, not reported
 
-    s = run(config(tmp_path, inp, "r1", parallelism=2), spark)
+    s = run(config(tmp_path, inp, "r1", reader, parallelism=2), spark)
     assert s["events_read"] == 1200 and s["events_rejected"] == 0
+    assert s["input_reader"] == reader
     assert (s["input_files_skipped"], s["input_files_skipped_names"]) == \
         (2, ["notes.csv", "readme.txt"])
     assert_state_equals(dump_latest(f"file://{tmp_path}/store", "agg"),
@@ -81,6 +90,14 @@ def test_a_folder_of_only_unsupported_files_is_refused(tmp_path):
 
 
 def test_malformed_and_trailing_garbage_lines_are_quarantined_raw(spark, tmp_path):
+    _malformed_lines_case(spark, tmp_path, "spark")
+
+
+def test_malformed_lines_are_quarantined_raw_by_the_arrow_reader(spark, tmp_path):
+    _malformed_lines_case(spark, tmp_path, "arrow")
+
+
+def _malformed_lines_case(spark, tmp_path, reader: str) -> None:
     inp = tmp_path / "in"
     good = generate_events(str(inp), n_events=1000, n_keys=120, seed=34, fmt="json")
     missing_key = '{"ts":1798761600000,"value":3}'
@@ -88,7 +105,7 @@ def test_malformed_and_trailing_garbage_lines_are_quarantined_raw(spark, tmp_pat
     with gzip.open(inp / "bad2.ndjson.gz", "wt") as fh:
         fh.write("\n".join(MALFORMED[3:]) + "\n")
 
-    s = run(config(tmp_path, inp, "r1", parallelism=2), spark)
+    s = run(config(tmp_path, inp, "r1", reader, parallelism=2), spark)
     assert (s["events_read"], s["events_rejected"]) == (1007, 7)
     assert s["rejects_by_reason"] == {"malformed": 6, "missing_key": 1}
     q = pq.read_table(tmp_path / "out" / "_quarantine" / "run=r1").to_pandas()
@@ -101,7 +118,7 @@ def test_malformed_and_trailing_garbage_lines_are_quarantined_raw(spark, tmp_pat
 
     # malformed lines count against --max-reject-fraction like any reject
     with pytest.raises(RejectThresholdError, match=r"7 of 1007 .*malformed=6, missing_key=1"):
-        run(config(tmp_path, inp, "r2", max_reject_fraction=0.005), spark)
+        run(config(tmp_path, inp, "r2", reader, max_reject_fraction=0.005), spark)
 
 
 def test_truncated_parquet_is_refused_in_one_line_naming_the_file(tmp_path):
@@ -118,7 +135,7 @@ def test_truncated_parquet_is_refused_in_one_line_naming_the_file(tmp_path):
     assert store_of(f"file://{tmp_path}/store", "cli").checkpoint_ids() == []
 
 
-def test_a_bad_file_among_good_ones_is_named_in_one_line(spark, tmp_path):
+def test_a_bad_file_among_good_ones_is_named_in_one_line(spark, tmp_path, reader):
     inp = tmp_path / "in"
     generate_events(str(inp), n_events=400, n_keys=40, seed=36, fmt="json")
     gzip_file(inp / "part-00000.jsonl", inp / "good.jsonl.gz")
@@ -127,7 +144,7 @@ def test_a_bad_file_among_good_ones_is_named_in_one_line(spark, tmp_path):
     data = (tmp_path / "b.gz").read_bytes()
     (inp / "cut.jsonl.gz").write_bytes(data[: len(data) // 2])  # truncated gzip stream
     with pytest.raises(JobRunError) as info:
-        run(config(tmp_path, inp, "r1", parallelism=2), spark)
+        run(config(tmp_path, inp, "r1", reader, parallelism=2), spark)
     msg = str(info.value)
     assert "\n" not in msg and len(msg) < 1000
     assert f"cannot read input file file://{inp / 'cut.jsonl.gz'}" in msg
@@ -148,3 +165,27 @@ def test_quarantine_keeps_its_columns_and_adds_raw():
     from statebackend.job.task import quarantine_schema
 
     assert quarantine_schema(JOB).names == ["key", "ts", "value", "reason", "run_id", "raw"]
+
+
+def test_reader_choice_is_spark_for_local_parquet_and_arrow_elsewhere(tmp_path):
+    from statebackend.errors import UsageError
+    from statebackend.job.input import InputFiles, choose_reader, choose_readers
+
+    generate_events(str(tmp_path / "in"), n_events=10, n_keys=3, seed=38)
+    local = list_input(str(tmp_path / "in"))
+    assert [choose_reader(local, r) for r in ("auto", "spark", "arrow")] == \
+        ["spark", "spark", "arrow"]
+    # local JSON lines: Arrow's reader (faster than Spark's there); mixed folders: both
+    (tmp_path / "in" / "more.jsonl").write_text('{"key":"a","ts":1,"value":1.0}\n')
+    mixed = list_input(str(tmp_path / "in"))
+    assert choose_readers(mixed) == {"parquet": "spark", "json": "arrow"}
+    assert choose_reader(mixed) == "spark+arrow"
+    assert choose_reader(mixed, "arrow") == "arrow"
+    remote = InputFiles("s3://bucket/in", ("s3://bucket/in/a.parquet",), (), 1)
+    assert choose_reader(remote) == "arrow"
+    with pytest.raises(UsageError, match="needs a Hadoop connector for s3://"):
+        choose_reader(remote, "spark")
+    with pytest.raises(UsageError, match="input reader 'fast' is unknown"):
+        choose_reader(local, "fast")
+    with pytest.raises(UsageError, match="input reader 'fast' is unknown"):
+        run(config(tmp_path, tmp_path / "in", "r1", reader="fast"))

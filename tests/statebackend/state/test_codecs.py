@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 import pickle
+import random
 import re
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,6 +28,7 @@ from statebackend.state.codecs import (
     encode_list,
     map_key_suffix,
     serialize_key,
+    serialize_keys,
     split_map_key,
 )
 
@@ -206,3 +209,21 @@ def test_codec_descriptions_round_trip_and_refuse_unknown():
         codec_from_json({"type": "record", "fields": [["a"]]})
     with pytest.raises(UsageError, match="unknown type"):
         codec_from_json({"type": "record", "fields": [["a", "object"]]})
+
+
+def test_serialize_keys_equals_serialize_key_on_random_keys():
+    rng = random.Random(7)
+    keys = ["".join(rng.choice("az\u00e9\u4e2d\U0001f600") for _ in range(rng.randint(0, 20)))
+            for _ in range(2000)]
+    expected = [serialize_key(k) for k in keys]
+    for given_as in (keys, iter(keys), pa.array(keys), pa.array(keys, pa.large_string()),
+                     pa.chunked_array([pa.array(keys[:7]), pa.array(keys[7:])])):
+        assert serialize_keys(given_as).to_pylist() == expected
+    assert serialize_keys([]).to_pylist() == []
+
+
+@pytest.mark.parametrize("keys", [["a", None], [b"a", b"b"], ["a", 1], [1, 2],
+                                  pa.array([1, 2]), pa.array(["a", None])])
+def test_serialize_keys_refuses_what_serialize_key_refuses(keys):
+    with pytest.raises(UsageError, match="must be strings"):
+        serialize_keys(keys)

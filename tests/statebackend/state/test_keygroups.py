@@ -6,7 +6,10 @@ existing state lands in the wrong key group after a restore.
 
 from __future__ import annotations
 
+import random
+
 import mmh3
+import pyarrow as pa
 import pytest
 
 from statebackend.errors import UsageError
@@ -17,7 +20,10 @@ from statebackend.state.keygroups import (
     key_group_of_rocks_key,
     key_group_prefix,
     key_group_range_for_subtask,
+    key_groups,
     murmur3_32,
+    murmur3_32_many,
+    prefixed_keys,
     subtask_for_key_group,
 )
 
@@ -149,3 +155,84 @@ def test_range_helpers():
     assert len(r) == 11 and 10 in r and 20 in r and 21 not in r and "10" not in r
     assert r.intersect(KeyGroupRange(15, 30)) == KeyGroupRange(15, 20)
     assert len(r.intersect(KeyGroupRange(30, 40))) == 0
+
+
+# -- bulk forms: equal to the scalar functions on random keys of every kind ----------
+def _random_keys(rng: random.Random, n: int) -> list[str]:
+    alphabets = ["abcxyz0123-_:", "\u00e9\u00fc\u00df\u4e2d\u6587", "\U0001f600\U0001f680",
+                 "".join(chr(c) for c in range(1, 128))]
+    out = []
+    for i in range(n):
+        alphabet = alphabets[i % len(alphabets)]
+        # every tail length (0..3 bytes) and block count, plus a few long keys
+        size = rng.choice([0, 1, 2, 3, 4, 5, 7, 8, 13, 31, 64]) if i % 97 else 1000
+        out.append("".join(rng.choice(alphabet) for _ in range(size)))
+    return out
+
+
+def _key_columns(keys: list[str]) -> dict[str, pa.Array | pa.ChunkedArray]:
+    utf8 = [k.encode("utf-8") for k in keys]
+    with_nulls = pa.array([None, *keys[:50], None, *keys[50:]], pa.string())
+    return {
+        "string": pa.array(keys, pa.string()),
+        "large_string": pa.array(keys, pa.large_string()),
+        "binary": pa.array(utf8, pa.binary()),
+        "large_binary": pa.array(utf8, pa.large_binary()),
+        "sliced": pa.array(["pad", *keys, "pad"], pa.string()).slice(1, len(keys)),
+        "chunked": pa.chunked_array([pa.array(keys[:100]), pa.array(keys[100:])]),
+        "with_nulls": with_nulls,
+    }
+
+
+@pytest.mark.parametrize("kind", ["string", "large_string", "binary", "large_binary",
+                                  "sliced", "chunked", "with_nulls"])
+def test_bulk_hash_and_key_groups_equal_the_scalar_functions(kind):
+    keys = _random_keys(random.Random(kind), 3000)
+    col = _key_columns(keys)[kind]
+    values = col.to_pylist()
+    as_bytes = [v if isinstance(v, bytes) or v is None else v.encode("utf-8") for v in values]
+    expected = [0 if b is None else murmur3_32(b) for b in as_bytes]
+    assert murmur3_32_many(col).tolist() == expected
+    for m in (1, 128, 4096, 32768):
+        kgs = key_groups(col, m)
+        assert kgs.tolist() == [0 if b is None else key_group_for_bytes(b, m)
+                                for b in as_bytes]
+        if kind != "with_nulls":
+            rocks = prefixed_keys(kgs, col).to_pylist()
+            pairs = zip(kgs.tolist(), as_bytes, strict=True)
+            assert rocks == [key_group_prefix(kg) + b for kg, b in pairs]
+
+
+def test_bulk_forms_on_edge_columns():
+    assert murmur3_32_many(pa.array([], pa.string())).tolist() == []
+    assert murmur3_32_many(pa.array([""] * 3)).tolist() == [0, 0, 0]
+    vectors = pa.array([d for d, _ in MURMUR3_SEED0], pa.binary())
+    assert murmur3_32_many(vectors).tolist() == [h for _, h in MURMUR3_SEED0]
+    keys = pa.array([k for k, _, _ in KEY_GROUP_VECTORS])
+    assert key_groups(keys, 128).tolist() == [kg for _, kg, _ in KEY_GROUP_VECTORS]
+    assert key_groups(keys, 32768).tolist() == [kg for _, _, kg in KEY_GROUP_VECTORS]
+    with pytest.raises(UsageError, match="string or binary"):
+        key_groups(pa.array([1, 2]), 128)
+
+
+def test_backend_rocks_keys_equal_rocks_key_and_refuse_foreign_keys(tmp_path):
+    from statebackend.state.backend import KeyedStateBackend
+    from tests.statebackend.helpers import DESCRIPTORS
+
+    keys = _random_keys(random.Random(3), 2000)
+    whole = KeyedStateBackend(str(tmp_path / "all"), DESCRIPTORS, 128, KeyGroupRange(0, 127))
+    half = KeyedStateBackend(str(tmp_path / "half"), DESCRIPTORS, 128, KeyGroupRange(0, 63))
+    try:
+        expected = [whole.rocks_key(k) for k in keys]
+        assert whole.rocks_keys(keys) == expected
+        assert whole.rocks_keys(pa.array(keys)) == expected
+        assert whole.rocks_keys([]) == []
+        outside = next(k for k in keys if key_group_for_bytes(k.encode(), 128) > 63)
+        with pytest.raises(UsageError, match=r"outside this backend's range \[0, 63\]"):
+            half.rocks_keys(["user-1", outside] if key_group_for_bytes(b"user-1", 128) <= 63
+                            else [outside])
+        with pytest.raises(UsageError, match="must be strings"):
+            whole.rocks_keys(["a", 7])
+    finally:
+        whole.close()
+        half.close()
