@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 
 from statebackend.checkpoint.attempt import (
-    ATTEMPTS_DIR,
     Attempt,
     attempt_records,
     cleanup_committed,
     record_uploads,
 )
+from statebackend.checkpoint.layout import ATTEMPTS_DIR, metadata_path
 from statebackend.checkpoint.metadata import FileRef, SubtaskHandle
-from statebackend.checkpoint.store import CheckpointStore, build_metadata, metadata_path
+from statebackend.checkpoint.store import CheckpointStore, build_metadata
 from statebackend.errors import CkptError, LeaseConflictError, MissingFilesError
 from statebackend.state.keygroups import key_group_range_for_subtask
 from statebackend.storage import open_storage
