@@ -26,7 +26,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -133,6 +132,33 @@ def max_accepted_time(job: Job, raw: pa.Table, watermark: int | None) -> int | N
     if not accepted.num_rows:
         return None
     return pc.max(event_times(accepted, job.input.event_time)).as_py()
+
+
+def max_accepted_time_of_latest(job: Job, latest: pa.Table, limit: int,
+                                watermark: int | None) -> tuple[bool, int | None]:
+    """(settled, max accepted event time) judged from the input rows with the latest times.
+
+    ``latest``: at most ``limit`` rows of `statebackend.job.input.read_ddl`, those whose
+    event time arrived but did not type first, then by typed event time, latest first
+    (nulls last). Every row left out has a typed event time no later than the last
+    row's, or none (rejected). So the answer is settled when ``latest`` holds every row,
+    or its last row is typed and no later than the best accepted time, or late (at or
+    before ``watermark``); otherwise (False, None): validate every row instead.
+    """
+    from statebackend.job.input import TEXT, raw_table
+
+    et = job.input.event_time
+    best = max_accepted_time(job, raw_table(job.input, latest), watermark) \
+        if latest.num_rows else None
+    if latest.num_rows < limit:
+        return True, best
+    if latest[TEXT + et][-1].is_valid:
+        return False, None  # as many untyped event times as the limit: maybe more
+    last = event_times(latest.slice(latest.num_rows - 1), et)[0].as_py()
+    if last is None or (best is not None and best >= last) or \
+            (watermark is not None and last <= watermark):
+        return True, best
+    return False, None
 
 
 def _target(job: Job, f: pa.Field) -> pa.DataType:
@@ -433,7 +459,7 @@ class SubtaskProcessor:
             fired = 0
             try:
                 while True:
-                    chunk = list(islice(firing, TIMER_BATCH))
+                    chunk = firing.take(TIMER_BATCH)
                     if not chunk:
                         break
                     fired += len(chunk)
