@@ -34,6 +34,7 @@ if __package__ in (None, ""):  # spark-submit jobs/dedup.py: make the repo impor
 import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
 
+from statebackend.cli.submit import entry_point  # noqa: E402
 from statebackend.job import (  # noqa: E402
     Input,
     Job,
@@ -93,16 +94,7 @@ JOB = Job(
     configure=configure)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``ckpt run jobs.dedup:JOB`` with the given arguments (spark-submit too)."""
-    from statebackend.cli.submit import main as submit
-
-    return submit(["jobs.dedup:JOB", *(sys.argv[1:] if argv is None else argv)])
-
+main = entry_point("jobs.dedup:JOB")
 
 if __name__ == "__main__":
-    if __package__ in (None, ""):
-        from jobs.dedup import main as _main
-
-        sys.exit(_main())
     sys.exit(main())
