@@ -44,7 +44,10 @@ LATE = "late"
 TIMER_BATCH = 10_000  # due timers per call of a vectorized timer handler
 TIMER_SCHEMA = pa.schema([("key", pa.string()), ("time", pa.int64()), ("tag", pa.string()),
                           ("domain", pa.string()), ("key_group", pa.int32())])
-COMPACT_RATIO = 0.25  # purge compacts a TTL state once this fraction of it expired
+# Purge compacts a TTL state (a rewrite of the whole family, so the next checkpoint
+# uploads all of it) only once half of it expired in one run, e.g. keys going quiet;
+# a steady share expiring each run is left to RocksDB's own compactions.
+COMPACT_RATIO = 0.5
 _INT_TEXT = r"^[+-]?[0-9]{1,19}$"
 _FLOAT_TEXT = (r"^[+-]?(([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|"
                r"[iI][nN][fF]([iI][nN][iI][tT][yY])?|[nN][aA][nN])$")
