@@ -15,8 +15,6 @@ with ``--job`` required); `JobConfig` and `run` are the Python entry points.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -27,8 +25,8 @@ if __package__ in (None, ""):  # spark-submit jobs/keyed_aggregation.py: make th
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
+from statebackend.cli.submit import entry_point  # noqa: E402
 from statebackend.defaults import MAX_REJECT_FRACTION  # noqa: E402
-from statebackend.errors import CkptError  # noqa: E402
 from statebackend.job import (  # noqa: E402
     Input,
     Job,
@@ -48,7 +46,6 @@ from statebackend.job.run import (  # noqa: E402
     RejectThresholdError,
     format_summary,
     run_dir_name,
-    skipped_warning,
 )
 from statebackend.state.codecs import RecordCodec  # noqa: E402
 from statebackend.state.keygroups import DEFAULT_MAX_PARALLELISM  # noqa: E402
@@ -161,86 +158,13 @@ def run(config: JobConfig | RunConfig, spark=None) -> dict:
     return run_job(JOB, config, spark)
 
 
-# -- CLI (unchanged flags, text and JSON summary) -----------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="keyed_aggregation",
-        description="Per-key running totals (count, sum, min_ts, max_ts) in incremental "
-                    "RocksDB state; one idempotent run per input folder.")
-    p.add_argument("--input", required=True,
-                   help="folder of Parquet and/or JSON-lines files (key, ts, value)")
-    p.add_argument("--storage", required=True, help="checkpoint storage root (path, s3://...)")
-    p.add_argument("--job", required=True, help="job name (folder under the storage root)")
-    p.add_argument("--run-id", required=True, help="idempotency key: a committed run id is "
-                                                   "skipped")
-    p.add_argument("--output", required=True, help="output folder (Parquet per run)")
-    p.add_argument("--parallelism", type=int, default=None,
-                   help="subtasks P (first run of a lineage; later runs keep it)")
-    p.add_argument("--max-parallelism", type=int, default=DEFAULT_MAX_PARALLELISM,
-                   help="key groups M (fixed at the first run; default %(default)s)")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--master", default=None,
-                       help="Spark master (default: spark-submit's --master, else local[*])")
-    where.add_argument("--remote", default=None, metavar="sc://HOST:PORT",
-                       help="run as a Spark Connect client of this server (no local JVM)")
-    p.add_argument("--max-reject-fraction", type=float, default=MAX_REJECT_FRACTION,
-                   help="fail when more than this fraction of rows is rejected "
-                        "(default %(default)s)")
-    p.add_argument("--quarantine", default=None,
-                   help="folder for rejected rows (default <output>/_quarantine)")
-    p.add_argument("--start-from", default=None,
-                   help="first run only: start from a savepoint or another job's checkpoint")
-    p.add_argument("--local-dir", default=None,
-                   help="executors' local-recovery folder (default $CKPT_LOCAL_DIR or tmp)")
-    p.add_argument("--json", action="store_true", help="print the run summary as one JSON object")
-    return p
-
-
-def config_from_args(args: argparse.Namespace) -> JobConfig:
-    from statebackend.spark.session import default_master
-
-    return JobConfig(input=args.input, storage=args.storage, job=args.job, run_id=args.run_id,
-                     output=args.output, parallelism=args.parallelism,
-                     max_parallelism=args.max_parallelism,
-                     master=args.remote or args.master or default_master(),
-                     max_reject_fraction=args.max_reject_fraction, quarantine=args.quarantine,
-                     start_from=args.start_from, local_dir=args.local_dir)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from statebackend.spark.session import add_to_pythonpath, stop_active_session
-
-    args = build_parser().parse_args(argv)
-    config = config_from_args(args)
-    # Executors import jobs/ and statebackend/ from the same checkout (PYTHONPATH is forwarded).
-    add_to_pythonpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        summary = run(config)
-    except CkptError as exc:
-        print(f"keyed_aggregation: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    finally:
-        stop_active_session()
-    if args.json:
-        json.dump(summary, sys.stdout, sort_keys=True)
-        sys.stdout.write("\n")
-    else:
-        print(format_summary(summary))
-        if summary.get("input_files_skipped"):
-            print(f"keyed_aggregation: warning: {skipped_warning(config.input, summary)}",
-                  file=sys.stderr)
-    for text in summary.get("warnings", []):
-        print(f"keyed_aggregation: warning: {text}", file=sys.stderr)
-    return 0
+# The release-1 CLI: `ckpt run`'s arguments (a superset of its flags) with --job required,
+# errors prefixed "keyed_aggregation:" and the --json summary on one line.
+main = entry_point("jobs.keyed_aggregation:JOB", prog=JOB_KIND, require_job=True, json_line=True)
 
 
 __all__ = ["DESCRIPTORS", "JOB", "TOTALS", "JobConfig", "JobRunError", "RejectThresholdError",
            "format_summary", "main", "run", "run_dir_name"]
 
 if __name__ == "__main__":
-    if __package__ in (None, ""):
-        # Re-enter through the package so Spark pickles the job's functions by reference.
-        from jobs.keyed_aggregation import main as _main
-
-        sys.exit(_main())
     sys.exit(main())

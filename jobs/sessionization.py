@@ -36,6 +36,7 @@ if __package__ in (None, ""):  # spark-submit jobs/sessionization.py: make the r
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
+from statebackend.cli.submit import entry_point  # noqa: E402
 from statebackend.job import (  # noqa: E402
     Input,
     Job,
@@ -165,17 +166,7 @@ JOB = Job(
     configure=configure)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``ckpt run jobs.sessionization:JOB`` with the given arguments (spark-submit too)."""
-    from statebackend.cli.submit import main as submit
-
-    return submit(["jobs.sessionization:JOB", *(sys.argv[1:] if argv is None else argv)])
-
+main = entry_point("jobs.sessionization:JOB")
 
 if __name__ == "__main__":
-    if __package__ in (None, ""):
-        # Re-enter through the package so Spark pickles the job's functions by reference.
-        from jobs.sessionization import main as _main
-
-        sys.exit(_main())
     sys.exit(main())

@@ -192,3 +192,47 @@ def run_query(spark, build: Callable, day_dir: str, source_dir: str, checkpoint_
     progresses = list(query.recentProgress)
     return run_stats(run, progresses, wall, bytes_written(before, file_snapshot(checkpoint_dir)),
                      count_rows(output_dir, run))
+
+
+def run_days(spark, plan: Callable, input_dirs: list[str], checkpoint_dir: str,
+             output_dir: str, source_dir: str | None = None, start_run: int = 0,
+             changelog: bool = True, shuffle_partitions: int | None = None) -> list[RunStats]:
+    """The driver loop of every peer: one ``availableNow`` query start per input dir
+    (a daily batch), same checkpoint, RocksDB state store; stats per run."""
+    source = source_dir or checkpoint_dir.rstrip("/") + "-source"
+    with session_conf(spark, state_store_conf(changelog, shuffle_partitions)):
+        return [run_query(spark, plan, day, source, checkpoint_dir, output_dir, start_run + i)
+                for i, day in enumerate(input_dirs)]
+
+
+def peer_main(argv: list[str] | None, doc: str, app_name: str, run_batches: Callable,
+              options: dict[str, int]) -> int:
+    """A peer as a new process per run: ``--day`` once (or more), state continues from the
+    checkpoint under ``--work``; ``options``: the peer's own int flags and defaults
+    (``{"gap_ms": ...}`` -> ``--gap-ms``), passed to ``run_batches``. Prints the runs'
+    stats as JSON on the last line of stdout (Python workers may print to it before)."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--day", action="append", required=True, help="input folder of one run")
+    p.add_argument("--work", required=True, help="holds checkpoint/, source/, output/")
+    p.add_argument("--start-run", type=int, default=0)
+    for name, default in options.items():
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=default)
+    p.add_argument("--master", default="local[2]")
+    p.add_argument("--shuffle-partitions", type=int, default=None)
+    p.add_argument("--no-changelog", action="store_true")
+    args = p.parse_args(argv)
+    from statebackend.spark.session import get_spark
+
+    spark = get_spark(args.master, app_name=app_name)
+    stats = run_batches(spark, args.day, os.path.join(args.work, "checkpoint"),
+                        os.path.join(args.work, "output"),
+                        source_dir=os.path.join(args.work, "source"), start_run=args.start_run,
+                        changelog=not args.no_changelog,
+                        shuffle_partitions=args.shuffle_partitions,
+                        **{name: getattr(args, name) for name in options})
+    spark.stop()
+    print(json.dumps([s.to_json() for s in stats]))
+    return 0

@@ -17,12 +17,10 @@ duration for both: the ``withWatermark`` delay). Spark pieces:
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
+from typing import Any
 
-from bench.peers import RunStats, run_query, session_conf, state_store_conf
+from bench.peers import RunStats, peer_main, run_days
 
 DEFAULT_TTL_MS = 7 * 24 * 60 * 60 * 1000
 
@@ -41,46 +39,19 @@ def build(ttl_ms: int):
 
 def run_batches(spark, input_dirs: list[str], checkpoint_dir: str, output_dir: str,
                 ttl_ms: int = DEFAULT_TTL_MS, lateness_ms: int | None = None,
-                source_dir: str | None = None, start_run: int = 0, changelog: bool = True,
-                shuffle_partitions: int | None = None) -> list[RunStats]:
-    """One availableNow query start per input dir; ``lateness_ms`` must equal ``ttl_ms``."""
+                **run: Any) -> list[RunStats]:
+    """One availableNow query start per input dir; ``lateness_ms`` must equal ``ttl_ms``;
+    ``run``: `bench.peers.run_days`'s options."""
     if lateness_ms is not None and lateness_ms != ttl_ms:
         raise ValueError(f"spark dedup peer: lateness_ms {lateness_ms} != ttl_ms {ttl_ms}; "
                          "Spark's dropDuplicatesWithinWatermark uses one delay for both, "
                          "pass the same value")
-    source = source_dir or checkpoint_dir.rstrip("/") + "-source"
-    plan = build(ttl_ms)
-    stats = []
-    with session_conf(spark, state_store_conf(changelog, shuffle_partitions)):
-        for i, day in enumerate(input_dirs):
-            stats.append(run_query(spark, plan, day, source, checkpoint_dir, output_dir,
-                                   start_run + i))
-    return stats
+    return run_days(spark, build(ttl_ms), input_dirs, checkpoint_dir, output_dir, **run)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """New process per run: ``--day`` once (or more), state continues from the checkpoint."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--day", action="append", required=True, help="input folder of one run")
-    p.add_argument("--work", required=True, help="holds checkpoint/, source/, output/")
-    p.add_argument("--start-run", type=int, default=0)
-    p.add_argument("--ttl-ms", type=int, default=DEFAULT_TTL_MS)
-    p.add_argument("--master", default="local[2]")
-    p.add_argument("--shuffle-partitions", type=int, default=None)
-    p.add_argument("--no-changelog", action="store_true")
-    args = p.parse_args(argv)
-    from statebackend.spark.session import get_spark
-
-    spark = get_spark(args.master, app_name="spark-dedup-peer")
-    stats = run_batches(spark, args.day, os.path.join(args.work, "checkpoint"),
-                        os.path.join(args.work, "output"), ttl_ms=args.ttl_ms,
-                        source_dir=os.path.join(args.work, "source"), start_run=args.start_run,
-                        changelog=not args.no_changelog,
-                        shuffle_partitions=args.shuffle_partitions)
-    spark.stop()
-    # Last line of stdout (Python workers may print to it before).
-    print(json.dumps([s.to_json() for s in stats]))
-    return 0
+    """New process per run (`bench.peers.peer_main`)."""
+    return peer_main(argv, __doc__, "spark-dedup-peer", run_batches, {"ttl_ms": DEFAULT_TTL_MS})
 
 
 if __name__ == "__main__":

@@ -28,15 +28,13 @@ that is what the bench measures against our in-process state.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pandas as pd
 
-from bench.peers import RunStats, run_query, session_conf, state_store_conf
+from bench.peers import RunStats, peer_main, run_days
 
 DEFAULT_GAP_MS = 30 * 60 * 1000
 DEFAULT_LATENESS_MS = 60 * 60 * 1000
@@ -129,43 +127,17 @@ def build(gap_ms: int, lateness_ms: int):
 
 def run_batches(spark, input_dirs: list[str], checkpoint_dir: str, output_dir: str,
                 gap_ms: int = DEFAULT_GAP_MS, lateness_ms: int = DEFAULT_LATENESS_MS,
-                source_dir: str | None = None, start_run: int = 0, changelog: bool = True,
-                shuffle_partitions: int | None = None) -> list[RunStats]:
-    """One availableNow query start per input dir (a daily batch), same checkpoint."""
-    source = source_dir or checkpoint_dir.rstrip("/") + "-source"
-    plan = build(gap_ms, lateness_ms)
-    stats = []
-    with session_conf(spark, state_store_conf(changelog, shuffle_partitions)):
-        for i, day in enumerate(input_dirs):
-            stats.append(run_query(spark, plan, day, source, checkpoint_dir, output_dir,
-                                   start_run + i))
-    return stats
+                **run: Any) -> list[RunStats]:
+    """One availableNow query start per input dir (a daily batch), same checkpoint;
+    ``run``: `bench.peers.run_days`'s options."""
+    return run_days(spark, build(gap_ms, lateness_ms), input_dirs, checkpoint_dir, output_dir,
+                    **run)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """New process per run: ``--day`` once (or more), state continues from the checkpoint."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--day", action="append", required=True, help="input folder of one run")
-    p.add_argument("--work", required=True, help="holds checkpoint/, source/, output/")
-    p.add_argument("--start-run", type=int, default=0)
-    p.add_argument("--gap-ms", type=int, default=DEFAULT_GAP_MS)
-    p.add_argument("--lateness-ms", type=int, default=DEFAULT_LATENESS_MS)
-    p.add_argument("--master", default="local[2]")
-    p.add_argument("--shuffle-partitions", type=int, default=None)
-    p.add_argument("--no-changelog", action="store_true")
-    args = p.parse_args(argv)
-    from statebackend.spark.session import get_spark
-
-    spark = get_spark(args.master, app_name="spark-sessionization-peer")
-    stats = run_batches(spark, args.day, os.path.join(args.work, "checkpoint"),
-                        os.path.join(args.work, "output"), gap_ms=args.gap_ms,
-                        lateness_ms=args.lateness_ms, source_dir=os.path.join(args.work, "source"),
-                        start_run=args.start_run, changelog=not args.no_changelog,
-                        shuffle_partitions=args.shuffle_partitions)
-    spark.stop()
-    # Last line of stdout (Python workers may print to it before).
-    print(json.dumps([s.to_json() for s in stats]))
-    return 0
+    """New process per run (`bench.peers.peer_main`)."""
+    return peer_main(argv, __doc__, "spark-sessionization-peer", run_batches,
+                     {"gap_ms": DEFAULT_GAP_MS, "lateness_ms": DEFAULT_LATENESS_MS})
 
 
 if __name__ == "__main__":

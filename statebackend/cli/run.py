@@ -14,6 +14,7 @@ storage chooses code to import.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -154,10 +155,15 @@ def _library_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def print_summary(args: argparse.Namespace, summary: dict, prog: str) -> None:
+def print_summary(args: argparse.Namespace, summary: dict, prog: str, *,
+                  json_line: bool = False) -> None:
+    """The summary as text or (``--json``) one JSON document, one line with ``json_line``;
+    warnings on stderr."""
     from statebackend.job.run import format_summary, skipped_warning
 
-    if args.json:
+    if args.json and json_line:
+        print(json.dumps(summary, sort_keys=True, default=str))
+    elif args.json:
         emit_json(summary)
     else:
         print(format_summary(summary))

@@ -185,10 +185,13 @@ _BATCH_HANDLES: dict[type, type[_BatchHandle]] = {
 
 
 def _times(timestamps: Any) -> Any:
-    """TTL write times as the backend takes them (an Arrow column becomes a list)."""
+    """TTL write times as the backend takes them: an integer column without nulls as an
+    int64 NumPy array (encoded in one pass), any other column as a list."""
     if isinstance(timestamps, pa.Array | pa.ChunkedArray):
+        if pa.types.is_integer(timestamps.type) and not timestamps.null_count:
+            return timestamps.to_numpy().astype(np.int64, copy=False)
         return timestamps.to_pylist()
-    if isinstance(timestamps, np.ndarray):
+    if isinstance(timestamps, np.ndarray) and timestamps.dtype.kind not in "iu":
         return timestamps.tolist()
     return timestamps
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -45,7 +44,10 @@ LATE = "late"
 TIMER_BATCH = 10_000  # due timers per call of a vectorized timer handler
 TIMER_SCHEMA = pa.schema([("key", pa.string()), ("time", pa.int64()), ("tag", pa.string()),
                           ("domain", pa.string()), ("key_group", pa.int32())])
-COMPACT_RATIO = 0.25  # purge compacts a TTL state once this fraction of it expired
+# Purge compacts a TTL state (a rewrite of the whole family, so the next checkpoint
+# uploads all of it) only once half of it expired in one run, e.g. keys going quiet;
+# a steady share expiring each run is left to RocksDB's own compactions.
+COMPACT_RATIO = 0.5
 _INT_TEXT = r"^[+-]?[0-9]{1,19}$"
 _FLOAT_TEXT = (r"^[+-]?(([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|"
                r"[iI][nN][fF]([iI][nN][iI][tT][yY])?|[nN][aA][nN])$")
@@ -133,6 +135,33 @@ def max_accepted_time(job: Job, raw: pa.Table, watermark: int | None) -> int | N
     if not accepted.num_rows:
         return None
     return pc.max(event_times(accepted, job.input.event_time)).as_py()
+
+
+def max_accepted_time_of_latest(job: Job, latest: pa.Table, limit: int,
+                                watermark: int | None) -> tuple[bool, int | None]:
+    """(settled, max accepted event time) judged from the input rows with the latest times.
+
+    ``latest``: at most ``limit`` rows of `statebackend.job.input.read_ddl`, those whose
+    event time arrived but did not type first, then by typed event time, latest first
+    (nulls last). Every row left out has a typed event time no later than the last
+    row's, or none (rejected). So the answer is settled when ``latest`` holds every row,
+    or its last row is typed and no later than the best accepted time, or late (at or
+    before ``watermark``); otherwise (False, None): validate every row instead.
+    """
+    from statebackend.job.input import TEXT, raw_table
+
+    et = job.input.event_time
+    best = max_accepted_time(job, raw_table(job.input, latest), watermark) \
+        if latest.num_rows else None
+    if latest.num_rows < limit:
+        return True, best
+    if latest[TEXT + et][-1].is_valid:
+        return False, None  # as many untyped event times as the limit: maybe more
+    last = event_times(latest.slice(latest.num_rows - 1), et)[0].as_py()
+    if last is None or (best is not None and best >= last) or \
+            (watermark is not None and last <= watermark):
+        return True, best
+    return False, None
 
 
 def _target(job: Job, f: pa.Field) -> pa.DataType:
@@ -433,7 +462,7 @@ class SubtaskProcessor:
             fired = 0
             try:
                 while True:
-                    chunk = list(islice(firing, TIMER_BATCH))
+                    chunk = firing.take(TIMER_BATCH)
                     if not chunk:
                         break
                     fired += len(chunk)

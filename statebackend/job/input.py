@@ -222,6 +222,11 @@ def spark_type(inp: Input, name: str) -> str:
     return found
 
 
+def spark_ddl(schema: pa.Schema) -> str:
+    """The Spark DDL of an Arrow schema of plain column types (e.g. a task's result row)."""
+    return ", ".join(f"`{f.name}` {_SPARK_TYPES[f.type]}" for f in schema)
+
+
 def read_ddl(inp: Input) -> str:
     """Columns of `read_input`'s DataFrame, in order."""
     typed = [f"`{n}` {spark_type(inp, n)}" for n in inp.schema.names]

@@ -14,8 +14,10 @@ One run (driver side; executors: `statebackend.job.task`)::
     task i             -> restore, validate + logic (SubtaskProcessor), outputs and
                           quarantine, snapshot + upload, handle (job.task)
     event time         -> the new watermark: advance(parent's, max event time of the rows
-                          that are not late, allowed lateness), one Spark pass before the
-                          tasks; subtasks with a due timer or expiry run without rows
+                          that are not late, allowed lateness), before the tasks: the
+                          latest rows by event time (a JVM top-k) validated on the driver,
+                          or a pass over every row when they do not settle it; subtasks
+                          with a due timer or expiry run without rows
     task i             -> ... then fire due timers (handler, time order), purge expired
                           TTL entries (compacting), snapshot
     driver             -> reject check, commit chk-<id>/_metadata (run id, input,
@@ -52,9 +54,10 @@ from statebackend.checkpoint.runs import RunOutcome, RunRecord, record_outcome, 
 from statebackend.checkpoint.store import CheckpointStore, build_metadata
 from statebackend.errors import CkptError, UsageError
 from statebackend.job.api import Job
-from statebackend.job.core import LATE, max_accepted_time
+from statebackend.job.core import LATE, max_accepted_time, max_accepted_time_of_latest
 from statebackend.job.input import (
     READERS,
+    TEXT,
     InputFiles,
     check_parquet,
     choose_reader,
@@ -79,6 +82,8 @@ from statebackend.state.watermark import advance
 from statebackend.storage import Storage, StorageOptions, open_storage
 
 ARROW_BATCH_ROWS = 100_000  # rows per Arrow batch handed to the logic
+# Rows with the latest event times the driver validates to find the new watermark.
+WATERMARK_CANDIDATES = 1000
 TIMING_KEYS = ("restoring", "processing", "snapshotting", "uploading", "committing")
 log = logging.getLogger(__name__)
 
@@ -394,13 +399,28 @@ def _run_clock(spark, job: Job, config: RunConfig, parent: CheckpointMetadata | 
 
 def max_event_time(spark, job: Job, files: InputFiles, watermark: int | None,
                    reader: str = "auto") -> int | None:
-    """Max event time of the input rows the tasks will accept (not late, valid): one
-    Spark pass that validates like the tasks do, so the watermark is exactly theirs."""
+    """Max event time of the input rows the tasks will accept (not late, valid), validated
+    as the tasks do, so the watermark is exactly theirs.
+
+    Usually the `WATERMARK_CANDIDATES` rows with the latest event times settle it: a
+    top-k the JVM computes (no Python worker, no pass of every row through Python),
+    validated here (`max_accepted_time_of_latest`). When they do not (all rejected and
+    not late), one Spark pass validates every row.
+    """
     if not files.count:
         return None
+    from pyspark.sql import functions as F
+
     inp = job.input
+    df = read_input(spark, files, inp, reader)
+    latest = df.orderBy(F.col(f"`{TEXT}{inp.event_time}`").isNotNull().desc(),
+                        F.col(f"`{inp.event_time}`").desc_nulls_last()
+                        ).limit(WATERMARK_CANDIDATES).toArrow()
+    settled, best = max_accepted_time_of_latest(job, latest, WATERMARK_CANDIDATES, watermark)
+    if settled:
+        return best
     fn = functools.partial(_max_times, job, watermark)
-    rows = read_input(spark, files, inp, reader).mapInArrow(fn, "m bigint").collect()
+    rows = df.mapInArrow(fn, "m bigint").collect()
     found = [r["m"] for r in rows if r["m"] is not None]
     return max(found) if found else None
 

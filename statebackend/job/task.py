@@ -46,7 +46,7 @@ from statebackend.checkpoint.restore import restore_subtask
 from statebackend.checkpoint.snapshot import snapshot
 from statebackend.job.api import Job
 from statebackend.job.core import REASON, ProcessResult, SubtaskProcessor
-from statebackend.job.input import LINE, raw_table
+from statebackend.job.input import LINE, raw_table, spark_ddl
 from statebackend.job.input import REASON as READ_REASON
 from statebackend.state.backend import KeyedStateBackend
 from statebackend.state.keygroups import key_group_range_for_subtask
@@ -64,12 +64,7 @@ RESULT_SCHEMA = pa.schema([
     *[(f"t_{p}", pa.float64()) for p in PHASES], ("t_detail", pa.string()),
     ("timers_fired", pa.int64()), ("ttl_purged", pa.int64()), ("counters", pa.string()),
     ("next_times", pa.string())])
-RESULT_DDL = ("subtask int, attempt int, handle string, uploaded string, events bigint, "
-              "rejected bigint, reasons string, keys_touched bigint, restore_mode string, "
-              "reuploaded string, outputs string, bytes_uploaded bigint, t_restoring double, "
-              "t_processing double, t_snapshotting double, t_uploading double, "
-              "t_detail string, timers_fired bigint, ttl_purged bigint, counters string, "
-              "next_times string")
+RESULT_DDL = spark_ddl(RESULT_SCHEMA)  # what mapInArrow is told the rows are
 COMPRESSION = {"zstd": "kZSTD", "lz4": "kLZ4Compression", "snappy": "kSnappyCompression",
                "none": "kNoCompression"}
 

@@ -334,27 +334,48 @@ class TimerFiring:
         return self
 
     def __next__(self) -> Timer:
+        chunk = self.take(1)
+        if not chunk:
+            raise StopIteration
+        return chunk[0]
+
+    def take(self, n: int) -> list[Timer]:
+        """The next ``n`` due timers in firing order, deleted (one write batch) before the
+        caller handles them; fewer than ``n``: the pass ran dry and is closed.
+
+        No handler runs while a chunk is gathered, so its timers are checked against the
+        queue in one multi-get: one deleted while the pass ran, or already fired (a
+        duplicate heap entry), is skipped.
+        """
         if not self._started:
             self._start()
-        while self._heap:
-            _, _, _, tk, scan = heapq.heappop(self._heap)
-            if scan is not None:
-                self._advance(scan)
-            # Deleted while the pass ran, or already fired (a duplicate heap entry):
-            # the queue is the truth, one point read per due timer.
-            if self._cf.get(tk) is None:
+        out: list[Timer] = []
+        seen: set[bytes] = set()
+        while self._heap and len(out) < n:
+            popped = []
+            while self._heap and len(popped) < n - len(out):
+                _, _, _, tk, scan = heapq.heappop(self._heap)
+                if scan is not None:
+                    self._advance(scan)
+                if tk not in seen:
+                    seen.add(tk)
+                    popped.append(tk)
+            if not popped:
                 continue
-            timer = parse_timer_key(tk)
-            kb = key_bytes_of(tk, "timers")
             wb = WriteBatch(raw_mode=True)
-            wb.delete(tk, self._fwd)
-            wb.delete(reverse_key(timer.key_group, self._dom, timer.time, kb, timer.tag),
-                      self._rev)
-            self.backend.write(wb)  # deleted before the handler runs: it may re-register
-            self.stats.fired += 1
-            return timer
-        self.close()
-        raise StopIteration
+            for tk, stored in zip(popped, self._cf.get(popped), strict=True):
+                if stored is None:
+                    continue
+                timer = parse_timer_key(tk)
+                wb.delete(tk, self._fwd)
+                wb.delete(reverse_key(timer.key_group, self._dom, timer.time,
+                                      key_bytes_of(tk, "timers"), timer.tag), self._rev)
+                out.append(timer)
+            self.backend.write(wb)
+        self.stats.fired += len(out)
+        if len(out) < n:
+            self.close()
+        return out
 
     def close(self) -> None:
         """End the pass (also when the caller stops early); the rest stays registered."""

@@ -45,6 +45,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from rocksdict import WriteBatch
 
 from statebackend.errors import SerializationError, UsageError
@@ -219,6 +220,24 @@ class TtlAccess:
                              "pass one timestamp per written entry")
         return [as_time(t) + d for t in ts]
 
+    def expiry_bytes(self, timestamps: Sequence[int] | int | None, n: int) -> list[bytes]:
+        """`encode_time` of each write's expiry; an int64 NumPy array in one pass."""
+        if isinstance(timestamps, np.ndarray) and timestamps.dtype.kind in "iu":
+            if len(timestamps) != n:
+                raise UsageError(f"state {self.name!r}: {len(timestamps)} timestamps for {n} "
+                                 "writes; pass one timestamp per written entry")
+            if n:
+                ts = timestamps.astype(np.int64, copy=False)
+                lo, hi = int(ts.min()), int(ts.max())
+                # as_time's range, and the expiry's, exactly as per value
+                for t in (lo, hi):
+                    as_time(t)
+                    as_time(t + self.ttl.duration_ms)
+            biased = ts.astype(np.uint64) + np.uint64((1 << 63) + self.ttl.duration_ms) \
+                if n else np.zeros(0, np.uint64)
+            return biased.astype(">u8").view("V8").tolist()
+        return [encode_time(e) for e in self.expiries(timestamps, n)]
+
     def append(self, rocks_keys: Sequence[bytes],
                elements: Sequence[Sequence[tuple[bytes, int]]]) -> None:
         """List state: append (codec bytes, expiry) elements per key, in order; one batch."""
@@ -242,10 +261,14 @@ class TtlAccess:
         """
         puts, deletes = list(puts), list(deletes)
         rks = [k for k, _ in puts]
-        exps = self.expiries(timestamps, len(puts)) if puts else []
         # one multi-get: the old values tell which index entries to move or drop
         old_all = self.cf.get(rks + deletes) if rks or deletes else []
         old, old_deleted = old_all[: len(rks)], old_all[len(rks) :]
+        if not self.is_list:
+            self._write_values(puts, deletes, self.expiry_bytes(timestamps, len(puts))
+                               if puts else [], old, old_deleted)
+            return
+        exps = self.expiries(timestamps, len(puts)) if puts else []
         wb = WriteBatch(raw_mode=True)
         cf, ix, dom, tag = self.cf_handle, self.index_handle, self.domain, self.tag
         indexed: dict[bytes, set[int]] = {}  # what the index holds per key after this batch
@@ -273,6 +296,34 @@ class TtlAccess:
                 wb.delete(index_key(rk, dom, gone, tag), ix)
             wb.delete(rk, cf)
             indexed[rk] = set()
+        self.backend.write(wb)
+
+
+    def _write_values(self, puts: list[tuple[bytes, bytes]], deletes: list[bytes],
+                      expiries: list[bytes], old: list, old_deleted: list) -> None:
+        """`write` of a value-like state (one expiry per entry): on expiry bytes, no
+        decoding (their byte order is time order)."""
+        wb = WriteBatch(raw_mode=True)
+        cf, ix, dom, tag = self.cf_handle, self.index_handle, self.domain, self.tag
+        stored: dict[bytes, bytes | None] = {}  # what a key holds after this batch so far
+        for (rk, value), eb, o in zip(puts, expiries, old, strict=True):
+            if rk in stored:
+                o = stored[rk]
+            had = None if o is None else o[:TIME_BYTES]
+            if had != eb:
+                if had is not None:
+                    wb.delete(rk[:2] + dom + had + tag + rk[2:], ix)
+                wb.put(rk[:2] + dom + eb + tag + rk[2:], b"", ix)
+            new = eb + value
+            wb.put(rk, new, cf)
+            stored[rk] = new
+        for rk, o in zip(deletes, old_deleted, strict=True):
+            if rk in stored:
+                o = stored[rk]
+            if o is not None:
+                wb.delete(rk[:2] + dom + o[:TIME_BYTES] + tag + rk[2:], ix)
+            wb.delete(rk, cf)
+            stored[rk] = None
         self.backend.write(wb)
 
 
@@ -353,20 +404,31 @@ def purge_expired(backend: KeyedStateBackend, domain: str, now: int,
 
 def _purge_batch(backend: KeyedStateBackend, index_keys: list[bytes], now: int,
                  per_state: dict[str, int]) -> tuple[int, int]:
-    entries = [parse_index_key(ik) for ik in index_keys]
-    by_state: dict[str, list[int]] = {}
-    for i, ent in enumerate(entries):
-        by_state.setdefault(ent.state, []).append(i)
+    # Entries by state tag, without building an `IndexEntry` per entry: the scan bounds
+    # fixed key group, domain and expiry; only the name framing needs checking.
+    by_tag: dict[bytes, list[bytes]] = {}
+    sample: dict[bytes, bytes] = {}  # one whole index key per state, parsed once
+    for ik in index_keys:
+        end = 13 + int.from_bytes(ik[11:13], "big")
+        if len(ik) < 13 or end > len(ik):
+            parse_index_key(ik)  # raises the SerializationError that names it
+        tag = ik[11:end]
+        if tag not in by_tag:
+            by_tag[tag], sample[tag] = [], ik
+        by_tag[tag].append(ik[:2] + ik[end:])
+    now_bytes = encode_time(now)
     wb = WriteBatch(raw_mode=True)
     ix = backend.column_family_handle(TTL_INDEX)
     deleted = dropped = 0
-    for name, idx in by_state.items():
+    for tag, keys in by_tag.items():
+        name = parse_index_key(sample[tag]).state
         desc = backend.descriptors.get(name)
         if desc is None or desc.ttl is None:
             raise UsageError(f"TTL index of {backend.label} names state {name!r}, which is "
                              "not a declared TTL state: declare it with its TTL")
         cf, handle = backend.column_family(name), backend.column_family_handle(name)
-        rks = list(dict.fromkeys(entries[i].rocks_key for i in idx))
+        rks = list(dict.fromkeys(keys))
+        gone = 0
         for rk, raw in zip(rks, cf.get(rks), strict=True):
             if raw is None:
                 continue
@@ -375,15 +437,18 @@ def _purge_batch(backend: KeyedStateBackend, index_keys: list[bytes], now: int,
                 live = [e for e in elements if decode_time(e) > now]
                 if not live:
                     wb.delete(rk, handle)
-                    deleted += 1
-                    per_state[name] = per_state.get(name, 0) + 1
+                    gone += 1
                 elif len(live) < len(elements):
                     wb.put(rk, b"".join(_U32.pack(len(e)) + e for e in live), handle)
                     dropped += len(elements) - len(live)
-            elif decode_time(raw) <= now:
+            elif len(raw) < TIME_BYTES:
+                decode_time(raw)  # raises: truncated
+            elif raw[:TIME_BYTES] <= now_bytes:  # byte order is time order
                 wb.delete(rk, handle)
-                deleted += 1
-                per_state[name] = per_state.get(name, 0) + 1
+                gone += 1
+        deleted += gone
+        if gone:
+            per_state[name] = per_state.get(name, 0) + gone
     for ik in index_keys:
         wb.delete(ik, ix)
     backend.write(wb)

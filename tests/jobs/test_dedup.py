@@ -61,7 +61,7 @@ def test_dedup_matches_reference_over_runs(spark, tmp_path):
         check(d, run_job(job, config(d), spark))
 
     state = final_state(storage, "dedup")["first_ts"]
-    got = pd.DataFrame([(int(k), v) for (k, _), v in state.items()],
+    got = pd.DataFrame([(int(k), v["first_ts"]) for (k, _), v in state.items()],
                        columns=["event_id", "first_ts"]).sort_values("event_id")
     pd.testing.assert_frame_equal(got.reset_index(drop=True), ref.state, check_dtype=False)
     meta = store.load(store.checkpoint_ids()[-1])

@@ -181,3 +181,29 @@ def test_subtask_without_rows_runs_when_its_timer_is_due(spark, tmp_path):
     assert s2["timers_fired"] == 1 and s2["restore_modes"].count("none") == 1
     fired = pd.read_parquet(tmp_path / "out" / "run=r2")
     assert fired[["k", "time", "seen"]].values.tolist() == [["a", 6000, 6000]]
+
+
+# -- the new watermark: the latest rows, or a pass over every row ----------------------
+def test_max_event_time_from_the_latest_rows_or_every_row(spark, tmp_path, monkeypatch):
+    """The rows with the latest event times settle the max accepted time unless they are
+    all rejected and not late; then every row is validated. Same answer either way."""
+    import json
+
+    from statebackend.job import run as run_mod
+    from statebackend.job.input import list_input
+
+    rows = ([{"k": f"u{i}", "ts": t} for i, t in enumerate((100, 300, 200))]
+            + [{"k": None, "ts": t} for t in (900, 800, 700, 600)]  # missing key: rejected
+            + [{"k": "x", "ts": "abc"}, {"k": "y", "ts": "250"}])  # text: comes first
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    files = list_input(str(tmp_path / "in"))
+    job = Job(name="t", input=Input(SCHEMA, "k", event_time="ts"),
+              logic=Vectorized(lambda b, c: None))
+    for limit, wm, want in [(100, None, 300),  # every row is a candidate
+                            (3, None, 300),    # 3 latest all rejected: every row
+                            (3, 650, None),    # the accepted rows are late
+                            (6, 750, None),    # the last candidate (300) is late: settled
+                            (7, None, 300)]:   # last (250) before the best (300): settled
+        monkeypatch.setattr(run_mod, "WATERMARK_CANDIDATES", limit)
+        assert run_mod.max_event_time(spark, job, files, wm) == want, (limit, wm)
