@@ -47,7 +47,8 @@ import pyarrow.compute as pc
 
 from statebackend.errors import InputError, UsageError
 from statebackend.job.api import Input
-from statebackend.storage import StorageOptions, environment_s3_options, s3_storage_options
+from statebackend.storage import StorageOptions
+from statebackend.storage.s3 import environment_s3_options, s3_storage_options
 
 PARQUET_EXT = (".parquet",)
 JSON_EXT = (".json", ".jsonl", ".ndjson", ".json.gz", ".jsonl.gz", ".ndjson.gz")
