@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 
 from statebackend.errors import InputError
 from statebackend.job.api import Input
-from statebackend.job.core import _cast as try_cast  # the validator's try-cast, shared
+from statebackend.job.core import as_text, try_cast  # the validator's, shared
 from statebackend.job.input import (
     JSON_EXT,
     LINE,
@@ -199,10 +199,10 @@ def _typed(inp: Input, table: pa.Table, schema: pa.Schema, reasons: pa.Array | N
         col = table[name].combine_chunks()
         value = _exact(col, target)
         if value is None:
-            source = col if pa.types.is_string(col.type) else _text_of(col)
+            source = col if pa.types.is_string(col.type) else as_text(col)
             value = try_cast(source, target)
             lost = pc.and_(pc.is_valid(col), pc.is_null(value))
-            texts[TEXT + name] = pc.if_else(lost, _text_of(col), pa.scalar(None, pa.string()))
+            texts[TEXT + name] = pc.if_else(lost, as_text(col), pa.scalar(None, pa.string()))
         else:
             texts[TEXT + name] = pa.nulls(n, pa.string())
         cols[name] = value
@@ -229,12 +229,3 @@ def _exact(col: pa.Array, target: pa.DataType) -> pa.Array | None:
         return pc.cast(col, target)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         return None  # e.g. an int64 beyond int32: the careful path keeps its text
-
-
-def _text_of(col: pa.Array) -> pa.Array:
-    if pa.types.is_string(col.type):
-        return col
-    try:
-        return pc.cast(col, pa.string())
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        return pa.array([None if v is None else str(v) for v in col.to_pylist()], pa.string())

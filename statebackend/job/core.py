@@ -83,7 +83,7 @@ def split_rows(job: Job, raw: pa.Table, watermark: int | None = None
     schema = job.input.schema
     n = raw.num_rows
     raw_cols = {f.name: _raw_column(raw, f.name, n) for f in schema}
-    typed = pa.table({f.name: _cast(raw_cols[f.name], _target(job, f)) for f in schema})
+    typed = pa.table({f.name: try_cast(raw_cols[f.name], _target(job, f)) for f in schema})
     raw_view = pa.table(raw_cols)
     names: list[str] = []
     code = np.full(n, -1, dtype=np.int32)
@@ -191,7 +191,7 @@ def _describe(obj: Any) -> str:
     return type(obj).__name__
 
 
-def _cast(col: pa.Array | pa.ChunkedArray, target: pa.DataType) -> pa.Array:
+def try_cast(col: pa.Array | pa.ChunkedArray, target: pa.DataType) -> pa.Array:
     """``col`` as ``target``; values that do not convert become null (a try-cast)."""
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks()
@@ -242,14 +242,14 @@ def _rejected_schema_table(job: Job, raw: pa.Table) -> pa.Table:
 def _rejected(job: Job, raw: pa.Table, raw_cols: dict, bad: np.ndarray, names: list[str],
               code: np.ndarray) -> pa.Table:
     sel = pa.array(bad)
-    cols = {name: _as_text(col.filter(sel)) for name, col in raw_cols.items()}
+    cols = {name: as_text(col.filter(sel)) for name, col in raw_cols.items()}
     cols[REASON] = pa.array(names, pa.string()).take(pa.array(code[bad]))
     for extra in _extra_raw_columns(job, raw):
-        cols[extra] = _as_text(raw[extra].filter(sel))
+        cols[extra] = as_text(raw[extra].filter(sel))
     return pa.table(cols, schema=_rejected_schema(job, raw))
 
 
-def _as_text(col: pa.Array | pa.ChunkedArray) -> pa.Array:
+def as_text(col: pa.Array | pa.ChunkedArray) -> pa.Array:
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks()
     if pa.types.is_string(col.type):
