@@ -59,7 +59,7 @@ def key_hashing(keys) -> tuple[float, float]:
     import mmh3
     import numpy as np
 
-    from statebackend.state.keygroups import key_groups
+    from statebackend.state.keygroups_bulk import key_groups
 
     col, loop = [], []
     for _ in range(3):

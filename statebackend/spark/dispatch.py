@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from statebackend.errors import CkptError
-from statebackend.state.keygroups import key_groups
+from statebackend.state.keygroups_bulk import key_groups
 
 SPARK_HASH_SEED = 42
 PARTITION_COLUMN = "_p"

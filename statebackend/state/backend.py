@@ -47,13 +47,8 @@ from rocksdict import (
 
 from statebackend.errors import CorruptStateError, UsageError
 from statebackend.state.codecs import as_time, serialize_key, serialize_keys
-from statebackend.state.keygroups import (
-    KeyGroupRange,
-    check_max_parallelism,
-    key_group_prefix,
-    key_groups,
-    prefixed_keys,
-)
+from statebackend.state.keygroups import KeyGroupRange, check_max_parallelism, key_group_prefix
+from statebackend.state.keygroups_bulk import key_groups, prefixed_keys
 from statebackend.state.kinds import (
     INTERNAL_STATES,
     STATE_CLASSES,

@@ -20,12 +20,10 @@ from statebackend.state.keygroups import (
     key_group_of_rocks_key,
     key_group_prefix,
     key_group_range_for_subtask,
-    key_groups,
     murmur3_32,
-    murmur3_32_many,
-    prefixed_keys,
     subtask_for_key_group,
 )
+from statebackend.state.keygroups_bulk import key_groups, murmur3_32_many, prefixed_keys
 
 # Published MurmurHash3_x86_32 vectors (seed 0, unsigned), e.g. the SMHasher-derived
 # list on Wikipedia / Stack Overflow and the Python mmh3 documentation.
