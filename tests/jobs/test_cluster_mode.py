@@ -115,7 +115,7 @@ def test_example_job_through_submit_script_on_the_cluster(standalone_cluster, s3
         proc = subprocess.run(
             [os.path.join(spark_home(), "bin", "spark-submit"), "--master",
              standalone_cluster.master_url, "--conf", "spark.ui.enabled=false",
-             os.path.join(ROOT, "statebackend", "job", "submit.py"),
+             os.path.join(ROOT, "statebackend", "cli", "submit.py"),
              "examples.user_activity:job", "--input", str(tmp_path / f"in{d}"),
              "--storage", s3_url, "--run-id", f"d{d}", "--output", str(tmp_path / "out"),
              "--parallelism", "3", "--json"],
@@ -194,9 +194,9 @@ def test_s3_input_on_the_cluster_equals_local_mode(standalone_cluster, s3_server
     cluster_state = dump_latest(s3_store, "agg")
     assert_state_equals(cluster_state, expected_totals(days))
     local_url = f"file://{tmp_path}/local-store"
-    for d in range(2):
-        s = run(JobConfig(input=str(tmp_path / f"in{d}"), storage=local_url, job="agg",
-                          run_id=f"d{d}", output=str(tmp_path / "local-out"), parallelism=2),
-                spark)
-        assert s["input_reader"] == "spark"
+    readers = [run(JobConfig(input=str(tmp_path / f"in{d}"), storage=local_url, job="agg",
+                             run_id=f"d{d}", output=str(tmp_path / "local-out"), parallelism=2),
+                   spark)["input_reader"] for d in range(2)]
+    # "auto" on local files: Spark's reader for Parquet, Arrow for (gzip) JSON lines
+    assert readers == ["spark", "arrow"]
     assert dump_latest(local_url, "agg") == cluster_state
