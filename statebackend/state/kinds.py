@@ -392,7 +392,7 @@ class MapState(_State):
     def items(self, key: str) -> Iterator[tuple[str, Any]]:
         kg, kb = self.backend.key_group_and_bytes(key)
         prefix = key_group_prefix(kg) + map_key_suffix(kb, "")
-        upper = _prefix_upper_bound(prefix)
+        upper = prefix_upper_bound(prefix)
         decode = self.codec.decode
         live = self._ttl.live if self._ttl is not None else None
         for rk, raw in self.backend.iter_raw(self.descriptor.name, lower=prefix, upper=upper):
@@ -407,7 +407,8 @@ class MapState(_State):
         return [k for k, _ in self.items(key)]
 
 
-def _prefix_upper_bound(prefix: bytes) -> bytes:
+def prefix_upper_bound(prefix: bytes) -> bytes:
+    """The smallest key above every key starting with ``prefix`` (an iterator's upper bound)."""
     b = bytearray(prefix)
     while b and b[-1] == 0xFF:
         b.pop()

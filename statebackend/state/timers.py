@@ -48,7 +48,7 @@ from statebackend.state.codecs import (
     time_upper_bound,
 )
 from statebackend.state.keygroups import key_group_prefix
-from statebackend.state.kinds import StateDescriptor, internal_descriptor
+from statebackend.state.kinds import StateDescriptor, internal_descriptor, prefix_upper_bound
 
 if TYPE_CHECKING:
     from statebackend.state.backend import KeyedStateBackend
@@ -212,7 +212,7 @@ def timers_of(backend: KeyedStateBackend, key: str, domain: str | None = None) -
     if domain is not None:
         lower += domain_byte(domain)
     out = [parse_reverse_key(rk) for rk in backend.iter_raw(
-        TIMER_KEYS, lower=lower, upper=_prefix_upper(lower), values=False)]
+        TIMER_KEYS, lower=lower, upper=prefix_upper_bound(lower), values=False)]
     return out
 
 
@@ -249,22 +249,12 @@ def earliest_time(backend: KeyedStateBackend, cf_name: str, dom: bytes) -> int |
     r = backend.key_group_range
     for kg in range(r.start, r.end + 1):
         lower = key_group_prefix(kg) + dom
-        for k in backend.iter_raw(cf_name, lower=lower, upper=_prefix_upper(lower),
+        for k in backend.iter_raw(cf_name, lower=lower, upper=prefix_upper_bound(lower),
                                   values=False):
             t = decode_time(k, 3)
             best = t if best is None else min(best, t)
             break
     return best
-
-
-def _prefix_upper(prefix: bytes) -> bytes:
-    b = bytearray(prefix)
-    while b and b[-1] == 0xFF:
-        b.pop()
-    if not b:
-        return b"\xff" * (len(prefix) + 1)
-    b[-1] += 1
-    return bytes(b)
 
 
 # -- firing ----------------------------------------------------------------------------
