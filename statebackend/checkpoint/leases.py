@@ -28,7 +28,8 @@ Safety of renewal and take-over (numbered failure scenarios; tests name them):
    LeaseConflictError. The winner re-reads the lease and deletes it only if it
    is still the stale one, then creates its own exclusively (a fresh writer
    racing it loses that create). A claim left by a taker that crashed inside
-   that millisecond window is stale after ``CLAIM_STALE_SECONDS`` and removed.
+   that millisecond window is stale after the taker's lease TTL (at most
+   ``CLAIM_STALE_SECONDS``), recorded in the claim, and removed.
 4. *Holder paused past its expiry, then taken over.* Renewal re-reads the lease
    first: another token (or no file) means the lease is *lost*; so does a
    renewal that comes after our own ``expires_at`` (someone may have acted on
@@ -206,19 +207,24 @@ def acquire_writer_lease(job_storage: Storage, purpose: str, *, checkpoint_ids: 
                 f"job {job_storage.url} is busy: {current.purpose} by {current.holder} holds "
                 f"the writer lease until {current.expires_at}; wait, or remove "
                 f"{lease.path} if that writer is dead") from None
-        _take_over(job_storage, current)
+        _take_over(job_storage, current, ttl_seconds)
     raise LeaseConflictError(f"could not take the writer lease of {job_storage.url}: other "
                              "writers keep taking it; retry later")
 
 
-def _take_over(job_storage: Storage, stale: Lease) -> None:
-    """Remove the expired ``stale`` lease, unless another taker is doing so (scenario 3)."""
+def _take_over(job_storage: Storage, stale: Lease, ttl_seconds: float) -> None:
+    """Remove the expired ``stale`` lease, unless another taker is doing so (scenario 3).
+
+    The claim expires with the taker's TTL (capped): a job tuned to a short TTL
+    is not blocked longer by a crashed taker than by a crashed writer."""
     digest = hashlib.sha256(stale.identity.encode()).hexdigest()[:32]
     claim = claim_path(digest)
     now = datetime.now(UTC)
+    expires = now + timedelta(seconds=min(ttl_seconds, CLAIM_STALE_SECONDS))
     try:
         job_storage.write_exclusive(claim, json.dumps(
-            {"holder": default_holder(), "created_at": now.isoformat()}).encode())
+            {"holder": default_holder(), "created_at": now.isoformat(),
+             "expires_at": expires.isoformat()}).encode())
     except FileExistsError:
         if _claim_is_stale(job_storage, claim, now):
             job_storage.delete_many([claim])  # its taker crashed: the caller retries
@@ -239,10 +245,14 @@ def _claim_is_stale(job_storage: Storage, claim: str, now: datetime) -> bool:
     if data is None:
         return True  # finished meanwhile
     try:
-        created = datetime.fromisoformat(json.loads(data)["created_at"])
-    except (ValueError, KeyError, TypeError):
+        claim_record = json.loads(data)
+        created = datetime.fromisoformat(claim_record["created_at"])
+        # a claim written before expires_at was recorded lives the longest
+        expires = datetime.fromisoformat(claim_record.get("expires_at") or (
+            created + timedelta(seconds=CLAIM_STALE_SECONDS)).isoformat())
+    except (ValueError, KeyError, TypeError, AttributeError):
         return True  # unreadable claim: nobody can finish it
-    return (now - created).total_seconds() > CLAIM_STALE_SECONDS
+    return now > expires
 
 
 def acquire_hold(job_storage: Storage, purpose: str, checkpoint_ids: Sequence[int], *,

@@ -62,12 +62,13 @@ def test_default_timing_is_short_and_configurable(monkeypatch):
 
 def test_heartbeat_renews_past_the_ttl(storage):
     """Scenario 1: the lease outlives its TTL while the holder is alive, then is released."""
-    with writer_lease(storage, "long run", ttl_seconds=1.0, heartbeat_seconds=0.1) as held:
+    # a 2 s TTL: a renewal (read + write on moto) must not lapse on a loaded machine
+    with writer_lease(storage, "long run", ttl_seconds=2.0, heartbeat_seconds=0.2) as held:
         first = current(storage)
         created = datetime.fromisoformat(first.created_at)
         # wait until the lease has been renewed beyond two TTLs after it was taken
         wait_for(lambda: datetime.fromisoformat(current(storage).expires_at)
-                 > created + timedelta(seconds=2.0))
+                 > created + timedelta(seconds=4.0))
         now = current(storage)
         assert now.token == first.token and held.lost is None and held.renewals >= 2
         assert now.expires_at > first.expires_at
@@ -147,6 +148,51 @@ def test_a_taker_in_progress_blocks_a_second_one_and_a_crashed_one_does_not(stor
     won = acquire_writer_lease(storage, "taker C")  # the claimer crashed long ago
     assert current(storage).token == won.token
     assert storage.list_dir(LEASES_DIR) == ["writer.json"]
+
+
+class KilledTaker:
+    """A storage seen by a taker killed right after writing its take-over claim: the
+    next read raises and nothing is deleted any more (a dead process cleans nothing)."""
+
+    def __init__(self, storage) -> None:
+        self._storage = storage
+        self._reads = 0
+
+    def __getattr__(self, attr):
+        return getattr(self._storage, attr)
+
+    def read_bytes_if_exists(self, rel: str):
+        if rel == WRITER_PATH:
+            self._reads += 1
+            if self._reads == 2:  # the re-read after the claim
+                raise RuntimeError("killed")
+        return self._storage.read_bytes_if_exists(rel)
+
+    def delete_many(self, paths) -> None:
+        if self._reads >= 2:
+            return
+        self._storage.delete_many(paths)
+
+
+def test_a_killed_takers_claim_blocks_for_the_lease_ttl_not_longer(storage):
+    """A job tuned to a 1 s TTL waits about 1 s after a killed taker, not CLAIM_STALE_SECONDS."""
+    acquire_writer_lease(storage, "dead run", ttl_seconds=-1.0)
+    with pytest.raises(RuntimeError, match="killed"):
+        acquire_writer_lease(KilledTaker(storage), "taker B", ttl_seconds=1.0)
+    assert any(name.startswith(CLAIM_PREFIX) for name in storage.list_dir(LEASES_DIR))
+    with pytest.raises(LeaseConflictError, match="another writer is taking over"):
+        acquire_writer_lease(storage, "taker C", ttl_seconds=1.0)
+    won: list[Lease] = []
+
+    def taken() -> bool:
+        try:
+            won.append(acquire_writer_lease(storage, "taker C", ttl_seconds=1.0))
+        except LeaseConflictError:
+            return False
+        return True
+
+    wait_for(taken, timeout=10.0)  # far below CLAIM_STALE_SECONDS (30 s)
+    assert current(storage).token == won[0].token
 
 
 def test_racing_takers_exactly_one_wins(storage):
