@@ -27,11 +27,13 @@ JOB_OPTION_PREFIX = "job_option__"
 
 
 class _JobParser(argparse.ArgumentParser):
-    """Adds the flags of the job named in the arguments before parsing them."""
+    """Adds the flags of the job named in the arguments (or fixed) before parsing them."""
+
+    fixed_job_ref: str | None = None  # a job module's own entry point names its job
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
         args = list(sys.argv[1:] if args is None else args)
-        add_job_options(self, args)
+        add_job_options(self, [self.fixed_job_ref, *args] if self.fixed_job_ref else args)
         return super().parse_known_args(args, namespace)
 
 
@@ -68,10 +70,15 @@ def _importable_cwd() -> None:
         sys.path.insert(0, cwd)
 
 
-def add_run_arguments(p: argparse.ArgumentParser, *, with_storage: bool) -> None:
-    """The options every job shares (``--storage``/``--job`` come from `ckpt` itself)."""
-    p.add_argument("job_ref", metavar="MODULE:ATTR",
-                   help="the job: a statebackend.job.Job, e.g. examples.user_activity:job")
+def add_run_arguments(p: argparse.ArgumentParser, *, with_storage: bool,
+                      job_ref: str | None = None) -> None:
+    """The options every job shares (``--storage``/``--job`` come from `ckpt` itself);
+    ``job_ref`` fixes the job instead of a ``MODULE:ATTR`` argument."""
+    if job_ref is None:
+        p.add_argument("job_ref", metavar="MODULE:ATTR",
+                       help="the job: a statebackend.job.Job, e.g. examples.user_activity:job")
+    else:
+        p.set_defaults(job_ref=job_ref)
     p.add_argument("--input", required=True,
                    help="folder of Parquet and/or JSON-lines files (optionally .gz)")
     if with_storage:

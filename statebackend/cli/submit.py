@@ -40,11 +40,12 @@ def main(argv: list[str] | None = None, *, job_ref: str | None = None, prog: str
     from statebackend.progress import Progress
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if job_ref is not None:
-        argv = [job_ref, *argv]
-    parser = _JobParser(prog=prog if job_ref else "submit.py", parents=[json_flag()],
-                        description="Run a stateful job (MODULE:ATTR) once under spark-submit.")
-    add_run_arguments(parser, with_storage=True)
+    parser = _JobParser(
+        prog=prog if job_ref else "submit.py", parents=[json_flag()],
+        description=f"Run the job {job_ref} once (also under spark-submit)." if job_ref
+        else "Run a stateful job (MODULE:ATTR) once under spark-submit.")
+    parser.fixed_job_ref = job_ref
+    add_run_arguments(parser, with_storage=True, job_ref=job_ref)
     args = parser.parse_args(argv)
     if require_job and not args.job:
         parser.error("the following arguments are required: --job")

@@ -167,6 +167,18 @@ def test_builtin_names_and_load_job():
             load_job(ref)
 
 
+@pytest.mark.parametrize("module", sorted({ref.split(":")[0] for ref in BUILTIN_JOBS.values()}))
+def test_a_job_modules_help_names_its_job_and_options(module):
+    """``python -m jobs.X --help``: the job is fixed (no MODULE:ATTR), its options listed."""
+    done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr
+    job = load_job(next(r for r in BUILTIN_JOBS.values() if r.startswith(module + ":")))
+    assert "MODULE:ATTR" not in done.stdout and "--run-id" in done.stdout
+    for opt in job.options:
+        assert "--" + opt.name.replace("_", "-") in done.stdout
+
+
 def _ckpt(*args: str, cwd: str = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
     return subprocess.run([sys.executable, "-m", "statebackend.cli.app", *args], env=env,
