@@ -25,12 +25,17 @@ Storage credentials come from the job's AWS connection as storage options
 (`storage_options_for`); they are passed to the library and to Spark executors,
 never written into ``os.environ``, never logged.
 
+A run reports its progress (phases, subtasks done) to this module's logger, so
+the task log shows it every few seconds (`statebackend.progress`, lines mode;
+``CKPT_PROGRESS=off`` silences it).
+
 Heavy modules (pyspark, great_expectations, rocksdict, pandas) are imported inside
 the functions: DAG files import this module at parse time.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -162,11 +167,32 @@ def run_job_once(job_ref: str, config, *, entry: str | None = None, spark=None) 
     if "://" not in config.input and not os.path.exists(config.input):
         raise UsageError(f"input {config.input} of ckpt_jobs entry {entry!r} does not exist; "
                          "check the 'input' pattern and that the interval's data landed")
-    summary = dict(run_job(job, config, spark=spark))
+    from statebackend.progress import Progress, choose_mode
+
+    stream = LogLines(log)
+    mode = "off" if choose_mode(stream) == "off" else "lines"  # a log has no live bar
+    with Progress("run", stream=stream, mode=mode) as progress:
+        summary = dict(run_job(job, config, spark=spark, progress=progress))
     log.info("job %s run %s: %s", entry, config.run_id,
              {k: summary.get(k) for k in SUMMARY_LOG_KEYS})
     summary.setdefault("run_id", config.run_id)
     return summary
+
+
+class LogLines(io.TextIOBase):
+    """A text stream whose lines go to ``logger`` at INFO: progress in the task log."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        for line in text.splitlines():
+            if line.strip():
+                self.logger.info("%s", line.rstrip())
+        return len(text)
 
 
 def build_run_config(spec: JobSpec, *, logical_date: datetime | None, airflow_run_id: str,

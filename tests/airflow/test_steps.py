@@ -148,3 +148,26 @@ def test_spark_submit_run_key_renders_like_the_local_one(tmp_path):
     rendered = template.render(ts=day.isoformat(), logical_date=day, run_id="manual__x")
     assert rendered == steps.run_key(day, "manual__x")
     assert template.render(ts=None, logical_date=None, run_id="manual__x") == "manual__x"
+
+
+@pytest.mark.spark
+def test_a_run_task_logs_its_progress(spark, tmp_path, caplog, monkeypatch):
+    """The in-task run path reports phases and subtasks to the task log, as `ckpt run`."""
+    import logging
+    import re
+
+    from tests.jobs.run_reference import expected_totals, totals_days
+
+    monkeypatch.setenv("CKPT_PROGRESS", "auto")
+    monkeypatch.setenv("CKPT_PROGRESS_INTERVAL", "0.05")
+    day = totals_days(str(tmp_path), 1, seed=3)[0]
+    os.rename(tmp_path / "in0", tmp_path / "in")
+    spec = make_spec(tmp_path, input=str(tmp_path / "in"), job="jobs.keyed_aggregation:JOB")
+    with caplog.at_level(logging.INFO, logger=steps.log.name):
+        summary = steps.run_pipeline_job(spec, logical_date=datetime(2027, 1, 1, tzinfo=UTC),
+                                         airflow_run_id="r", spark=spark, storage_options={})
+    assert summary["events_read"] - summary["events_rejected"] == len(day)
+    assert summary["keys_touched"] == len(expected_totals([day]))
+    lines = [r.getMessage() for r in caplog.records if r.name == steps.log.name]
+    assert any(re.fullmatch(r"ckpt run: run interval__2027-01-01T00:00:00\+00:00, checkpoint 1: "
+                            r"2/2 subtasks \(100%\), \d+ s", x) for x in lines), lines
