@@ -156,10 +156,7 @@ def _airflow_cells(links: dict, run_label: str = "DAG run") -> str:
 
 
 def render_history(job: str, rows: list[dict]) -> str:
-    out = [f'<table class="history" id="history-{esc(job)}"><thead><tr><th>id</th><th>kind</th>'
-           '<th>created (UTC)</th><th>run</th><th>P</th><th>state size</th><th>uploaded</th>'
-           '<th>duration</th><th>events/s</th><th>rejected</th>'
-           '<th>validation</th><th>Airflow</th></tr></thead><tbody>']
+    out = []
     for r in reversed(rows):
         m = r["metrics"]
         status = esc(r["validation"])
@@ -178,8 +175,24 @@ def render_history(job: str, rows: list[dict]) -> str:
             f'<td class="airflow">{_airflow_cells(r["links"], "run")}</td></tr>')
     if not rows:
         out.append('<tr><td colspan="12" class="no-data">no checkpoints yet</td></tr>')
-    out.append("</tbody></table>")
-    return "".join(out)
+    return table("history", f"history-{job}",
+                 ("id", "kind", "created (UTC)", "run", "P", "state size", "uploaded",
+                  "duration", "events/s", "rejected", "validation", "Airflow"), out)
+
+
+def table(kind: str, table_id: str, headers: tuple[str, ...], rows: list[str]) -> str:
+    """A ``<table>`` of class ``kind`` with ``headers`` and ready ``rows`` (``<tr>`` HTML)."""
+    head = "".join(f"<th>{esc(h)}</th>" for h in headers)
+    return (f'<table class="{kind}" id="{esc(table_id)}"><thead><tr>{head}</tr></thead><tbody>'
+            + "".join(rows) + "</tbody></table>")
+
+
+def table_or_note(kind: str, job: str, headers: tuple[str, ...], rows: list[str],
+                  empty: str) -> str:
+    """`table` with id ``<kind>-<job>``, or a ``no-data`` note of the same id without rows."""
+    if not rows:
+        return f'<p class="no-data" id="{kind}-{esc(job)}">{esc(empty)}</p>'
+    return table(kind, f"{kind}-{job}", headers, rows)
 
 
 def _skew_bar(value: float, peak: float) -> str:
@@ -191,10 +204,7 @@ def render_subtasks(job: str, r: dict) -> str:
     subs = r["subtasks"]
     peak_bytes = max([s["bytes"] for s in subs], default=0)
     peak_events = max([s["events"] or 0 for s in subs], default=0)
-    out = [f'<table class="subtasks" id="subtasks-{esc(job)}-{r["id"]}"><thead><tr>'
-           '<th>subtask</th><th>key groups</th><th>files</th><th>state bytes</th><th></th>'
-           '<th>uploaded</th><th>rows</th><th>events</th><th></th><th>rejected</th>'
-           '<th>duration</th></tr></thead><tbody>']
+    out = []
     for s in subs:
         out.append(
             f'<tr><td>{s["index"]}</td>'
@@ -206,8 +216,9 @@ def render_subtasks(job: str, r: dict) -> str:
             f'<td>{_skew_bar(s["events"] or 0, peak_events) if s["events"] is not None else ""}'
             f'</td><td>{human_count(s["rejected"])}</td>'
             f'<td>{human_seconds(s["duration_s"])}</td></tr>')
-    out.append("</tbody></table>")
-    return "".join(out)
+    return table("subtasks", f"subtasks-{job}-{r['id']}",
+                 ("subtask", "key groups", "files", "state bytes", "", "uploaded", "rows",
+                  "events", "", "rejected", "duration"), out)
 
 
 def render_detail(job: str, r: dict, is_open: bool) -> str:
@@ -240,27 +251,19 @@ def render_detail(job: str, r: dict, is_open: bool) -> str:
 
 
 def render_runs(job: str, runs: list[dict]) -> str:
-    if not runs:
-        return f'<p class="no-data" id="runs-{esc(job)}">no run records yet</p>'
-    out = [f'<table class="runs" id="runs-{esc(job)}"><thead><tr><th>started (UTC)</th>'
-           '<th>run</th><th>outcome</th><th>checkpoint</th><th>duration</th><th>error</th>'
-           '<th>Airflow</th></tr></thead><tbody>']
+    out = []
     for r in reversed(runs):
         chk = f"chk-{r['checkpoint_id']}" if r["checkpoint_id"] is not None else "–"
         out.append(f'<tr class="outcome-{esc(r["outcome"])}"><td>{when(r["started_at"])}</td>'
                    f'<td>{esc(r["run_id"])}</td><td>{esc(r["outcome"])}</td><td>{chk}</td>'
                    f'<td>{human_seconds(r["duration_s"])}</td><td>{esc(r["error"] or "")}</td>'
                    f'<td class="airflow">{_airflow_cells(r["links"])}</td></tr>')
-    out.append("</tbody></table>")
-    return "".join(out)
+    return table_or_note("runs", job, ("started (UTC)", "run", "outcome", "checkpoint",
+                                       "duration", "error", "Airflow"), out, "no run records yet")
 
 
 def render_savepoints(job: str, savepoints: list[dict]) -> str:
-    if not savepoints:
-        return f'<p class="no-data" id="savepoints-{esc(job)}">no savepoints</p>'
-    out = [f'<table class="savepoints" id="savepoints-{esc(job)}"><thead><tr><th>name</th>'
-           '<th>from</th><th>created (UTC)</th><th>P</th><th>files</th><th>size</th>'
-           '<th>path (for start_from)</th></tr></thead><tbody>']
+    out = []
     for s in savepoints:
         source = (f"{esc(s['source_job'])} chk-{s['source_checkpoint']}" if s["complete"]
                   else "incomplete (being created or interrupted)")
@@ -268,24 +271,21 @@ def render_savepoints(job: str, savepoints: list[dict]) -> str:
                    f'</td><td>{esc(s["parallelism"] or "–")}</td><td>{s["files"]}</td>'
                    f'<td>{human_bytes(s["bytes"])}</td>'
                    f'<td><code>{esc(job)}/{esc(savepoint_dir(s["name"]))}</code></td></tr>')
-    out.append("</tbody></table>")
-    return "".join(out)
+    return table_or_note("savepoints", job, ("name", "from", "created (UTC)", "P", "files",
+                                             "size", "path (for start_from)"), out,
+                         "no savepoints")
 
 
 def render_leases(job: str, leases: list[dict]) -> str:
-    if not leases:
-        return f'<p class="no-data" id="leases-{esc(job)}">no leases</p>'
-    out = [f'<table class="leases" id="leases-{esc(job)}"><thead><tr><th>lease</th>'
-           '<th>state</th><th>purpose</th><th>holder</th><th>expires (UTC)</th>'
-           '<th>holds</th></tr></thead><tbody>']
+    out = []
     for lease in leases:
         state = "live" if lease["live"] else "expired"
         held = ", ".join(f"chk-{i}" for i in lease["checkpoint_ids"]) or "–"
         out.append(f'<tr class="lease-{state}"><td>{esc(lease["name"])}</td><td>{state}</td>'
                    f'<td>{esc(lease["purpose"])}</td><td>{esc(lease["holder"])}</td>'
                    f'<td>{when(lease["expires_at"])}</td><td>{held}</td></tr>')
-    out.append("</tbody></table>")
-    return "".join(out)
+    return table_or_note("leases", job, ("lease", "state", "purpose", "holder",
+                                         "expires (UTC)", "holds"), out, "no leases")
 
 
 # -- page ------------------------------------------------------------------------------
