@@ -112,3 +112,22 @@ def restore_all(store: CheckpointStore, meta: CheckpointMetadata, base_dir: str,
 def close_all(backends: Sequence[KeyedStateBackend]) -> None:
     for b in backends:
         b.close()
+
+
+def two_checkpoint_job(base: str, job: str) -> dict:
+    """A job with two committed checkpoints (P=2, 2,000 keys: a dump larger than a pipe
+    buffer; the second rewrites 100) under ``file://<base>/store``, and the latest rows."""
+    from statebackend.checkpoint.snapshot import checkpoint_backends
+    from statebackend.storage import open_storage
+
+    url = f"file://{base}/store"
+    store = CheckpointStore(open_storage(url), job)
+    backends = open_backends(os.path.join(base, "work"), 2)
+    all_keys = keys(2_000)
+    fill(backends, all_keys)
+    checkpoint_backends(store, backends, parent=None, run_id="run-1")
+    fill(backends, all_keys[:100], version=1)
+    checkpoint_backends(store, backends, parent=1, run_id="run-2")
+    rows = dump_backends(backends)
+    close_all(backends)
+    return {"url": url, "store": store, "rows": rows, "tmp": base}

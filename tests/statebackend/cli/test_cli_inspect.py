@@ -16,7 +16,13 @@ from statebackend.checkpoint.snapshot import checkpoint_backends
 from statebackend.checkpoint.store import CheckpointStore, metadata_path
 from statebackend.cli import app as cli
 from statebackend.storage import open_storage
-from tests.statebackend.helpers import close_all, dump_backends, fill, keys, open_backends
+from tests.statebackend.helpers import (
+    dump_backends,
+    fill,
+    keys,
+    open_backends,
+    two_checkpoint_job,
+)
 
 JOB = "clicks"
 SUMMARY_KEYS = {"id", "parent", "created_at", "parallelism", "max_parallelism",
@@ -26,19 +32,7 @@ CKPT_BIN = os.path.join(os.path.dirname(sys.executable), "ckpt")
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    """A job with two committed checkpoints (P=2) and the rows of the latest."""
-    base = tmp_path_factory.mktemp("cli")
-    url = f"file://{base}/store"
-    store = CheckpointStore(open_storage(url), JOB)
-    backends = open_backends(str(base / "work"), 2)
-    all_keys = keys(2_000)
-    fill(backends, all_keys)
-    checkpoint_backends(store, backends, parent=None, run_id="run-1")
-    fill(backends, all_keys[:100], version=1)
-    checkpoint_backends(store, backends, parent=1, run_id="run-2")
-    rows = dump_backends(backends)
-    close_all(backends)
-    return {"url": url, "store": store, "rows": rows}
+    return two_checkpoint_job(str(tmp_path_factory.mktemp("cli")), JOB)
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

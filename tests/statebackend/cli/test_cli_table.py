@@ -16,11 +16,9 @@ import sys
 import pytest
 
 from statebackend import errors
-from statebackend.checkpoint.snapshot import checkpoint_backends
-from statebackend.checkpoint.store import CheckpointStore
 from statebackend.cli import app as cli
 from statebackend.storage import open_storage
-from tests.statebackend.helpers import close_all, dump_backends, fill, keys, open_backends
+from tests.statebackend.helpers import two_checkpoint_job
 
 JOB = "clicks"
 CKPT_BIN = os.path.join(os.path.dirname(sys.executable), "ckpt")
@@ -53,19 +51,7 @@ SPARK_COMMANDS = {"run": ["jobs.keyed_aggregation:JOB", "--input", "{tmp}", "--r
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    """Two committed checkpoints (P=2, 2,000 keys: a dump larger than a pipe buffer)."""
-    base = tmp_path_factory.mktemp("cli-table")
-    url = f"file://{base}/store"
-    store = CheckpointStore(open_storage(url), JOB)
-    backends = open_backends(str(base / "work"), 2)
-    all_keys = keys(2_000)
-    fill(backends, all_keys)
-    checkpoint_backends(store, backends, parent=None, run_id="run-1")
-    fill(backends, all_keys[:100], version=1)
-    checkpoint_backends(store, backends, parent=1, run_id="run-2")
-    rows = dump_backends(backends)
-    close_all(backends)
-    return {"url": url, "store": store, "rows": rows, "tmp": str(base)}
+    return two_checkpoint_job(str(tmp_path_factory.mktemp("cli-table")), JOB)
 
 
 @pytest.fixture(autouse=True)
