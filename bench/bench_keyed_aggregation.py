@@ -15,8 +15,11 @@ the pre-port code (``--before REV``, default ``fa6e095``) from a temporary ``git
 worktree`` (removed afterwards) on the same input, so the ported job (``ours``) is
 compared with the release it replaced (goal: no slower).
 
-Two ways a scheduler runs them: a new process per run (like an Airflow task; the
-wall time includes JVM start-up) and consecutive runs in one session. Prints per-run
+Three ways a scheduler runs them: a new process per run (like an Airflow task; the
+wall time includes JVM start-up), consecutive runs in one session, and a new Spark
+Connect client process per run against one warm Connect server on 127.0.0.1 (how the
+Airflow provider runs jobs with a ``spark_connect`` connection: no JVM start per run;
+the ``before`` variant has no Connect support and is skipped there). Prints per-run
 wall time, events/s and bytes written to checkpoint storage (growth of the
 checkpoint folder), then the ratios ours/spark. Goal: events/s >= 1.5x Spark's,
 bytes per incremental run <= Spark's.
@@ -24,6 +27,7 @@ bytes per incremental run <= Spark's.
     python bench/bench_keyed_aggregation.py            # full (several minutes)
     python bench/bench_keyed_aggregation.py --quick    # 3 x 50,000 events, 20,000 keys
     python bench/bench_keyed_aggregation.py --quick --variants ours,before --modes session
+    python bench/bench_keyed_aggregation.py --quick --modes connect
 """
 
 from __future__ import annotations
@@ -192,16 +196,20 @@ def bench(args: argparse.Namespace, before_tree: str | None) -> dict:
                 "work": os.path.join(work, mode, variant), "before_tree": before_tree}
 
     for mode in args.modes:
-        runs = table.setdefault(mode, {v: [] for v in args.variants})
-        if mode == "process":
-            # Interleaved by day, so load changes on a shared machine hit every variant alike.
-            for day in range(args.runs):
-                for variant in args.variants:
-                    results, wall = spawn({**spec(mode, variant), "run_days": [day]})
-                    res = results[0]
-                    res["wall_s"] = wall  # whole process: JVM start, query, shutdown
-                    runs[variant].append(res)
-                    _print_run(mode, variant, res)
+        variants = [v for v in args.variants if mode != "connect" or v != "before"]
+        runs = table.setdefault(mode, {v: [] for v in variants})
+        if mode in ("process", "connect"):
+            with connect_server_for(mode, work, args.master) as remote:
+                # Interleaved by day, so load changes on a shared machine hit every variant
+                # alike.
+                for day in range(args.runs):
+                    for variant in variants:
+                        one = {**spec(mode, variant), "run_days": [day]}
+                        results, wall = spawn({**one, "master": remote or one["master"]})
+                        res = results[0]
+                        res["wall_s"] = wall  # whole process: (JVM) start, query, shutdown
+                        runs[variant].append(res)
+                        _print_run(mode, variant, res)
         else:
             for variant in args.variants:
                 results, _ = spawn({**spec(mode, variant), "run_days": list(range(args.runs))})
@@ -209,6 +217,19 @@ def bench(args: argparse.Namespace, before_tree: str | None) -> dict:
                     runs[variant].append(res)
                     _print_run(mode, variant, res)
     return table
+
+
+@contextmanager
+def connect_server_for(mode: str, work: str, master: str):
+    """The ``sc://`` URL of a Connect server (``master`` cores) for the connect mode, else
+    None; the server runs until the mode is done."""
+    if mode != "connect":
+        yield None
+        return
+    from bench.connect_server import connect_server
+
+    with connect_server(os.path.join(work, "connect-server"), master=master) as server:
+        yield server.url
 
 
 def _print_run(mode: str, variant: str, r: dict) -> None:
@@ -236,7 +257,7 @@ def report(table: dict, args: argparse.Namespace) -> None:
                   f"{bytes_incr:>15,.0f}")
     if "before" in args.variants and "ours" in args.variants:
         print("\nratios after / before the job API port (events/s: goal >= 1.0)")
-        for mode in table:
+        for mode in (m for m in table if (m, "before") in agg):
             ours, before = agg[(mode, "ours")], agg[(mode, "before")]
             print(f"{mode:8} ours vs before          events/s x{ours[0] / before[0]:.2f} "
                   f"(incremental runs x{ours[1] / before[1]:.2f}), bytes per incremental run "
@@ -262,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keys", type=int, default=100_000)
     p.add_argument("--parallelism", type=int, default=4, help="state partitions (both engines)")
     p.add_argument("--master", default="local[2]")
-    p.add_argument("--modes", default="process,session")
+    p.add_argument("--modes", default="process,session,connect",
+                   help="comma-separated subset of %(default)s")
     p.add_argument("--workdir", default=os.path.join(ROOT, "bench", "out", "keyed_aggregation"))
     p.add_argument("--quick", action="store_true", help="3 runs x 50,000 events, 20,000 keys")
     p.add_argument("--variants", default=",".join(VARIANTS),

@@ -9,9 +9,12 @@ sessions across midnight), local[2], P = 2 for both:
   event-time timers, RocksDBStateStoreProvider, changelog checkpointing), one
   ``availableNow`` query start per day on the same checkpoint.
 
-Two ways a scheduler runs them: runs in one warm session (each side first runs one
-day, not measured, so neither pays the session's first Python workers), and a new
-process per run (like an Airflow task; wall time includes the JVM start-up). Prints per mode
+Three ways a scheduler runs them: runs in one warm session (each side first runs one
+day, not measured, so neither pays the session's first Python workers), a new
+process per run (like an Airflow task; wall time includes the JVM start-up), and a
+new Spark Connect client process per run against one Connect server on 127.0.0.1
+(``--modes connect``: how the Airflow provider runs jobs with a ``spark_connect``
+connection, no JVM start per run; the server is started once, not measured). Prints per mode
 events/s, bytes written to checkpoint storage per run, state operations per second
 (the same count for both: one state update per accepted event plus one per closed
 session) and the ratios ours/spark. Goals: >= 5x warm, >= 2x new process per run.
@@ -90,13 +93,15 @@ def ours_warm(spark, job, days: list[str], work: str, options: dict,
 
 
 def ours_process(module: str, days: list[str], work: str, options: dict,
-                 emitted: Callable[[dict, str], int]) -> list[Run]:
+                 emitted: Callable[[dict, str], int], master: str = MASTER) -> list[Run]:
+    """One new process per day; ``master`` may be a Connect server's ``sc://`` URL."""
+    where = ["--remote", master] if master.startswith("sc://") else ["--master", master]
     runs = []
     for i, day in enumerate(days):
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
         cmd = [sys.executable, "-m", module, "--input", day, "--storage", f"file://{work}/ckpt",
                "--run-id", f"d{i}", "--output", f"{work}/out", "--parallelism", str(P),
-               "--local-dir", f"{work}/local", "--master", MASTER, "--max-reject-fraction",
+               "--local-dir", f"{work}/local", *where, "--max-reject-fraction",
                "1", "--json", *flags]
         started = time.perf_counter()
         done = subprocess.run(cmd, env=env(), capture_output=True, text=True, check=False)
@@ -126,11 +131,12 @@ def spark_warm(spark, run_batches: Callable, days: list[str], work: str, **kw) -
     return [Run(s.events, s.emitted, s.wall_s, s.checkpoint_bytes) for s in stats]
 
 
-def spark_process(module: str, days: list[str], work: str, flags: list[str]) -> list[Run]:
+def spark_process(module: str, days: list[str], work: str, flags: list[str],
+                  master: str = MASTER) -> list[Run]:
     runs = []
     for i, day in enumerate(days):
         cmd = [sys.executable, "-m", module, "--day", day, "--work", work, "--start-run", str(i),
-               "--master", MASTER, "--shuffle-partitions", str(P), *flags]
+               "--master", master, "--shuffle-partitions", str(P), *flags]
         started = time.perf_counter()
         done = subprocess.run(cmd, env=env(), capture_output=True, text=True, check=False)
         wall = time.perf_counter() - started
@@ -171,7 +177,8 @@ def parse(argv: list[str] | None, doc: str) -> argparse.Namespace:
     p.add_argument("--days", type=int, default=None)
     p.add_argument("--events-per-day", type=int, default=None)
     p.add_argument("--users", type=int, default=None)
-    p.add_argument("--modes", default="warm,process")
+    p.add_argument("--modes", default="warm,process,connect",
+                   help="comma-separated subset of %(default)s")
     p.add_argument("--work", default=None)
     return p.parse_args(argv)
 
@@ -210,6 +217,16 @@ def bench(args, name: str, job, module: str, options: dict, peer_module: str,
         ours = ours_process(module, days, f"{work}/ours-proc", options, emitted)
         peer = spark_process(peer_module, days, f"{work}/spark-proc", peer_flags)
         out.append(report(name, "new process per run", ours, peer, goals["process"]))
+    if "connect" in modes:
+        from bench.connect_server import connect_server
+
+        with connect_server(f"{work}/connect-server", master=MASTER) as server:
+            ours = ours_process(module, days, f"{work}/ours-connect", options, emitted,
+                                master=server.url)
+            peer = spark_process(peer_module, days, f"{work}/spark-connect", peer_flags,
+                                 master=server.url)
+        out.append(report(name, "Spark Connect client process per run", ours, peer,
+                          goals.get("connect", goals["process"])))
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)
     return out
@@ -225,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
           "bench.peers.spark_sessionization", peer.run_batches,
           {"gap_ms": 30 * 60_000, "lateness_ms": 60 * 60_000},
           ["--gap-ms", str(30 * 60_000), "--lateness-ms", str(60 * 60_000)],
-          {"warm": 5.0, "process": 2.0})
+          {"warm": 5.0, "process": 2.0, "connect": 2.0})
     return 0
 
 

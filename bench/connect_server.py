@@ -1,0 +1,90 @@
+"""A Spark Connect server on 127.0.0.1, started from the pip pyspark, stopped by its PID.
+
+Used by the tests (`tests/spark/conftest.py`) and by the benches' ``connect`` mode:
+``spark-submit --class SparkConnectServer`` on a free loopback port, in its own
+process group (stopped as one: SIGTERM, then SIGKILL after 60 s). Its executors run
+this interpreter with the repository on PYTHONPATH (the server decides how executors
+start, not the client). No credentials are passed: storage options travel with the
+job's tasks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
+STARTED = "Spark Connect server started"
+START_TIMEOUT_S = 180
+
+
+@dataclass(frozen=True)
+class ConnectServer:
+    url: str  # sc://127.0.0.1:PORT
+    log: str  # the server's log file
+    env: dict  # the environment a client subprocess runs with
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_start(log: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        with open(log, errors="replace") as fh:
+            if STARTED in fh.read():
+                return
+        time.sleep(0.5)
+    with open(log, errors="replace") as fh:
+        tail = fh.read()[-3000:]
+    raise RuntimeError(f"{STARTED!r} not seen in {log} (exit {proc.poll()}):\n{tail}")
+
+
+@contextmanager
+def connect_server(base: str, master: str = "local[2]",
+                   conf: dict[str, str] | None = None) -> Iterator[ConnectServer]:
+    """Start a server (files under ``base``), yield it once it listens, stop it."""
+    import pyspark
+
+    home = os.path.dirname(pyspark.__file__)
+    os.makedirs(base, exist_ok=True)
+    port = free_port()
+    env = {**os.environ, "SPARK_HOME": home, "SPARK_LOCAL_IP": "127.0.0.1",
+           "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable,
+           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    settings = {"spark.ui.enabled": "false", "spark.connect.grpc.binding.address": "127.0.0.1",
+                "spark.connect.grpc.binding.port": str(port),
+                "spark.local.dir": os.path.join(base, "spark-local"),
+                # foreachBatch's Python process imports the Connect client before it
+                # connects back: on a loaded 2-core machine that exceeds the 15 s default
+                "spark.python.authenticate.socketTimeout": "180s", **(conf or {})}
+    flags = [x for key, value in settings.items() for x in ("--conf", f"{key}={value}")]
+    log = os.path.join(base, "server.log")
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(
+            [os.path.join(home, "bin", "spark-submit"), "--class", SERVER_CLASS,
+             "--master", master, *flags, "spark-internal"],
+            env=env, cwd=base, stdout=fh, stderr=subprocess.STDOUT,
+            start_new_session=True)  # its own process group: stopped as one below
+    try:
+        _wait_for_start(log, proc)
+        yield ConnectServer(f"sc://127.0.0.1:{port}", log, env)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
