@@ -36,9 +36,10 @@ from __future__ import annotations
 
 import operator
 import os
+import random
 import shutil
 import tempfile
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -58,6 +59,7 @@ from statebackend.state.codecs import (
     RecordCodec,
     decode_list,
     deserialize_key,
+    domain_byte,
     encode_list,
     split_map_key,
 )
@@ -74,6 +76,7 @@ from statebackend.state.ttl import (
     strip_value,
 )
 from statebackend.storage import Storage
+from statebackend.validation import sampling
 from statebackend.validation.manifest import FileFacts, recorded_algorithm
 
 DOWNLOAD_THREADS = 4
@@ -82,11 +85,17 @@ STATE_COLUMNS = ["subtask", "state", "key", "user_key", "key_group", "computed_k
                  "ttl_ok"]
 
 
+FAMILY_COLUMNS = ["subtask", "state", "first_key", "last_key", "first_key_group",
+                  "last_key_group", "range_start", "range_end", "edges_in_range", "sst_files",
+                  "stored_entries", "counted_by"]
+
+
 @dataclass
 class ContentTables:
     restore: pd.DataFrame
     state: pd.DataFrame
     counts: pd.DataFrame
+    families: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=FAMILY_COLUMNS))
     frames: dict[str, pd.DataFrame] = field(default_factory=dict)
     facts: dict[str, FileFacts] = field(default_factory=dict)
     rows: int = 0
@@ -193,29 +202,48 @@ def _strip_ttl(desc: StateDescriptor, values: list[bytes]) -> tuple[list[bytes],
 
 
 def ttl_findings(backend: KeyedStateBackend, descriptors: Sequence[StateDescriptor],
-                 clocks: dict[str, int | None]) -> dict[tuple[str, bytes], str]:
-    """{(column family, stored key): failure} of the TTL agreement checks (module doc)."""
+                 clocks: dict[str, int | None],
+                 sampled: Mapping[str, tuple[list[bytes], list[bytes]]] | None = None,
+                 ) -> dict[tuple[str, bytes], str]:
+    """{(column family, stored key): failure} of the TTL agreement checks (module doc).
+
+    ``sampled``: the entries read per column family at the ``deep`` level; the checks
+    then run on them (an index entry is looked up by its key instead of a full index
+    scan). None: every entry."""
     ttl_descs = {d.name: d for d in descriptors if d.ttl is not None}
-    index: dict[tuple[str, bytes], set[int]] = {}
     findings: dict[tuple[str, bytes], str] = {}
-    if TTL_INDEX in backend.column_families:
-        for ik in backend.iter_raw(TTL_INDEX, values=False):
-            try:
-                ent = parse_index_key(ik)
-            except CkptError:
-                continue  # reported by the row's key decoding
-            if ent.state not in ttl_descs:
-                findings[(TTL_INDEX, ik)] = (f"TTL: index entry names state {ent.state!r}, "
-                                             "which has no TTL")
-                continue
-            index.setdefault((ent.state, ent.rocks_key), set()).add(ent.expiry)
+    has_index = TTL_INDEX in backend.column_families
+    index_cf = backend.column_family(TTL_INDEX) if has_index else None
+    if sampled is None:
+        index_keys: Iterable[bytes] = backend.iter_raw(TTL_INDEX, values=False) \
+            if has_index else ()
+    else:
+        index_keys = sampled.get(TTL_INDEX, ([], []))[0]
+    index: dict[tuple[str, bytes], set[int]] = {}
+    for ik in index_keys:
+        try:
+            ent = parse_index_key(ik)
+        except CkptError:
+            continue  # reported by the row's key decoding
+        if ent.state not in ttl_descs:
+            findings[(TTL_INDEX, ik)] = (f"TTL: index entry names state {ent.state!r}, "
+                                         "which has no TTL")
+            continue
+        index.setdefault((ent.state, ent.rocks_key), set()).add(ent.expiry)
     for name, desc in ttl_descs.items():
-        for rk, raw in backend.iter_raw(name):
+        entries = backend.iter_raw(name) if sampled is None else \
+            zip(*sampled.get(name, ([], [])), strict=True)
+        for rk, raw in entries:
             try:
                 exps = stored_expiries(raw, desc.kind == "list")
             except CkptError:
                 continue  # reported as a value that does not decode
-            missing = exps - index.get((name, rk), set())
+            if sampled is None:
+                missing = exps - index.get((name, rk), set())
+            else:
+                tag, domain = state_tag(name), domain_byte(desc.ttl.time)
+                missing = {e for e in exps if index_cf is None
+                           or index_cf.get(index_key(rk, domain, e, tag)) is None}
             if missing:
                 findings[(name, rk)] = (f"TTL: stored expiry {min(missing)} has no entry in the "
                                         f"{TTL_INDEX} index: purge would never remove it")
@@ -235,8 +263,6 @@ def ttl_findings(backend: KeyedStateBackend, descriptors: Sequence[StateDescript
             msg = (f"TTL: the index says this {name!r} entry expired at {due[0]} <= the "
                    f"checkpoint's {desc.ttl.time} time {now}, but a read at {now} still returns "
                    f"it (stored expiries {sorted(stored_expiries(raw, desc.kind == 'list'))})")
-            from statebackend.state.codecs import domain_byte
-
             ik = index_key(rk, domain_byte(desc.ttl.time), due[0], state_tag(name))
             findings[(TTL_INDEX, ik)] = msg
             findings.setdefault((name, rk), msg)
@@ -314,14 +340,16 @@ def _bulk_keys(rks: list[bytes]) -> tuple[np.ndarray, pa.Array] | None:
 def state_rows(backend: KeyedStateBackend, desc: StateDescriptor, subtask: int,
                max_parallelism: int, keep_frame: bool,
                findings: dict[tuple[str, bytes], str] | None = None,
+               entries: tuple[list[bytes], list[bytes]] | None = None,
                ) -> tuple[dict[str, object], pd.DataFrame | None]:
     """The state-table columns of one column family (and the job-check frame if asked).
 
-    ``findings``: the TTL failures of the subtask (`ttl_findings`). Columns are NumPy
+    ``findings``: the TTL failures of the subtask (`ttl_findings`); ``entries``: the
+    (keys, values) to check (a sample), else every entry, read here. Columns are NumPy
     arrays (``key``: an Arrow string array); `build_content` joins them into the table.
     """
     # One checked pass (raises CorruptStateError if RocksDB stops the scan on an error).
-    rks, values = backend.read_raw(desc.name)
+    rks, values = entries if entries is not None else backend.read_raw(desc.name)
     n = len(rks)
     bulk = None if desc.internal or desc.kind == "map" else _bulk_keys(rks)
     short: list[int] = []
@@ -449,20 +477,50 @@ def _bad_files(handle: SubtaskHandle, facts: dict[str, FileFacts]) -> list[str]:
     return bad
 
 
+def _edge_key_group(key: bytes | None) -> int | None:
+    return None if key is None or len(key) < 2 else int.from_bytes(key[:2], "big")
+
+
+def family_row(subtask: int, name: str, facts: sampling.ColumnFamilyFacts,
+               r: KeyGroupRange, counted_by: str) -> dict:
+    """One row of the ``families`` table: RocksDB's facts on one column family."""
+    first, last = _edge_key_group(facts.first_key), _edge_key_group(facts.last_key)
+    if facts.first_key is None:
+        ok = None  # no live entry: nothing to check
+    else:
+        ok = first is not None and last is not None and r.start <= first and last <= r.end
+    return {"subtask": subtask, "state": name,
+            "first_key": None if facts.first_key is None else facts.first_key[:64].hex(),
+            "last_key": None if facts.last_key is None else facts.last_key[:64].hex(),
+            "first_key_group": first, "last_key_group": last,
+            "range_start": r.start, "range_end": r.end, "edges_in_range": ok,
+            "sst_files": None if facts.files is None else len(facts.files),
+            "stored_entries": facts.entries, "counted_by": counted_by}
+
+
 def build_content(storage: Storage, meta: CheckpointMetadata, *,
                   frame_states: Collection[str] = (), work_dir: str | None = None,
-                  progress: ProgressSink = NO_PROGRESS) -> ContentTables:
+                  progress: ProgressSink = NO_PROGRESS, sample: int | None = None,
+                  seed: int | None = None) -> ContentTables:
     """Restore every subtask read-only (one at a time) and build the content tables;
-    ``progress`` counts the subtasks checked."""
+    ``progress`` counts the subtasks checked.
+
+    ``sample``: None checks every entry (the ``full`` level); a number runs the
+    per-entry checks on at most that many entries per column family and subtask, and
+    takes counts and key ranges from RocksDB (`statebackend.validation.sampling`);
+    ``seed`` seeds the sample's seek points."""
     descriptors = [StateDescriptor.from_json(s) for s in meta.states]
     clocks = {"event": meta.watermark, "processing": meta.processing_time}
     m = meta.max_parallelism
-    restore_rows, parts, count_rows = [], [], []
+    rng = random.Random(seed)
+    restore_rows, parts, count_rows, family_rows = [], [], [], []
     frames: dict[str, list[pd.DataFrame]] = {}
     all_facts: dict[str, FileFacts] = {}
     for handle in meta.subtasks:
         tmp = tempfile.mkdtemp(prefix=f"ckpt-validate-{handle.index}-", dir=work_dir)
         counted: dict[str, int] = {}
+        counted_by: dict[str, str] = {}
+        subtask_families: list[dict] = []
         error = None
         try:
             facts = download_checked(storage, handle.files, os.path.join(tmp, DB_DIR))
@@ -479,11 +537,36 @@ def build_content(storage: Storage, meta: CheckpointMetadata, *,
                     # the backend adds the internal families it holds (e.g. ``_ttl``) even
                     # when a record lists only the job's states
                     declared = list(backend.descriptors.values())
-                    findings = ttl_findings(backend, declared, clocks)
+                    r = backend.key_group_range
+                    sampled: dict[str, tuple[list[bytes], list[bytes]]] | None = None
+                    if sample is not None:
+                        sampled = {}
                     for desc in declared:
-                        columns, frame = state_rows(backend, desc, handle.index, m,
-                                                    desc.name in frame_states, findings)
-                        counted[desc.name] = len(columns["subtask"])
+                        cf = backend.column_family(desc.name)
+                        cf_facts = sampling.cf_facts(cf)
+                        where = backend.scan_where(desc.name)
+                        if sampled is None:
+                            counted_by[desc.name] = "scan"
+                        else:
+                            keys, values, whole = sampling.sample_entries(
+                                cf, where, sample, (r.start, r.end), rng, cf_facts.entries,
+                                backend.file_paths)
+                            sampled[desc.name] = (keys, values)
+                            exact = len(keys) if whole else sampling.exact_count(cf_facts)
+                            counted_by[desc.name] = "scan" if whole else "sst properties"
+                            if exact is None:
+                                exact = backend.count_keys(desc.name)
+                                counted_by[desc.name] = "scan"
+                            counted[desc.name] = exact
+                        subtask_families.append(family_row(handle.index, desc.name, cf_facts,
+                                                           r, counted_by[desc.name]))
+                    findings = ttl_findings(backend, declared, clocks, sampled)
+                    for desc in declared:
+                        columns, frame = state_rows(
+                            backend, desc, handle.index, m, desc.name in frame_states,
+                            findings, None if sampled is None else sampled[desc.name])
+                        if sampled is None:
+                            counted[desc.name] = len(columns["subtask"])
                         parts.append(columns)
                         if frame is not None:
                             frames.setdefault(desc.name, []).append(frame)
@@ -495,23 +578,28 @@ def build_content(storage: Storage, meta: CheckpointMetadata, *,
                              "restore_error": error or ""})
         progress.advance()
         if error is None:
+            family_rows += subtask_families
             for name in dict.fromkeys([d.name for d in descriptors] + list(counted)):
                 count_rows.append({
                     "subtask": handle.index, "state": name,
                     "recorded_rows": handle.row_counts.get(name),
-                    "counted_rows": counted.get(name, 0)})
+                    "counted_rows": counted.get(name, 0),
+                    "counted_by": counted_by.get(name, "scan")})
     for row in count_rows:
         # None (not recorded: a snapshot taken with count_rows=False) is skipped by GE
         rec = row["recorded_rows"]
         row["counts_ok"] = None if rec is None else rec == row["counted_rows"]
     state = _state_table(parts)
     counts = pd.DataFrame(count_rows, columns=["subtask", "state", "recorded_rows",
-                                               "counted_rows", "counts_ok"])
+                                               "counted_rows", "counted_by", "counts_ok"])
     counts["counts_ok"] = counts["counts_ok"].astype(object)
     counts["recorded_rows"] = counts["recorded_rows"].astype(object)
+    families = pd.DataFrame(family_rows, columns=FAMILY_COLUMNS)
+    families["edges_in_range"] = families["edges_in_range"].astype(object)
     return ContentTables(
         restore=pd.DataFrame(restore_rows, columns=["subtask", "restored", "restore_error"]),
         state=state,
         counts=counts,
+        families=families,
         frames={k: pd.concat(v, ignore_index=True) for k, v in frames.items()},
-        facts=all_facts, rows=len(state))
+        facts=all_facts, rows=int(counts["counted_rows"].sum()) if len(counts) else 0)

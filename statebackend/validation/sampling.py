@@ -1,0 +1,151 @@
+"""What RocksDB tells about a column family without reading its entries, and bounded samples.
+
+Deep validation at the ``deep`` level (`statebackend.validation.validate`) checks every
+entry only through facts RocksDB keeps itself, and runs the per-entry checks (key group
+== murmur3(key) mod M, values decode, TTL agreement, job checks) on a bounded sample:
+
+- `cf_facts`: per column family, from RocksDB properties (no entry read): the table
+  properties summed over its SST files (entries, deletions, merge operands, range
+  deletions), the entries still in memtables (a WAL replayed on open), each SST's
+  smallest and largest key (``rocksdb.sstables``), and the first and last live keys
+  (two seeks). Keys are sorted bytewise and start with the big-endian 2-byte key
+  group, so ``key_group(first) >= start`` and ``key_group(last) <= end`` put *every*
+  live key of the column family inside the subtask's range.
+- `exact_count`: the number of live entries from those facts, when provable: no
+  memtable entries, no deletions, merges or range deletions, and SST key ranges that
+  do not overlap, so each key is stored in one file; a file holds one version per key
+  because the backend takes no RocksDB snapshots (flush and compaction keep only the
+  newest version then, and SstFileWriter writes each key once). Otherwise None, and
+  the caller counts with a checked keys-only scan.
+- `sample_entries`: up to ``budget`` entries read in chunks of `CHUNK` from random seek
+  points (a random key group of the subtask's range, then random bytes): every
+  column family holding at most ``budget`` entries is read whole, so small states
+  are checked entry by entry exactly as at the ``full`` level. Reads are checked
+  (`checked_scan`): a damaged block met by the sample raises `CorruptStateError`.
+
+What the sample cannot see: an entry outside it whose value does not decode, whose
+stored key group differs from its hash (both still inside the subtask's range), or
+a damaged data block no sampled read touches when the file's recorded checksum was
+taken over the damaged bytes (damage before upload). The ``full`` level reads every
+entry and every block.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+from rocksdict import Rdict
+
+from statebackend.state.backend import checked_entries, checked_scan
+
+CHUNK = 32  # entries read per seek point
+DEFAULT_SAMPLE = 1024  # entries per column family per subtask at the ``deep`` level
+
+# one SST line of the ``rocksdb.sstables`` property: "  8:6500061[1 .. 249506]['0000..' seq:13,
+# type:1 .. '001F..' seq:249488, type:1](0)"
+_SST_LINE = re.compile(r"^\s*(\d+):(\d+)\[\d+ \.\. \d+\]\['([0-9A-F]*)' seq:\d+, type:\d+ \.\. "
+                       r"'([0-9A-F]*)' seq:\d+, type:\d+\]", re.MULTILINE)
+_ANY_SST_LINE = re.compile(r"^\s*\d+:\d+\[", re.MULTILINE)
+_PROPERTY = re.compile(r"# (entries|deletions|merge operands|range deletions)=(\d+)")
+
+
+@dataclass(frozen=True)
+class SstRange:
+    number: int
+    smallest: bytes
+    largest: bytes
+
+
+@dataclass(frozen=True)
+class ColumnFamilyFacts:
+    """RocksDB's own facts about one column family (module doc); None: not reported."""
+
+    entries: int | None
+    deletions: int | None
+    merge_operands: int | None
+    range_deletions: int | None
+    memtable_entries: int | None
+    files: tuple[SstRange, ...] | None  # None when the listing could not be read
+    first_key: bytes | None  # None: no live entry
+    last_key: bytes | None
+
+
+def _int_property(cf: Rdict, name: str) -> int | None:
+    value = cf.property_value(name)
+    return int(value) if value is not None and value.strip().isdigit() else None
+
+
+def _sst_ranges(listing: str | None) -> tuple[SstRange, ...] | None:
+    if listing is None:
+        return None
+    found = _SST_LINE.findall(listing)
+    if len(found) != len(_ANY_SST_LINE.findall(listing)):
+        return None  # a line in a format this parser does not know: claim nothing
+    return tuple(SstRange(int(n), bytes.fromhex(lo), bytes.fromhex(hi))
+                 for n, _, lo, hi in found)
+
+
+def _edge_key(cf: Rdict, last: bool) -> bytes | None:
+    it = cf.iter()
+    if last:
+        it.seek_to_last()
+    else:
+        it.seek_to_first()
+    if it.valid():
+        return it.key()
+    it.status()  # an error, not the end of the data: raise (the caller names the subtask)
+    return None
+
+
+def cf_facts(cf: Rdict) -> ColumnFamilyFacts:
+    """The facts of ``cf`` (module doc): properties, SST ranges and the edge keys."""
+    props = dict((k, int(v)) for k, v in _PROPERTY.findall(
+        cf.property_value("rocksdb.aggregated-table-properties") or ""))
+    active = _int_property(cf, "rocksdb.num-entries-active-mem-table")
+    immutable = _int_property(cf, "rocksdb.num-entries-imm-mem-tables")
+    return ColumnFamilyFacts(
+        entries=props.get("entries"), deletions=props.get("deletions"),
+        merge_operands=props.get("merge operands"),
+        range_deletions=props.get("range deletions"),
+        memtable_entries=None if active is None or immutable is None else active + immutable,
+        files=_sst_ranges(cf.property_value("rocksdb.sstables")),
+        first_key=_edge_key(cf, last=False), last_key=_edge_key(cf, last=True))
+
+
+def exact_count(facts: ColumnFamilyFacts) -> int | None:
+    """Live entries of the column family from its facts when provable, else None."""
+    if facts.files is None or facts.entries is None or facts.memtable_entries != 0 \
+            or facts.deletions != 0 or facts.merge_operands != 0 or facts.range_deletions != 0:
+        return None
+    ranges = sorted((f.smallest, f.largest) for f in facts.files)
+    for (_, hi), (lo, _) in zip(ranges, ranges[1:], strict=False):
+        if lo <= hi:
+            return None  # two files may hold versions of the same key
+    return facts.entries
+
+
+def sample_entries(cf: Rdict, where: str, budget: int, key_groups: tuple[int, int],
+                   rng: random.Random, stored_entries: int | None,
+                   file_paths: dict[str, str] | None = None
+                   ) -> tuple[list[bytes], list[bytes], bool]:
+    """(keys, values, whole): at most ``budget`` entries in key order, from random seek
+    points inside ``key_groups`` (start, end inclusive); ``whole`` when every entry was
+    read (``stored_entries``, RocksDB's count including old versions, is at most the
+    budget or unknown: then the column family is read whole)."""
+    if stored_entries is None or stored_entries <= budget:
+        keys, values = checked_entries(cf, where, file_paths=file_paths)
+        return keys, values, True
+    start, end = key_groups
+    found: dict[bytes, bytes] = {}
+    for _ in range(max(1, budget // CHUNK) * 2):  # seek points may land on read chunks
+        if len(found) >= budget:
+            break
+        lower = rng.randint(start, end).to_bytes(2, "big") + rng.randbytes(8)
+        for n, (k, v) in enumerate(checked_scan(cf, where, lower, file_paths=file_paths)):
+            if n == CHUNK:
+                break
+            found[k] = v
+    keys = sorted(found)[:budget]
+    return keys, [found[k] for k in keys], False
