@@ -477,6 +477,23 @@ def _bad_files(handle: SubtaskHandle, facts: dict[str, FileFacts]) -> list[str]:
     return bad
 
 
+def _with_due_entries(backend: KeyedStateBackend, declared: Sequence[StateDescriptor],
+                      clocks: dict[str, int | None], sample: tuple[list[bytes], list[bytes]]
+                      ) -> tuple[list[bytes], list[bytes]]:
+    """The ``_ttl`` sample plus every index entry due at the checkpoint's clocks."""
+    domains = {domain_byte(d.ttl.time): clocks[d.ttl.time] for d in declared
+               if d.ttl is not None and clocks.get(d.ttl.time) is not None}
+    if not domains:
+        return sample
+    r = backend.key_group_range
+    entries = dict(zip(*sample, strict=True))
+    entries.update(sampling.due_index_entries(
+        backend.column_family(TTL_INDEX), backend.scan_where(TTL_INDEX), (r.start, r.end),
+        domains, backend.file_paths))
+    keys = sorted(entries)
+    return keys, [entries[k] for k in keys]
+
+
 def _edge_key_group(key: bytes | None) -> int | None:
     return None if key is None or len(key) < 2 else int.from_bytes(key[:2], "big")
 
@@ -560,6 +577,9 @@ def build_content(storage: Storage, meta: CheckpointMetadata, *,
                             counted[desc.name] = exact
                         subtask_families.append(family_row(handle.index, desc.name, cf_facts,
                                                            r, counted_by[desc.name]))
+                    if sampled is not None and TTL_INDEX in sampled:
+                        sampled[TTL_INDEX] = _with_due_entries(backend, declared, clocks,
+                                                               sampled[TTL_INDEX])
                     findings = ttl_findings(backend, declared, clocks, sampled)
                     for desc in declared:
                         columns, frame = state_rows(

@@ -23,6 +23,12 @@ entry only through facts RocksDB keeps itself, and runs the per-entry checks (ke
   are checked entry by entry exactly as at the ``full`` level. Reads are checked
   (`checked_scan`): a damaged block met by the sample raises `CorruptStateError`.
 
+- `due_index_entries`: every entry of the ``_ttl`` index already due at the checkpoint's
+  clocks (one seek per key group and time domain, as `purge_expired` does: normally
+  none are left after a purge); the ``deep`` level adds them to the index's sample,
+  so an index entry that says "expired" while a read still returns the entry is
+  found wherever it is.
+
 What the sample cannot see: an entry outside it whose value does not decode, whose
 stored key group differs from its hash (both still inside the subtask's range), or
 a damaged data block no sampled read touches when the file's recorded checksum was
@@ -149,3 +155,20 @@ def sample_entries(cf: Rdict, where: str, budget: int, key_groups: tuple[int, in
             found[k] = v
     keys = sorted(found)[:budget]
     return keys, [found[k] for k in keys], False
+
+
+def due_index_entries(index_cf: Rdict, where: str, key_groups: tuple[int, int],
+                      clocks: dict[bytes, int], file_paths: dict[str, str] | None = None
+                      ) -> dict[bytes, bytes]:
+    """{index key: value} of the ``_ttl`` entries with expiry <= the clock of their
+    domain (``clocks``: domain byte -> time), every key group of ``key_groups``."""
+    from statebackend.state.codecs import time_upper_bound
+    from statebackend.state.keygroups import key_group_prefix
+
+    found: dict[bytes, bytes] = {}
+    for kg in range(key_groups[0], key_groups[1] + 1):
+        for domain, now in clocks.items():
+            lower = key_group_prefix(kg) + domain
+            found.update(checked_scan(index_cf, where, lower, lower + time_upper_bound(now),
+                                      file_paths=file_paths))
+    return found
