@@ -94,13 +94,14 @@ def cmd_validate(args: argparse.Namespace, store: CheckpointStore) -> int:
         emit_json(summary)
         return 0 if result.success else 1
     status = "PASSED" if result.success else "FAILED"
+    sampled = ""
     if level == "deep":
         f = summary["figures"]
-        level += (f": {f.get('entries_checked', 0):,} of {f.get('state_rows', 0):,} entries "
-                  f"checked one by one, seed {f.get('sample_seed')}")
+        sampled = (f"; {f.get('entries_checked', 0):,} of {f.get('state_rows', 0):,} entries "
+                   f"checked one by one, seed {f.get('sample_seed')}")
     print(f"checkpoint {result.checkpoint_id} of job {store.job}: {status} ({level} validation, "
           f"{sum(s['checks'] for s in summary['suites'])} checks in "
-          f"{len(summary['suites'])} suites, {summary['duration_seconds']} s)")
+          f"{len(summary['suites'])} suites, {summary['duration_seconds']} s{sampled})")
     for suite in summary["suites"]:
         mark = "ok  " if suite["success"] else "FAIL"
         print(f"  {mark} {suite['name']:28} {suite['rows']:>9} rows  "

@@ -18,9 +18,10 @@ entry only through facts RocksDB keeps itself, and runs the per-entry checks (ke
   newest version then, and SstFileWriter writes each key once). Otherwise None, and
   the caller counts with a checked keys-only scan.
 - `sample_entries`: up to ``budget`` entries read in chunks of `CHUNK` from random seek
-  points (a random key group of the subtask's range, then random bytes): every
-  column family holding at most ``budget`` entries is read whole, so small states
-  are checked entry by entry exactly as at the ``full`` level. Reads are checked
+  points (a random key group of the subtask's range, then a random key between the
+  group's first and last keys): every column family holding at most
+  ``max(budget, WHOLE_UP_TO)`` entries is read whole, so small states are checked
+  entry by entry exactly as at the ``full`` level. Reads are checked
   (`checked_scan`): a damaged block met by the sample raises `CorruptStateError`.
 
 - `due_index_entries`: every entry of the ``_ttl`` index already due at the checkpoint's
@@ -48,6 +49,9 @@ from statebackend.state.backend import checked_entries, checked_scan
 
 CHUNK = 32  # entries read per seek point
 DEFAULT_SAMPLE = 1024  # entries per column family per subtask at the ``deep`` level
+# A column family of at most this many entries is read whole at the ``deep`` level: a
+# few milliseconds, and every entry and block of a small state is then checked.
+WHOLE_UP_TO = 4096
 
 # one SST line of the ``rocksdb.sstables`` property: "  8:6500061[1 .. 249506]['0000..' seq:13,
 # type:1 .. '001F..' seq:249488, type:1](0)"
@@ -132,15 +136,40 @@ def exact_count(facts: ColumnFamilyFacts) -> int | None:
     return facts.entries
 
 
+def _seek_target(cf: Rdict, key_group: int, rng: random.Random) -> bytes | None:
+    """A random key between the first and the last key of ``key_group`` (as numbers of
+    equal width), so seeks spread over the group's keys however their bytes are
+    distributed; None when the group holds no key."""
+    prefix = key_group.to_bytes(2, "big")
+    it = cf.iter()
+    it.seek(prefix)
+    if not it.valid():
+        it.status()  # an invalid iterator is the end of the data or damage: raise on damage
+        return None
+    if it.key()[:2] != prefix:
+        return None
+    lo = it.key()
+    it.seek_for_prev(prefix + b"\xff" * 16)
+    while it.valid() and it.key()[:2] != prefix:
+        it.prev()  # a key of the group that sorts after 16 0xff bytes: rare
+    if not it.valid():
+        it.status()
+    hi = it.key() if it.valid() else lo
+    width = max(len(lo), len(hi))
+    a = int.from_bytes(lo.ljust(width, b"\x00"), "big")
+    b = int.from_bytes(hi.ljust(width, b"\x00"), "big")
+    return rng.randint(min(a, b), max(a, b)).to_bytes(width, "big")
+
+
 def sample_entries(cf: Rdict, where: str, budget: int, key_groups: tuple[int, int],
                    rng: random.Random, stored_entries: int | None,
                    file_paths: dict[str, str] | None = None
                    ) -> tuple[list[bytes], list[bytes], bool]:
     """(keys, values, whole): at most ``budget`` entries in key order, from random seek
     points inside ``key_groups`` (start, end inclusive); ``whole`` when every entry was
-    read (``stored_entries``, RocksDB's count including old versions, is at most the
-    budget or unknown: then the column family is read whole)."""
-    if stored_entries is None or stored_entries <= budget:
+    read: ``stored_entries`` (RocksDB's count, old versions included) is at most
+    ``max(budget, WHOLE_UP_TO)`` or unknown."""
+    if stored_entries is None or stored_entries <= max(budget, WHOLE_UP_TO):
         keys, values = checked_entries(cf, where, file_paths=file_paths)
         return keys, values, True
     start, end = key_groups
@@ -148,7 +177,9 @@ def sample_entries(cf: Rdict, where: str, budget: int, key_groups: tuple[int, in
     for _ in range(max(1, budget // CHUNK) * 2):  # seek points may land on read chunks
         if len(found) >= budget:
             break
-        lower = rng.randint(start, end).to_bytes(2, "big") + rng.randbytes(8)
+        lower = _seek_target(cf, rng.randint(start, end), rng)
+        if lower is None:
+            continue
         for n, (k, v) in enumerate(checked_scan(cf, where, lower, file_paths=file_paths)):
             if n == CHUNK:
                 break
