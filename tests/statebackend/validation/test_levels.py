@@ -23,6 +23,7 @@ from statebackend.state.keygroups import KeyGroupRange, key_group_for_bytes
 from statebackend.state.kinds import StateDescriptor
 from statebackend.state.ttl import TTL_INDEX, StateTtl, index_key, purge_expired, state_tag
 from statebackend.storage import open_storage
+from statebackend.validation import sampling
 from statebackend.validation.content import build_content
 from statebackend.validation.validate import validate_checkpoint
 from tests.statebackend.validation.test_validate import (
@@ -39,6 +40,12 @@ from tests.statebackend.validation.test_validate_support import (
 )
 
 N_KEYS = 3000  # every state of every subtask holds more entries than the samples below
+
+
+@pytest.fixture(autouse=True)
+def sample_small_states(monkeypatch):
+    """States this small are read whole at ``deep`` (sampling.WHOLE_UP_TO): sample them."""
+    monkeypatch.setattr(sampling, "WHOLE_UP_TO", 0)
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +87,14 @@ def test_deep_samples_rows_of_the_full_table_and_counts_every_entry(lineage):
     assert set(full.counts["counted_by"]) == {"scan"}
 
 
-def test_a_state_within_the_sample_is_checked_whole(lineage):
+def test_a_state_within_the_sample_is_checked_whole(lineage, monkeypatch):
     store, meta = lineage
     full = build_content(store.storage, meta)
     whole = build_content(store.storage, meta, sample=N_KEYS)
     pd.testing.assert_frame_equal(whole.state, full.state)
+    monkeypatch.setattr(sampling, "WHOLE_UP_TO", N_KEYS)
+    small = build_content(store.storage, meta, sample=8)
+    pd.testing.assert_frame_equal(small.state, full.state)
 
 
 def test_row_counts_from_sst_properties_are_exact_and_checked(lineage, tmp_path):
