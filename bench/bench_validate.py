@@ -25,7 +25,7 @@ Python process each: without GE (``ckpt validate --report none``) and with GE
 (``--report now``), wall time including imports, and their ratio (issue 14).
 Goal: deep validation <= 2x restore (issue 14). Usage::
 
-    python bench/bench_validate.py [--keys N] [--quick] [--s3] [--json]
+    python bench/bench_validate.py [--keys N] [--quick] [--s3] [--incremental 0.01] [--json]
 """
 
 from __future__ import annotations
@@ -61,8 +61,10 @@ TOTALS = StateDescriptor("totals", "value", RecordCodec(
     (("count", "int64"), ("sum", "float64"), ("min_ts", "int64"), ("max_ts", "int64"))))
 
 
-def build(base: str, n_keys: int, url: str | None = None, options: dict | None = None
-          ) -> tuple[CheckpointStore, object, float]:
+def build(base: str, n_keys: int, url: str | None = None, options: dict | None = None,
+          updated: float = 0.0) -> tuple[CheckpointStore, object, float]:
+    """The checkpoint to validate; with ``updated`` (a fraction), an incremental one on
+    top that rewrites that fraction of the keys (a new SST overlapping the first)."""
     import mmh3
 
     store = CheckpointStore(open_storage(url or f"file://{base}/store", **(options or {})),
@@ -82,6 +84,14 @@ def build(base: str, n_keys: int, url: str | None = None, options: dict | None =
                 "max_ts": 2_000 + part})
         backends.append(b)
     meta = checkpoint_backends(store, backends, parent=None)
+    if updated:
+        step = max(1, round(1 / updated))
+        for i, b in enumerate(backends):
+            part = np.nonzero(owner == i)[0][::step]
+            b.value_state("totals").put_columns([keys[j] for j in part], {
+                "count": 2 + part % 7, "sum": part * 0.5, "min_ts": 1_000 + part,
+                "max_ts": 3_000 + part})
+        meta = checkpoint_backends(store, backends, parent=meta.checkpoint_id)
     for b in backends:
         b.close()
     return store, meta, time.perf_counter() - started
@@ -106,6 +116,9 @@ def main() -> int:
     parser.add_argument("--keys", type=int, default=1_000_000)
     parser.add_argument("--quick", action="store_true", help="100,000 keys")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--incremental", type=float, default=0.0, metavar="FRACTION",
+                        help="validate an incremental checkpoint rewriting this fraction of "
+                             "the keys (e.g. 0.01): overlapping SSTs, so deep counts by scan")
     parser.add_argument("--repeat", type=int, default=3,
                         help="interleaved repetitions (best kept; full: at most 2)")
     parser.add_argument("--s3", action="store_true",
@@ -128,7 +141,7 @@ def run(args, n_keys: int, base: str, s3: MotoS3 | None) -> int:
         load_great_expectations()
         ge_import = time.perf_counter() - t0
         store, meta, build_s = build(base, n_keys, "s3://bench-validate/run" if s3 else None,
-                                     s3.options if s3 else {})
+                                     s3.options if s3 else {}, args.incremental)
         mib = meta.bytes_referenced / 2**20
         times: dict[str, list[float]] = {"restore": [], "scan": [], "manifest": [],
                                          "deep": [], "full": []}
