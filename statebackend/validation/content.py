@@ -1,4 +1,9 @@
-"""Content-level (``--deep``) tables: restore each subtask read-only and read it all.
+"""Content-level tables (``--deep``, ``--full``): restore each subtask read-only and read it.
+
+``build_content(..., sample=None)`` (the ``full`` level) reads every entry;
+``sample=N`` (the ``deep`` level) reads N entries per column family and subtask
+(`statebackend.validation.sampling`) and takes the row counts and the key range of
+every entry from RocksDB's own facts (the ``families`` table).
 
 Each subtask's files are downloaded into a temp folder (removed after) with the
 size and CRC32 of the bytes received, so the manifest's checksum column comes
@@ -15,7 +20,11 @@ Tables (pandas):
   stored 2-byte prefix), computed_key_group (murmur3 of the key bytes mod M),
   range_start/range_end (the subtask's), prefix_ok, in_range, decodes, decode_error;
   ttl_ok (states with a TTL and the ``_ttl`` index, else None);
-- ``counts``: one row per (subtask, state): recorded_rows (metadata) vs counted_rows;
+- ``families``: one row per (subtask, column family): first and last live key and
+  their key groups against the subtask's range (``edges_in_range``), SST files,
+  RocksDB's entry count (old versions included) and how the rows were counted;
+- ``counts``: one row per (subtask, state): recorded_rows (metadata) vs counted_rows,
+  counted_by ("scan", or "sst properties" when RocksDB's count is exact);
 - ``frames``: per state with job checks, the decoded entries (record fields as
   columns, else a ``value`` column) for the job's own expectations.
 
