@@ -209,3 +209,37 @@ def test_bad_level_or_sample_is_a_usage_error(lineage):
         validate_checkpoint(store, 1, deep=True, level="manifest")
     with pytest.raises(UsageError, match="sample 0 is invalid"):
         validate_checkpoint(store, 1, deep=True, sample=0)
+
+
+def test_rocksdb_counts_are_used_only_when_exact(tmp_path):
+    """One SST per state: RocksDB's count is the live count. Range tombstones (a clip)
+    or a second, overlapping SST (updates): not provable, so the deep level scans."""
+    from statebackend.checkpoint.dump import descriptors_of
+    from statebackend.checkpoint.restore import restored_readonly
+    from tests.statebackend.helpers import DESCRIPTORS, close_all, fill, keys, open_backends
+
+    store = CheckpointStore(open_storage(f"file://{tmp_path}/store"), "j")
+    (be,) = backends = open_backends(str(tmp_path / "w"), 1, M, DESCRIPTORS)
+
+    def facts_and_counts(parent):
+        meta = checkpoint_backends(store, backends, parent=parent)
+        with restored_readonly(store.storage, meta.subtasks[0], descriptors_of(meta), M) as b:
+            out = {name: (sampling.exact_count(sampling.cf_facts(b.column_family(name))),
+                          b.count_keys(name)) for name in b.column_families}
+        return meta, out
+
+    try:
+        fill(backends, keys(800))
+        meta, first = facts_and_counts(None)
+        assert all(exact == live > 0 for exact, live in first.values()), first
+        fill(backends, keys(200), version=1)  # updates: a new SST over the same keys
+        meta, second = facts_and_counts(meta.checkpoint_id)
+        assert second["totals"][0] is None and second["totals"][1] == first["totals"][1]
+        be.delete_key_groups_outside(KeyGroupRange(0, M // 2 - 1))  # range tombstones
+        meta, third = facts_and_counts(meta.checkpoint_id)
+        assert third["totals"][0] is None and 0 < third["totals"][1] < first["totals"][1]
+        be.compact()  # one SST per state again, tombstones and hidden keys dropped
+        meta, fourth = facts_and_counts(meta.checkpoint_id)
+        assert fourth["totals"] == (third["totals"][1], third["totals"][1])
+    finally:
+        close_all(backends)
