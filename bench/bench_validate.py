@@ -10,17 +10,22 @@ so the job's own checks run too), then times:
   check: listing 1M entries from RocksDB into Python already costs more than the
   download on a local disk);
 - manifest validation (existence, sizes, streamed CRC32 of every file, ranges ...);
-- deep validation (downloads with CRC32, read-only open, every entry's key group
-  recomputed and value decoded, row counts, job checks, GE runs, Data Docs).
+- deep validation, level ``deep`` (downloads with CRC32, read-only open, RocksDB's
+  facts for every entry: key range by first/last key, counts from SST properties;
+  per-entry checks on a sample of 1024 entries per column family and subtask);
+- deep validation, level ``full`` (every entry's key group recomputed and value
+  decoded, row counts by scan, job checks).
 
-Validations are timed with ``report="none"`` (the verdict, computed without
-Great Expectations) and ``report="now"`` (verdict, then GE Data Docs). Then, as
+Each measurement is repeated, interleaved (restore, scan, manifest, deep, full, then
+again), and the best is kept: the machine is shared. Validations are timed with
+``report="none"`` (the verdict, computed without Great Expectations) and
+``report="now"`` (verdict, then GE Data Docs; once each). Then, as
 the scheduled pipeline's validate task runs it, a manifest validation in a new
 Python process each: without GE (``ckpt validate --report none``) and with GE
 (``--report now``), wall time including imports, and their ratio (issue 14).
-Goal: deep validation <= 2x restore. Usage::
+Goal: deep validation <= 2x restore (issue 14). Usage::
 
-    python bench/bench_validate.py [--keys N] [--quick] [--s3] [--json]
+    python bench/bench_validate.py [--keys N] [--quick] [--s3] [--incremental 0.01] [--json]
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,8 +61,10 @@ TOTALS = StateDescriptor("totals", "value", RecordCodec(
     (("count", "int64"), ("sum", "float64"), ("min_ts", "int64"), ("max_ts", "int64"))))
 
 
-def build(base: str, n_keys: int, url: str | None = None, options: dict | None = None
-          ) -> tuple[CheckpointStore, object, float]:
+def build(base: str, n_keys: int, url: str | None = None, options: dict | None = None,
+          updated: float = 0.0) -> tuple[CheckpointStore, object, float]:
+    """The checkpoint to validate; with ``updated`` (a fraction), an incremental one on
+    top that rewrites that fraction of the keys (a new SST overlapping the first)."""
     import mmh3
 
     store = CheckpointStore(open_storage(url or f"file://{base}/store", **(options or {})),
@@ -76,6 +84,14 @@ def build(base: str, n_keys: int, url: str | None = None, options: dict | None =
                 "max_ts": 2_000 + part})
         backends.append(b)
     meta = checkpoint_backends(store, backends, parent=None)
+    if updated:
+        step = max(1, round(1 / updated))
+        for i, b in enumerate(backends):
+            part = np.nonzero(owner == i)[0][::step]
+            b.value_state("totals").put_columns([keys[j] for j in part], {
+                "count": 2 + part % 7, "sum": part * 0.5, "min_ts": 1_000 + part,
+                "max_ts": 3_000 + part})
+        meta = checkpoint_backends(store, backends, parent=meta.checkpoint_id)
     for b in backends:
         b.close()
     return store, meta, time.perf_counter() - started
@@ -100,6 +116,11 @@ def main() -> int:
     parser.add_argument("--keys", type=int, default=1_000_000)
     parser.add_argument("--quick", action="store_true", help="100,000 keys")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--incremental", type=float, default=0.0, metavar="FRACTION",
+                        help="validate an incremental checkpoint rewriting this fraction of "
+                             "the keys (e.g. 0.01): overlapping SSTs, so deep counts by scan")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="interleaved repetitions (best kept; full: at most 2)")
     parser.add_argument("--s3", action="store_true",
                         help="store the checkpoint on a local S3 API server (moto on 127.0.0.1)")
     args = parser.parse_args()
@@ -120,24 +141,36 @@ def run(args, n_keys: int, base: str, s3: MotoS3 | None) -> int:
         load_great_expectations()
         ge_import = time.perf_counter() - t0
         store, meta, build_s = build(base, n_keys, "s3://bench-validate/run" if s3 else None,
-                                     s3.options if s3 else {})
+                                     s3.options if s3 else {}, args.incremental)
         mib = meta.bytes_referenced / 2**20
-        restore_runs = [time_restore(store, meta) for _ in range(3)]
-        restore_s = min(restore_runs)
-        scan_s = min(time_restore(store, meta, scan=True) for _ in range(3))
-        runs = {}
-        for deep, report in ((False, "none"), (True, "none"), (False, "now"), (True, "now")):
-            best = None
-            for _ in range(2 if report == "none" else 1):
-                t0 = time.perf_counter()
-                result = validate_checkpoint(store, meta.checkpoint_id, deep=deep,
-                                             report_dir=f"{base}/reports", report=report)
-                wall = time.perf_counter() - t0
-                assert result.success, result.summary["failed_checks"]
-                if best is None or wall < best[0]:
-                    best = (wall, result.summary["timings"])
-            name = "deep" if deep else "manifest"
-            runs[name if report == "none" else f"{name}+docs"] = best
+        times: dict[str, list[float]] = {"restore": [], "scan": [], "manifest": [],
+                                         "deep": [], "full": []}
+        summaries: dict[str, dict] = {}
+
+        def validate(level: str, report: str) -> float:
+            t0 = time.perf_counter()
+            result = validate_checkpoint(store, meta.checkpoint_id, level=level,
+                                         report_dir=f"{base}/reports", report=report)
+            wall = time.perf_counter() - t0
+            assert result.success, result.summary["failed_checks"]
+            name = level if report == "none" else f"{level}+docs"
+            if report == "now" or not times[level] or wall < min(times[level]):
+                summaries[name] = result.summary  # the best run's timings are printed
+            return wall
+
+        for rep in range(args.repeat):
+            times["restore"].append(time_restore(store, meta))
+            times["scan"].append(time_restore(store, meta, scan=True))
+            for level in ("manifest", "deep", "full"):
+                if level != "full" or rep < 2:
+                    times[level].append(validate(level, "none"))
+        best = {k: min(v) for k, v in times.items()}
+        median = {k: statistics.median(v) for k, v in times.items()}
+        restore_s, scan_s = best["restore"], best["scan"]
+        runs = {level: (best[level], summaries[level]["timings"])
+                for level in ("manifest", "deep", "full")}
+        for level in ("manifest", "deep"):
+            runs[f"{level}+docs"] = (validate(level, "now"), None)
         child_env = s3.child_env() if s3 else {}
         process = {mode: validate_in_new_process(store, mode, child_env)
                    for mode in ("none", "now")}
@@ -149,10 +182,18 @@ def run(args, n_keys: int, base: str, s3: MotoS3 | None) -> int:
             "restore_and_scan_seconds": round(scan_s, 3),
             "manifest_seconds": round(runs["manifest"][0], 3),
             "deep_seconds": round(runs["deep"][0], 3),
+            "full_seconds": round(runs["full"][0], 3),
+            "deep_entries_checked": summaries["deep"]["figures"]["entries_checked"],
+            "deep_counted_by": summaries["deep"]["figures"]["counted_by"],
             "manifest_timings": runs["manifest"][1], "deep_timings": runs["deep"][1],
+            "full_timings": runs["full"][1],
             "manifest_over_restore": round(runs["manifest"][0] / restore_s, 2),
             "deep_over_restore": round(runs["deep"][0] / restore_s, 2),
-            "deep_over_restore_and_scan": round(runs["deep"][0] / scan_s, 2),
+            "full_over_restore": round(runs["full"][0] / restore_s, 2),
+            "deep_over_restore_medians": round(median["deep"] / median["restore"], 2),
+            "full_over_restore_medians": round(median["full"] / median["restore"], 2),
+            "full_over_restore_and_scan": round(runs["full"][0] / scan_s, 2),
+            "all_times": {k: [round(x, 3) for x in v] for k, v in times.items()},
             "goal_deep_over_restore": 2.0,
             "manifest_with_docs_seconds": round(runs["manifest+docs"][0], 3),
             "deep_with_docs_seconds": round(runs["deep+docs"][0], 3),
@@ -171,10 +212,17 @@ def run(args, n_keys: int, base: str, s3: MotoS3 | None) -> int:
                   f"{scan_s:.3f} s")
             print(f"manifest validation: {runs['manifest'][0]:.3f} s  "
                   f"({figures['manifest_over_restore']}x restore)  {runs['manifest'][1]}")
-            print(f"deep validation:     {runs['deep'][0]:.3f} s  "
+            print(f"deep validation (level deep, {figures['deep_entries_checked']:,} entries "
+                  f"checked one by one, counts by {figures['deep_counted_by']}): "
+                  f"{runs['deep'][0]:.3f} s  "
                   f"({figures['deep_over_restore']}x restore; goal <= 2x)  {runs['deep'][1]}")
-            print(f"ratio deep/restore: {figures['deep_over_restore']}; "
-                  f"deep/(restore + scan): {figures['deep_over_restore_and_scan']}")
+            print(f"deep validation (level full, every entry): {runs['full'][0]:.3f} s  "
+                  f"({figures['full_over_restore']}x restore, "
+                  f"{figures['full_over_restore_and_scan']}x restore + scan)  {runs['full'][1]}")
+            print(f"ratio deep/restore: {figures['deep_over_restore']} (best of each), "
+                  f"{figures['deep_over_restore_medians']} (medians); full/restore: "
+                  f"{figures['full_over_restore']} (best), {figures['full_over_restore_medians']}"
+                  f" (medians); every run (s): {figures['all_times']}")
             print(f"with GE Data Docs rendered after the verdict (report now): manifest "
                   f"{figures['manifest_with_docs_seconds']} s, deep "
                   f"{figures['deep_with_docs_seconds']} s")

@@ -1,4 +1,9 @@
-"""``ckpt validate [ID|latest] [--deep] [--report now|none] [--report-dir DIR] [--json]``.
+"""``ckpt validate [ID|latest] [--deep | --full] [--sample N] [--seed S] [--report now|none]
+[--report-dir DIR] [--json]``.
+
+Levels (`statebackend.validation.validate`): manifest (default), ``--deep`` (content:
+RocksDB's own facts for every entry, per-entry checks on a sample) and ``--full``
+(every entry through every check). The output names the level that ran.
 
 Exit codes (the CLI's one table, see cli.py): 0 when every critical
 expectation passes, 1 when any fails, 2 for usage or access errors (bad storage
@@ -15,6 +20,7 @@ import argparse
 
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.cli.app import emit_json, json_flag
+from statebackend.errors import UsageError
 from statebackend.progress import Progress
 
 MAX_ROWS_PRINTED = 5
@@ -26,14 +32,31 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Check a checkpoint with Great Expectations suites: the manifest (files "
                     "exist, sizes and checksums match, key-group ranges tile [0, M), P and M "
                     "consistent, parent present, paths inside the job root) and with --deep "
-                    "its content (keys in the right key group, values decode, row counts, "
-                    "job checks). Writes Data Docs and summary.json under "
+                    "or --full its content (keys in the right key group, values decode, row "
+                    "counts, job checks). Levels: manifest (default); --deep: every subtask "
+                    "downloaded with CRC32 and opened read-only, for every entry what "
+                    "RocksDB knows without reading it (first/last key of each state inside "
+                    "the subtask's range, row counts from SST properties when exact, else a "
+                    "keys-only scan), and the per-entry checks on a sample (--sample N "
+                    "entries per state and subtask; a state of at most max(N, 4096) entries is "
+                    "checked whole): about the cost of a restore; --full: every entry "
+                    "through every check and every block read (about a full scan of the "
+                    "state). Writes Data Docs and summary.json under "
                     "<job>/reports/chk-<id>/ (or --report-dir). Exit 0 when every critical "
                     "check passes, 1 when one fails, 2 on usage or access errors. Never "
                     "modifies the checkpoint.")
     p.add_argument("checkpoint", nargs="?", default="latest", help="ID, chk-ID or latest")
-    p.add_argument("--deep", action="store_true",
-                   help="also restore every subtask read-only and check the state content")
+    level = p.add_mutually_exclusive_group()
+    level.add_argument("--deep", action="store_true",
+                       help="also restore every subtask read-only and check the state "
+                            "content; per-entry checks on a sample (see above)")
+    level.add_argument("--full", action="store_true",
+                       help="like --deep, with every entry through every per-entry check")
+    p.add_argument("--sample", type=int, default=None, metavar="N",
+                   help="with --deep: entries checked one by one per state and subtask "
+                        "(default 1024)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="with --deep: seed of the sample (the report records the one used)")
     p.add_argument("--report-dir", default=None,
                    help="write the report to DIR/chk-<id>/ instead of the checkpoint storage")
     p.add_argument("--report", default="now", choices=("now", "none"),
@@ -41,7 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "none: store only the verdict (summary.json, overview page), without "
                         "importing Great Expectations")
     p.add_argument("--job-def", default=None, metavar="MODULE:ATTR",
-                   help="with --deep, also run the expectations the job declares on its states "
+                   help="with --deep or --full, also run the expectations the job declares on its "
+                        "states (at --deep on the sampled entries) "
                         "(e.g. jobs.keyed_aggregation:JOB)")
     p.set_defaults(handler=cmd_validate)
 
@@ -49,6 +73,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_validate(args: argparse.Namespace, store: CheckpointStore) -> int:
     from statebackend.validation.validate import resolve_checkpoint_id, validate_checkpoint
 
+    if (args.sample is not None or args.seed is not None) and not args.deep:
+        raise UsageError("--sample and --seed apply to --deep only (--full checks every "
+                         "entry)")
+    level = "full" if args.full else "deep" if args.deep else "manifest"
     # refuse an unknown job or checkpoint before paying for the Great Expectations import
     cid = resolve_checkpoint_id(store, args.checkpoint)
     state_checks = None
@@ -58,18 +86,22 @@ def cmd_validate(args: argparse.Namespace, store: CheckpointStore) -> int:
         # The job comes from the caller's argument, never from the checkpoint's metadata.
         state_checks = load_job(args.job_def).expectations
     with Progress("validate") as progress:
-        result = validate_checkpoint(store, cid, deep=args.deep, report_dir=args.report_dir,
+        result = validate_checkpoint(store, cid, level=level, report_dir=args.report_dir,
                                      state_checks=state_checks, report=args.report,
-                                     progress=progress)
+                                     progress=progress, sample=args.sample, seed=args.seed)
     summary = result.summary
     if args.json:
         emit_json(summary)
         return 0 if result.success else 1
-    level = "deep" if args.deep else "manifest"
     status = "PASSED" if result.success else "FAILED"
+    sampled = ""
+    if level == "deep":
+        f = summary["figures"]
+        sampled = (f"; {f.get('entries_checked', 0):,} of {f.get('state_rows', 0):,} entries "
+                   f"checked one by one, seed {f.get('sample_seed')}")
     print(f"checkpoint {result.checkpoint_id} of job {store.job}: {status} ({level} validation, "
           f"{sum(s['checks'] for s in summary['suites'])} checks in "
-          f"{len(summary['suites'])} suites, {summary['duration_seconds']} s)")
+          f"{len(summary['suites'])} suites, {summary['duration_seconds']} s{sampled})")
     for suite in summary["suites"]:
         mark = "ok  " if suite["success"] else "FAIL"
         print(f"  {mark} {suite['name']:28} {suite['rows']:>9} rows  "

@@ -24,7 +24,9 @@ failed publication removes what it wrote (see `finish_report`).
 Summary (``SUMMARY_VERSION`` 1; changes must stay backward-compatible)::
 
     {"summary_version": 1, "job", "checkpoint_id", "validated_at", "deep",
-     "success", "critical_failures", "failed_checks": [names],
+     "level" ("manifest", "deep": per-entry checks on a sample, "full": every entry;
+     absent in summaries written before levels: then "deep" or "manifest"), "success",
+     "critical_failures", "failed_checks": [names],
      "suites": [{"name", "table", "success", "rows", "checks", "failed"}],
      "checks": [{"name", "suite", "table", "critical", "success", "description",
                  "element_count", "unexpected_count", "offending_rows": [<= 20 rows],
@@ -238,6 +240,11 @@ code,pre{font-size:.85em} pre{white-space:pre-wrap;margin:0}
 """
 
 
+LEVEL_TEXT = {"manifest": "manifest",
+              "deep": "deep (manifest + content; per-entry checks on a sample)",
+              "full": "full (manifest + content; every entry checked)"}
+
+
 def overview_html(summary: dict, suite_pages: dict[str, str]) -> str:
     """A self-contained page (no scripts, no external assets): status, suites, failures."""
     from html import escape
@@ -250,7 +257,12 @@ def overview_html(summary: dict, suite_pages: dict[str, str]) -> str:
         return '<span class="warn">WARNING</span>'
 
     title = f"Checkpoint {summary['checkpoint_id']} of job {summary['job']}"
-    level = "deep (manifest + content)" if summary["deep"] else "manifest"
+    level = LEVEL_TEXT.get(summary.get("level") or ("deep" if summary["deep"] else "manifest"),
+                           "unknown")
+    if summary.get("level") == "deep" and "entries_checked" in summary.get("figures", {}):
+        f = summary["figures"]
+        level += (f" ({f['entries_checked']:,} of {f['state_rows']:,} entries checked one by "
+                  f"one; sample seed {f.get('sample_seed')})")
     out = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{escape(title)} - "
            f"validation</title><style>{_STYLE}</style></head><body>",
            f"<h1>{escape(title)}: <span id='status'>{status(summary['success'])}</span></h1>",

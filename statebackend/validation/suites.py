@@ -18,7 +18,9 @@ subtasks    ckpt.manifest.subtasks     key_group_ranges_match_formula,
                                        key_group_ranges_no_gap, key_group_ranges_no_overlap
 restore     ckpt.content.restore       subtasks_restore (deep)
 state       ckpt.content.state         key_group_prefix_matches_hash,
-                                       keys_in_subtask_range, values_decode (deep)
+                                       keys_in_subtask_range, values_decode (deep; at
+                                       the ``deep`` level on a sample of the entries)
+families    ckpt.content.families      keys_in_subtask_range_by_rocksdb (deep)
 counts      ckpt.content.counts        row_counts_match (deep)
 job:<state> ckpt.job.<state>           the job's registered checks (deep)
 ==========  =========================  ==========================================
@@ -88,6 +90,11 @@ _BUILTIN: dict[str, list[tuple[str, str, str, str, tuple]]] = {
         ("values_decode", "every stored key and value decodes with the state's codec",
          "decodes", "true", ()),
     ],
+    "families": [
+        ("keys_in_subtask_range_by_rocksdb", "each column family's first and last live key "
+         "(RocksDB keeps keys sorted, key group first) lie in its subtask's key-group range, so "
+         "every key does", "edges_in_range", "true", ()),
+    ],
     "counts": [
         ("row_counts_match", "per subtask and state, the entries read equal the metadata's "
          "row_counts", "counts_ok", "true", ()),
@@ -104,7 +111,9 @@ INDEX_COLUMNS = {
     "restore": ["subtask", "restore_error"],
     "state": ["subtask", "state", "key", "user_key", "key_group", "computed_key_group",
               "range_start", "range_end", "decode_error"],
-    "counts": ["subtask", "state", "recorded_rows", "counted_rows"],
+    "families": ["subtask", "state", "first_key", "last_key", "first_key_group",
+                 "last_key_group", "range_start", "range_end"],
+    "counts": ["subtask", "state", "recorded_rows", "counted_rows", "counted_by"],
 }
 
 SUITE_NAMES = {
@@ -113,6 +122,7 @@ SUITE_NAMES = {
     "subtasks": "ckpt.manifest.subtasks",
     "restore": "ckpt.content.restore",
     "state": "ckpt.content.state",
+    "families": "ckpt.content.families",
     "counts": "ckpt.content.counts",
 }
 

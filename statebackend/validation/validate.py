@@ -1,9 +1,27 @@
-"""Validate a checkpoint: manifest checks always, content checks with ``deep``.
+"""Validate a checkpoint: manifest checks always, content checks at the deep levels.
+
+Levels (``level``; ``deep=True`` alone means "deep"):
+
+- ``manifest``: the `_metadata` record and the stored files (exist, sizes, CRC32
+  streamed from storage, key-group ranges, parent chain). No state is opened.
+- ``deep``: the manifest, plus every subtask downloaded (CRC32 of every byte
+  received) and opened read-only by RocksDB; from RocksDB's own facts, for *every*
+  entry: first and last live key of each column family inside the subtask's range
+  (so every key), row counts from the SST table properties when exact, else counted
+  by a checked keys-only scan; then the per-entry checks (key group ==
+  murmur3(key) mod M, values decode, TTL agreement, the job's checks) on a bounded
+  sample: ``sample`` entries per column family and subtask (`sampling.DEFAULT_SAMPLE`),
+  a column family that small is checked whole. Cost: about a restore, not a scan.
+- ``full``: every entry through every per-entry check (and every RocksDB block read
+  and verified): about a full scan of the state in Python (bench/bench_validate.py).
+
+The summary says which level ran (``level``), and at ``deep`` how many entries were
+checked one by one (``figures.entries_checked``) and the sample's seed.
 
 Public entry points (other parts code against these names):
 
-- `validate_checkpoint(store, ref="latest", *, deep=False, report_dir=None,
-  state_checks=None) -> ValidationResult`
+- `validate_checkpoint(store, ref="latest", *, deep=False, level=None, sample=None,
+  report_dir=None, state_checks=None) -> ValidationResult`
 - `read_report_summary(store, checkpoint_id) -> dict | None`
 - `register_state_checks(state_name, fn)`: expectations on a state for every
   validation in this process (see `statebackend.validation.checks`); a job's own
@@ -28,6 +46,7 @@ the maintenance DAG's deep validation renders the Data Docs.
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -46,9 +65,12 @@ from statebackend.validation.checks import (
 REPORT_NOW = "now"    # verdict, then Data Docs rendered by GE in the same call
 REPORT_NONE = "none"  # verdict only (summary.json + overview page): GE is not imported
 REPORT_MODES = (REPORT_NOW, REPORT_NONE)
+LEVEL_MANIFEST, LEVEL_DEEP, LEVEL_FULL = "manifest", "deep", "full"
+LEVELS = (LEVEL_MANIFEST, LEVEL_DEEP, LEVEL_FULL)
 
-__all__ = ["REPORT_MODES", "ValidationResult", "validate_checkpoint", "read_report_summary",
-           "register_state_checks", "unregister_state_checks", "resolve_checkpoint_id"]
+__all__ = ["LEVELS", "REPORT_MODES", "ValidationResult", "validate_checkpoint",
+           "read_report_summary", "register_state_checks", "unregister_state_checks",
+           "resolve_checkpoint_id"]
 
 
 @dataclass(frozen=True)
@@ -95,9 +117,15 @@ def validate_checkpoint(store: CheckpointStore, ref: str | int | None = "latest"
                         deep: bool = False, report_dir: str | None = None,
                         state_checks: Mapping[str, StateCheck] | None = None,
                         work_dir: str | None = None, report: str = REPORT_NOW,
-                        progress: ProgressSink = NO_PROGRESS) -> ValidationResult:
-    """Run the manifest (and with ``deep`` the content) suites; store the report.
+                        progress: ProgressSink = NO_PROGRESS, level: str | None = None,
+                        sample: int | None = None, seed: int | None = None
+                        ) -> ValidationResult:
+    """Run the manifest (and at the deep levels the content) suites; store the report.
 
+    ``level``: "manifest", "deep" or "full" (module doc); None: "deep" if ``deep``,
+    else "manifest". ``sample``: entries checked one by one per column family and
+    subtask at "deep" (default `sampling.DEFAULT_SAMPLE`); ``seed``: the sample's seed
+    (default random; the summary records it, so a run can be repeated).
     ``state_checks`` maps a state name to a job check (see
     `statebackend.validation.checks`); it adds to / overrides the registered ones.
     ``report``: "now" renders GE Data Docs after the verdict, "none" skips them
@@ -107,9 +135,19 @@ def validate_checkpoint(store: CheckpointStore, ref: str | int | None = "latest"
     if report not in REPORT_MODES:
         raise UsageError(f"report mode {report!r} is invalid: use one of "
                          f"{', '.join(REPORT_MODES)}")
+    level = level or (LEVEL_DEEP if deep else LEVEL_MANIFEST)
+    if level not in LEVELS or (deep and level == LEVEL_MANIFEST):
+        raise UsageError(f"validation level {level!r} is invalid"
+                         + (" with deep=True" if level == LEVEL_MANIFEST else "")
+                         + f": use one of {', '.join(LEVELS)}")
+    if sample is not None and (isinstance(sample, bool) or not isinstance(sample, int)
+                               or sample < 1):
+        raise UsageError(f"sample {sample!r} is invalid: give a number of entries >= 1")
+    deep = level != LEVEL_MANIFEST
     from statebackend.validation import content as content_mod
     from statebackend.validation import manifest as manifest_mod
     from statebackend.validation import report as report_mod
+    from statebackend.validation import sampling
     from statebackend.validation import suites as suites_mod
     from statebackend.validation.checks import registered_state_checks
 
@@ -141,18 +179,28 @@ def validate_checkpoint(store: CheckpointStore, ref: str | int | None = "latest"
                     job_checks[s["name"]] = expectations
             progress.phase(f"deep validation of checkpoint {cid}: restoring and checking",
                            total=len(meta.subtasks), unit="subtasks")
-            content = content_mod.build_content(store.storage, meta, frame_states=set(job_checks),
-                                                work_dir=work_dir, progress=progress)
+            if level == LEVEL_DEEP:
+                sample = sample or sampling.DEFAULT_SAMPLE
+                seed = random.randrange(2**32) if seed is None else seed
+                figures.update(sample_per_column_family=sample, sample_seed=seed)
+            content = content_mod.build_content(
+                store.storage, meta, frame_states=set(job_checks), work_dir=work_dir,
+                progress=progress, sample=sample if level == LEVEL_DEEP else None, seed=seed)
             manifest_mod.refresh_files(tables, content.facts)
             runs[1] = suites_mod.builtin_run("files", tables.files)
             runs += [suites_mod.builtin_run("restore", content.restore),
                      suites_mod.builtin_run("state", content.state),
+                     suites_mod.builtin_run("families", content.families),
                      suites_mod.builtin_run("counts", content.counts)]
             for name, expectations in job_checks.items():
                 frame = content.frames.get(name)
                 if frame is not None:
                     runs.append(suites_mod.job_run(name, frame, expectations))
             figures["state_rows"] = content.rows
+            figures["entries_checked"] = len(content.state)
+            # how the row counts were taken: {"sst properties" | "scan": column families}
+            figures["counted_by"] = {str(k): int(v) for k, v in
+                                     content.counts["counted_by"].value_counts().items()}
         else:
             import pandas as pd
 
@@ -181,6 +229,7 @@ def validate_checkpoint(store: CheckpointStore, ref: str | int | None = "latest"
             "checkpoint_id": cid,
             "validated_at": utc_now_iso(),
             "deep": deep,
+            "level": level,
             "success": not critical,
             "critical_failures": len(critical),
             "failed_checks": sorted({c["name"] for c in failed}),
