@@ -90,11 +90,16 @@ class Listing(Mapping[str, FileInfo]):
         self._names: frozenset[str] | None = None
         self._gone: set[str] = set()
 
-    def __contains__(self, path: object) -> bool:
+    @property
+    def names(self) -> frozenset[str]:
+        """The listed paths as a set (built on first use)."""
         names = self._names
         if names is None:
             names = self._names = frozenset(self.paths)
-        return path in names
+        return names
+
+    def __contains__(self, path: object) -> bool:
+        return path in self.names
 
     def __getitem__(self, path: str) -> FileInfo:
         info = self._infos.get(path)
