@@ -114,7 +114,7 @@ DEL_UNREFERENCED = "orphan-unreferenced"
 ORPHAN_KEEP_REASONS = (KEEP_LEASED, KEEP_WRITER_ACTIVE, KEEP_NO_MTIME, KEEP_PENDING)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per orphan: there may be many
 class GcFile:
     path: str
     size: int

@@ -106,7 +106,7 @@ class CheckpointDecision:
                 "leases": list(self.leases), "restorable": self.restorable}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: one per deleted file, 90,000 at a time
 class FileAction:
     path: str
     size: int
