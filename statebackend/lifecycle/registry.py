@@ -301,7 +301,7 @@ class Registry:
 
     def missing(self) -> list[str]:
         """Referenced paths absent from the listing (data loss, or a commit after listing)."""
-        return sorted(p for p in self.referenced if p not in self.files)
+        return sorted(self.referenced - self.files.names)
 
     def bytes_referenced(self) -> int:
         """Recorded bytes of every file an owner lists."""
