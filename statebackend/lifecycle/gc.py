@@ -82,6 +82,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 
+from statebackend.checkpoint.layout import GC_SCOPE_PREFIXES
 from statebackend.checkpoint.leases import WRITER_LEASE, Lease, live_leases
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import CheckpointNotFoundError, UsageError
@@ -113,7 +114,7 @@ DEL_UNREFERENCED = "orphan-unreferenced"
 ORPHAN_KEEP_REASONS = (KEEP_LEASED, KEEP_WRITER_ACTIVE, KEEP_NO_MTIME, KEEP_PENDING)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per orphan: there may be many
 class GcFile:
     path: str
     size: int
@@ -267,17 +268,23 @@ def plan_gc(registry: Registry, *, grace_seconds: float = DEFAULT_GRACE_SECONDS)
     pending: list[GcFile] = []
     referenced: list[str] = []
     records: list[str] = []
-    referenced_bytes = record_bytes = 0
+    record_bytes = 0
     referenced_set = registry.referenced
-    for path, info in registry.files.items():  # in path order (registry.files_by_path)
+    checkpoints = registry.checkpoints
+    files = registry.files  # sizes and mtimes read only for what is not referenced
+    for path in files:  # in path order (a Listing)
         if path in referenced_set:
             referenced.append(path)
-            referenced_bytes += info.size
             continue
-        if not in_gc_scope(path):
+        if not path.startswith(GC_SCOPE_PREFIXES):
             continue
         cid = chk_id_of(path)
-        if is_commit_record(path) and cid in registry.checkpoints:
+        if cid is None and not in_gc_scope(path):
+            continue
+        info = files.get(path)
+        if info is None:
+            continue  # deleted since the listing: nothing to collect
+        if cid in checkpoints and is_commit_record(path):
             records.append(path)
             record_bytes += info.size
             continue
@@ -291,12 +298,17 @@ def plan_gc(registry: Registry, *, grace_seconds: float = DEFAULT_GRACE_SECONDS)
             reason = KEEP_PENDING
         elif cid is None:
             reason = DEL_SHARED
-        elif cid in registry.checkpoints:
+        elif cid in checkpoints:
             reason = DEL_UNREFERENCED
         else:
             reason = DEL_UNCOMMITTED
         target = pending if reason in ORPHAN_KEEP_REASONS else deletions
         target.append(GcFile(path, info.size, age, reason, info.mtime))
+    # recorded sizes of the referenced files (listed ones would cost a stat each)
+    refs = registry.refs
+    unlisted = referenced_set - files.names  # (rare: missing files)
+    referenced_bytes = refs.bytes_at(refs.everything) - refs.bytes_at(
+        map(refs.position.__getitem__, unlisted))
     return GcPlan(registry.job, float(grace_seconds), tuple(deletions), tuple(pending),
                   tuple(referenced), tuple(records), referenced_bytes, record_bytes,
                   tuple(sorted(registry.indexed_ids)))

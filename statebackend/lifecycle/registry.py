@@ -29,13 +29,19 @@ Paths come from checkpoint/layout.py; committed ids from the one lister
 (`CheckpointStore.checkpoint_ids`), records from the one `_metadata` reader
 (`CheckpointStore.parse`), leases from the one lease reader (leases.py).
 
-Scale (10,000 checkpoints x 100 references): each distinct file reference is
-validated once (`metadata.parse_metadata`), committed ids come from one listing
-of the job's folders, ``file://`` is listed with ``os.scandir`` (local.py), and
-planners use set algebra over `owner_paths` instead of per-reference loops.
+Scale (issue 14: 10,000 checkpoints x 100 references, 90,000 files): the job
+root is listed by name only (`Storage.walk_listing`: file:// stats a file when
+its size or mtime is first asked for, so a plan stats the commit records, the
+orphan candidates and the newest checkpoint's files, not every file); who
+references what is held as integer positions into one path table
+(`References`), so planners do set algebra on ints and name only the files they
+act on; committed ids come from one listing of the job's folders; each distinct
+file reference is validated once (`metadata.parse_metadata`). Sizes of
+referenced files are the recorded ones (a listing that disagrees is the
+manifest check's business, see retention.py's restorability).
 
-Registry index (``<job>/_index/registry.json``, issue 14): a cache of what each
-committed checkpoint references, keyed by its `_metadata`'s listed (path, size,
+Registry index (``<job>/_index/registry.json``): a cache of what each
+committed checkpoint references, keyed by its `_metadata`'s listed (size,
 mtime). A warm build reads that one file instead of parsing every `_metadata`
 (10,000 x 100: about 5 s of strict parsing). Rules that keep it safe:
 
@@ -51,6 +57,15 @@ mtime). A warm build reads that one file instead of parsing every `_metadata`
   make a plan wrong but never deletes a file a real record lists;
 - it is written only by a build with ``update_index=True`` (the non-dry-run
   retain and gc), best effort: a store that refuses the write still plans.
+
+Index format (``ckpt-registry-index/2``; a /1 index is ignored once, then
+rewritten): a header line ``{"format", "job", "sha256"}``, then a JSON body of
+columns: ``paths`` and ``sizes`` (the path table with recorded sizes), ``ids``
+(ascending), ``record_sizes`` and ``record_mtimes`` (the listed `_metadata` each
+entry was made from), ``counts`` and ``refs``: base64 of little-endian uint32
+positions into ``paths``, every entry's ``counts[i]`` positions in id order
+(one decode for all entries). Changes must stay backward-compatible or bump
+the format.
 """
 
 from __future__ import annotations
@@ -61,11 +76,11 @@ import json
 import logging
 import sys
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from operator import attrgetter, itemgetter
+from functools import cached_property
 
 from statebackend.checkpoint.layout import (
     COMMIT_RECORD_SUFFIX,
@@ -81,15 +96,18 @@ from statebackend.checkpoint.layout import (
     savepoint_of,
 )
 from statebackend.checkpoint.leases import WRITER_LEASE, Lease, read_lease_file
-from statebackend.checkpoint.metadata import CheckpointMetadata, fast_loads
+from statebackend.checkpoint.metadata import CheckpointMetadata, FileRef, fast_loads
 from statebackend.checkpoint.store import CheckpointStore, check_name
 from statebackend.errors import CheckpointNotFoundError, CkptError, MetadataError
-from statebackend.storage import FileInfo
+from statebackend.storage import FileInfo, Listing
 
 log = logging.getLogger(__name__)
 
-INDEX_FORMAT = "ckpt-registry-index/1"
+INDEX_FORMAT = "ckpt-registry-index/2"
 READ_THREADS = 16
+_INDEX_KEYS = {"paths", "sizes", "ids", "record_sizes", "record_mtimes", "counts", "refs"}
+
+
 def check_savepoint_name(name: str) -> str:
     return check_name("savepoint name", name)
 
@@ -112,26 +130,129 @@ def as_datetime(now: datetime | float | None) -> datetime:
     return now if now.tzinfo else now.replace(tzinfo=UTC)
 
 
+# -- references on positions -----------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class References:
+    """Who references which file: per owner label, positions into one path table.
+
+    ``paths`` holds each path once (``sizes``: its recorded size); planners take
+    unions and differences of positions (ints, no per-reference string work) and
+    turn into paths only the positions they report or act on.
+    """
+
+    paths: list[str]
+    sizes: list[int]
+    owners: dict[str, array]      # label -> positions it lists, in record order
+
+    def union(self, labels: Iterable[str] | None = None) -> set[int]:
+        """Positions listed by any of ``labels`` (None: every owner)."""
+        out: set[int] = set()
+        owners = self.owners
+        for label in owners if labels is None else labels:
+            out.update(owners[label])
+        return out
+
+    @cached_property
+    def everything(self) -> frozenset[int]:
+        """Positions listed by at least one owner."""
+        return frozenset(self.union())
+
+    def paths_at(self, positions: Iterable[int]) -> list[str]:
+        return list(map(self.paths.__getitem__, positions))
+
+    def bytes_at(self, positions: Iterable[int]) -> int:
+        return sum(map(self.sizes.__getitem__, positions))
+
+    def owner_paths(self, label: str) -> tuple[str, ...]:
+        return tuple(map(self.paths.__getitem__, self.owners[label]))
+
+    @cached_property
+    def position(self) -> dict[str, int]:
+        """Path -> its (first) position (built on first use)."""
+        paths = self.paths
+        return dict(zip(reversed(paths), range(len(paths) - 1, -1, -1), strict=True))
+
+
+def build_references(owners: Mapping[str, array | CheckpointMetadata],
+                     paths: Iterable[str] = (), sizes: Iterable[int] = ()) -> References:
+    """References of ``owners`` (in their order): positions as they are (into the table
+    ``paths``, from the registry index) or the files of a record, added to the table."""
+    table, table_sizes = list(paths), list(sizes)
+    position: dict[str, int] | None = None
+    if len(table) != len(set(table)):
+        # the index keys its table by (path, size): one path, two positions. Positions
+        # must name paths one to one, or a path could be kept and released at once.
+        position = {}
+        for i, p in enumerate(table):
+            position.setdefault(p, i)
+        canonical = [position[p] for p in table]
+        owners = {label: array("I", map(canonical.__getitem__, value))
+                  if isinstance(value, array) else value for label, value in owners.items()}
+    out: dict[str, array] = {}
+    for label, value in owners.items():
+        if isinstance(value, array):
+            out[label] = value
+            continue
+        if position is None:
+            position = {p: i for i, p in enumerate(table)}
+        out[label] = _positions_of(value.files, table, table_sizes, position)
+    return References(table, table_sizes, out)
+
+
+def _positions_of(refs: Iterable[FileRef], table: list[str], sizes: list[int],
+                  position: dict[str, int]) -> array:
+    out = array("I")
+    for ref in refs:
+        i = position.get(ref.path)
+        if i is None:
+            i = position[ref.path] = len(table)
+            table.append(ref.path)
+            sizes.append(ref.size)
+        out.append(i)
+    return out
+
+
+class OwnerPaths(Mapping):
+    """Owner label -> the paths it lists, as a tuple made on access (reports, tests)."""
+
+    def __init__(self, refs: References) -> None:
+        self._refs = refs
+
+    def __getitem__(self, label: str) -> tuple[str, ...]:
+        return self._refs.owner_paths(label)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._refs.owners)
+
+    def __len__(self) -> int:
+        return len(self._refs.owners)
+
+
 @dataclass(frozen=True)
 class Registry:
     """Read-only view of a job: listing, owners, leases. Treat the mappings as frozen."""
 
     job: str
     now: datetime
-    files: Mapping[str, FileInfo]                 # every listed file, by job-relative path
+    files: Listing                                 # every listed file, by job-relative path
     checkpoints: Mapping[int, CheckpointMetadata]  # committed, by id
     savepoints: Mapping[str, CheckpointMetadata]   # complete savepoints, by name
     incomplete_savepoints: tuple[str, ...]         # folders without _metadata (never touched)
     leases: tuple[Lease, ...]                      # every lease, live or expired
-    owner_paths: Mapping[str, tuple[str, ...]]     # owner label -> paths it lists
-    referenced: frozenset[str]                     # paths listed by at least one owner
-    _recorded_sizes: dict = field(default_factory=dict, compare=False, repr=False)
-    # ids whose owner_paths come from the index, not from parsing their _metadata now:
+    refs: References = field(compare=False, repr=False)  # who references what
+    # ids whose references come from the index, not from parsing their _metadata now:
     # executors re-check deletions against their real records (module docstring)
     indexed_ids: frozenset[int] = field(default=frozenset(), compare=False)
-    # (path, recorded size) of every reference, for size_of (None: from the records)
-    _sizes_source: Callable[[], Iterable[tuple[str, int]]] | None = field(
-        default=None, compare=False, repr=False)
+
+    @property
+    def owner_paths(self) -> Mapping[str, tuple[str, ...]]:
+        """Owner label -> paths it lists (planners use `refs`, on positions)."""
+        return OwnerPaths(self.refs)
+
+    @cached_property
+    def referenced(self) -> frozenset[str]:
+        """Paths listed by at least one owner."""
+        return frozenset(self.refs.paths_at(self.refs.everything))
 
     # -- leases ---------------------------------------------------------------
     @property
@@ -151,35 +272,40 @@ class Registry:
 
     # -- files ----------------------------------------------------------------
     def size_of(self, path: str) -> int:
-        """Listed size, else the size metadata records (a missing file)."""
+        """Listed size, else the size metadata records (a missing file), else 0."""
         info = self.files.get(path)
         if info is not None:
             return info.size
-        if not self._recorded_sizes:  # built once, on the first unlisted path
-            if self._sizes_source is not None:
-                self._recorded_sizes.update(self._sizes_source())
-            else:
-                for meta in list(self.checkpoints.values()) + list(self.savepoints.values()):
-                    self._recorded_sizes.update((ref.path, ref.size) for ref in meta.files)
-            self._recorded_sizes.setdefault("", 0)
-        return self._recorded_sizes.get(path, 0)
+        i = self.refs.position.get(path)
+        return 0 if i is None else self.refs.sizes[i]
 
     def owners_of(self, path: str) -> tuple[str, ...]:
         """Labels of the owners listing ``path`` (a scan: for reports and tests)."""
-        return tuple(label for label, paths in self.owner_paths.items() if path in paths)
+        i = self.refs.position.get(path)
+        return () if i is None else tuple(
+            label for label, positions in self.refs.owners.items() if i in positions)
 
     def orphans(self) -> list[FileInfo]:
         """Listed files under shared/ or chk-*/ that no checkpoint or savepoint lists."""
-        return [info for path, info in sorted(self.files.items())
-                if in_gc_scope(path) and path not in self.referenced
-                and not (is_commit_record(path) and chk_id_of(path) in self.checkpoints)]
+        referenced, files, checkpoints = self.referenced, self.files, self.checkpoints
+        out = []
+        for path in files:
+            if path in referenced or not path.startswith(GC_SCOPE_PREFIXES) \
+                    or not in_gc_scope(path) \
+                    or (is_commit_record(path) and chk_id_of(path) in checkpoints):
+                continue
+            info = files.get(path)
+            if info is not None:  # (None: deleted since the listing)
+                out.append(info)
+        return out
 
     def missing(self) -> list[str]:
         """Referenced paths absent from the listing (data loss, or a commit after listing)."""
-        return sorted(p for p in self.referenced if p not in self.files)
+        return sorted(self.referenced - self.files.names)
 
     def bytes_referenced(self) -> int:
-        return sum(self.size_of(p) for p in self.referenced)
+        """Recorded bytes of every file an owner lists."""
+        return self.refs.bytes_at(self.refs.everything)
 
     def to_json(self) -> dict:
         orphans = self.orphans()
@@ -212,15 +338,15 @@ def build_registry(store: CheckpointStore, *, now: datetime | float | None = Non
     when = as_datetime(now)
     storage = store.storage
     # 1. list first: see the module docstring and gc.py (failure scenario 2)
-    files = {info.path: info for info in storage.walk_files("")}  # in path order
+    files = storage.walk_listing("")  # names in path order; sizes on demand
     # 2. committed ids from a fresh listing, so commits after step 1 are owners too
-    listed = {chk_id_of(p) for p in files if p.endswith(COMMIT_RECORD_SUFFIX)
+    listed = {chk_id_of(p) for p in files.paths if p.endswith(COMMIT_RECORD_SUFFIX)
               and is_commit_record(p)}
     ids = sorted(set(store.checkpoint_ids(known=listed)) | listed)
     savepoint_names: set[str] = set()
     savepoint_dirs: set[str] = set()
     lease_paths = []
-    for path in files:
+    for path in files.paths:
         if path.startswith(GC_SCOPE_PREFIXES):
             continue  # most of the listing: neither savepoint nor lease
         savepoint = savepoint_of(path)
@@ -234,6 +360,9 @@ def build_registry(store: CheckpointStore, *, now: datetime | float | None = Non
     index = read_index(store, files) if use_index else None
     cached = index.usable(ids, files) if index is not None else {}
     to_parse = [cid for cid in ids if cid not in cached]
+    if update_index:  # the (size, mtime) an index entry records: seen before the read
+        for cid in to_parse:
+            files.get(metadata_path(cid))
     memo: dict = {}
 
     def read_lease(path: str) -> Lease | None:
@@ -252,48 +381,24 @@ def build_registry(store: CheckpointStore, *, now: datetime | float | None = Non
                  if data is not None]  # None: retired since the listing
         savepoints = list(pool.map(read_savepoint, sorted(savepoint_names)))
 
-    registry = _assemble(store, when, files, metas, cached, index,
-                         dict(zip(sorted(savepoint_names), savepoints, strict=True)),
-                         leases, sorted(savepoint_dirs - savepoint_names))
+    parsed = {m.checkpoint_id: m for m in metas}
+    owners: dict[str, array | CheckpointMetadata] = {
+        checkpoint_label(cid): parsed[cid] if cid in parsed else cached[cid]
+        for cid in sorted(set(parsed) | set(cached))}
+    named = dict(zip(sorted(savepoint_names), savepoints, strict=True))
+    owners.update((savepoint_label(name), m) for name, m in named.items())
+    refs = build_references(owners, index.paths, index.sizes) if cached else \
+        build_references(owners)
+    registry = Registry(
+        job=store.job, now=when, files=files,
+        checkpoints=LazyCheckpoints(store, parsed, frozenset(cached)) if cached else parsed,
+        savepoints=named, incomplete_savepoints=tuple(sorted(savepoint_dirs - savepoint_names)),
+        leases=tuple(leases), refs=refs, indexed_ids=frozenset(cached))
     # (memory:// lives as long as this process: an index would only cost a write)
     if update_index and not storage.process_local and (
             index is None or to_parse or len(cached) != len(index.entries)):
-        write_index(store, registry, index, metas)
+        write_index(store, registry)
     return registry
-
-
-def _assemble(store: CheckpointStore, when: datetime, files: dict[str, FileInfo],
-              metas: list[CheckpointMetadata], cached: dict[int, tuple[str, ...]],
-              index: RegistryIndex | None, savepoints: dict[str, CheckpointMetadata],
-              leases: list[Lease], incomplete: list[str]) -> Registry:
-    """`make_registry`, with the references of ``cached`` ids taken from the index and
-    their records read (strictly) only when someone asks for them."""
-    if not cached:
-        return make_registry(job=store.job, now=when, files=files, checkpoints=metas,
-                             savepoints=savepoints, leases=leases,
-                             incomplete_savepoints=incomplete)
-    parsed = {m.checkpoint_id: m for m in metas}
-    owner_paths: dict[str, tuple[str, ...]] = {}
-    for cid in sorted(set(parsed) | set(cached)):
-        m = parsed.get(cid)
-        owner_paths[checkpoint_label(cid)] = paths_of(m) if m is not None else cached[cid]
-    for name, m in sorted(savepoints.items()):
-        owner_paths[savepoint_label(name)] = paths_of(m)
-    referenced: set[str] = set()
-    for paths in owner_paths.values():
-        referenced.update(paths)
-    checkpoints = LazyCheckpoints(store, parsed, frozenset(cached))
-
-    def sizes() -> Iterator[tuple[str, int]]:
-        yield from zip(index.paths, index.sizes, strict=True)
-        for m in list(parsed.values()) + list(savepoints.values()):
-            yield from ((ref.path, ref.size) for ref in m.files)
-
-    return Registry(
-        job=store.job, now=when, files=files, checkpoints=checkpoints,
-        savepoints=savepoints, incomplete_savepoints=tuple(incomplete), leases=tuple(leases),
-        owner_paths=owner_paths, referenced=frozenset(referenced),
-        indexed_ids=frozenset(cached), _sizes_source=sizes)
 
 
 class LazyCheckpoints(Mapping):
@@ -331,57 +436,33 @@ class LazyCheckpoints(Mapping):
 class IndexEntry:
     size: int            # listed size of chk-<id>/_metadata when it was parsed
     mtime: float         # listed mtime then
-    refs: str            # base64 of little-endian uint32 positions in paths
+    start: int           # its positions: refs[start:start + count]
+    count: int
 
 
 @dataclass(frozen=True)
 class RegistryIndex:
     """The parsed index: a table of (path, recorded size) and each checkpoint's refs."""
 
-    paths: tuple[str, ...]
-    sizes: tuple[int, ...]
+    paths: list[str]
+    sizes: list[int]
     entries: Mapping[int, IndexEntry]
+    refs: array          # every entry's positions into paths, in id order
 
-    def usable(self, ids: Iterable[int], files: Mapping[str, FileInfo]
-               ) -> dict[int, tuple[str, ...]]:
-        """Paths of the committed ``ids`` whose listed `_metadata` is the one indexed."""
-        out: dict[int, tuple[str, ...]] = {}
-        table = self.paths
+    def usable(self, ids: Iterable[int], files: Mapping[str, FileInfo]) -> dict[int, array]:
+        """Positions of the committed ``ids`` whose listed `_metadata` is the one indexed."""
+        out: dict[int, array] = {}
+        entries, refs = self.entries, self.refs
         for cid in ids:
-            entry = self.entries.get(cid)
+            entry = entries.get(cid)
+            if entry is None:
+                continue  # new: parse the real record
             info = files.get(metadata_path(cid))
-            if entry is None or info is None or info.mtime is None \
+            if info is None or info.mtime is None \
                     or info.size != entry.size or info.mtime != entry.mtime:
-                continue  # new, changed or unlisted: parse the real record
-            positions = _positions(entry.refs)
-            try:
-                if positions is None:
-                    raise IndexError("refs are not base64 of uint32 positions")
-                if len(positions) == 1:
-                    out[cid] = (table[positions[0]],)
-                else:
-                    out[cid] = itemgetter(*positions)(table) if positions else ()
-            except IndexError:
-                return {}  # damaged (or a position beyond the table): trust nothing here
+                continue  # changed or vanished: parse the real record
+            out[cid] = refs[entry.start:entry.start + entry.count]
         return out
-
-
-def _positions(refs: str, table_size: int | None = None) -> array | None:
-    """The positions ``refs`` encodes; None if malformed or (given ``table_size``) out
-    of range. Without ``table_size`` the caller's indexing raises IndexError instead."""
-    try:
-        raw = base64.b64decode(refs, validate=True)
-    except ValueError:
-        return None
-    if len(raw) % 4:
-        return None
-    out = array("I")
-    out.frombytes(raw)
-    if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
-        out.byteswap()
-    if table_size is not None and out and max(out) >= table_size:
-        return None
-    return out
 
 
 def read_index(store: CheckpointStore, files: Mapping[str, FileInfo]) -> RegistryIndex | None:
@@ -410,83 +491,104 @@ def parse_index(data: bytes, job: str) -> RegistryIndex:
     if hashlib.sha256(body).hexdigest() != header["sha256"]:
         raise ValueError("body does not match its SHA-256 (torn or edited)")
     obj = fast_loads(body)
-    if not isinstance(obj, dict) or set(obj) != {"paths", "sizes", "checkpoints"}:
-        raise ValueError("body keys are not paths, sizes, checkpoints")
-    paths, sizes, rows = obj["paths"], obj["sizes"], obj["checkpoints"]
-    if not (isinstance(paths, list) and isinstance(sizes, list) and isinstance(rows, list)
-            and len(paths) == len(sizes)
-            and set(map(type, paths)) <= {str} and set(map(type, sizes)) <= {int}
-            and (not sizes or min(sizes) >= 0)):
+    if not isinstance(obj, dict) or set(obj) != _INDEX_KEYS:
+        raise ValueError(f"body keys are not {sorted(_INDEX_KEYS)}")
+    paths, sizes, ids = obj["paths"], obj["sizes"], obj["ids"]
+    record_sizes, mtimes, counts = obj["record_sizes"], obj["record_mtimes"], obj["counts"]
+    if not (isinstance(paths, list) and isinstance(sizes, list) and len(paths) == len(sizes)
+            and _all_of(paths, str) and _naturals(sizes)):
         raise ValueError("paths and sizes are not two lists of strings and sizes")
+    columns = (ids, record_sizes, mtimes, counts)
+    if not (all(isinstance(c, list) and len(c) == len(ids) for c in columns)
+            and _naturals(ids) and (not ids or min(ids) >= 1)
+            and ids == sorted(set(ids))
+            and _naturals(record_sizes) and _naturals(counts)
+            and set(map(type, mtimes)) <= {int, float}):
+        raise ValueError("ids, record_sizes, record_mtimes, counts are not columns of "
+                         "ascending ids, sizes, times and counts")
+    refs = _decode_positions(obj["refs"])
+    if refs is None or len(refs) != sum(counts) or (refs and max(refs) >= len(paths)):
+        raise ValueError("refs are not base64 of the counted uint32 positions into paths")
     entries: dict[int, IndexEntry] = {}
-    for row in rows:
-        if not (isinstance(row, list) and len(row) == 4 and type(row[0]) is int
-                and row[0] >= 1 and type(row[1]) is int and row[1] >= 0
-                and type(row[2]) in (int, float) and type(row[3]) is str) or row[0] in entries:
-            raise ValueError(f"checkpoint entry {str(row)[:200]} is malformed")
-        entries[row[0]] = IndexEntry(row[1], float(row[2]), row[3])
-    return RegistryIndex(tuple(paths), tuple(sizes), entries)
+    start = 0
+    for cid, size, mtime, count in zip(ids, record_sizes, mtimes, counts, strict=True):
+        entries[cid] = IndexEntry(size, float(mtime), start, count)
+        start += count
+    return RegistryIndex(paths, sizes, entries, refs)
 
 
-def write_index(store: CheckpointStore, registry: Registry, old: RegistryIndex | None,
-                parsed: Iterable[CheckpointMetadata]) -> None:
-    """Rewrite the index for the checkpoints of ``registry`` (best effort).
+def _all_of(values: list, kind: type) -> bool:
+    return set(map(type, values)) <= {kind}
 
-    Only records parsed by this build or kept from the old index (same listed
-    size and mtime) are written; the path table is appended to and compacted when
-    more than half of it is no longer referenced."""
-    paths: list[str] = list(old.paths) if old is not None else []
-    sizes: list[int] = list(old.sizes) if old is not None else []
-    position = {(p, n): i for i, (p, n) in enumerate(zip(paths, sizes, strict=True))}
-    rows: list[list] = []
-    for meta in parsed:
-        info = registry.files.get(metadata_path(meta.checkpoint_id))
-        if info is None or info.mtime is None:
-            continue
-        refs = array("I")
-        for ref in meta.files:
-            key = (ref.path, ref.size)
-            i = position.get(key)
-            if i is None:
-                i = position[key] = len(paths)
-                paths.append(ref.path)
-                sizes.append(ref.size)
-            refs.append(i)
-        rows.append([meta.checkpoint_id, info.size, info.mtime, _encode(refs)])
-    if old is not None:
-        rows += [[cid, e.size, e.mtime, e.refs] for cid, e in old.entries.items()
-                 if cid in registry.indexed_ids]
-    rows.sort()
-    if len(paths) > 2 * len(registry.referenced):  # cheap bound before the exact count
-        paths, sizes, rows = _compact(paths, sizes, rows)
-    body = json.dumps({"paths": paths, "sizes": sizes, "checkpoints": rows},
-                      separators=(",", ":")).encode()
-    header = json.dumps({"format": INDEX_FORMAT, "job": store.job,
-                         "sha256": hashlib.sha256(body).hexdigest()}).encode()
+
+def _naturals(values: object) -> bool:
+    """A list of ints >= 0 (bools are not ints here)."""
+    return isinstance(values, list) and _all_of(values, int) and (not values or min(values) >= 0)
+
+
+def _decode_positions(refs: object) -> array | None:
+    """The uint32 positions ``refs`` (base64, little-endian) encodes, or None."""
+    if not isinstance(refs, str):
+        return None
     try:
-        store.storage.write_bytes(INDEX_FILE, header + b"\n" + body)
-    except CkptError as exc:  # a read-only or full store still plans, only slower
-        log.warning("registry index %s/%s not written: %s", store.storage.url, INDEX_FILE, exc)
+        raw = base64.b64decode(refs, validate=True)
+    except ValueError:
+        return None
+    if len(raw) % 4:
+        return None
+    out = array("I")
+    out.frombytes(raw)
+    if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
+        out.byteswap()
+    return out
 
 
-def _encode(refs: array) -> str:
+def _encode_positions(refs: array) -> str:
     if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
         refs = array("I", refs)
         refs.byteswap()
     return base64.b64encode(refs.tobytes()).decode("ascii")
 
 
-def _compact(paths: list[str], sizes: list[int], rows: list[list]
-             ) -> tuple[list[str], list[int], list[list]]:
-    """Drop table entries no row references once they are more than half the table."""
-    decoded = [_positions(r[3], len(paths)) for r in rows]
-    used = sorted({i for refs in decoded for i in refs or ()})
-    if len(used) * 2 >= len(paths):
-        return paths, sizes, rows
-    remap = {old: new for new, old in enumerate(used)}
-    rows = [[r[0], r[1], r[2], _encode(array("I", (remap[i] for i in refs or ())))]
-            for r, refs in zip(rows, decoded, strict=True)]
-    return [paths[i] for i in used], [sizes[i] for i in used], rows
+def write_index(store: CheckpointStore, registry: Registry) -> None:
+    """Rewrite the index for the committed checkpoints of ``registry`` (best effort).
+
+    Each entry records the `_metadata` (size, mtime) listed before its references
+    were read (`build_registry`); the path table is the registry's (the old index's
+    table plus the paths of records parsed since), compacted when more than half of
+    it is no longer referenced."""
+    refs = registry.refs
+    rows: list[tuple[int, FileInfo, array]] = []
+    for label, positions in refs.owners.items():
+        cid = chk_id_of(label)
+        if cid is None or cid not in registry.checkpoints:
+            continue  # a savepoint: read whole every time (there are few)
+        info = registry.files.get(metadata_path(cid))
+        if info is not None and info.mtime is not None:
+            rows.append((cid, info, positions))
+    paths, sizes = refs.paths, refs.sizes
+    used = refs.union(checkpoint_label(cid) for cid, _, _ in rows)
+    if len(used) * 2 < len(paths):  # compact: keep the used paths, in table order
+        kept = sorted(used)
+        remap = {old: new for new, old in enumerate(kept)}
+        paths, sizes = [paths[i] for i in kept], [sizes[i] for i in kept]
+        rows = [(cid, info, array("I", map(remap.__getitem__, positions)))
+                for cid, info, positions in rows]
+    all_refs = array("I")
+    for _, _, positions in rows:
+        all_refs.extend(positions)
+    body = json.dumps({
+        "paths": paths, "sizes": sizes, "ids": [cid for cid, _, _ in rows],
+        "record_sizes": [info.size for _, info, _ in rows],
+        "record_mtimes": [info.mtime for _, info, _ in rows],
+        "counts": [len(positions) for _, _, positions in rows],
+        "refs": _encode_positions(all_refs)}, separators=(",", ":")).encode()
+    header = json.dumps({"format": INDEX_FORMAT, "job": store.job,
+                         "sha256": hashlib.sha256(body).hexdigest()}).encode()
+    try:
+        store.storage.write_bytes(INDEX_FILE, header + b"\n" + body)
+    except CkptError as exc:  # a read-only or full store still plans, only slower
+        log.warning("registry index %s/%s not written: %s", store.storage.url, INDEX_FILE, exc)
 
 
 def referenced_by_records(store: CheckpointStore, ids: Iterable[int],
@@ -513,15 +615,10 @@ def make_registry(*, job: str, now: datetime | float | None,
                   incomplete_savepoints: Iterable[str] = ()) -> Registry:
     """Pure: index who references which file (no I/O; tests build registries with it)."""
     metas = sorted(checkpoints, key=lambda m: m.checkpoint_id)
-    savepoints = dict(savepoints or {})
-    owner_paths: dict[str, tuple[str, ...]] = {}
-    for m in metas:
-        owner_paths[checkpoint_label(m.checkpoint_id)] = paths_of(m)
-    for name, m in sorted(savepoints.items()):
-        owner_paths[savepoint_label(name)] = paths_of(m)
-    referenced: set[str] = set()
-    for paths in owner_paths.values():
-        referenced.update(paths)
+    savepoints = dict(sorted((savepoints or {}).items()))
+    owners: dict[str, array | CheckpointMetadata] = {
+        checkpoint_label(m.checkpoint_id): m for m in metas}
+    owners.update((savepoint_label(name), m) for name, m in savepoints.items())
     return Registry(
         job=job,
         now=as_datetime(now),
@@ -530,21 +627,16 @@ def make_registry(*, job: str, now: datetime | float | None,
         savepoints=savepoints,
         incomplete_savepoints=tuple(sorted(incomplete_savepoints)),
         leases=tuple(leases),
-        owner_paths=owner_paths,
-        referenced=frozenset(referenced),
+        refs=build_references(owners),
     )
 
 
-def files_by_path(files: Iterable[FileInfo] | Mapping[str, FileInfo]) -> dict[str, FileInfo]:
-    """Listing by path, in path order (planners iterate it without sorting again);
-    a mapping is taken as such one (`build_registry` made it)."""
-    if isinstance(files, Mapping):
-        return files if isinstance(files, dict) else dict(files)
-    listing = sorted(files, key=_path_key)  # near free on an already sorted listing
-    return {f.path: f for f in listing}
-
-
-_path_key = attrgetter("path")
+def files_by_path(files: Iterable[FileInfo] | Mapping[str, FileInfo]) -> Listing:
+    """A `Listing` of ``files`` (a listing is taken as it is)."""
+    if isinstance(files, Listing):
+        return files
+    infos = dict(files) if isinstance(files, Mapping) else {f.path: f for f in files}
+    return Listing(sorted(infos), infos)
 
 
 def paths_of(meta: CheckpointMetadata) -> tuple[str, ...]:

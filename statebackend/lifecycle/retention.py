@@ -106,7 +106,7 @@ class CheckpointDecision:
                 "leases": list(self.leases), "restorable": self.restorable}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: one per deleted file, 90,000 at a time
 class FileAction:
     path: str
     size: int
@@ -221,30 +221,30 @@ def plan_retention(registry: Registry, keep: int,
         else:
             decisions.append(CheckpointDecision(cid, "retire", RETIRE_BEYOND_KEEP, (), ok))
     retired = [d.checkpoint_id for d in decisions if d.action == "retire"]
+    # set algebra on positions into the registry's path table (registry.References)
+    refs = registry.refs
     retired_labels = {checkpoint_label(c) for c in retired}
-    kept_paths: set[str] = set()
-    candidates: set[str] = set()
-    for label, paths in registry.owner_paths.items():
-        (candidates if label in retired_labels else kept_paths).update(paths)
-    released = candidates - kept_paths  # set algebra: no per-reference Python loop
-    size_of = registry.size_of
-    metadata_actions = [FileAction(rel, size_of(rel), DEL_METADATA, cid)
+    kept = refs.union(label for label in refs.owners if label not in retired_labels)
+    released = refs.everything - kept  # what retired ones list and no kept one does
+    table, sizes = refs.paths, refs.sizes
+    metadata_actions = [FileAction(rel, registry.size_of(rel), DEL_METADATA, cid)
                         for cid in retired for rel in (metadata_path(cid),)]
-    # a private file lives in some chk-<id>/ folder; shared ones (most) skip the parse
-    listed = registry.files
+    # a private file lives in some chk-<id>/ folder; shared ones (most) skip the parse;
+    # sizes are the recorded ones (listed sizes would cost a stat per file on file://)
     file_actions = [
-        FileAction(path, info.size if info is not None else size_of(path),
-                   DEL_RELEASED_SHARED if folder is None else DEL_PRIVATE, folder)
-        for path in sorted(released)
-        for folder, info in ((chk_id_of(path) if path.startswith(CHK_PREFIX) else None,
-                              listed.get(path)),)]
-    history_actions = [FileAction(path, listed[path].size, DEL_OLD_HISTORY)
-                       for path in history_beyond(list(listed), history_kept)]
-    bytes_kept = sum(map(size_of, kept_paths))
+        FileAction(path, sizes[i], DEL_RELEASED_SHARED if folder is None else DEL_PRIVATE,
+                   folder)
+        for i in sorted(released, key=table.__getitem__)
+        for path in (table[i],)
+        for folder in (chk_id_of(path) if path.startswith(CHK_PREFIX) else None,)]
+    listed = registry.files
+    history_actions = [FileAction(path, info.size, DEL_OLD_HISTORY)
+                       for path in history_beyond(listed.paths, history_kept)
+                       if (info := listed.get(path)) is not None]
     return RetentionPlan(
         job=registry.job, keep=keep, decisions=tuple(decisions),
         deletions=tuple(metadata_actions + file_actions + history_actions),
-        savepoints=tuple(sorted(registry.savepoints)), bytes_kept=bytes_kept,
+        savepoints=tuple(sorted(registry.savepoints)), bytes_kept=refs.bytes_at(kept),
         indexed_ids=tuple(sorted(registry.indexed_ids)))
 
 

@@ -21,7 +21,14 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from statebackend.errors import UsageError
-from statebackend.storage.base import CHUNK, FileInfo, Storage, child_storage, safe_relpath
+from statebackend.storage.base import (
+    CHUNK,
+    FileInfo,
+    Listing,
+    Storage,
+    child_storage,
+    safe_relpath,
+)
 from statebackend.storage.checksums import (
     CHECKSUM_ALGORITHM,
     checksum_algorithm,
@@ -32,7 +39,8 @@ from statebackend.storage.checksums import (
 from statebackend.storage.options import SECRET_OPTIONS, StorageOptions
 
 __all__ = [
-    "CHECKSUM_ALGORITHM", "CHUNK", "SECRET_OPTIONS", "FileInfo", "Storage", "StorageOptions",
+    "CHECKSUM_ALGORITHM", "CHUNK", "SECRET_OPTIONS", "FileInfo", "Listing", "Storage",
+    "StorageOptions",
     "checksum_algorithm", "checksum_of_bytes", "child_storage", "crc32_hex", "format_checksum",
     "open_storage", "safe_relpath",
 ]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import os
 import posixpath
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, Any
@@ -68,6 +68,73 @@ class FileInfo:
     path: str
     size: int
     mtime: float | None
+
+
+class Listing(Mapping[str, FileInfo]):
+    """The files under a folder by relative path, iterated in path order (``paths``).
+
+    An object store lists sizes and mtimes with the names; on file:// each one is a
+    stat more. So a listing may hold only the paths and read an entry's size and
+    mtime on first access (then keep it): who looks at few entries pays for few
+    (issue 14: GC plans over 90,000 files stat a few hundred). A file deleted between
+    the listing and that first access stays in ``paths`` and ``in`` the listing but
+    has no entry: ``listing[path]`` raises KeyError, `get` returns None, `items`
+    and `values` skip it. ``stat`` is called only with listed paths.
+    """
+
+    def __init__(self, paths: list[str], infos: dict[str, FileInfo] | None = None,
+                 stat: Callable[[str], FileInfo | None] | None = None) -> None:
+        self.paths = paths                      # sorted
+        self._infos = {} if infos is None else infos
+        self._stat = stat
+        self._names: frozenset[str] | None = None
+        self._gone: set[str] = set()
+
+    @property
+    def names(self) -> frozenset[str]:
+        """The listed paths as a set (built on first use)."""
+        names = self._names
+        if names is None:
+            names = self._names = frozenset(self.paths)
+        return names
+
+    def __contains__(self, path: object) -> bool:
+        return path in self.names
+
+    def __getitem__(self, path: str) -> FileInfo:
+        info = self._infos.get(path)
+        if info is not None:
+            return info
+        if self._stat is None or path in self._gone or path not in self:
+            raise KeyError(path)
+        info = self._stat(path)
+        if info is None:  # deleted since the listing
+            self._gone.add(path)
+            raise KeyError(path)
+        self._infos[path] = info
+        return info
+
+    def get(self, path: str, default: FileInfo | None = None) -> FileInfo | None:
+        info = self._infos.get(path)
+        if info is not None:
+            return info
+        try:
+            return self[path]
+        except KeyError:
+            return default
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.paths)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def items(self) -> Iterator[tuple[str, FileInfo]]:  # type: ignore[override]
+        get = self.get
+        return ((p, info) for p in self.paths if (info := get(p)) is not None)
+
+    def values(self) -> Iterator[FileInfo]:  # type: ignore[override]
+        return (info for _, info in self.items())
 
 
 class Storage:
@@ -238,6 +305,15 @@ class Storage:
                 continue
             out.append(FileInfo(self.relpath(name), int(entry.get("size") or 0), mtime_of(entry)))
         return sorted(out, key=lambda f: f.path)
+
+    def walk_listing(self, rel: str = "") -> Listing:
+        """Every file under ``rel`` as a `Listing` (path order; empty if absent).
+
+        Here (object stores) the listing carries every size and mtime; file://
+        (local.py) lists names only and stats an entry when it is first looked at.
+        """
+        files = self.walk_files(rel)
+        return Listing([f.path for f in files], {f.path: f for f in files})
 
     def glob(self, pattern: str) -> list[str]:
         """Relative paths matching a glob pattern under the root."""

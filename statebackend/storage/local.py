@@ -5,7 +5,8 @@ folders are created before writing; `write_exclusive` writes a temp file and
 hard-links it (atomic, fails if the target exists); `write_atomic` is temp +
 rename; copies go through the kernel (sendfile) with the checksum computed
 beside them; listings use ``os.scandir`` (fsspec's local find costs a stat and
-path normalisation per entry: seconds at 100,000 files).
+path normalisation per entry: seconds at 100,000 files), and `walk_listing`
+lists names only, stating a file when its size or mtime is first asked for.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from operator import attrgetter
 import fsspec
 
 from statebackend.errors import StorageError
-from statebackend.storage.base import FileInfo, Storage, safe_relpath
+from statebackend.storage.base import FileInfo, Listing, Storage, safe_relpath
 from statebackend.storage.checksums import CHECKSUM_ALGORITHM, copy_local_file, format_checksum
 
 
@@ -77,8 +78,21 @@ class LocalStorage(Storage):
                 return [posixpath.basename(path)]
 
     def walk_files(self, rel: str = "") -> list[FileInfo]:
+        out = self._scan(rel, stat=True)
+        out.sort(key=_path_of)
+        return out
+
+    def walk_listing(self, rel: str = "") -> Listing:
+        """Names only (``os.scandir`` without a stat per file): sizes and mtimes are
+        read on first access."""
+        paths = self._scan(rel, stat=False)
+        paths.sort()
+        return Listing(paths, stat=self._stat_listed)
+
+    def _scan(self, rel: str, stat: bool) -> list:
+        """Every regular file under ``rel``: FileInfo with ``stat``, else its path."""
         top = self.abspath(rel)
-        out: list[FileInfo] = []
+        out: list = []
         append = out.append
         stack = [(f"{safe_relpath(rel)}/" if rel else "", top)]
         while stack:
@@ -88,7 +102,11 @@ class LocalStorage(Storage):
                     for e in it:
                         if e.is_dir(follow_symlinks=False):
                             stack.append((f"{prefix}{e.name}/", e.path))
-                        elif e.is_file(follow_symlinks=False):
+                        elif not e.is_file(follow_symlinks=False):
+                            continue
+                        elif not stat:
+                            append(prefix + e.name)
+                        else:
                             try:
                                 st = e.stat(follow_symlinks=False)
                             except FileNotFoundError:
@@ -100,12 +118,21 @@ class LocalStorage(Storage):
                 if path == top:  # ``rel`` names a file: that file alone
                     info = self.info(rel)
                     if info is not None:
-                        append(info)
+                        append(info if stat else info.path)
                 continue
             except OSError as exc:
                 raise StorageError(f"{self.url}: cannot list {prefix or '/'}: {exc}") from exc
-        out.sort(key=_path_of)
         return out
+
+    def _stat_listed(self, rel: str) -> FileInfo | None:
+        """Size and mtime of a listed path (no path check: it came from the listing)."""
+        try:
+            st = os.stat(f"{self.root}/{rel}", follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            raise StorageError(f"{self.url}: cannot stat {rel}: {exc}") from exc
+        return FileInfo(rel, st.st_size, st.st_mtime)
 
     def remove_empty_dirs(self, rels: Iterable[str]) -> None:
         for rel in sorted(set(rels), key=lambda d: d.count("/"), reverse=True):

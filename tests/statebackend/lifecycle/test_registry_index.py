@@ -51,27 +51,41 @@ def rewrite_index(store, change) -> None:
     store.storage.write_bytes(INDEX_FILE, json.dumps(header).encode() + b"\n" + body)
 
 
-def entry_paths(obj: dict, checkpoint_id: int) -> list[str]:
+def entry_positions(obj: dict) -> dict[int, list[int]]:
+    """Each checkpoint's positions into ``paths`` (format /2: one blob, counts per id)."""
     import base64
     from array import array
 
-    row = next(r for r in obj["checkpoints"] if r[0] == checkpoint_id)
-    positions = array("I")
-    positions.frombytes(base64.b64decode(row[3]))
-    return [obj["paths"][i] for i in positions]
+    blob = array("I")
+    blob.frombytes(base64.b64decode(obj["refs"]))
+    out, start = {}, 0
+    for cid, count in zip(obj["ids"], obj["counts"], strict=True):
+        out[cid] = list(blob[start:start + count])
+        start += count
+    return out
+
+
+def set_entry_positions(obj: dict, positions: dict[int, list[int]]) -> None:
+    import base64
+    from array import array
+
+    obj["counts"] = [len(positions[cid]) for cid in obj["ids"]]
+    blob = array("I", [i for cid in obj["ids"] for i in positions[cid]])
+    obj["refs"] = base64.b64encode(blob.tobytes()).decode()
+
+
+def entry_paths(obj: dict, checkpoint_id: int) -> list[str]:
+    return [obj["paths"][i] for i in entry_positions(obj)[checkpoint_id]]
 
 
 def set_entry_paths(obj: dict, checkpoint_id: int, paths: list[str]) -> None:
-    import base64
-    from array import array
-
     for p in paths:
         if p not in obj["paths"]:
             obj["paths"].append(p)
             obj["sizes"].append(10)
-    row = next(r for r in obj["checkpoints"] if r[0] == checkpoint_id)
-    row[3] = base64.b64encode(array("I", [obj["paths"].index(p) for p in paths]).tobytes()
-                              ).decode()
+    positions = entry_positions(obj)
+    positions[checkpoint_id] = [obj["paths"].index(p) for p in paths]
+    set_entry_positions(obj, positions)
 
 
 def test_warm_build_plans_exactly_like_a_cold_one(store):
@@ -158,3 +172,53 @@ def test_tampered_index_never_makes_retention_delete_a_kept_or_unlisted_file(sto
     kept = store.load(4)
     assert all(store.storage.exists(f.path) for f in kept.files)
     assert store.storage.exists("runs/r1.json")
+
+
+@pytest.mark.parametrize("change", [
+    lambda obj: set_entry_positions(obj, {**entry_positions(obj), 2: [len(obj["paths"])]}),
+    lambda obj: obj.update(counts=[c + 1 for c in obj["counts"]]),
+    lambda obj: obj.update(ids=obj["ids"][::-1]),
+    lambda obj: obj.update(record_mtimes=["x"] * len(obj["ids"])),
+    lambda obj: obj.update(refs="not base64!"),
+], ids=["position-beyond-table", "counts", "ids-order", "mtimes", "refs"])
+def test_a_signed_index_with_bad_columns_is_ignored(store, change):
+    now = time.time()
+    cold = build_registry(store, use_index=False, now=now)
+    build_registry(store, update_index=True)
+    rewrite_index(store, change)
+    warm = build_registry(store, now=now)
+    assert warm.indexed_ids == frozenset() and plans(warm) == plans(cold)
+
+
+def test_an_index_of_the_previous_format_is_ignored_then_rewritten(store):
+    now = time.time()
+    cold = build_registry(store, use_index=False, now=now)
+    build_registry(store, update_index=True)
+    head, _, body = store.storage.read_bytes(INDEX_FILE).partition(b"\n")
+    store.storage.write_bytes(INDEX_FILE, head.replace(b"index/2", b"index/1") + b"\n" + body)
+    assert build_registry(store, now=now).indexed_ids == frozenset()
+    build_registry(store, update_index=True)
+    warm = build_registry(store, now=now)
+    assert warm.indexed_ids == {1, 2, 3, 4} and plans(warm) == plans(cold)
+
+
+def test_a_path_at_two_positions_is_one_file_to_the_planners(store):
+    """The index keys its table by (path, size): if a record of shared/b.sst says another
+    size, b.sst sits at two positions. Retiring chk-2 (listing one) must not release
+    b.sst while chk-4 (listing the other) keeps it."""
+    build_registry(store, update_index=True)
+
+    def change(obj):
+        obj["paths"].append("shared/b.sst")
+        obj["sizes"].append(11)
+        positions = entry_positions(obj)
+        twin = len(obj["paths"]) - 1
+        first = obj["paths"].index("shared/b.sst")
+        positions[2] = [twin if i == first else i for i in positions[2]]
+        set_entry_positions(obj, positions)
+    rewrite_index(store, change)
+    warm = build_registry(store)
+    assert warm.indexed_ids == {1, 2, 3, 4}
+    planned = {a.path for a in plan_retention(warm, 1).deletions}
+    assert "shared/a.sst" in planned and "shared/b.sst" not in planned
+    assert warm.owners_of("shared/b.sst") == ("chk-2", "chk-3", "chk-4")

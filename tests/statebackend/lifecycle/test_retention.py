@@ -80,11 +80,16 @@ def test_keep_must_be_positive_int(keep):
         plan_retention(reg, keep)
 
 
-def test_bytes_use_listing_sizes():
-    reg = make_registry(job="j", now=NOW, files=listed(chain(), sizes={"shared/a.sst": 999}),
-                        checkpoints=chain())
+def test_bytes_are_the_recorded_sizes():
+    """Released files are planned at their recorded size (issue 14: a listed size costs a
+    stat per file on file://; a file whose size disagrees is the manifest check's
+    business, see the restorability tests below); commit records at their listed one."""
+    reg = make_registry(job="j", now=NOW, files=listed(chain(), sizes={"shared/a.sst": 999})
+                        + [info("chk-1/_metadata", size=77)], checkpoints=chain())
     plan = plan_retention(reg, 2)
-    assert {a.path: a.size for a in plan.deletions}["shared/a.sst"] == 999
+    sizes = {a.path: a.size for a in plan.deletions}
+    assert sizes["shared/a.sst"] == 10 and sizes["chk-1/_metadata"] == 77
+    assert plan.bytes_kept == 10 * 4  # b.sst, c.sst and the MANIFESTs of chk-3 and chk-4
 
 
 def reasons(plan) -> dict[int, str]:

@@ -107,6 +107,36 @@ def test_walk_list_glob_delete_many(storage):
     assert storage.read_bytes("other/x") == b"x"
 
 
+def test_walk_listing_is_walk_files_read_lazily(storage):
+    """`walk_listing` lists what `walk_files` lists, in path order, with the same sizes
+    and mtimes when asked; a file deleted after the listing has no entry."""
+    files = {"job/shared/a.sst": b"aa", "job/shared/b.sst": b"bbb",
+             "job/chk-1/0/s/CURRENT": b"c", "job/chk-1/_metadata": b"{}",
+             "job/chk-10/_metadata": b"{}", "job/chk-1.x": b"", "other/x": b"x"}
+    for rel, data in files.items():
+        storage.write_bytes(rel, data)
+    walked = storage.walk_files("job")
+    listing = storage.walk_listing("job")
+    assert listing.paths == list(listing) == [f.path for f in walked] == sorted(
+        r for r in files if r.startswith("job/"))
+    assert len(listing) == len(walked)
+    assert "job/shared/b.sst" in listing and "other/x" not in listing
+    assert listing["job/shared/b.sst"].size == 3
+    assert [listing[f.path] for f in walked] == walked
+    assert dict(listing.items()) == {f.path: f for f in walked}
+    assert listing.get("job/nothing") is None and listing.get("other/x") is None
+    with pytest.raises(KeyError):
+        listing["other/x"]  # not listed: never looked up, even though it exists
+    later = storage.walk_listing("job")
+    storage.delete_many(["job/shared/a.sst"])
+    assert "job/shared/a.sst" in later  # listed before the deletion...
+    if storage.scheme == "file":  # ...and only file:// reads sizes after listing
+        assert later.get("job/shared/a.sst") is None
+        assert [p for p, _ in later.items()] == [p for p in later if p != "job/shared/a.sst"]
+    assert storage.walk_listing("nothing-here").paths == []
+    assert storage.walk_listing("job/shared/b.sst").paths == ["job/shared/b.sst"]
+
+
 def test_write_atomic_replaces_whole(storage):
     storage.write_atomic("leases/writer.json", b"first")
     storage.write_atomic("leases/writer.json", b"second, longer")
