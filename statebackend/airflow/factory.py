@@ -2,8 +2,9 @@
 
 - ``<job>_pipeline`` (the job's schedule, one active run): run_job (Spark, idempotent
   by interval) -> validate (publishes the checkpoint Asset) -> retain -> gc;
-- ``<job>_maintenance`` (``maintenance_schedule``): retention, GC, a deep validation
-  report of the latest checkpoint;
+- ``<job>_maintenance`` (``maintenance_schedule``): retention, GC, a full validation
+  (every entry read and checked: the level too slow for each scheduled run) report of
+  the latest checkpoint;
 - ``<job>_rescale_restore`` (manual only): typed params ``parallelism`` (1..max
   parallelism), ``checkpoint`` (``latest``, an id or ``chk-<id>``), ``dry_run``;
   refuses while the pipeline has an active run; validates the new checkpoint.
@@ -95,12 +96,12 @@ def build_maintenance_dag(spec: JobSpec) -> DAG:
              schedule=spec.maintenance_schedule, max_active_runs=1,
              default_args={"owner": "ckpt", "retries": 1, "retry_delay": timedelta(minutes=5)},
              tags=["ckpt", spec.name, "maintenance"],
-             doc_md=f"Retention (keep {spec.keep}), GC and a deep validation report of the "
-                    f"latest checkpoint of **{spec.name}**.") as dag:
+             doc_md=f"Retention (keep {spec.keep}), GC and a full validation report (every "
+                    f"entry checked) of the latest checkpoint of **{spec.name}**.") as dag:
         (CkptRetainOperator(task_id="retain", keep=spec.keep, **_storage(spec))
          >> CkptGcOperator(task_id="gc", grace_seconds=spec.gc_grace_seconds, **_storage(spec))
-         >> CkptValidateOperator(task_id="validate_latest_deep", checkpoint="latest", deep=True,
-                                 job_ref=spec.job, **_storage(spec)))
+         >> CkptValidateOperator(task_id="validate_latest_deep", checkpoint="latest",
+                                 level="full", job_ref=spec.job, **_storage(spec)))
     return dag
 
 

@@ -114,12 +114,14 @@ class CkptValidateOperator(_CheckpointOperator):
 
     def __init__(self, *, storage: str, job: str, run_key: str | None = None,
                  checkpoint: str | int = "latest", deep: bool = False,
-                 job_ref: str | None = None, storage_conn_id: str | None = None,
-                 report: str = "now", **kwargs: Any) -> None:
+                 level: str | None = None, job_ref: str | None = None,
+                 storage_conn_id: str | None = None, report: str = "now",
+                 **kwargs: Any) -> None:
         super().__init__(storage=storage, job=job, storage_conn_id=storage_conn_id, **kwargs)
         self.run_key = run_key
         self.checkpoint = checkpoint
         self.deep = deep
+        self.level = level
         self.job_ref = job_ref
         self.report = report
 
@@ -128,7 +130,7 @@ class CkptValidateOperator(_CheckpointOperator):
 
         result = validate_store(self.hook().get_store(), run_id=self.run_key or None,
                                 ref=_as_int(self.checkpoint), deep=self.deep,
-                                job_ref=self.job_ref, report=self.report)
+                                level=self.level, job_ref=self.job_ref, report=self.report)
         for asset in self.outlets or ():
             context["outlet_events"][asset].extra = publish_extra(result)
         return result

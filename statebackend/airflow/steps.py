@@ -228,18 +228,21 @@ def _validation_dict(result) -> dict:
     """A compact result (the full summary stays in the stored report, not in XCom)."""
     summary = result.summary or {}
     return {"success": bool(result.success), "checkpoint_id": result.checkpoint_id,
-            "deep": summary.get("deep"), "critical_failures": summary.get("critical_failures"),
+            "deep": summary.get("deep"), "level": summary.get("level"),
+            "critical_failures": summary.get("critical_failures"),
             "failed_checks": list(summary.get("failed_checks") or [])[:20],
             "figures": summary.get("figures"), "report_location": result.report_location,
             "data_docs_index": result.data_docs_index}
 
 
 def validate_store(store, *, run_id: str | None = None, ref: str | int = "latest",
-                   deep: bool = False, job_ref: str | None = None,
+                   deep: bool = False, level: str | None = None, job_ref: str | None = None,
                    report: str = "now") -> dict:
     """Validate the checkpoint committed by ``run_id`` (or ``ref``); raise if it fails.
 
-    ``job_ref`` (the configured job) adds the job's expectations on its states.
+    ``level`` ("manifest", "deep" or "full"; default: "deep" if ``deep``) is
+    `validate_checkpoint`'s. ``job_ref`` (the configured job) adds the job's
+    expectations on its states.
     ``report="none"`` decides without importing Great Expectations (the scheduled
     pipeline: its verdict must not wait ~10 s for GE); maintenance renders the report.
     """
@@ -255,7 +258,8 @@ def validate_store(store, *, run_id: str | None = None, ref: str | int = "latest
     else:
         meta = store.resolve(ref)
     result = _validation_dict(validate_checkpoint(store, meta.checkpoint_id, deep=deep,
-                                                  state_checks=checks or None, report=report))
+                                                  level=level, state_checks=checks or None,
+                                                  report=report))
     result["checkpoint"] = checkpoint_facts(meta)
     if not result["success"]:
         raise ValidationFailedError(
@@ -265,10 +269,11 @@ def validate_store(store, *, run_id: str | None = None, ref: str | int = "latest
 
 
 def validate_step(spec: JobSpec, *, run_id: str | None = None, ref: str | int = "latest",
-                  deep: bool = False, storage_options: Mapping[str, Any] | None = None,
+                  deep: bool = False, level: str | None = None,
+                  storage_options: Mapping[str, Any] | None = None,
                   report: str = "now") -> dict:
     return validate_store(open_store(spec, storage_options), run_id=run_id, ref=ref,
-                          deep=deep, job_ref=spec.job, report=report)
+                          deep=deep, level=level, job_ref=spec.job, report=report)
 
 
 # -- lifecycle -----------------------------------------------------------------------

@@ -103,6 +103,7 @@ def test_dag_shapes_params_and_retries():
     maint = bag.dags["clicks_maintenance"]
     assert [t.task_id for t in maint.topological_sort()] == ["retain", "gc",
                                                              "validate_latest_deep"]
+    assert maint.get_task("validate_latest_deep").level == "full"
 
 
 def test_submit_mode_uses_spark_submit_operator(monkeypatch):

@@ -112,11 +112,13 @@ def test_rescale_dry_run_then_real(e2e):
     assert len(out["after_rescale"]) == 3  # the dry run committed nothing
 
 
-def test_maintenance_writes_deep_report(e2e):
+def test_maintenance_writes_full_report(e2e):
+    """Maintenance validates the latest checkpoint at the full level (every entry)."""
     out, _ = e2e
     assert out["maintenance"]["state"] == "success", out["maintenance"]
     report = out["latest_report"]
     assert report["success"] is True and report["deep"] is True and report["checkpoint_id"] == 3
+    assert report["level"] == "full"
 
 
 def test_final_state_equals_pandas_reference(e2e):
