@@ -85,6 +85,7 @@ from statebackend.checkpoint.snapshot import upload_snapshot
 from statebackend.checkpoint.store import CheckpointStore, build_metadata
 from statebackend.errors import CkptError, MetadataError, SnapshotError, UsageError
 from statebackend.progress import NO_PROGRESS, ProgressSink
+from statebackend.rescale.scratch import scratch_parent
 from statebackend.state.backend import KeyedStateBackend
 from statebackend.state.keygroups import (
     KeyGroupRange,
@@ -344,8 +345,9 @@ def run_subtask(spec: dict, storage_options: Mapping | None = None) -> dict:
         base = handles[spec["base"]]
         imports = [(handles[i["source"]], KeyGroupRange(i["key_group_start"], i["key_group_end"]))
                    for i in spec["imports"]]
+        bytes_downloaded = base.size + sum(h.size for h, _ in imports)
         work = tempfile.mkdtemp(prefix=f"ckpt-rescale-{index}-",
-                                dir=os.environ.get("CKPT_LOCAL_DIR") or None)
+                                dir=scratch_parent(bytes_downloaded))
 
         # 1. download every overlapping handle (two-phase: nothing opens half-downloaded)
         t = time.perf_counter()
@@ -355,7 +357,6 @@ def run_subtask(spec: dict, storage_options: Mapping | None = None) -> dict:
             for fut in [pool.submit(download_files, job_storage, handles[i].files, d)
                         for i, d in dirs.items()]:
                 fut.result()
-        bytes_downloaded = base.size + sum(h.size for h, _ in imports)
         timings["download"] = time.perf_counter() - t
 
         # 2. open the base as the new instance and clip it
