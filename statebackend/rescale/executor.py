@@ -100,6 +100,9 @@ from statebackend.storage import Storage, open_storage
 # A new subtask whose base would keep more than this share of its referenced bytes only
 # for key groups it no longer owns is compacted (docs/rescale.md: the figures).
 COMPACT_CLIPPED_SHARE = 1 / 3
+# New subtasks run at once per core of a local session (bench/bench_rescale.py: 4 -> 8
+# and 8 -> 3 took 0.22-0.44 s with one task per core, 0.26-0.33 s with two).
+TASKS_PER_CORE = 2
 
 
 class NothingToRescaleError(UsageError):
@@ -448,7 +451,7 @@ def run_subtask(spec: dict, storage_options: Mapping | None = None) -> dict:
                 "uploaded_paths": list(uploaded), "bytes_downloaded": bytes_downloaded,
                 "bytes_uploaded": result.handle.bytes_uploaded, "files_reused": result.files_reused,
                 "entries_imported": entries_imported, "clipped_share": round(clipped, 3),
-                "compacted": compacted,
+                "compacted": compacted, "scratch": os.path.dirname(work),
                 "rows": sum(result.handle.row_counts.values()), "timings": timings,
                 "host": socket.gethostname()}
     except BaseException as exc:  # noqa: BLE001 - reported to the driver, which aborts
@@ -538,7 +541,9 @@ def _run_tasks(specs: list[dict], store: CheckpointStore, master: str | None, sp
         # this process's threads skip a Spark job's scheduling, task serialization and
         # Python worker round trips (most of a small rescale's time). rocksdict drops
         # the GIL in RocksDB calls, and each task works in its own folder and instance.
-        return _run_here(specs, store.root_storage.options, threads, progress)
+        # A task waits (on RocksDB's background flush and compaction, on file I/O) about
+        # as long as it computes, so two tasks per core keep the cores busy.
+        return _run_here(specs, store.root_storage.options, TASKS_PER_CORE * threads, progress)
     from statebackend.spark.dispatch import job_tag
     from statebackend.spark.progress import report_tasks
 
@@ -646,7 +651,7 @@ def rescale(store: CheckpointStore, ref: str | int | None = "latest",
         "compacted_subtasks": sum(bool(r.get("compacted")) for r in results),
         "subtasks": [{"index": r["index"], "base": s.base,
                       "clipped_share": r.get("clipped_share"),
-                      "compacted": r.get("compacted"),
+                      "compacted": r.get("compacted"), "scratch": r.get("scratch"),
                       "imports": [i.source for i in s.imports], "rows": r["rows"],
                       "bytes_downloaded": r["bytes_downloaded"],
                       "bytes_uploaded": r["bytes_uploaded"], "files_reused": r["files_reused"],

@@ -10,9 +10,10 @@ where a sync costs nothing) when one is mounted and its files fit in a small sha
 of the free space there, else in the temp folder.
 
 Order of choice: ``CKPT_LOCAL_DIR`` if set (the deployment decides); else
-``TMPFS_DIR`` if it is a writable tmpfs folder with free space of at least
-``TMPFS_FREE_FACTOR`` x the bytes the task will write and those bytes are under
-``TMPFS_MAX_BYTES``; else None (`tempfile`'s default folder).
+``TMPFS_DIR`` if it is a writable tmpfs folder, the bytes the task will write are
+under ``TMPFS_MAX_BYTES`` and both the free space there and the memory available
+(tmpfs pages are memory) are at least ``TMPFS_FREE_FACTOR`` x those bytes; else None
+(`tempfile`'s default folder). The task removes its scratch folder when it ends.
 """
 
 from __future__ import annotations
@@ -40,6 +41,17 @@ def _is_tmpfs(path: str) -> bool:
     return best is not None and best[1] == "tmpfs"
 
 
+def _memory_available() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def scratch_parent(bytes_downloaded: int) -> str | None:
     """The folder to create a task's scratch folder in (None: the temp folder)."""
     configured = os.environ.get("CKPT_LOCAL_DIR")
@@ -52,6 +64,10 @@ def scratch_parent(bytes_downloaded: int) -> str | None:
         st = os.statvfs(TMPFS_DIR)
     except OSError:
         return None
-    if st.f_bavail * st.f_frsize < TMPFS_FREE_FACTOR * need or not _is_tmpfs(TMPFS_DIR):
+    room = st.f_bavail * st.f_frsize
+    memory = _memory_available()
+    if memory is not None:
+        room = min(room, memory)
+    if room < TMPFS_FREE_FACTOR * need or not _is_tmpfs(TMPFS_DIR):
         return None
     return TMPFS_DIR
