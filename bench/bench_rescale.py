@@ -24,7 +24,10 @@ Everything is timed after the SparkSession has started (and a tiny untimed resca
 warmed the Python workers). The contenders run in interleaved rounds (the machine may be
 shared: drifting load hits them alike); each figure is the best of ``--repeats`` rounds,
 and the JSON output (``--json``) keeps every round. An empty Spark job with Q tasks is
-timed too: it is the scheduling floor every Spark-based contender pays. Storage is
+timed too: it is the scheduling floor every Spark-based contender pays. For ours the
+best round's time split by phase is printed (seconds summed over the new subtasks, the
+tasks' wall time, the driver's own), with the scratch folder the tasks used and the
+load average (the figures are only comparable within one run). Storage is
 file:// under ``--workdir``. Run: ``python bench/bench_rescale.py [--quick]``.
 """
 
