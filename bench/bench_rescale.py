@@ -24,7 +24,10 @@ Everything is timed after the SparkSession has started (and a tiny untimed resca
 warmed the Python workers). The contenders run in interleaved rounds (the machine may be
 shared: drifting load hits them alike); each figure is the best of ``--repeats`` rounds,
 and the JSON output (``--json``) keeps every round. An empty Spark job with Q tasks is
-timed too: it is the scheduling floor every Spark-based contender pays. Storage is
+timed too: it is the scheduling floor every Spark-based contender pays. For ours the
+best round's time split by phase is printed (seconds summed over the new subtasks, the
+tasks' wall time, the driver's own), with the scratch folder the tasks used and the
+load average (the figures are only comparable within one run). Storage is
 file:// under ``--workdir``. Run: ``python bench/bench_rescale.py [--quick]``.
 """
 
@@ -221,6 +224,20 @@ def empty_job(spark, tasks: int) -> None:
     spark.sparkContext.parallelize(range(tasks), tasks).map(lambda x: x).collect()
 
 
+def phase_split(summary: dict) -> dict[str, float]:
+    """Seconds per phase summed over the new subtasks, then the tasks' wall time and the
+    driver's own (plan, leases, metadata commit: the rescale's duration minus the tasks)."""
+    split: dict[str, float] = {}
+    for sub in summary["subtasks"]:
+        for phase, seconds in sub["timings"].items():
+            if phase != "total":
+                split[phase] = split.get(phase, 0.0) + seconds
+    split = {k: round(v, 4) for k, v in split.items()}
+    split["tasks"] = summary["tasks_seconds"]
+    split["driver"] = round(summary["duration_seconds"] - summary["tasks_seconds"], 4)
+    return split
+
+
 # -- main --------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
@@ -269,11 +286,12 @@ def main(argv: list[str] | None = None) -> int:
                                          ("ours", "ours_whole", "naive", "spark", "copy_job",
                                           "copy_local", "empty_job")}
         repartitioned = ""
+        summaries: list[dict] = []
         for r in range(repeats):
             t = time.perf_counter()
-            summary = rescale(store, sid, q, spark=spark)
+            summaries.append(rescale(store, sid, q, spark=spark))
             times["ours"].append(time.perf_counter() - t)
-            assert summary["rows"] == n_keys, summary["rows"]
+            assert summaries[-1]["rows"] == n_keys, summaries[-1]["rows"]
             referenced = store.latest().bytes_referenced
             rule = executor.COMPACT_CLIPPED_SHARE
             executor.COMPACT_CLIPPED_SHARE = 1.0  # never: clipped SSTs kept whole
@@ -303,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             empty_job(spark, q)
             times["empty_job"].append(time.perf_counter() - t)
         best = {k: min(v) for k, v in times.items()}
+        summary = summaries[times["ours"].index(best["ours"])]  # the best round's
+        phases = phase_split(summary)
         ours_s, naive_s, spark_s = best["ours"], best["naive"], best["spark"]
         copy_job_s, copy_local_s = best["copy_job"], best["copy_local"]
         rows_before, parts_before = state_rows(spark, location)
@@ -328,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
             "empty_spark_job_s": round(best["empty_job"], 3),
             "all_rounds_s": {k: [round(x, 3) for x in v] for k, v in times.items()},
             "ours_subtask_timings": [s["timings"] for s in summary["subtasks"]],
+            "ours_phase_split_s": phases,
+            "ours_scratch": sorted({s["scratch"] for s in summary["subtasks"]}),
+            "load_average": [round(x, 1) for x in os.getloadavg()],
             "ratio_spark_over_ours": round(spark_s / ours_s, 2),
             "ratio_spark_over_ours_kept_whole": round(spark_s / best["ours_whole"], 2),
             "ratio_naive_over_ours": round(naive_s / ours_s, 2),
@@ -347,6 +370,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{q} subtasks compacted), clipped SSTs kept whole {referenced_whole} "
               f"({referenced_whole / src.bytes_referenced:.2f}x) in "
               f"{best['ours_whole']:.3f} s")
+        print(f"  ours by phase (best round; seconds summed over the {q} subtasks, which run "
+              f"{executor.TASKS_PER_CORE} per core at once): "
+              + ", ".join(f"{k} {v:.3f}" for k, v in phases.items() if k not in ("tasks", "driver"))
+              + f"; tasks wall {phases['tasks']:.3f}, driver (plan, leases, commit) "
+              f"{phases['driver']:.3f}; scratch {', '.join(row['ours_scratch'])}; "
+              f"load average {row['load_average'][0]}")
         print(f"  Spark state rows before/after {rows_before}/{rows_after}, partitions "
               f"{parts_before} -> {parts_after} (streaming query to build it: {build_s:.1f} s)")
         print(f"  ratios: Spark/ours {row['ratio_spark_over_ours']}x (goal >= 10; kept whole "

@@ -170,6 +170,23 @@ def test_scale_in_keeps_whole_bases_uncompacted(spark, tmp_path):
     assert content(store, store.latest()) == content(store, source)
 
 
+def test_scale_in_references_every_sst_of_each_base_instead_of_uploading_it(tmp_path):
+    # The clip's tombstones and the ingested SSTs reach RocksDB's level-0 trigger: an
+    # automatic compaction that finished before the snapshot made a new subtask upload
+    # its whole state again (26 of 30 new subtasks in 15 runs of this case, before).
+    store = build_source(tmp_path, f"memory://rescale-ref-{os.getpid()}-{tmp_path.name}", 4)
+    source = store.latest()
+    before = content(store, source)
+    summary = rescale(store, "latest", 2)
+    new = store.latest()
+    for sub, handle in zip(summary["subtasks"], new.subtasks, strict=True):
+        base = source.subtasks[sub["base"]]
+        assert {f.path for f in base.shared_files} <= {f.path for f in handle.shared_files}
+        # uploaded: the imports' SSTs, the clip's tombstones and the private files only
+        assert sub["bytes_uploaded"] == handle.size - sum(f.size for f in base.shared_files)
+    assert content(store, new) == before
+
+
 def test_compact_option_writes_only_live_data(spark, tmp_path):
     store = build_source(tmp_path, f"file://{tmp_path}/store", 1)
     source = store.latest()
