@@ -348,7 +348,10 @@ def _run_attempt(spark, job: Job, config: RunConfig, options: dict, store: Check
     routed = dispatch.route(read_input(spark, files, inp, config.input_reader),
                             dispatch.Routing(inp.key, max_parallelism, parallelism, part_values),
                             ddl)
-    sort_by = (inp.key, *[n for n in inp.schema.names if n != inp.key])
+    # key, then event time: one key's rows reach the logic in time order also across
+    # Arrow batches (first-seen and session logic); the rest fixes float sums' order
+    leading = (inp.key, *([inp.event_time] if inp.event_time else []))
+    sort_by = (*leading, *[n for n in inp.schema.names if n not in leading])
     tasks = dispatch.with_markers(spark, routed, ddl, lambda _v: marker_row(inp, MARKER),
                                   parallelism, sort_by).mapInArrow(
         functools.partial(run_subtask, params), RESULT_DDL)
