@@ -5,7 +5,8 @@ returns a batch handle whose every call takes a column of keys (a list or an
 Arrow array) and costs one multi-get or one write batch:
 
 - value / reducing / aggregating: ``get(keys)``, ``put(keys, values)``,
-  ``delete(keys)``; record codecs also ``get_columns(keys) -> (found, columns)``
+  ``delete(keys)``, ``insert_absent(keys, values) -> found`` (write only where no
+  live value is; one read per key); record codecs also ``get_columns(keys) -> (found, columns)``
   and ``put_columns(keys, columns)`` (NumPy arrays, no per-row dicts);
   reducing/aggregating ``add(keys, values)``;
 - list: ``get(keys) -> [list]``, ``append(keys, values)`` (one value per key
@@ -105,6 +106,18 @@ class ValueBatch(_BatchHandle):
         _same_length(self.name, rks, values)
         self.state.write_raw(zip(rks, (encode(v) for v in values), strict=True),
                              timestamps=_times(timestamps))
+
+    def insert_absent(self, keys: Keys, values: Sequence[Any],
+                      timestamps: Any = None) -> np.ndarray:
+        """Remember ``values`` for the keys that hold none yet ("insert if absent"): one
+        multi-get and one write batch, with a TTL's index entries in the same batch.
+        Returns the found mask (True: the key had a live value, left as it was). Keys
+        must be distinct (e.g. `group_by_key`'s)."""
+        _, rks = self._keys.encode(keys)
+        _same_length(self.name, rks, values)
+        encode = self.codec.encode
+        return self.state.insert_absent_raw(rks, [encode(v) for v in values],
+                                            timestamps=_times(timestamps))
 
     def get_columns(self, keys: Keys) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         _, rks = self._keys.encode(keys)
