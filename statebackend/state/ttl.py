@@ -425,7 +425,7 @@ def purge_expired(backend: KeyedStateBackend, domain: str, now: int,
     seeks = read = deleted = dropped = 0
     per_state: dict[str, int] = {}
     pending: list[bytes] = []
-    from statebackend.state.backend import checked_scan
+    from statebackend.state.backend import checked_entries
 
     r = backend.key_group_range
     due_ranges: list[tuple[bytes, bytes]] = []  # index ranges that held due entries
@@ -433,16 +433,16 @@ def purge_expired(backend: KeyedStateBackend, domain: str, now: int,
         lower = key_group_prefix(kg) + dom
         upper = lower + upper_time
         seeks += 1
-        before = read
-        for ik in checked_scan(index_cf, where, lower, upper, values=False,
-                               file_paths=backend.file_paths):
-            pending.append(ik)
-            read += 1
-            if len(pending) >= batch_size:
-                d, e = _purge_batch(backend, pending, now, per_state)
-                deleted, dropped, pending = deleted + d, dropped + e, []
-        if read > before:
-            due_ranges.append((lower, upper))
+        due, _ = checked_entries(index_cf, where, lower, upper, values=False,
+                                 file_paths=backend.file_paths)
+        if not due:
+            continue
+        due_ranges.append((lower, upper))
+        read += len(due)
+        pending.extend(due)
+        if len(pending) >= batch_size:
+            d, e = _purge_batch(backend, pending, now, per_state)
+            deleted, dropped, pending = deleted + d, dropped + e, []
     if pending:
         d, e = _purge_batch(backend, pending, now, per_state)
         deleted, dropped = deleted + d, dropped + e
@@ -469,14 +469,17 @@ def _purge_batch(backend: KeyedStateBackend, index_keys: list[bytes], now: int,
     # fixed key group, domain and expiry; only the name framing needs checking.
     by_tag: dict[bytes, list[bytes]] = {}
     sample: dict[bytes, bytes] = {}  # one whole index key per state, parsed once
+    tag, end, bodies = b"", 0, []  # the last tag seen: runs of one state skip the framing
     for ik in index_keys:
-        end = 13 + int.from_bytes(ik[11:13], "big")
-        if len(ik) < 13 or end > len(ik):
-            parse_index_key(ik)  # raises the SerializationError that names it
-        tag = ik[11:end]
-        if tag not in by_tag:
-            by_tag[tag], sample[tag] = [], ik
-        by_tag[tag].append(ik[:2] + ik[end:])
+        if not (tag and ik.startswith(tag, 11)):
+            end = 13 + int.from_bytes(ik[11:13], "big")
+            if len(ik) < 13 or end > len(ik):
+                parse_index_key(ik)  # raises the SerializationError that names it
+            tag = ik[11:end]
+            if tag not in by_tag:
+                by_tag[tag], sample[tag] = [], ik
+            bodies = by_tag[tag]
+        bodies.append(ik[:2] + ik[end:])
     wb = WriteBatch(raw_mode=True)
     deleted = dropped = 0
     for tag, keys in by_tag.items():
