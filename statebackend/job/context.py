@@ -115,8 +115,7 @@ class ValueBatch(_BatchHandle):
         must be distinct (e.g. `group_by_key`'s)."""
         _, rks = self._keys.encode(keys)
         _same_length(self.name, rks, values)
-        encode = self.codec.encode
-        return self.state.insert_absent_raw(rks, [encode(v) for v in values],
+        return self.state.insert_absent_raw(rks, _encode_runs(self.codec.encode, values),
                                             timestamps=_times(timestamps))
 
     def get_columns(self, keys: Keys) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -207,6 +206,19 @@ def _times(timestamps: Any) -> Any:
     if isinstance(timestamps, np.ndarray) and timestamps.dtype.kind not in "iu":
         return timestamps.tolist()
     return timestamps
+
+
+def _encode_runs(encode, values: Sequence[Any]) -> list[bytes]:
+    """``[encode(v) for v in values]``, encoding a run of the same object once (e.g. one
+    marker value for every key)."""
+    out: list[bytes] = []
+    last: Any = _UNSET
+    encoded = b""
+    for v in values:
+        if v is not last:
+            encoded, last = encode(v), v
+        out.append(encoded)
+    return out
 
 
 def _same_length(name: str, keys: Sequence, values: Sequence) -> None:
