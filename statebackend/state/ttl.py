@@ -304,7 +304,6 @@ class TtlAccess:
             indexed[rk] = set()
         self.backend.write(wb)
 
-
     def insert_absent(self, rocks_keys: Sequence[bytes], encoded: Sequence[bytes],
                       timestamps: Sequence[int] | int | None = None) -> np.ndarray:
         """Value-like state: write each entry whose key holds no live value; one multi-get
