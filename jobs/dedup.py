@@ -10,11 +10,13 @@ ms), ``value`` (double). The semantics are tests/reference/dedup.py's:
 - inside a run the rows of an id are taken in ``ts`` order: the first one is
   emitted when the id is not remembered, every other row is a duplicate (dropped,
   counted as ``duplicates_dropped`` in the run summary);
-- an emitted id is remembered in the value state ``first_ts`` (a record of one
-  int64 field ``first_ts``) with an event-time TTL (option ``ttl_days``, default 7)
-  written at its own event time: it expires once the watermark reaches ``first_ts +
-  ttl``, and the run's purge removes it, so the state holds only the last ``ttl +
-  lateness`` of event time.
+- an emitted id is remembered in the value state ``seen`` with an event-time TTL
+  (option ``ttl_days``, default 7) written at its own event time ``first_ts``: it
+  expires once the watermark reaches ``first_ts + ttl``, and the run's purge removes
+  it, so the state holds only the last ``ttl + lateness`` of event time. The stored
+  value is the expiry alone (an empty payload: ``first_ts`` is the expiry minus the
+  TTL, ``ckpt dump`` shows it in the ``_ttl`` index rows), and one ``insert_absent``
+  per batch reads each id once and writes value and index entry together.
 
 Run it as ``ckpt run jobs.dedup:JOB ARGS``, ``python -m jobs.dedup ARGS`` or
 ``spark-submit jobs/dedup.py ARGS``; in ``ckpt_jobs``: ``job: dedup`` with ``options:``.
@@ -43,18 +45,18 @@ from statebackend.job import (  # noqa: E402
     Vectorized,
     not_null,
     parses,
-    record,
     value_state,
 )
 from statebackend.job.context import group_by_key  # noqa: E402
+from statebackend.state.codecs import BytesCodec  # noqa: E402
 from statebackend.state.ttl import StateTtl  # noqa: E402
 
 MINUTE_MS = 60_000
 DAY_MS = 24 * 60 * MINUTE_MS
 SCHEMA = pa.schema([("event_id", pa.int64()), ("user", pa.string()), ("ts", pa.int64()),
                     ("value", pa.float64())])
-# A fixed-width record: one multi-get decodes to a found mask and a put encodes in one pass.
-FIRST_TS = value_state("first_ts", record(first_ts="int64"), ttl=StateTtl(7 * DAY_MS, time="event"))
+# The value is the TTL's expiry alone: the payload is empty bytes (the id is the key).
+SEEN = value_state("seen", BytesCodec(), ttl=StateTtl(7 * DAY_MS, time="event"))
 INPUT = Input(schema=SCHEMA, key="event_id",
               rules=(not_null("event_id"), parses("event_id"), not_null("ts"), parses("ts")),
               event_time="ts", allowed_lateness=60 * MINUTE_MS)
@@ -64,33 +66,32 @@ def first_of_each(batch: pa.Table, ctx) -> None:
     """Emit the earliest row of each id not remembered; remember it at its event time."""
     by_time = batch.take(pc.sort_indices(batch, [("ts", "ascending")]))  # stable
     keys, rows, offsets = group_by_key(by_time, "event_id")
-    state = ctx.state("first_ts")
-    known, _ = state.get_columns(keys)
-    first = offsets[:-1][~known]
-    emitted = rows.take(pa.array(first, pa.int64()))
-    new_keys = [k for k, seen in zip(keys, known, strict=True) if not seen]
-    ts = emitted["ts"]
-    if new_keys:
-        state.put_columns(new_keys, {"first_ts": ts.to_numpy()}, timestamps=ts)
+    firsts = rows.take(pa.array(offsets[:-1], pa.int64()))
+    known = ctx.state("seen").insert_absent(keys, [b""] * len(keys), timestamps=firsts["ts"])
+    emitted = firsts.filter(pa.array(~known))
+    if emitted.num_rows:
         ctx.emit("events", emitted.set_column(0, "event_id",
                                               pc.cast(emitted["event_id"], pa.int64())))
-    ctx.count("duplicates_dropped", batch.num_rows - len(new_keys))
+    ctx.count("duplicates_dropped", batch.num_rows - emitted.num_rows)
 
 
 def configure(job: Job, options: Mapping[str, Any]) -> Job:
     """The TTL and the allowed lateness come from the options."""
     ttl = StateTtl(options["ttl_days"] * DAY_MS, time="event")
     lateness = options["allowed_lateness_minutes"] * MINUTE_MS
-    return replace(job, states=(replace(FIRST_TS, ttl=ttl),),
+    return replace(job, states=(replace(SEEN, ttl=ttl),),
                    input=replace(job.input, allowed_lateness=lateness))
 
 
 JOB = Job(
-    name="dedup", input=INPUT, states=(FIRST_TS,), outputs=(Output("events", SCHEMA),),
+    name="dedup", input=INPUT, states=(SEEN,), outputs=(Output("events", SCHEMA),),
     logic=Vectorized(first_of_each),
     options=(Option("ttl_days", int, 7, "days of event time an event id is remembered"),
              Option("allowed_lateness_minutes", int, 60,
                     "event-time lateness a row may have and still count")),
+    # ZSTD: each run's new SSTs (ids and index entries, mostly incompressible digits
+    # under Snappy) are ~30% smaller, for no measurable CPU at this size.
+    compression="zstd",
     configure=configure)
 
 

@@ -5,7 +5,8 @@ returns a batch handle whose every call takes a column of keys (a list or an
 Arrow array) and costs one multi-get or one write batch:
 
 - value / reducing / aggregating: ``get(keys)``, ``put(keys, values)``,
-  ``delete(keys)``; record codecs also ``get_columns(keys) -> (found, columns)``
+  ``delete(keys)``, ``insert_absent(keys, values) -> found`` (write only where no
+  live value is; one read per key); record codecs also ``get_columns(keys) -> (found, columns)``
   and ``put_columns(keys, columns)`` (NumPy arrays, no per-row dicts);
   reducing/aggregating ``add(keys, values)``;
 - list: ``get(keys) -> [list]``, ``append(keys, values)`` (one value per key
@@ -106,6 +107,17 @@ class ValueBatch(_BatchHandle):
         self.state.write_raw(zip(rks, (encode(v) for v in values), strict=True),
                              timestamps=_times(timestamps))
 
+    def insert_absent(self, keys: Keys, values: Sequence[Any],
+                      timestamps: Any = None) -> np.ndarray:
+        """Remember ``values`` for the keys that hold none yet ("insert if absent"): one
+        multi-get and one write batch, with a TTL's index entries in the same batch.
+        Returns the found mask (True: the key had a live value, left as it was). Keys
+        must be distinct (e.g. `group_by_key`'s)."""
+        _, rks = self._keys.encode(keys)
+        _same_length(self.name, rks, values)
+        return self.state.insert_absent_raw(rks, _encode_runs(self.codec.encode, values),
+                                            timestamps=_times(timestamps))
+
     def get_columns(self, keys: Keys) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         _, rks = self._keys.encode(keys)
         return self.state._record_codec().decode_columns(self.state.read_raw(rks))
@@ -194,6 +206,19 @@ def _times(timestamps: Any) -> Any:
     if isinstance(timestamps, np.ndarray) and timestamps.dtype.kind not in "iu":
         return timestamps.tolist()
     return timestamps
+
+
+def _encode_runs(encode, values: Sequence[Any]) -> list[bytes]:
+    """``[encode(v) for v in values]``, encoding a run of the same object once (e.g. one
+    marker value for every key)."""
+    out: list[bytes] = []
+    last: Any = _UNSET
+    encoded = b""
+    for v in values:
+        if v is not last:
+            encoded, last = encode(v), v
+        out.append(encoded)
+    return out
 
 
 def _same_length(name: str, keys: Sequence, values: Sequence) -> None:

@@ -392,7 +392,7 @@ class SubtaskProcessor:
         self.timings = dict.fromkeys(PHASES, 0.0)
         self.events = 0
         self.reasons: dict[str, int] = {}
-        self._keys: set[str] = set()
+        self._keys: list[pa.Array] = []  # distinct keys per batch (counted at the end)
         self._rejected: list[pa.Table] = []
         self._emitted: dict[str, list] = {o.name: [] for o in job.outputs}
         self._rejected_empty: pa.Table | None = None
@@ -412,7 +412,7 @@ class SubtaskProcessor:
             return
         started = time.perf_counter()
         self.events += accepted.num_rows
-        self._keys.update(pc.unique(accepted[self.job.key]).to_pylist())
+        self._keys.append(pc.unique(accepted[self.job.key]))
         logic = self.job.logic
         if isinstance(logic, PerKey):
             run_per_key(logic.fn, accepted, self.ctx, self.timings)
@@ -489,6 +489,11 @@ class SubtaskProcessor:
         for name, items in self.ctx.take_emitted().items():
             self._emitted[name].extend(items)
 
+    def _distinct_keys(self) -> int:
+        if len(self._keys) < 2:
+            return len(self._keys[0]) if self._keys else 0
+        return len(pc.unique(pa.chunked_array(self._keys)))
+
     def next_times(self) -> dict[str, int | None]:
         """Earliest timer and expiry per domain: when this subtask has work without rows."""
         from statebackend.state.timers import next_timer_time
@@ -514,7 +519,7 @@ class SubtaskProcessor:
             rejected = self._rejected_empty if self._rejected_empty is not None else \
                 _rejected_schema_table(self.job, pa.table({}))
         return ProcessResult(outputs, rejected, self.events, rejected.num_rows,
-                             dict(sorted(self.reasons.items())), len(self._keys),
+                             dict(sorted(self.reasons.items())), self._distinct_keys(),
                              dict(self.timings), self.timers_fired, self.ttl_purged,
                              self.ttl_index_read, dict(sorted(self.ctx.counters.items())),
                              self.next_times() if self.job.has_time else {})

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 from rocksdict import WriteBatch
 
 from statebackend.errors import UsageError
@@ -132,7 +133,7 @@ class _State:
         # None without a TTL: every method then runs its original code path.
         self._ttl = TtlAccess(backend, descriptor) if descriptor.ttl is not None else None
 
-    def _write(self, pairs: Sequence[tuple[bytes, bytes]] | zip) -> None:
+    def _write(self, pairs: Iterable[tuple[bytes, bytes]]) -> None:
         wb = WriteBatch(raw_mode=True)
         wb.set_default_column_family(self.cf_handle)
         for k, v in pairs:
@@ -220,6 +221,25 @@ class ValueState(_State):
             self._ttl.write(pairs, (), timestamps)
             return
         self._write(pairs)
+
+    def insert_absent_raw(self, rocks_keys: Sequence[bytes], encoded: Sequence[bytes],
+                          timestamps: Sequence[int] | int | None = None) -> np.ndarray:
+        """Write ``encoded`` where a key holds no (live) value; one multi-get and one write
+        batch. Returns the found mask (True: a value existed, nothing written there).
+        ``rocks_keys`` must be distinct; ``timestamps`` as for `write_raw` (TTL only)."""
+        if self._ttl is not None:
+            return self._ttl.insert_absent(rocks_keys, encoded, timestamps)
+        if len(encoded) != len(rocks_keys):
+            raise UsageError(f"state {self.descriptor.name!r}: {len(rocks_keys)} keys but "
+                             f"{len(encoded)} values; pass one value per key")
+        if len(set(rocks_keys)) != len(rocks_keys):
+            raise UsageError(f"state {self.descriptor.name!r}: insert_absent got a key more "
+                             "than once; pass each key once (group the batch by key first)")
+        old = self.cf.get(list(rocks_keys)) if len(rocks_keys) else []
+        found = np.fromiter((o is not None for o in old), dtype=bool, count=len(old))
+        self._write((rk, v) for rk, v, f in zip(rocks_keys, encoded, found, strict=True)
+                    if not f)
+        return found
 
     # Columnar access for record codecs: no per-row dicts.
     def get_columns(self, keys: Sequence[str]) -> tuple[Any, dict]:

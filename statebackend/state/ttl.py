@@ -33,9 +33,15 @@ stored with the value (no second lookup), whether or not purge has run; (2)
 every stored expiry has its index entry (a write puts it and deletes the index
 entry of the value it overwrites or deletes, read in the same multi-get), so
 purge finds everything that expires; (3) an index entry with ``expiry <= now``
-never points at an entry a read at ``now`` would return. Purge still tolerates
-an index entry whose value is gone or was rewritten (it only drops the index
-entry). Validation checks (2) and (3) (`validation.content`).
+never points at an entry a read at ``now`` would return. Validation checks (2)
+and (3) (`validation.content`).
+
+Purge reads only the index: by (2) and (3) a due index entry of a value-like
+state (value, reducing, aggregating, map) names an expired entry, which it
+deletes without reading it back; a list is read, since its elements expire one
+by one. The due index range of each key group then goes with one range
+tombstone. `TtlAccess.insert_absent` (dedup's "remember if new") reads each key
+once and writes value and index entry in the same batch.
 """
 
 from __future__ import annotations
@@ -298,6 +304,46 @@ class TtlAccess:
             indexed[rk] = set()
         self.backend.write(wb)
 
+    def insert_absent(self, rocks_keys: Sequence[bytes], encoded: Sequence[bytes],
+                      timestamps: Sequence[int] | int | None = None) -> np.ndarray:
+        """Value-like state: write each entry whose key holds no live value; one multi-get
+        and one write batch (value and index entry together, no second read).
+
+        Returns the found mask: True where a live value exists (nothing written). An
+        expired value not purged yet counts as absent: it is replaced, and its index
+        entry (its expiry, read in the same multi-get) moves. ``rocks_keys`` must be
+        distinct.
+        """
+        n = len(rocks_keys)
+        if len(encoded) != n:
+            raise UsageError(f"state {self.name!r}: {n} keys but {len(encoded)} values; "
+                             "pass one value per key")
+        if len(set(rocks_keys)) != n:
+            raise UsageError(f"state {self.name!r}: insert_absent got a key more than once; "
+                             "pass each key once (group the batch by key first)")
+        old = self.cf.get(list(rocks_keys)) if n else []
+        now = self.now()
+        now_bytes = None if now is None else encode_time(now)
+        # byte order of the stored expiry is time order: live iff expiry > now
+        found = np.fromiter((o is not None and (now_bytes is None or o[:TIME_BYTES] > now_bytes)
+                             for o in old), dtype=bool, count=n)
+        if found.all():
+            return found
+        expiries = self.expiry_bytes(timestamps, n)
+        wb = WriteBatch(raw_mode=True)
+        cf, ix, dom, tag = self.cf_handle, self.index_handle, self.domain, self.tag
+        for rk, value, eb, o, live in zip(rocks_keys, encoded, expiries, old, found,
+                                          strict=True):
+            if live:
+                continue
+            had = None if o is None else o[:TIME_BYTES]
+            if had != eb:
+                if had is not None:
+                    wb.delete(rk[:2] + dom + had + tag + rk[2:], ix)
+                wb.put(rk[:2] + dom + eb + tag + rk[2:], b"", ix)
+            wb.put(rk, eb + value, cf)
+        self.backend.write(wb)
+        return found
 
     def _write_values(self, puts: list[tuple[bytes, bytes]], deletes: list[bytes],
                       expiries: list[bytes], old: list, old_deleted: list) -> None:
@@ -378,22 +424,36 @@ def purge_expired(backend: KeyedStateBackend, domain: str, now: int,
     seeks = read = deleted = dropped = 0
     per_state: dict[str, int] = {}
     pending: list[bytes] = []
-    from statebackend.state.backend import checked_scan
+    from statebackend.state.backend import checked_entries
 
     r = backend.key_group_range
+    due_ranges: list[tuple[bytes, bytes]] = []  # index ranges that held due entries
     for kg in range(r.start, r.end + 1):
         lower = key_group_prefix(kg) + dom
+        upper = lower + upper_time
         seeks += 1
-        for ik in checked_scan(index_cf, where, lower, lower + upper_time, values=False,
-                               file_paths=backend.file_paths):
-            pending.append(ik)
-            read += 1
-            if len(pending) >= batch_size:
-                d, e = _purge_batch(backend, pending, now, per_state)
-                deleted, dropped, pending = deleted + d, dropped + e, []
+        due, _ = checked_entries(index_cf, where, lower, upper, values=False,
+                                 file_paths=backend.file_paths)
+        if not due:
+            continue
+        due_ranges.append((lower, upper))
+        read += len(due)
+        pending.extend(due)
+        if len(pending) >= batch_size:
+            d, e = _purge_batch(backend, pending, now, per_state)
+            deleted, dropped, pending = deleted + d, dropped + e, []
     if pending:
         d, e = _purge_batch(backend, pending, now, per_state)
         deleted, dropped = deleted + d, dropped + e
+    if due_ranges:
+        # Every entry of these ranges was read and handled above: one range tombstone
+        # per key group instead of a point tombstone per index entry (fewer bytes to
+        # write, flush and upload).
+        wb = WriteBatch(raw_mode=True)
+        ix = backend.column_family_handle(TTL_INDEX)
+        for lo, hi in due_ranges:
+            wb.delete_range(lo, hi, ix)
+        backend.write(wb)
     compacted = tuple(sorted(
         name for name, n in per_state.items()
         if compact_ratio is not None and n and n >= compact_ratio * max(1, estimates.get(name, 0))))
@@ -408,17 +468,18 @@ def _purge_batch(backend: KeyedStateBackend, index_keys: list[bytes], now: int,
     # fixed key group, domain and expiry; only the name framing needs checking.
     by_tag: dict[bytes, list[bytes]] = {}
     sample: dict[bytes, bytes] = {}  # one whole index key per state, parsed once
+    tag, end, bodies = b"", 0, []  # the last tag seen: runs of one state skip the framing
     for ik in index_keys:
-        end = 13 + int.from_bytes(ik[11:13], "big")
-        if len(ik) < 13 or end > len(ik):
-            parse_index_key(ik)  # raises the SerializationError that names it
-        tag = ik[11:end]
-        if tag not in by_tag:
-            by_tag[tag], sample[tag] = [], ik
-        by_tag[tag].append(ik[:2] + ik[end:])
-    now_bytes = encode_time(now)
+        if not (tag and ik.startswith(tag, 11)):
+            end = 13 + int.from_bytes(ik[11:13], "big")
+            if len(ik) < 13 or end > len(ik):
+                parse_index_key(ik)  # raises the SerializationError that names it
+            tag = ik[11:end]
+            if tag not in by_tag:
+                by_tag[tag], sample[tag] = [], ik
+            bodies = by_tag[tag]
+        bodies.append(ik[:2] + ik[end:])
     wb = WriteBatch(raw_mode=True)
-    ix = backend.column_family_handle(TTL_INDEX)
     deleted = dropped = 0
     for tag, keys in by_tag.items():
         name = parse_index_key(sample[tag]).state
@@ -429,10 +490,17 @@ def _purge_batch(backend: KeyedStateBackend, index_keys: list[bytes], now: int,
         cf, handle = backend.column_family(name), backend.column_family_handle(name)
         rks = list(dict.fromkeys(keys))
         gone = 0
-        for rk, raw in zip(rks, cf.get(rks), strict=True):
-            if raw is None:
-                continue
-            if desc.kind == "list":
+        if desc.kind != "list":
+            # One expiry per entry, and the index holds exactly the stored ones
+            # (invariants 2 and 3): a due index entry names an expired entry, so it is
+            # deleted without reading it back.
+            for rk in rks:
+                wb.delete(rk, handle)
+            gone = len(rks)
+        else:
+            for rk, raw in zip(rks, cf.get(rks), strict=True):
+                if raw is None:
+                    continue
                 elements = decode_list(raw)
                 live = [e for e in elements if decode_time(e) > now]
                 if not live:
@@ -441,16 +509,9 @@ def _purge_batch(backend: KeyedStateBackend, index_keys: list[bytes], now: int,
                 elif len(live) < len(elements):
                     wb.put(rk, b"".join(_U32.pack(len(e)) + e for e in live), handle)
                     dropped += len(elements) - len(live)
-            elif len(raw) < TIME_BYTES:
-                decode_time(raw)  # raises: truncated
-            elif raw[:TIME_BYTES] <= now_bytes:  # byte order is time order
-                wb.delete(rk, handle)
-                gone += 1
         deleted += gone
         if gone:
             per_state[name] = per_state.get(name, 0) + gone
-    for ik in index_keys:
-        wb.delete(ik, ix)
     backend.write(wb)
     return deleted, dropped
 

@@ -60,13 +60,17 @@ def test_dedup_matches_reference_over_runs(spark, tmp_path):
     for d in range(2, SPEC.days):
         check(d, run_job(job, config(d), spark))
 
-    state = final_state(storage, "dedup")["first_ts"]
-    got = pd.DataFrame([(int(k), v["first_ts"]) for (k, _), v in state.items()],
+    # The stored value is the expiry alone: first_ts = expiry - TTL, from the index rows.
+    state = final_state(storage, "dedup")
+    assert set(state["seen"].values()) == {""}  # empty payloads (the dump shows hex)
+    got = pd.DataFrame([(int(k), v["expiry"] - DAY) for (k, _), v in state["_ttl"].items()
+                        if v["state"] == "seen"],
                        columns=["event_id", "first_ts"]).sort_values("event_id")
     pd.testing.assert_frame_equal(got.reset_index(drop=True), ref.state, check_dtype=False)
+    assert sorted(int(k) for k, _ in state["seen"]) == sorted(ref.state["event_id"])
     meta = store.load(store.checkpoint_ids()[-1])
     assert {d["name"]: d.get("ttl") for d in meta.states} == {
-        "first_ts": {"duration_ms": DAY, "time": "event", "update_on": "write"},
+        "seen": {"duration_ms": DAY, "time": "event", "update_on": "write"},
         "_ttl": None}
 
 
@@ -99,4 +103,4 @@ def test_quiet_keys_shrink_the_checkpoint(spark, tmp_path):
     # day-0 ids expire once the watermark (day d - 1 h) reaches day 0 + 2 days: run 3
     assert purged == [0, 0, 0, 40_000, 10]
     assert sizes[-1] < max(sizes) / 4
-    assert len(final_state(storage, "dedup")["first_ts"]) == 30
+    assert len(final_state(storage, "dedup")["seen"]) == 30

@@ -68,7 +68,7 @@ def apply_random_writes(be: KeyedStateBackend, ref: Reference, rng: random.Rando
     seen, events, attrs = be.value_state("seen"), be.list_state("events"), be.map_state("attrs")
     for _ in range(n):
         key, ts = rng.choice(keys), t0 + rng.randrange(0, 500)
-        op = rng.randrange(6)
+        op = rng.randrange(7)
         if op == 0:
             seen.put(key, ts, timestamp=ts)
             ref.values[key] = (ts, ts + TTL)
@@ -82,6 +82,15 @@ def apply_random_writes(be: KeyedStateBackend, ref: Reference, rng: random.Rando
         elif op == 3:
             seen.delete(key)
             ref.values.pop(key, None)
+        elif op == 6:  # insert if absent: an expired value not purged yet counts as absent
+            batch = rng.sample(keys, 3)
+            now = be.current_time("event")
+            found = seen.insert_absent_raw(be.rocks_keys(batch), [seen.codec.encode(ts)] * 3,
+                                           timestamps=ts)
+            assert found.tolist() == [ref.value(k, now) is not None for k in batch]
+            for k in batch:
+                if ref.value(k, now) is None:
+                    ref.values[k] = (ts, ts + TTL)
         elif op == 4:
             events.update(key, [ts, -ts], timestamp=ts)
             ref.lists[key] = [(ts, ts + TTL), (-ts, ts + TTL)]
@@ -158,6 +167,30 @@ def test_no_clock_means_nothing_expired_and_writes_need_a_time(tmp_path):
         assert seen.get("c") is None
         with pytest.raises(UsageError, match="one timestamp per"):
             seen.put_many(["a"], [1], timestamps=[1, 2])
+
+
+def test_insert_absent_reads_once_and_keeps_the_index_exact(tmp_path):
+    with one_backend(tmp_path) as be:
+        seen, plain = be.value_state("seen"), be.value_state("plain")
+        enc = seen.codec.encode
+        seen.put_many(["a", "b"], [1, 2], timestamps=[0, 500])
+        be.set_time(event_time=1_000)  # a expired (not purged), b live until 1500
+        rks = be.rocks_keys(["a", "b", "c"])
+        found = seen.insert_absent_raw(rks, [enc(10), enc(20), enc(30)],
+                                       timestamps=[1_100, 1_200, 1_300])
+        assert found.tolist() == [False, True, False]
+        assert seen.get_many(["a", "b", "c"]) == [10, 2, 30]  # b kept its value
+        assert sorted((e.rocks_key[2:], e.expiry) for e in iter_index(be)) == [
+            (b"a", 2_100), (b"b", 1_500), (b"c", 2_300)]  # a's old entry (1000) moved
+        with pytest.raises(UsageError, match="more than once"):
+            seen.insert_absent_raw(be.rocks_keys(["d", "d"]), [enc(1), enc(2)], timestamps=0)
+        with pytest.raises(UsageError, match="one value per key"):
+            seen.insert_absent_raw(be.rocks_keys(["d"]), [], timestamps=0)
+        assert plain.insert_absent_raw(be.rocks_keys(["x", "y"]), [enc(1), enc(2)]).tolist() \
+            == [False, False]
+        assert plain.insert_absent_raw(be.rocks_keys(["y", "z"]), [enc(3), enc(4)]).tolist() \
+            == [True, False]
+        assert plain.get_many(["x", "y", "z"]) == [1, 2, 4]
 
 
 def test_reducing_aggregating_and_record_states_with_ttl(tmp_path):
