@@ -70,7 +70,6 @@ from statebackend.job.input import (
 from statebackend.job.task import (
     MARKER,
     RESULT_DDL,
-    TASK_BATCH_ROWS,
     TaskParams,
     output_folder,
     part_name,
@@ -82,6 +81,7 @@ from statebackend.state.kinds import INTERNAL_STATES
 from statebackend.state.watermark import advance
 from statebackend.storage import Storage, StorageOptions, open_storage
 
+ARROW_BATCH_ROWS = 100_000  # rows per Arrow batch handed to the logic
 # Rows with the latest event times the driver validates to find the new watermark.
 WATERMARK_CANDIDATES = 1000
 TIMING_KEYS = ("restoring", "processing", "snapshotting", "uploading", "committing")
@@ -348,8 +348,12 @@ def _run_attempt(spark, job: Job, config: RunConfig, options: dict, store: Check
     routed = dispatch.route(read_input(spark, files, inp, config.input_reader),
                             dispatch.Routing(inp.key, max_parallelism, parallelism, part_values),
                             ddl)
+    # key, then event time: one key's rows reach the logic in time order also across
+    # Arrow batches (first-seen and session logic); the rest fixes float sums' order
+    leading = (inp.key, *([inp.event_time] if inp.event_time else []))
+    sort_by = (*leading, *[n for n in inp.schema.names if n not in leading])
     tasks = dispatch.with_markers(spark, routed, ddl, lambda _v: marker_row(inp, MARKER),
-                                  parallelism).mapInArrow(
+                                  parallelism, sort_by).mapInArrow(
         functools.partial(run_subtask, params), RESULT_DDL)
     attempt = Attempt(store, checkpoint_id, on_discard=lambda: _delete_run_outputs(job, config))
     progress.phase(f"run {config.run_id}: reading input")
@@ -361,7 +365,7 @@ def _run_attempt(spark, job: Job, config: RunConfig, options: dict, store: Check
             rows = dispatch.run_tasks(
                 spark, tasks, f"{job.name} {store.job} run {config.run_id}",
                 group_prefix=f"{job.name}-{store.job}-{checkpoint_id}",
-                batch_rows=TASK_BATCH_ROWS)
+                batch_rows=ARROW_BATCH_ROWS)
     except dispatch.TaskFailedError as exc:
         attempt.discard()
         where = f"checkpoint {parent.checkpoint_id} stays latest" if parent else \

@@ -44,7 +44,7 @@ from statebackend.checkpoint.attempt import record_uploads
 from statebackend.checkpoint.metadata import SubtaskHandle
 from statebackend.checkpoint.restore import restore_subtask
 from statebackend.checkpoint.snapshot import snapshot
-from statebackend.job.api import Input, Job
+from statebackend.job.api import Job
 from statebackend.job.core import REASON, ProcessResult, SubtaskProcessor
 from statebackend.job.input import LINE, raw_table, spark_ddl
 from statebackend.job.input import REASON as READ_REASON
@@ -55,7 +55,6 @@ from statebackend.storage import Storage, StorageOptions, child_storage, open_st
 MARKER = "__subtask_marker__"  # `_reason` of the one synthetic row each subtask receives
 PARTITION_COLUMN = "_p"
 RAW = "raw"
-TASK_BATCH_ROWS = 100_000  # rows per Arrow batch: from Spark, and handed to the logic
 PHASES = ("restoring", "processing", "snapshotting", "uploading")
 RESULT_SCHEMA = pa.schema([
     ("subtask", pa.int32()), ("attempt", pa.int32()), ("handle", pa.string()),
@@ -141,18 +140,6 @@ def run_subtask(params: TaskParams, batches: Iterator[pa.RecordBatch]
     yield pa.RecordBatch.from_pylist([result], schema=RESULT_SCHEMA)
 
 
-def sorted_rows(inp: Input, rows: pa.Table) -> pa.Table:
-    """``rows`` in the order the logic sees them: by key, then event time, then every
-    other column. One key's rows arrive in time order also across batches (first-seen
-    and session logic), and the same input gives bit-identical state (float sums) in
-    local and cluster mode, whatever order the shuffle delivered. Arrow's sort of a
-    subtask's rows costs a fraction of Spark's ``sortWithinPartitions``."""
-    leading = (inp.key, *([inp.event_time] if inp.event_time else []))
-    order = (*leading, *[f.name for f in inp.schema if f.name not in leading
-                         and not pa.types.is_nested(f.type)])  # Arrow sorts no nested type
-    return rows.sort_by([(name, "ascending") for name in order])
-
-
 class SubtaskRun:
     """One attempt of one subtask: restore, process, write, snapshot."""
 
@@ -199,12 +186,21 @@ class SubtaskRun:
         return self.processor
 
     def run(self, batches: Iterator[pa.RecordBatch]) -> dict:
-        rows = self._received(batches)
-        if rows is not None:
+        expected = self.params.part_values[self.subtask]
+        for batch in batches:
+            if not len(batch):
+                continue
+            if not pc.all(pc.equal(batch.column(PARTITION_COLUMN), expected)).as_py():
+                raise RuntimeError(
+                    f"partition {self.subtask} received rows of another subtask: Spark's hash "
+                    "partitioning no longer matches statebackend.spark.dispatch.partition_values")
+            reason = batch.column(READ_REASON)
+            batch = batch.filter(pc.invert(pc.fill_null(pc.equal(reason, MARKER), False)))
+            if not len(batch):
+                continue
             processor = self.processor or self.open_state()
             started = time.perf_counter()
-            for batch in sorted_rows(self.job.input, rows).to_batches(TASK_BATCH_ROWS):
-                processor.process(raw_table(self.job.input, batch))
+            processor.process(raw_table(self.job.input, batch))
             self.t["processing"] += time.perf_counter() - started
         must_run = bool(self.params.must_run) and self.params.must_run[self.subtask]
         if self.processor is None and self.parent is not None and not must_run:
@@ -221,23 +217,6 @@ class SubtaskRun:
                 and not result.ttl_index_read:
             return self._result(None, result, {})  # nothing changed the state: carry forward
         return self._checkpoint(result)
-
-    def _received(self, batches: Iterator[pa.RecordBatch]) -> pa.Table | None:
-        """This subtask's rows (markers dropped), or None when there are none."""
-        expected = self.params.part_values[self.subtask]
-        kept = []
-        for batch in batches:
-            if not len(batch):
-                continue
-            if not pc.all(pc.equal(batch.column(PARTITION_COLUMN), expected)).as_py():
-                raise RuntimeError(
-                    f"partition {self.subtask} received rows of another subtask: Spark's hash "
-                    "partitioning no longer matches statebackend.spark.dispatch.partition_values")
-            reason = batch.column(READ_REASON)
-            batch = batch.filter(pc.invert(pc.fill_null(pc.equal(reason, MARKER), False)))
-            if len(batch):
-                kept.append(batch)
-        return pa.Table.from_batches(kept) if kept else None
 
     def _checkpoint(self, result: ProcessResult) -> dict:
         p = self.params
