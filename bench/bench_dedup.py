@@ -9,14 +9,15 @@ in a batch, re-sends one or two days later, late deliveries), local[2], P = 2:
   ``dropDuplicatesWithinWatermark``: Spark's one delay is both the lateness and the
   TTL), RocksDBStateStoreProvider, one ``availableNow`` query start per day.
 
-Modes (``--modes``, default ``interleaved,warm,process``):
+Modes (``--modes``, default ``interleaved,warm,process,connect``):
 
 - ``interleaved``: one warm session, the two sides alternate day by day (ours first
   on even days, Spark first on odd ones), so a machine whose load moves during the
   bench weighs on both alike; also prints our run's split (driver: watermark scan;
   tasks: logic, purge, snapshot) per day;
 - ``warm``: one warm session, all of our days, then all of Spark's;
-- ``process``: a new process per run.
+- ``process``: a new process per run;
+- ``connect``: a new Spark Connect client process per run, one warm server.
 
 Prints events/s, bytes written to checkpoint storage per run, state operations per
 second (one lookup per accepted event plus one insert per emitted row, the same count
@@ -38,6 +39,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from bench.bench_sessionization import (  # noqa: E402
+    DEFAULT_MODES,
     MASTER,
     P,
     Run,
@@ -100,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     from jobs import dedup
 
     args = parse(argv, __doc__)
-    modes = args.modes.split(",") if args.modes != "warm,process" else \
-        ["interleaved", "warm", "process"]
+    modes = args.modes.split(",")
+    if args.modes == DEFAULT_MODES:
+        modes.insert(0, "interleaved")
     if "interleaved" in modes:
         work = args.work or tempfile.mkdtemp(prefix="bench-dedup-i-")
         load = os.getloadavg()
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         args.modes = ",".join(rest)
         bench(args, "dedup", dedup.JOB, "jobs.dedup", OPTIONS, "bench.peers.spark_dedup",
               peer.run_batches, {"ttl_ms": DAY_MS}, ["--ttl-ms", str(DAY_MS)],
-              {"warm": 2.0, "process": 2.0})
+              {"warm": 2.0, "process": 2.0, "connect": 2.0})
     return 0
 
 

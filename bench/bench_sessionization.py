@@ -45,6 +45,7 @@ if ROOT not in sys.path:
 from bench.peers.events import EventsSpec, generate_days, write_days  # noqa: E402
 
 MASTER = "local[2]"
+DEFAULT_MODES = "warm,process,connect"
 P = 2
 
 
@@ -177,7 +178,7 @@ def parse(argv: list[str] | None, doc: str) -> argparse.Namespace:
     p.add_argument("--days", type=int, default=None)
     p.add_argument("--events-per-day", type=int, default=None)
     p.add_argument("--users", type=int, default=None)
-    p.add_argument("--modes", default="warm,process,connect",
+    p.add_argument("--modes", default=DEFAULT_MODES,
                    help="comma-separated subset of %(default)s")
     p.add_argument("--work", default=None)
     return p.parse_args(argv)
