@@ -24,7 +24,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
 INPUT_DDL = "event_id LONG, user STRING, ts LONG, value DOUBLE"
@@ -121,7 +121,7 @@ def parquet_batch_writer(output_dir: str, run: int) -> Callable:
     return write
 
 
-def _progress_value(progress, name: str):
+def progress_value(progress, name: str):
     # Progress objects in classic PySpark, plain dicts from their JSON form.
     return progress.get(name) if isinstance(progress, dict) else getattr(progress, name, None)
 
@@ -132,11 +132,11 @@ def run_stats(run: int, progresses: list, wall_s: float, checkpoint_bytes: int,
     events = late = 0
     state_rows = watermark = None
     for p in progresses:
-        events += int(_progress_value(p, "numInputRows") or 0)
-        for op in _progress_value(p, "stateOperators") or []:
-            late += int(_progress_value(op, "numRowsDroppedByWatermark") or 0)
-            state_rows = _progress_value(op, "numRowsTotal")
-        wm = (_progress_value(p, "eventTime") or {}).get("watermark")
+        events += int(progress_value(p, "numInputRows") or 0)
+        for op in progress_value(p, "stateOperators") or []:
+            late += int(progress_value(op, "numRowsDroppedByWatermark") or 0)
+            state_rows = progress_value(op, "numRowsTotal")
+        wm = (progress_value(p, "eventTime") or {}).get("watermark")
         if wm:
             watermark = iso_to_ms(wm)
     return RunStats(run=run, events=events, late=late, emitted=emitted, wall_s=wall_s,
@@ -190,8 +190,20 @@ def run_query(spark, build: Callable, day_dir: str, source_dir: str, checkpoint_
     if query.exception() is not None:
         raise RuntimeError(f"spark peer run {run} over {day_dir} failed: {query.exception()}")
     progresses = list(query.recentProgress)
-    return run_stats(run, progresses, wall, bytes_written(before, file_snapshot(checkpoint_dir)),
-                     count_rows(output_dir, run))
+    stats = run_stats(run, progresses, wall, bytes_written(before, file_snapshot(checkpoint_dir)),
+                      count_rows(output_dir, run))
+    if not progresses:
+        # A Connect server forgets a terminated query's progress: count the day's input.
+        stats = replace(stats, events=input_rows(day_dir))
+    return stats
+
+
+def input_rows(day_dir: str) -> int:
+    """Rows of a day's Parquet files (from their footers)."""
+    import pyarrow.parquet as pq
+
+    return sum(pq.ParquetFile(os.path.join(day_dir, n)).metadata.num_rows
+               for n in sorted(os.listdir(day_dir)) if n.endswith(".parquet"))
 
 
 def run_days(spark, plan: Callable, input_dirs: list[str], checkpoint_dir: str,
