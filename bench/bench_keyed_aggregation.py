@@ -21,8 +21,8 @@ Connect client process per run against one warm Connect server on 127.0.0.1 (how
 Airflow provider runs jobs with a ``spark_connect`` connection: no JVM start per run;
 the ``before`` variant has no Connect support and is skipped there). Prints per-run
 wall time, events/s and bytes written to checkpoint storage (growth of the
-checkpoint folder), then the ratios ours/spark. Goal (issue 14): events/s >= 3x Spark's in every mode,
-bytes per incremental run <= Spark's.
+checkpoint folder), then the ratios ours/spark. Goal (issue 14): events/s >= 3x
+Spark's in every mode, bytes per incremental run <= Spark's.
 
     python bench/bench_keyed_aggregation.py            # full (several minutes)
     python bench/bench_keyed_aggregation.py --quick    # 3 x 50,000 events, 20,000 keys
