@@ -192,8 +192,9 @@ def run_query(spark, build: Callable, day_dir: str, source_dir: str, checkpoint_
     progresses = list(query.recentProgress)
     stats = run_stats(run, progresses, wall, bytes_written(before, file_snapshot(checkpoint_dir)),
                       count_rows(output_dir, run))
-    if not progresses:
-        # A Connect server forgets a terminated query's progress: count the day's input.
+    if not stats.events:
+        # A Connect client may get no (or empty) progress of a terminated query: count
+        # the day's input instead.
         stats = replace(stats, events=input_rows(day_dir))
     return stats
 
