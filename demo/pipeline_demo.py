@@ -133,7 +133,7 @@ def main() -> int:
     if f"P={RESCALE_TO}" not in latest:
         raise SystemExit(f"demo: the rescale committed no checkpoint with P={RESCALE_TO}; "
                          f"see {os.path.join(LOGS, '05-rescale.log')}")
-    step(f"{JOB}_maintenance (retention, GC, deep validation of the latest)",
+    step(f"{JOB}_maintenance (retention, GC, full validation of the latest)",
          airflow("dags", "test", f"{JOB}_maintenance", dates[-1]), "06-maintenance.log", env)
 
     from statebackend.airflow.config import find_spec
