@@ -81,10 +81,16 @@ def connect_server(base: str, master: str = "local[2]",
         _wait_for_start(log, proc)
         yield ConnectServer(f"sc://127.0.0.1:{port}", log, env)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        stop_group(proc)
+
+
+def stop_group(proc: subprocess.Popen, first: int = signal.SIGTERM, grace_s: float = 60) -> None:
+    """Stop the process group ``proc`` leads (started with ``start_new_session``):
+    ``first``, then SIGKILL if it is still running after ``grace_s``."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, first)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)

@@ -28,6 +28,7 @@ from urllib.parse import urlparse
 
 import pytest
 
+from bench.connect_server import stop_group
 from demo.sample_data import generate_events
 
 pytestmark = pytest.mark.slow
@@ -163,13 +164,7 @@ def standalone(tmp_path_factory):
         wait_healthy(proc.pid, proc, 300)
         yield {"pid": proc.pid, "home": home, "base": base, "env": env, "storage": storage}
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
+        stop_group(proc, signal.SIGINT)  # airflow standalone shuts down on SIGINT
         log.close()
 
 
