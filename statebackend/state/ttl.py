@@ -330,19 +330,9 @@ class TtlAccess:
         if found.all():
             return found
         expiries = self.expiry_bytes(timestamps, n)
-        wb = WriteBatch(raw_mode=True)
-        cf, ix, dom, tag = self.cf_handle, self.index_handle, self.domain, self.tag
-        for rk, value, eb, o, live in zip(rocks_keys, encoded, expiries, old, found,
-                                          strict=True):
-            if live:
-                continue
-            had = None if o is None else o[:TIME_BYTES]
-            if had != eb:
-                if had is not None:
-                    wb.delete(rk[:2] + dom + had + tag + rk[2:], ix)
-                wb.put(rk[:2] + dom + eb + tag + rk[2:], b"", ix)
-            wb.put(rk, eb + value, cf)
-        self.backend.write(wb)
+        absent = np.flatnonzero(~found).tolist()
+        self._write_values([(rocks_keys[i], encoded[i]) for i in absent], [],
+                           [expiries[i] for i in absent], [old[i] for i in absent], [])
         return found
 
     def _write_values(self, puts: list[tuple[bytes, bytes]], deletes: list[bytes],
