@@ -46,7 +46,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
-VARIANTS = ("ours", "before", "spark-changelog", "spark-no-changelog")
+VARIANTS = ("ours", "ours-spark", "before", "spark-changelog", "spark-no-changelog")
+DEFAULT_VARIANTS = ("ours", "ours-spark", "spark-changelog", "spark-no-changelog")
+# ours: the default engine choice (auto: the local engine for these inputs, no JVM);
+# ours-spark: the same job with --engine spark (statebackend.job.engine)
+OURS = {"ours": "auto", "ours-spark": "spark"}
 PRE_PORT = "fa6e095"  # the last commit before the job API port
 
 
@@ -72,18 +76,21 @@ def child_env() -> dict:
 
 # -- one run of each engine (inside a worker process) -----------------------
 def ours_run(spark, spec: dict, day: int) -> dict:
-    from jobs.keyed_aggregation import JobConfig, run
+    """One run of the job; ``spark`` None: the run starts Spark only if its engine is Spark."""
+    from jobs.keyed_aggregation import JOB
+    from statebackend.job.run import RunConfig, run_job
 
     store = os.path.join(spec["work"], "store")
     before = dir_bytes(store)
     started = time.perf_counter()
-    s = run(JobConfig(input=spec["days"][day], storage=f"file://{store}", job="bench",
-                      run_id=f"day-{day}", output=os.path.join(spec["work"], "output"),
-                      parallelism=spec["parallelism"], master=spec["master"],
-                      local_dir=os.path.join(spec["work"], "local")), spark)
+    s = run_job(JOB, RunConfig(
+        input=spec["days"][day], storage=f"file://{store}", job="bench", run_id=f"day-{day}",
+        output=os.path.join(spec["work"], "output"), parallelism=spec["parallelism"],
+        master=spec["master"], local_dir=os.path.join(spec["work"], "local"),
+        engine=spec.get("engine")), spark)
     wall = time.perf_counter() - started
     return {"wall_s": wall, "events": s["events_read"], "bytes": dir_bytes(store) - before,
-            "timings": s["timings"]}
+            "timings": s["timings"], "engine": s.get("engine", "spark")}
 
 
 def spark_run(spark, spec: dict, day: int) -> dict:
@@ -132,8 +139,10 @@ def worker(spec: dict) -> None:
         from statebackend.spark.session import get_spark
 
     t0 = time.perf_counter()
-    spark = get_spark(spec["master"], app_name=f"bench-{spec['variant']}",
-                      conf={"spark.sql.shuffle.partitions": str(spec["parallelism"])})
+    spark = None
+    if spec.get("engine") != "auto":  # the auto engine starts Spark itself if it picks it
+        spark = get_spark(spec["master"], app_name=f"bench-{spec['variant']}",
+                          conf={"spark.sql.shuffle.partitions": str(spec["parallelism"])})
     startup = time.perf_counter() - t0
     fn = ours_run if spec["variant"] == "ours" else spark_run
     for day in spec["run_days"]:
@@ -141,7 +150,9 @@ def worker(spec: dict) -> None:
         result.update(day=day, startup_s=startup)
         print("RESULT " + json.dumps(result), flush=True)
         startup = 0.0
-    spark.stop()
+    from statebackend.spark.session import stop_active_session
+
+    stop_active_session()
 
 
 @contextmanager
@@ -172,6 +183,8 @@ def spawn(spec: dict) -> tuple[list[dict], float]:
         script = os.path.join(cwd, "bench", "bench_keyed_aggregation.py")
         env["PYTHONPATH"] = cwd
         spec = {**spec, "variant": "ours"}
+    elif spec["variant"] in OURS:
+        spec = {**spec, "variant": "ours", "engine": OURS[spec["variant"]]}
     proc = subprocess.run([sys.executable, script, "--worker", json.dumps(spec)], env=env,
                           capture_output=True, text=True, cwd=cwd)
     wall = time.perf_counter() - started
@@ -239,9 +252,10 @@ def _print_run(mode: str, variant: str, r: dict) -> None:
     where = ""
     if r.get("timings"):
         where = "  (" + ", ".join(f"{k} {v:.2f}" for k, v in r["timings"].items()) + ")"
+    engine = f"  engine {r['engine']}" if r.get("engine") else ""
     print(f"{mode:8} {variant:19} day {r['day']}: {r['wall_s']:7.2f} s  "
-          f"{r['events'] / r['wall_s']:10.0f} events/s  {r['bytes']:>12,} bytes written{where}",
-          flush=True)
+          f"{r['events'] / r['wall_s']:10.0f} events/s  {r['bytes']:>12,} bytes written"
+          f"{engine}{where}", flush=True)
 
 
 def report(table: dict, args: argparse.Namespace) -> None:
@@ -266,17 +280,19 @@ def report(table: dict, args: argparse.Namespace) -> None:
                   f"(incremental runs x{ours[1] / before[1]:.2f}), bytes per incremental run "
                   f"x{ours[2] / before[2]:.2f}")
     peers = [v for v in args.variants if v.startswith("spark")]
-    if not peers or "ours" not in args.variants:
+    mine = [v for v in args.variants if v in OURS]
+    if not peers or not mine:
         return
     print("\nratios ours / spark (events/s: higher is better, goal >= 3 (issue 14); "
           "bytes: lower is better, goal <= 1.0)")
     for mode in table:
-        ours = agg[(mode, "ours")]
-        for variant in peers:
-            sp = agg[(mode, variant)]
-            print(f"{mode:8} vs {variant:19} events/s x{ours[0] / sp[0]:.2f} "
-                  f"(incremental runs x{ours[1] / sp[1]:.2f}), bytes per incremental run "
-                  f"x{ours[2] / sp[2]:.2f}")
+        for name in mine:
+            ours = agg[(mode, name)]
+            for variant in peers:
+                sp = agg[(mode, variant)]
+                print(f"{mode:8} {name:10} vs {variant:19} events/s x{ours[0] / sp[0]:.2f} "
+                      f"(incremental runs x{ours[1] / sp[1]:.2f}), bytes per incremental run "
+                      f"x{ours[2] / sp[2]:.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -290,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated subset of %(default)s")
     p.add_argument("--workdir", default=os.path.join(ROOT, "bench", "out", "keyed_aggregation"))
     p.add_argument("--quick", action="store_true", help="3 runs x 50,000 events, 20,000 keys")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help="comma-separated subset of %(default)s")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"comma-separated subset of {','.join(VARIANTS)} (default %(default)s)")
     p.add_argument("--before", default=PRE_PORT,
                    help="git revision of the pre-port job for the 'before' variant "
                         "(default %(default)s; '' skips it)")

@@ -19,5 +19,14 @@ RETENTION_KEEP = 3
 # GC spares files no checkpoint references that are younger than this: a running
 # attempt may still commit them.
 GC_GRACE_SECONDS = 3600.0
+# Where a job run's tasks run (statebackend.job.engine): "auto" picks the local engine (this
+# process, no JVM) for an input up to LOCAL_ENGINE_MAX_BYTES, else Spark.
+ENGINES = ("auto", "spark", "local")
+ENGINE = "auto"
+LOCAL_ENGINE_MAX_BYTES = 64 * 2**20
+# ... and, with a cluster or Connect master, a parent state up to this size.
+LOCAL_ENGINE_MAX_STATE_BYTES = 256 * 2**20
 
-__all__ = ["GC_GRACE_SECONDS", "MAX_PARALLELISM", "MAX_REJECT_FRACTION", "RETENTION_KEEP"]
+__all__ = ["ENGINE", "ENGINES", "GC_GRACE_SECONDS", "LOCAL_ENGINE_MAX_BYTES",
+           "LOCAL_ENGINE_MAX_STATE_BYTES", "MAX_PARALLELISM", "MAX_REJECT_FRACTION",
+           "RETENTION_KEEP"]

@@ -82,3 +82,8 @@ class MissingFilesError(StorageError):
 
 class InputError(CkptError):
     """Input that cannot be read as a whole (a truncated file, no supported files)."""
+
+
+class TaskFailedError(CkptError):
+    """A task of a job run (a Spark task, or a subtask of the local engine) failed; the
+    message is the one-line cause."""

@@ -15,6 +15,9 @@ os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 # Commands under test print no progress lines unless a test asks for them.
 os.environ.setdefault("CKPT_PROGRESS", "off")
+# Runs use the Spark engine unless a test picks another: small test inputs would
+# otherwise take the local engine (statebackend.job.engine), which has its own tests.
+os.environ.setdefault("CKPT_ENGINE", "spark")
 os.environ["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
 
 S3_BUCKET = "ckpt-test"

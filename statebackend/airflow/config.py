@@ -14,6 +14,7 @@ Shape::
       storage: s3://bucket/checkpoints
       storage_conn_id: aws_ckpt   # AWS connection: credentials as storage options
       spark: {mode: local, master: "local[*]"}
+      engine: auto            # or spark / local (statebackend.job.engine)
     jobs:
       clicks:                 # entry name = folder under the storage root
         job: keyed_aggregation        # a built-in job, or pkg.module:attribute
@@ -49,6 +50,7 @@ from importlib.metadata import entry_points
 
 from statebackend import defaults
 from statebackend.checkpoint.store import check_job_name
+from statebackend.defaults import ENGINES
 from statebackend.errors import UsageError
 
 CONFIG_ENV = "CKPT_JOBS_FILE"
@@ -100,6 +102,8 @@ class JobSpec:
     start_from: str | None = None  # first run only: <job>/savepoints/<name> or <job>:<id|latest>
     storage_conn_id: str | None = None  # Airflow AWS connection -> storage options
     spark: SparkSettings = field(default_factory=SparkSettings)
+    # auto | spark | local (statebackend.job.engine); None: $CKPT_ENGINE, else auto
+    engine: str | None = None
     schedule: str = "@daily"
     maintenance_schedule: str = "@daily"
     start_date: str = "2026-01-01"
@@ -235,6 +239,15 @@ def spec_from_dict(name: str, raw: dict, defaults: dict | None = None,
     if settings.mode not in SPARK_MODES:
         raise JobConfigError(f"{where}: job {name!r} spark.mode {settings.mode!r} is not one of "
                              f"{list(SPARK_MODES)}")
+    engine = merged.get("engine") or None
+    if engine is not None and engine not in ENGINES:
+        raise JobConfigError(f"{where}: job {name!r} engine {engine!r} is not one of "
+                             f"{list(ENGINES)}")
+    if engine == "local" and settings.mode == "submit":
+        raise JobConfigError(f"{where}: job {name!r}: engine 'local' runs in the Airflow "
+                             "task, spark.mode 'submit' in a spark-submit application: "
+                             "choose one")
+    merged["engine"] = engine
     merged["tags"] = tuple(merged.get("tags") or ())
     if merged.get("storage_conn_id") == "":
         merged["storage_conn_id"] = None

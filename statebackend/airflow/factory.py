@@ -66,7 +66,7 @@ def run_job_task(spec: JobSpec, task_id: str = "run_job"):
         quarantine_path=spec.quarantine, run_key=RUN_KEY_TEMPLATE, job_options=spec.options,
         parallelism=spec.parallelism, max_parallelism=spec.max_parallelism,
         max_reject_fraction=spec.max_reject_fraction, start_from=spec.start_from,
-        master=spec.spark.master, **_storage(spec))
+        master=spec.spark.master, engine=spec.engine, **_storage(spec))
 
 
 def build_pipeline_dag(spec: JobSpec) -> DAG:
@@ -137,7 +137,7 @@ def build_rescale_dag(spec: JobSpec) -> DAG:
         rescale = CkptRescaleOperator(
             task_id="rescale", parallelism="{{ params.parallelism }}",
             checkpoint="{{ params.checkpoint }}", dry_run="{{ params.dry_run }}",
-            master=spec.spark.master, **_storage(spec))
+            master=spec.spark.master, engine=spec.engine, **_storage(spec))
 
         @task(task_id="validate")
         def validate(result: dict) -> dict:

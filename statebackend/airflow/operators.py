@@ -61,7 +61,11 @@ class _CheckpointOperator(BaseOperator):
 
 
 class CkptRunJobOperator(_CheckpointOperator):
-    """Run one interval of a stateful job in this worker (local Spark or ``master``)."""
+    """Run one interval of a stateful job in this worker (local Spark or ``master``).
+
+    ``engine``: ``auto`` (a small interval runs in this task's process, no JVM),
+    ``spark`` or ``local`` (`statebackend.job.engine`); None: ``$CKPT_ENGINE``, else auto.
+    """
 
     template_fields: Sequence[str] = ("input_path", "output_path", "quarantine_path", "storage",
                                       "run_key", "job_options", "start_from")
@@ -73,7 +77,7 @@ class CkptRunJobOperator(_CheckpointOperator):
                  max_parallelism: int = defaults.MAX_PARALLELISM,
                  max_reject_fraction: float = defaults.MAX_REJECT_FRACTION,
                  quarantine_path: str | None = None, start_from: str | None = None,
-                 master: str = "local[*]", **kwargs: Any) -> None:
+                 master: str = "local[*]", engine: str | None = None, **kwargs: Any) -> None:
         super().__init__(storage=storage, job=job, storage_conn_id=storage_conn_id, **kwargs)
         self.job_ref = job_ref
         self.input_path = input_path
@@ -86,6 +90,7 @@ class CkptRunJobOperator(_CheckpointOperator):
         self.quarantine_path = quarantine_path
         self.start_from = start_from
         self.master = master
+        self.engine = engine
 
     def execute(self, context) -> dict:
         from statebackend.airflow.steps import run_job_once
@@ -98,7 +103,7 @@ class CkptRunJobOperator(_CheckpointOperator):
             max_reject_fraction=self.max_reject_fraction, quarantine=self.quarantine_path or None,
             start_from=self.start_from or None, options=self.job_options,
             storage_options=self.hook().storage_options(), context=_airflow_context(context),
-            logical_time_ms=_interval_end_ms(context))
+            logical_time_ms=_interval_end_ms(context), engine=self.engine)
         return run_job_once(self.job_ref, config, entry=self.job)
 
 

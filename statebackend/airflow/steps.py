@@ -210,7 +210,7 @@ def build_run_config(spec: JobSpec, *, logical_date: datetime | None, airflow_ru
         master=spec.spark.master, max_reject_fraction=spec.max_reject_fraction,
         quarantine=render(spec.quarantine, values), start_from=spec.start_from,
         local_dir=local_dir, options=dict(spec.options), context=dict(context or {}),
-        storage_options=dict(storage_options or {}))
+        storage_options=dict(storage_options or {}), engine=spec.engine)
 
 
 def run_pipeline_job(spec: JobSpec, *, logical_date: datetime | None, airflow_run_id: str,
@@ -367,7 +367,9 @@ def spark_submit_args(spec: JobSpec) -> list[str]:
             "--job", spec.name, "--run-id", RUN_KEY_TEMPLATE, "--output", spec.output,
             "--master", spec.spark.master,
             "--max-parallelism", str(spec.max_parallelism),
-            "--max-reject-fraction", str(spec.max_reject_fraction), "--json"]
+            "--max-reject-fraction", str(spec.max_reject_fraction),
+            # spark-submit started the application: its tasks run on the cluster
+            "--engine", "spark", "--json"]
     if spec.parallelism:
         args += ["--parallelism", str(spec.parallelism)]
     if spec.quarantine:

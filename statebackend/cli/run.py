@@ -98,6 +98,10 @@ def add_run_arguments(p: argparse.ArgumentParser, *, with_storage: bool,
                        help="Spark master (default: spark-submit's --master, else local[*])")
     where.add_argument("--remote", default=None, metavar="sc://HOST:PORT",
                        help="run as a Spark Connect client of this server (no local JVM)")
+    p.add_argument("--engine", choices=defaults.ENGINES, default=None,
+                   help="spark, or local: this process, no JVM (small inputs); auto "
+                        "(default, or $CKPT_ENGINE) picks local for an input up to 64 MiB "
+                        "(docs/performance.md)")
     p.add_argument("--max-reject-fraction", type=float, default=defaults.MAX_REJECT_FRACTION,
                    help="fail when more than this fraction of rows is rejected "
                         "(default %(default)s)")
@@ -138,7 +142,7 @@ def config_from_args(args: argparse.Namespace, job):
         master=args.remote or args.master or default_master(),
         max_reject_fraction=args.max_reject_fraction, quarantine=args.quarantine,
         start_from=args.start_from, local_dir=args.local_dir, options=options,
-        logical_time_ms=args.logical_time_ms)
+        logical_time_ms=args.logical_time_ms, engine=args.engine)
 
 
 def run_from_args(args: argparse.Namespace, progress: ProgressSink = NO_PROGRESS) -> dict:

@@ -79,6 +79,7 @@ class InputFiles:
     skipped: tuple[str, ...] = ()  # unsupported files, relative to the folder
     # How to open them (fsspec options; s3: the driver's AWS_* captured if none given).
     options: StorageOptions = field(default_factory=StorageOptions)
+    gz_bytes: int = 0  # of total_bytes, in gzip files
 
     @property
     def count(self) -> int:
@@ -101,7 +102,7 @@ def list_input(url: str, storage_options: Mapping[str, Any] | None = None) -> In
         raise UsageError(f"input folder {url} does not exist")
     if not fs.isdir(root):
         raise UsageError(f"input {url} is not a folder of Parquet or JSON-lines files")
-    parquet, json_files, skipped, total = [], [], [], 0
+    parquet, json_files, skipped, total, gz = [], [], [], 0, 0
     for path, info in sorted(fs.find(root, detail=True).items()):
         rel = posixpath.relpath(path, root.rstrip("/")) if root else path
         if any(part.startswith(("_", ".")) for part in rel.split("/")):
@@ -115,7 +116,9 @@ def list_input(url: str, storage_options: Mapping[str, Any] | None = None) -> In
         else:
             skipped.append(rel)
             continue
-        total += int(info.get("size") or 0)
+        size = int(info.get("size") or 0)
+        total += size
+        gz += size if name.endswith(".gz") else 0
     if skipped and not parquet and not json_files:
         shown = ", ".join(skipped[:SKIPPED_NAMES_SHOWN])
         more = f" and {len(skipped) - SKIPPED_NAMES_SHOWN} more" \
@@ -125,7 +128,7 @@ def list_input(url: str, storage_options: Mapping[str, Any] | None = None) -> In
                          f"({', '.join('*' + e for e in JSON_EXT)}): convert them or point "
                          "--input elsewhere")
     return InputFiles(url, tuple(parquet), tuple(json_files), total, tuple(skipped),
-                      StorageOptions(options))
+                      StorageOptions(options), gz)
 
 
 def open_input(path: str, options: Mapping[str, Any] | None):

@@ -9,6 +9,10 @@ One run (driver side; executors: `statebackend.job.task`)::
              be the job's states (name, kind, codec), else a one-line UsageError
     list input         -> unsupported files counted; Parquet footers checked (one-line
                           InputError naming a bad file, before any Spark work)
+    engine             -> Spark, or the local engine in this process for a small input
+                          (statebackend.job.engine decides; job.local_engine runs the
+                          same tasks by the same rules without a JVM); below, the Spark
+                          engine's steps (job.spark_engine)
     read               -> the job's input columns, typed, with raw text (job.input)
     key group, subtask -> partition i holds exactly subtask i's rows (spark.dispatch)
     task i             -> restore, validate + logic (SubtaskProcessor), outputs and
@@ -38,7 +42,6 @@ reading the input (Spark tasks done), the subtasks done of P as their tasks fini
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import time
@@ -52,29 +55,25 @@ from statebackend.checkpoint.leases import writer_lease
 from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskHandle, utc_now_iso
 from statebackend.checkpoint.runs import RunOutcome, RunRecord, record_outcome, safe_run_name
 from statebackend.checkpoint.store import CheckpointStore, build_metadata
-from statebackend.errors import CkptError, UsageError
+from statebackend.errors import CkptError, TaskFailedError, UsageError
 from statebackend.job.api import Job
-from statebackend.job.core import LATE, max_accepted_time, max_accepted_time_of_latest
+from statebackend.job.core import LATE
+from statebackend.job.engine import (
+    EngineChoice,
+    choose_engine,
+    input_weight,
+    is_local_master,
+    local_master_cores,
+    requested_engine,
+)
 from statebackend.job.input import (
     READERS,
-    TEXT,
     InputFiles,
     check_parquet,
     choose_reader,
     list_input,
-    marker_row,
-    raw_table,
-    read_ddl,
-    read_input,
 )
-from statebackend.job.task import (
-    MARKER,
-    RESULT_DDL,
-    TaskParams,
-    output_folder,
-    part_name,
-    run_subtask,
-)
+from statebackend.job.task import TaskParams, output_folder, part_name
 from statebackend.progress import NO_PROGRESS, ProgressSink
 from statebackend.state.keygroups import DEFAULT_MAX_PARALLELISM, check_parallelism
 from statebackend.state.kinds import INTERNAL_STATES
@@ -82,8 +81,6 @@ from statebackend.state.watermark import advance
 from statebackend.storage import Storage, StorageOptions, open_storage
 
 ARROW_BATCH_ROWS = 100_000  # rows per Arrow batch handed to the logic
-# Rows with the latest event times the driver validates to find the new watermark.
-WATERMARK_CANDIDATES = 1000
 TIMING_KEYS = ("restoring", "processing", "snapshotting", "uploading", "committing")
 log = logging.getLogger(__name__)
 
@@ -131,6 +128,8 @@ class RunConfig:
     storage_options: Mapping[str, Any] = field(default_factory=StorageOptions, hash=False)
     logical_time_ms: int | None = None
     input_reader: str = "auto"  # "spark" | "arrow" | "auto" (statebackend.job.input)
+    # "spark" | "local" | "auto"; None: $CKPT_ENGINE, else auto (statebackend.job.engine)
+    engine: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.storage_options, StorageOptions):  # repr must redact secrets
@@ -194,11 +193,7 @@ def run_job(job: Job, config: RunConfig, spark=None,
     started_at = utc_now_iso()
     options = _check_config(job, config)
     job = job.configured(options)
-    storage = config.open(config.storage)
-    if storage.process_local:
-        raise UsageError(f"storage {config.storage} lives in one process, but Spark tasks run "
-                         "in others: use a file:// path or s3://")
-    store = CheckpointStore(storage, config.job_dir(job))
+    store = CheckpointStore(config.open(config.storage), config.job_dir(job))
     outcome = RunOutcome(config.run_id, "failed", None, started_at, 0.0, None,
                          dict(config.context))
     try:
@@ -231,15 +226,36 @@ def _run(job: Job, config: RunConfig, spark, options: dict, store: CheckpointSto
         files = list_input(config.input, config.storage_options)
         progress.phase(f"run {config.run_id}: checking {files.count} input files")
         check_parquet(files)  # before Spark starts: a bad file costs no session
-        if spark is None:
-            from statebackend.spark.session import get_spark, quiet_console
+        choice = choose_engine(
+            config.engine, input_bytes=input_weight(files), master=config.master,
+            first_run_without_parallelism=parent is None and config.parallelism is None,
+            parent_state_bytes=parent.bytes_referenced if parent else 0)
+        engine = _engine(choice, job, config, store, files, spark, progress)
+        return _run_attempt(engine, choice, job, config, options, store, parent, files,
+                            started, warnings, progress)
 
-            progress.phase("starting Spark")
-            # A caller that shows progress (even CKPT_PROGRESS=off) wants no Spark console bar.
-            quiet = None if progress is NO_PROGRESS else quiet_console(config.master)
-            spark = get_spark(config.master, app_name=f"{job.name}-{store.job}", conf=quiet)
-        return _run_attempt(spark, job, config, options, store, parent, files, started,
-                            warnings, progress)
+
+def _engine(choice: EngineChoice, job: Job, config: RunConfig, store: CheckpointStore,
+            files: InputFiles, spark, progress: ProgressSink):
+    """The engine object of ``choice``: the local engine, or Spark (started if needed)."""
+    if choice.engine == "local":
+        from statebackend.job.local_engine import LocalEngine
+
+        return LocalEngine(files, job, cores=local_master_cores(config.master)
+                           if is_local_master(config.master) else None)
+    if store.storage.process_local:
+        raise UsageError(f"storage {config.storage} lives in one process, but Spark tasks run "
+                         "in others: use a file:// path or s3://, or --engine local")
+    from statebackend.job.spark_engine import SparkEngine
+
+    if spark is None:
+        from statebackend.spark.session import get_spark, quiet_console
+
+        progress.phase("starting Spark")
+        # A caller that shows progress (even CKPT_PROGRESS=off) wants no Spark console bar.
+        quiet = None if progress is NO_PROGRESS else quiet_console(config.master)
+        spark = get_spark(config.master, app_name=f"{job.name}-{store.job}", conf=quiet)
+    return SparkEngine(spark, files, config.input_reader)
 
 
 def _check_config(job: Job, config: RunConfig) -> dict:
@@ -251,6 +267,7 @@ def _check_config(job: Job, config: RunConfig) -> dict:
         raise UsageError(f"job {job.name!r} writes outputs {[o.name for o in job.outputs]}: "
                          "give --output")
     config.quarantine_url  # noqa: B018 - raises when neither is given
+    requested_engine(config.engine)  # a bad --engine / $CKPT_ENGINE fails before any work
     if config.input_reader not in READERS:
         raise UsageError(f"input reader {config.input_reader!r} is unknown; use one of "
                          f"{list(READERS)}")
@@ -294,7 +311,7 @@ def check_states(job: Job, parent: CheckpointMetadata | None, job_dir: str) -> N
             f"{diff}): run it against its own lineage (--job) or start a new one")
 
 
-def _lineage_shape(config: RunConfig, parent: CheckpointMetadata | None, spark,
+def _lineage_shape(config: RunConfig, parent: CheckpointMetadata | None, engine,
                    warnings: list[str]) -> tuple[int, int]:
     if parent is not None:
         for name, asked, kept in (("parallelism", config.parallelism, parent.parallelism),
@@ -308,73 +325,52 @@ def _lineage_shape(config: RunConfig, parent: CheckpointMetadata | None, spark,
     if config.parallelism is not None:
         check_parallelism(config.parallelism, config.max_parallelism)
         return config.parallelism, config.max_parallelism
-    from statebackend.spark.session import default_parallelism  # classic and Spark Connect alike
-
-    p = min(default_parallelism(spark), config.max_parallelism)
+    p = min(engine.default_parallelism(), config.max_parallelism)
     check_parallelism(p, config.max_parallelism)
     return p, config.max_parallelism
 
 
-def _run_attempt(spark, job: Job, config: RunConfig, options: dict, store: CheckpointStore,
-                 parent: CheckpointMetadata | None, files: InputFiles, started: float,
-                 warnings: list[str], progress: ProgressSink) -> dict:
-    from statebackend.spark import dispatch
-    from statebackend.spark.progress import report_tasks
+def _run_attempt(engine, choice: EngineChoice, job: Job, config: RunConfig, options: dict,
+                 store: CheckpointStore, parent: CheckpointMetadata | None, files: InputFiles,
+                 started: float, warnings: list[str], progress: ProgressSink) -> dict:
+    from statebackend.spark.dispatch import partition_values
 
-    parallelism, max_parallelism = _lineage_shape(config, parent, spark, warnings)
+    parallelism, max_parallelism = _lineage_shape(config, parent, engine, warnings)
     checkpoint_id = store.next_checkpoint_id()
     run_dir = run_dir_name(config.run_id)
     # Leftovers of a crashed attempt of this run id must not mix with this attempt's parts.
     _delete_run_outputs(job, config)
     config.open(config.quarantine_url).delete_tree(run_dir)
-    part_values = tuple(dispatch.partition_values(parallelism))
-    with report_tasks(spark, progress, "event times", total=None,
-                      upstream=f"run {config.run_id}: scanning event times"):
-        clock = _run_clock(spark, job, config, parent, files, parallelism)
+    clock = _run_clock(engine, job, config, parent, parallelism, progress)
     params = TaskParams(
         job=job, options=options, storage_url=store.root_storage.url, job_dir=store.job,
         checkpoint_id=checkpoint_id, parallelism=parallelism, max_parallelism=max_parallelism,
         parent_handles=tuple(json.dumps(h.to_json()) for h in parent.subtasks) if parent else (),
         output_url=config.output, quarantine_url=config.quarantine_url, run_dir=run_dir,
-        run_id=config.run_id, part_values=part_values, local_dir=config.local_dir,
-        fail_subtask=config.fail_subtask,
+        run_id=config.run_id, part_values=tuple(partition_values(parallelism)),
+        local_dir=config.local_dir, fail_subtask=config.fail_subtask,
         # What the driver opened the storage with (its AWS_* captured when none were
         # given): executors on other hosts reach the same storage; nothing goes to env.
         storage_options=store.root_storage.options,
         watermark=clock.watermark, new_watermark=clock.new_watermark,
         processing_time=clock.processing_time, must_run=clock.must_run)
-    inp = job.input
-    ddl = read_ddl(inp)
-    routed = dispatch.route(read_input(spark, files, inp, config.input_reader),
-                            dispatch.Routing(inp.key, max_parallelism, parallelism, part_values),
-                            ddl)
-    # key, then event time: one key's rows reach the logic in time order also across
-    # Arrow batches (first-seen and session logic); the rest fixes float sums' order
-    leading = (inp.key, *([inp.event_time] if inp.event_time else []))
-    sort_by = (*leading, *[n for n in inp.schema.names if n not in leading])
-    tasks = dispatch.with_markers(spark, routed, ddl, lambda _v: marker_row(inp, MARKER),
-                                  parallelism, sort_by).mapInArrow(
-        functools.partial(run_subtask, params), RESULT_DDL)
     attempt = Attempt(store, checkpoint_id, on_discard=lambda: _delete_run_outputs(job, config))
     progress.phase(f"run {config.run_id}: reading input")
     try:
-        # The subtasks' tasks follow the routing shuffle: their job has 2 stages.
-        with report_tasks(spark, progress, f"run {config.run_id}, checkpoint {checkpoint_id}",
-                          total=parallelism, stages=2,
-                          upstream=f"run {config.run_id}: reading input"):
-            rows = dispatch.run_tasks(
-                spark, tasks, f"{job.name} {store.job} run {config.run_id}",
-                group_prefix=f"{job.name}-{store.job}-{checkpoint_id}",
-                batch_rows=ARROW_BATCH_ROWS)
-    except dispatch.TaskFailedError as exc:
+        rows = engine.run_tasks(
+            params, progress, label=f"run {config.run_id}, checkpoint {checkpoint_id}",
+            upstream=f"run {config.run_id}: reading input",
+            description=f"{job.name} {store.job} run {config.run_id}",
+            group_prefix=f"{job.name}-{store.job}-{checkpoint_id}", batch_rows=ARROW_BATCH_ROWS)
+    except TaskFailedError as exc:
         attempt.discard()
         where = f"checkpoint {parent.checkpoint_id} stays latest" if parent else \
             "no checkpoint was committed"
-        raise JobRunError(f"run {config.run_id!r} of job {store.job!r} failed in a Spark task: "
-                          f"{exc}; {where}") from exc
+        raise JobRunError(f"run {config.run_id!r} of job {store.job!r} failed in "
+                          f"{engine.task_word}: {exc}; {where}") from exc
     progress.phase(f"run {config.run_id}: committing checkpoint {checkpoint_id}")
     return _commit(job, config, store, attempt, parent, files, parallelism, max_parallelism,
-                   rows, started, warnings, clock, progress)
+                   rows, started, warnings, clock, progress, choice)
 
 
 # -- time: watermark, logical time, subtasks with due work -----------------------------
@@ -388,56 +384,17 @@ class RunClock:
     must_run: tuple[bool, ...]
 
 
-def _run_clock(spark, job: Job, config: RunConfig, parent: CheckpointMetadata | None,
-               files: InputFiles, parallelism: int) -> RunClock:
+def _run_clock(engine, job: Job, config: RunConfig, parent: CheckpointMetadata | None,
+               parallelism: int, progress: ProgressSink) -> RunClock:
     wm = parent.watermark if parent else None
     logical = config.logical_time_ms if config.logical_time_ms is not None else \
         int(time.time() * 1000)
     new_wm = wm
     if job.input.event_time is not None:
-        new_wm = advance(wm, max_event_time(spark, job, files, wm, config.input_reader),
-                         job.input.lateness_ms)
+        new_wm = advance(wm, engine.max_event_time(
+            job, wm, progress, f"run {config.run_id}: scanning event times"),
+            job.input.lateness_ms)
     return RunClock(wm, new_wm, logical, _must_run(job, parent, parallelism, new_wm, logical))
-
-
-def max_event_time(spark, job: Job, files: InputFiles, watermark: int | None,
-                   reader: str = "auto") -> int | None:
-    """Max event time of the input rows the tasks will accept (not late, valid), validated
-    as the tasks do, so the watermark is exactly theirs.
-
-    Usually the `WATERMARK_CANDIDATES` rows with the latest event times settle it: a
-    top-k the JVM computes (no Python worker, no pass of every row through Python),
-    validated here (`max_accepted_time_of_latest`). When they do not (all rejected and
-    not late), one Spark pass validates every row.
-    """
-    if not files.count:
-        return None
-    from pyspark.sql import functions as F
-
-    inp = job.input
-    df = read_input(spark, files, inp, reader)
-    latest = df.orderBy(F.col(f"`{TEXT}{inp.event_time}`").isNotNull().desc(),
-                        F.col(f"`{inp.event_time}`").desc_nulls_last()
-                        ).limit(WATERMARK_CANDIDATES).toArrow()
-    settled, best = max_accepted_time_of_latest(job, latest, WATERMARK_CANDIDATES, watermark)
-    if settled:
-        return best
-    fn = functools.partial(_max_times, job, watermark)
-    rows = df.mapInArrow(fn, "m bigint").collect()
-    found = [r["m"] for r in rows if r["m"] is not None]
-    return max(found) if found else None
-
-
-def _max_times(job: Job, watermark: int | None, batches):
-    import pyarrow as pa
-
-    best = None
-    for batch in batches:
-        if len(batch):
-            m = max_accepted_time(job, raw_table(job.input, batch), watermark)
-            if m is not None:
-                best = m if best is None else max(best, m)
-    yield pa.RecordBatch.from_pylist([{"m": best}], schema=pa.schema([("m", pa.int64())]))
 
 
 def _must_run(job: Job, parent: CheckpointMetadata | None, parallelism: int,
@@ -480,7 +437,8 @@ def _next_times(parent: CheckpointMetadata | None, rows: dict[int, dict],
 def _commit(job: Job, config: RunConfig, store: CheckpointStore, attempt: Attempt,
             parent: CheckpointMetadata | None, files: InputFiles, parallelism: int,
             max_parallelism: int, rows: list[dict], started: float,
-            warnings: list[str], clock: RunClock, progress: ProgressSink) -> dict:
+            warnings: list[str], clock: RunClock, progress: ProgressSink,
+            choice: EngineChoice) -> dict:
     """Check the task results, commit `_metadata` through the attempt, publish outputs."""
     by_subtask = {r["subtask"]: r for r in rows}
     for r in rows:
@@ -519,7 +477,7 @@ def _commit(job: Job, config: RunConfig, store: CheckpointStore, attempt: Attemp
     # Events, rejects and keys touched are recorded once, in "metrics" (checkpoint.metrics).
     extra = {"input_files": files.count,
              "input_files_skipped": len(files.skipped), "input_bytes": files.total_bytes,
-             "input_reader": choose_reader(files, config.input_reader),
+             "input_reader": _reader(choice, files, config), "engine": choice.engine,
              "output": config.output,
              # Which parts the run wrote: a re-run may only publish complete folders.
              "output_parts": _output_parts(job, rows), "job_kind": job.name,
@@ -578,8 +536,16 @@ def _commit(job: Job, config: RunConfig, store: CheckpointStore, attempt: Attemp
         reuploaded=sorted(p for r in rows for p in json.loads(r.get("reuploaded") or "[]")),
         parent=meta.parent, published=True, output=config.output,
         input_files=files.count, input_bytes=files.total_bytes,
-        input_reader=choose_reader(files, config.input_reader), logic_timings=detail,
+        input_reader=_reader(choice, files, config), engine=choice.engine,
+        engine_reason=choice.reason, logic_timings=detail,
         **files.skipped_report(), **extra_summary)
+
+
+def _reader(choice: EngineChoice, files: InputFiles, config: RunConfig) -> str:
+    """The summary's ``input_reader``: the local engine reads every file with Arrow."""
+    if choice.engine == "local":
+        return "arrow" if files.count else "none"
+    return choose_reader(files, config.input_reader)
 
 
 PHASES = {"restore": "t_restoring", "process": "t_processing", "snapshot": "t_snapshotting",

@@ -29,17 +29,13 @@ import mmh3
 import numpy as np
 import pyarrow as pa
 
-from statebackend.errors import CkptError
+from statebackend.errors import TaskFailedError
 from statebackend.state.keygroups_bulk import key_groups
 
 SPARK_HASH_SEED = 42
 PARTITION_COLUMN = "_p"
 ARROW_BATCH_CONF = "spark.sql.execution.arrow.maxRecordsPerBatch"
 log = logging.getLogger(__name__)
-
-
-class TaskFailedError(CkptError):
-    """A Spark task of a job failed (the message is the one-line cause)."""
 
 
 def spark_partition_of_int(value: int, num_partitions: int) -> int:

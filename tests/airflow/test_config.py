@@ -54,6 +54,8 @@ def test_env_expansion_with_defaults():
     ({"job": "jobs/x.py"}, "must be a built-in job name or package.module:attribute"),
     ({"job": "a.b:"}, "'job'"),
     ({"options": ["normalize_case"]}, "'options' must be a mapping"),
+    ({"engine": "turbo"}, "engine 'turbo' is not one of"),
+    ({"engine": "local", "spark": {"mode": "submit"}}, "engine 'local' runs in the Airflow task"),
 ])
 def test_bad_definitions_are_refused(patch, message):
     data = json.loads(json.dumps(BASE))

@@ -44,6 +44,12 @@ def test_build_run_config_renders_the_interval(tmp_path):
         steps.build_run_config(seeded, logical_date=None, airflow_run_id="manual__1")
     args = steps.spark_submit_args(seeded)
     assert args[args.index("--start-from") + 1] == "clicks_old/savepoints/before-upgrade"
+    assert args[args.index("--engine") + 1] == "spark"  # the application is on the cluster
+    assert cfg.engine is None  # $CKPT_ENGINE, else auto
+    local = steps.build_run_config(make_spec(tmp_path, engine="local"),
+                                   logical_date=datetime(2027, 1, 2, tzinfo=UTC),
+                                   airflow_run_id="manual__1")
+    assert local.engine == "local"
 
 
 def test_unknown_template_field_is_a_clear_error():

@@ -44,19 +44,21 @@ def out_url(storage_url: str, tmp_path) -> str:
 
 
 def scenario(spark, tmp_path, storage_url: str, job, days, reference, check_output,
-             check_state) -> None:
-    """runs d0, d1; re-run d0; crash d2; rescale 3 -> 2; run d2: all against pandas."""
+             check_state, engine: str = "spark") -> None:
+    """runs d0, d1; re-run d0; crash d2; rescale 3 -> 2; run d2: all against pandas,
+    with the runs' tasks on ``engine`` (statebackend.job.engine)."""
     output = out_url(storage_url, tmp_path)
     store = CheckpointStore(open_storage(storage_url), job.name)
     expected_outputs, expected_state = reference
 
     def config(d: int, **kw) -> RunConfig:
         return RunConfig(input=str(tmp_path / f"in{d}"), storage=storage_url, run_id=f"d{d}",
-                         output=output, local_dir=str(tmp_path / "local"), **kw)
+                         output=output, local_dir=str(tmp_path / "local"), engine=engine, **kw)
 
     s0 = run_job(job, config(0, parallelism=3), spark)
     s1 = run_job(job, config(1), spark)
     assert [s0["checkpoint_id"], s1["checkpoint_id"]] == [1, 2]
+    assert (s0["engine"], s1["engine"]) == (engine, engine)
     assert s0["job_kind"] == job.name and s0["parallelism"] == 3
     for d in (0, 1):
         check_output(read_output(output, run_dir_name(f"d{d}")), expected_outputs[d])
@@ -129,6 +131,23 @@ def test_keyed_aggregation_matches_pandas(spark, tmp_path, durable_storage_url):
     scenario(spark, tmp_path, durable_storage_url, ka.JOB, days, totals_reference(days),
              check_totals_output,
              lambda got, want: assert_totals_equal(got["totals"], want["totals"]))
+
+
+@pytest.mark.parametrize("job", [ka.JOB, user_activity.job], ids=["keyed_aggregation",
+                                                                  "user_activity"])
+def test_local_engine_matches_pandas(spark, tmp_path, durable_storage_url, job):
+    """The same scenario with the runs in this process (no Spark task): re-run, crashed
+    subtask, a rescale between runs, JSON with bad lines and Parquet input."""
+    if job is ka.JOB:
+        days = totals_days(str(tmp_path), 3, seed=301)
+        scenario(spark, tmp_path, durable_storage_url, job, days, totals_reference(days),
+                 check_totals_output,
+                 lambda got, want: assert_totals_equal(got["totals"], want["totals"]),
+                 engine="local")
+    else:
+        days = activity_days(tmp_path)
+        scenario(spark, tmp_path, durable_storage_url, job, days, activity_reference(days),
+                 check_activity_output, _assert_equal, engine="local")
 
 
 def test_quarantine_reasons_of_the_example(spark, tmp_path):

@@ -43,7 +43,8 @@ def run_output(url: str, run_id: str) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else None
 
 
-def test_sessionization_matches_reference_over_runs(spark, tmp_path):
+@pytest.mark.parametrize("engine", ["spark", "local"])
+def test_sessionization_matches_reference_over_runs(spark, tmp_path, engine):
     days = generate_days(SPEC)
     dirs = write_days(days, str(tmp_path / "in"))
     ref = sessionize([d[["user", "ts", "value"]] for d in days], GAP_MIN * 60_000,
@@ -59,6 +60,7 @@ def test_sessionization_matches_reference_over_runs(spark, tmp_path):
     def config(d: int, **kw) -> RunConfig:
         return RunConfig(input=dirs[d], storage=storage, run_id=f"d{d}", output=output,
                          local_dir=str(tmp_path / "local"), max_reject_fraction=0.0,
+                         engine=engine,
                          options={"gap_minutes": GAP_MIN,
                                   "allowed_lateness_minutes": LATENESS_MIN}, **kw)
 
@@ -96,7 +98,8 @@ def test_sessionization_matches_reference_over_runs(spark, tmp_path):
     assert json.loads(json.dumps(meta.extra["time"]))["timers_fired"] >= 0
 
 
-def test_late_rows_are_quarantined_not_rejected(spark, tmp_path):
+@pytest.mark.parametrize("engine", ["spark", "local"])
+def test_late_rows_are_quarantined_not_rejected(spark, tmp_path, engine):
     """A late row goes to the quarantine with reason ``late`` and does not count against
     --max-reject-fraction (0 here); an accept_late job would take it."""
     inp0, inp1 = tmp_path / "in0", tmp_path / "in1"
@@ -110,6 +113,7 @@ def test_late_rows_are_quarantined_not_rejected(spark, tmp_path):
     def config(d: int, folder) -> RunConfig:
         return RunConfig(input=str(folder), storage=storage, run_id=f"d{d}", output=output,
                          local_dir=str(tmp_path / "local"), max_reject_fraction=0.0,
+                         engine=engine,
                          parallelism=2, options={"allowed_lateness_minutes": 60})
 
     s0 = run_job(sz.JOB, config(0, inp0), spark)

@@ -186,11 +186,14 @@ def test_subtask_without_rows_runs_when_its_timer_is_due(spark, tmp_path):
 # -- the new watermark: the latest rows, or a pass over every row ----------------------
 def test_max_event_time_from_the_latest_rows_or_every_row(spark, tmp_path, monkeypatch):
     """The rows with the latest event times settle the max accepted time unless they are
-    all rejected and not late; then every row is validated. Same answer either way."""
+    all rejected and not late; then every row is validated. Same answer either way, and
+    the local engine's pass over every row agrees."""
     import json
 
-    from statebackend.job import run as run_mod
+    from statebackend.job import spark_engine as run_mod
     from statebackend.job.input import list_input
+    from statebackend.job.local_engine import LocalEngine
+    from statebackend.progress import NO_PROGRESS
 
     rows = ([{"k": f"u{i}", "ts": t} for i, t in enumerate((100, 300, 200))]
             + [{"k": None, "ts": t} for t in (900, 800, 700, 600)]  # missing key: rejected
@@ -207,3 +210,5 @@ def test_max_event_time_from_the_latest_rows_or_every_row(spark, tmp_path, monke
                             (7, None, 300)]:   # last (250) before the best (300): settled
         monkeypatch.setattr(run_mod, "WATERMARK_CANDIDATES", limit)
         assert run_mod.max_event_time(spark, job, files, wm) == want, (limit, wm)
+        local = LocalEngine(files, job).max_event_time(job, wm, NO_PROGRESS, "scan")
+        assert local == want, (limit, wm)

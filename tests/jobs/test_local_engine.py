@@ -1,0 +1,122 @@
+"""The local engine (statebackend.job.local_engine) against the Spark engine and pandas.
+
+The pandas-reference scenarios of every built-in job also run on the local engine
+(test_run_protocol, test_sessionization, test_dedup: ``engine="local"``). Here: one
+lineage whose runs alternate between the engines holds bit-identical state to a
+Spark-only lineage; ``auto`` picks the local engine for a small input without
+importing pyspark at all, and Spark when the input is over the limit; a bad input file
+is one line and commits nothing; memory:// storage works in one process.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jobs import keyed_aggregation as ka
+from statebackend.checkpoint import layout
+from statebackend.checkpoint.store import CheckpointStore
+from statebackend.errors import InputError, UsageError
+from statebackend.job import RunConfig, run_job
+from statebackend.job.engine import ENGINE_ENV, MAX_BYTES_ENV
+from statebackend.storage import open_storage
+from tests.jobs.run_reference import (
+    assert_totals_equal,
+    final_state,
+    totals_days,
+    totals_reference,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _config(tmp_path, storage: str, d: int, engine: str | None, **kw) -> RunConfig:
+    kw.setdefault("run_id", f"d{d}")
+    return RunConfig(input=str(tmp_path / f"in{d}"), storage=storage,
+                     output=f"{tmp_path}/out-{storage.rsplit('/', 1)[-1]}", parallelism=3,
+                     local_dir=str(tmp_path / "local"), engine=engine, **kw)
+
+
+def test_alternating_engines_hold_the_same_state_as_spark_alone(spark, tmp_path):
+    days = totals_days(str(tmp_path), 4, seed=410)  # Parquet, JSON with bad lines, Parquet
+    spark_only, mixed = f"file://{tmp_path}/spark", f"file://{tmp_path}/mixed"
+    for d, engine in enumerate(("local", "spark", "local", "local")):
+        want = run_job(ka.JOB, _config(tmp_path, spark_only, d, "spark"), spark)
+        got = run_job(ka.JOB, _config(tmp_path, mixed, d, engine), spark)
+        assert got["engine"] == engine
+        for k in ("events_read", "events_rejected", "keys_touched", "rejects_by_reason"):
+            assert got[k] == want[k], (d, k)
+    # same sums to the last bit: same routing, same row order, same batches
+    assert final_state(mixed, "keyed_aggregation") == final_state(spark_only,
+                                                                  "keyed_aggregation")
+    assert_totals_equal(final_state(mixed, "keyed_aggregation")["totals"],
+                        totals_reference(days)[1]["totals"])
+    meta = CheckpointStore(open_storage(mixed), "keyed_aggregation").latest()
+    assert (meta.extra["engine"], meta.extra["input_reader"]) == ("local", "arrow")
+
+
+def test_auto_runs_a_small_input_without_importing_pyspark(tmp_path):
+    totals_days(str(tmp_path), 1, seed=420)
+    driver = (
+        "import json, sys\n"
+        "from statebackend.cli.app import main\n"
+        "code = main(sys.argv[1:])\n"
+        "print(json.dumps({'pyspark': 'pyspark' in sys.modules}))\n"
+        "sys.exit(code)\n")
+    env = {k: v for k, v in os.environ.items() if k != ENGINE_ENV}
+    proc = subprocess.run(
+        [sys.executable, "-c", driver, "--storage", f"file://{tmp_path}/store", "run",
+         "jobs.keyed_aggregation:JOB", "--input", str(tmp_path / "in0"), "--run-id", "d0",
+         "--output", str(tmp_path / "out"), "--master", "spark://10.255.255.1:7077",
+         "--parallelism", "2", "--json"],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary, imported = proc.stdout[:proc.stdout.rindex("\n{")], proc.stdout.splitlines()[-1]
+    summary = json.loads(summary)
+    assert (summary["engine"], summary["checkpoint_id"], summary["parallelism"]) == \
+        ("local", 1, 2)
+    assert "within the local engine's 64.0 MiB" in summary["engine_reason"]
+    assert json.loads(imported) == {"pyspark": False}  # no JVM, no Spark client at all
+
+
+def test_auto_takes_spark_when_the_input_is_over_the_limit(spark, tmp_path, monkeypatch):
+    totals_days(str(tmp_path), 1, seed=430)
+    monkeypatch.delenv(ENGINE_ENV)
+    monkeypatch.setenv(MAX_BYTES_ENV, "1000")
+    s = run_job(ka.JOB, _config(tmp_path, f"file://{tmp_path}/store", 0, None), spark)
+    assert s["engine"] == "spark" and f"the local engine's 0.0 MiB ({MAX_BYTES_ENV})" in \
+        s["engine_reason"]
+
+
+def test_an_unreadable_file_is_one_line_and_commits_nothing(tmp_path):
+    folder = tmp_path / "in0"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text(json.dumps({"key": "k", "ts": 1, "value": 1.0}) + "\n")
+    (folder / "b.jsonl.gz").write_bytes(gzip.compress(b'{"key": "x"}\n' * 100)[:40])
+    storage = f"file://{tmp_path}/store"
+    with pytest.raises(InputError) as info:
+        run_job(ka.JOB, _config(tmp_path, storage, 0, "local"))
+    text = str(info.value)
+    assert "\n" not in text and f"cannot read input file file://{folder}/b.jsonl.gz" in text
+    store = CheckpointStore(open_storage(storage), "keyed_aggregation")
+    assert store.checkpoint_ids() == [] and not store.storage.exists("shared")
+    history = [json.loads(store.storage.read_bytes(i.path))
+               for i in store.storage.walk_files(layout.HISTORY_DIR)]
+    assert [(h["run_id"], h["outcome"]) for h in history] == [("d0", "failed")]
+    assert "b.jsonl.gz" in history[0]["error"]
+
+
+def test_memory_storage_runs_on_the_local_engine_and_spark_refuses_it(tmp_path):
+    days = totals_days(str(tmp_path), 2, seed=440)
+    url = "memory://local-engine-test"
+    for d in range(2):
+        assert run_job(ka.JOB, _config(tmp_path, url, d, "local"))["checkpoint_id"] == d + 1
+    assert_totals_equal(final_state(url, "keyed_aggregation")["totals"],
+                        totals_reference(days)[1]["totals"])
+    with pytest.raises(UsageError, match="lives in one process.*or --engine local"):
+        run_job(ka.JOB, _config(tmp_path, url, 1, "spark", run_id="again"))
