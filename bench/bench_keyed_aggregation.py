@@ -128,6 +128,42 @@ def spark_run(spark, spec: dict, day: int) -> dict:
     return {"wall_s": wall, "events": rows, "bytes": dir_bytes(ckpt) - before}
 
 
+def floor_run(day_dir: str, work: str) -> dict:
+    """The floor of one run on this machine: an Arrow read of the day's files, a group-by
+    of its rows, one RocksDB write batch of every key's totals (a new instance, flushed),
+    and an upload (copy) of the SST files. No state read, no validation, no Spark."""
+    import numpy as np
+    import pyarrow.parquet as pq
+    from rocksdict import Options, Rdict, WriteBatch
+
+    folder = os.path.join(work, "floor")
+    shutil.rmtree(folder, ignore_errors=True)
+    t0 = time.perf_counter()
+    table = pq.read_table(day_dir, columns=["key", "ts", "value"])
+    t1 = time.perf_counter()
+    agg = table.group_by("key").aggregate([("value", "count"), ("value", "sum"), ("ts", "min"),
+                                           ("ts", "max")])
+    t2 = time.perf_counter()
+    values = np.column_stack([agg[c].to_numpy().astype(np.float64) for c in
+                              ("value_count", "value_sum", "ts_min", "ts_max")])
+    db = Rdict(os.path.join(folder, "db"), Options(raw_mode=True))
+    wb = WriteBatch(raw_mode=True)
+    for key, row in zip(agg["key"].to_pylist(), values, strict=True):
+        wb.put(key.encode(), row.tobytes())
+    db.write(wb)
+    db.flush()
+    t3 = time.perf_counter()
+    upload = os.path.join(folder, "upload")
+    os.makedirs(upload)
+    for name in os.listdir(os.path.join(folder, "db")):
+        if name.endswith(".sst"):
+            shutil.copy(os.path.join(folder, "db", name), upload)
+    db.close()
+    t4 = time.perf_counter()
+    return {"read": t1 - t0, "group_by": t2 - t1, "state_writes": t3 - t2, "upload": t4 - t3,
+            "total": t4 - t0}
+
+
 def worker(spec: dict) -> None:
     """Run days ``spec['run_days']`` of one variant in this process; print JSON lines.
 
@@ -325,8 +361,28 @@ def main(argv: list[str] | None = None) -> int:
     print(f"workload: {args.runs} runs x {args.events:,} events over {args.keys:,} keys, "
           f"{args.master}, P={args.parallelism}, variants {args.variants}", flush=True)
     with pre_port_tree(args.before if "before" in args.variants else "") as tree:
-        report(bench(args, tree), args)
+        table = bench(args, tree)
+        report(table, args)
+    report_floor(table, args)
     return 0
+
+
+def report_floor(table: dict, args: argparse.Namespace) -> None:
+    """Each warm-session run of ours beside the floor of the same day (`floor_run`, best of
+    3, in this process). Goal (issue 14): within 3x of the floor."""
+    mine = [v for v in args.variants if v in OURS and v in table.get("session", {})]
+    if not mine:
+        return
+    work = os.path.abspath(args.workdir)
+    inputs = os.path.join(work, "input")
+    days = sorted(os.path.join(inputs, d) for d in os.listdir(inputs))
+    print("\nwarm run vs the floor (Arrow read + group-by + state writes + upload of the day)")
+    for day, runs in enumerate(zip(*(table["session"][v] for v in mine), strict=True)):
+        floor = min((floor_run(days[day], work) for _ in range(3)), key=lambda f: f["total"])
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in floor.items() if k != "total")
+        walls = "; ".join(f"{v} {r['wall_s']:.3f} s = x{r['wall_s'] / floor['total']:.2f}"
+                          for v, r in zip(mine, runs, strict=True))
+        print(f"day {day}: floor {floor['total']:.3f} s ({parts}); {walls}", flush=True)
 
 
 if __name__ == "__main__":

@@ -110,6 +110,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="1M,4M", help="events per run, e.g. 1M,4M,10M")
     ap.add_argument("--runs", type=int, default=2, help="runs per size (1: state writes only)")
+    ap.add_argument("--engine", default="spark", choices=("spark", "local", "auto"),
+                    help="the runs' engine (statebackend.job.engine; default %(default)s)")
     ap.add_argument("--parallelism", type=int, default=4)
     ap.add_argument("--master", default="local[2]")
     ap.add_argument("--work", default=None, help="work folder (default: a temp folder)")
@@ -129,7 +131,8 @@ def main() -> None:
 
     work = args.work or tempfile.mkdtemp(prefix="bench-scale-")
     spark = get_spark(args.master, app_name="bench-scale")
-    print(f"bench_scale: {args.master}, P={args.parallelism}, runs per size {args.runs}, "
+    print(f"bench_scale: {args.master}, engine {args.engine}, P={args.parallelism}, runs per "
+          f"size {args.runs}, "
           f"load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores, work {work}")
     header = (f"{'events':>9} {'keys':>9} {'run':>3} {'wall s':>7} {'events/s':>10} "
               + " ".join(f"{p + ' s':>10}" for p in PHASES) + f" {'state rows':>10}")
@@ -141,7 +144,8 @@ def main() -> None:
         run_job(JOB, RunConfig(input=os.path.join(warm, "in"), storage=f"file://{warm}/store",
                                job="warm", run_id="w", output=os.path.join(warm, "out"),
                                parallelism=args.parallelism, master=args.master,
-                               local_dir=os.path.join(warm, "local")), spark)
+                               local_dir=os.path.join(warm, "local"), engine=args.engine),
+                spark)
         shutil.rmtree(warm, ignore_errors=True)
         for n in sizes:
             keys = min(n // 2, MAX_KEYS)
@@ -157,7 +161,8 @@ def main() -> None:
                 s = run_job(JOB, RunConfig(input=inp, storage=store_url, job="scale",
                                            run_id=f"r{r}", output=os.path.join(base, "out"),
                                            parallelism=args.parallelism, master=args.master,
-                                           local_dir=os.path.join(base, "local")), spark)
+                                           local_dir=os.path.join(base, "local"),
+                                           engine=args.engine), spark)
                 wall = time.perf_counter() - started
                 meta = CheckpointStore(open_storage(store_url), "scale").load(s["checkpoint_id"])
                 run = meta.extra["metrics"]["run"]
@@ -165,7 +170,8 @@ def main() -> None:
                 results.append((n, r, wall, phases))
                 print(f"{n:>9,} {keys:>9,} {r:>3} {wall:>7.2f} {n / wall:>10,.0f} "
                       + " ".join(f"{phases[p]:>10.2f}" for p in PHASES)
-                      + f" {run['state_rows']:>10,}  reader {s['input_reader']}")
+                      + f" {run['state_rows']:>10,}  reader {s['input_reader']}, engine "
+                      f"{s['engine']}")
                 if r:
                     shutil.rmtree(os.path.join(base, f"in{r - 1}"), ignore_errors=True)
             if n == sizes[0]:

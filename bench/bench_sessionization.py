@@ -181,7 +181,12 @@ def parse(argv: list[str] | None, doc: str) -> argparse.Namespace:
     p.add_argument("--modes", default=DEFAULT_MODES,
                    help="comma-separated subset of %(default)s")
     p.add_argument("--work", default=None)
-    return p.parse_args(argv)
+    p.add_argument("--engine", choices=("auto", "spark", "local"), default="auto",
+                   help="our runs' engine (statebackend.job.engine; default %(default)s: the "
+                        "local engine for these inputs)")
+    args = p.parse_args(argv)
+    os.environ["CKPT_ENGINE"] = args.engine  # our runs in this process and in child processes
+    return args
 
 
 def make_input(args: argparse.Namespace, work: str) -> list[str]:
@@ -197,8 +202,8 @@ def bench(args, name: str, job, module: str, options: dict, peer_module: str,
           goals: dict[str, float]) -> list[dict]:
     work = args.work or tempfile.mkdtemp(prefix=f"bench-{name}-")
     days = make_input(args, work)
-    print(f"{name}: {len(days)} days under {work} (machine shared with other jobs: "
-          "figures are indicative)")
+    print(f"{name}: {len(days)} days under {work}, our engine {args.engine} (machine shared "
+          "with other jobs: figures are indicative)")
     emitted = lambda s, w: output_rows(w, s["run_id"])  # noqa: E731
     out = []
     modes = args.modes.split(",")
