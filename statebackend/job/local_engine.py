@@ -11,8 +11,9 @@ code or the same rule:
   the Spark engine's top-k settles to the same value);
 - route: key group ``murmur3_32(key) mod M`` (`key_groups`, as Spark's routing pass),
   subtask ``kg * P // M``; each subtask's rows sorted like Spark's
-  ``sortWithinPartitions`` (`row_order`, nulls first) and handed to `SubtaskRun` in
-  batches of ``batch_rows`` rows, as Arrow batches reach a Spark task;
+  ``sortWithinPartitions`` (`row_order`, nulls first; in the subtask's thread) and
+  handed to `SubtaskRun` in batches of ``batch_rows`` rows, as Arrow batches reach a
+  Spark task;
 - tasks: `SubtaskRun` (restore, logic, snapshot, upload, outputs), in a pool of
   min(P, cores) threads. The local recovery folder is the one a ``local[...]`` Spark
   executor on this machine uses, so the engines can alternate without downloads.
@@ -41,7 +42,6 @@ from statebackend.job.task import PARTITION_COLUMN, SubtaskRun, TaskParams
 from statebackend.progress import ProgressSink
 from statebackend.state.keygroups_bulk import key_groups
 
-_SUBTASK = "__subtask__"
 READ_THREADS = 8  # input files read at once (I/O bound: fsspec, gzip, Arrow's parsers)
 
 
@@ -86,11 +86,11 @@ class LocalEngine:
                   batch_rows: int) -> list[dict]:
         """One result row per subtask; `TaskFailedError` (one line) when a subtask fails."""
         progress.phase(upstream)
-        shares = subtask_shares(self.table(), params, batch_rows)
+        shares = subtask_shares(self.table(), params)
         progress.phase(label, total=params.parallelism, unit="subtasks")
         with ThreadPoolExecutor(min(params.parallelism, self.cores),
                                 thread_name_prefix="ckpt-subtask") as pool:
-            futures = {pool.submit(_run_one, params, i, shares[i]): i
+            futures = {pool.submit(_run_one, params, i, shares[i], batch_rows): i
                        for i in range(params.parallelism)}
             results, failed = [], None
             pending: set[Future] = set(futures)
@@ -111,24 +111,27 @@ class LocalEngine:
         return results
 
 
-def subtask_shares(table: pa.Table, params: TaskParams, batch_rows: int
-                   ) -> list[list[pa.RecordBatch]]:
-    """Per subtask, its rows (with ``_p``) in Spark's order, as batches of ``batch_rows``."""
+def subtask_shares(table: pa.Table, params: TaskParams) -> list[pa.Table]:
+    """Per subtask, its rows with ``_p``, in input order (`subtask_batches` sorts them)."""
     m, p = params.max_parallelism, params.parallelism
     if not table.num_rows:
-        return [[] for _ in range(p)]
+        return [table.append_column(PARTITION_COLUMN, pa.array([], pa.int32()))] * p
     subtask = key_groups(table.column(params.job.input.key), m) * p // m
-    values = np.asarray(params.part_values, dtype=np.int32)[subtask]
-    keyed = table.append_column(_SUBTASK, pa.array(subtask, pa.int32()))
-    order = _nulls_first_order(keyed, (_SUBTASK, *row_order(params.job)))
-    routed = table.append_column(PARTITION_COLUMN,
-                                 pa.array(values, pa.int32())).take(order)
+    order = np.argsort(subtask, kind="stable")
+    values = np.asarray(params.part_values, dtype=np.int32)[subtask[order]]
+    routed = table.take(pa.array(order)).append_column(PARTITION_COLUMN, pa.array(values))
     counts = np.bincount(subtask, minlength=p)
-    shares, start = [], 0
-    for n in counts.tolist():
-        shares.append(routed.slice(start, n).to_batches(max_chunksize=batch_rows))
-        start += n
-    return shares
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    return [routed.slice(int(start), int(n)) for start, n in zip(starts, counts, strict=True)]
+
+
+def subtask_batches(share: pa.Table, job: Job, batch_rows: int) -> list[pa.RecordBatch]:
+    """A subtask's rows in Spark's order (``sortWithinPartitions`` by `row_order`, nulls
+    first), in batches of ``batch_rows`` as Arrow batches reach a Spark task."""
+    if not share.num_rows:
+        return []
+    return share.take(_nulls_first_order(share, row_order(job))).to_batches(
+        max_chunksize=batch_rows)
 
 
 def _nulls_first_order(table: pa.Table, names: tuple[str, ...]) -> pa.Array:
@@ -140,10 +143,11 @@ def _nulls_first_order(table: pa.Table, names: tuple[str, ...]) -> pa.Array:
                                null_placement="at_start")
 
 
-def _run_one(params: TaskParams, subtask: int, batches: list[pa.RecordBatch]) -> dict:
+def _run_one(params: TaskParams, subtask: int, share: pa.Table, batch_rows: int) -> dict:
     runner = SubtaskRun(params, subtask, attempt=0)
     try:
-        return runner.run(iter(batches))
+        # sorted here, in the subtask's thread: Arrow's sort releases the GIL
+        return runner.run(iter(subtask_batches(share, params.job, batch_rows)))
     except BaseException:
         runner.discard()
         raise
