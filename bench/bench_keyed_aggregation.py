@@ -45,6 +45,8 @@ from contextlib import contextmanager
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.process_env import child_env  # noqa: E402
+
 ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
 VARIANTS = ("ours", "ours-spark", "before", "spark-changelog", "spark-no-changelog")
 DEFAULT_VARIANTS = ("ours", "ours-spark", "spark-changelog", "spark-no-changelog")
@@ -63,15 +65,6 @@ def dir_bytes(path: str) -> int:
             except OSError:
                 pass
     return total
-
-
-def child_env() -> dict:
-    env = dict(os.environ)
-    env.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    env.setdefault("PYSPARK_PYTHON", sys.executable)
-    env.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
 
 
 # -- one run of each engine (inside a worker process) -----------------------

@@ -43,6 +43,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from bench.peers.events import EventsSpec, generate_days, write_days  # noqa: E402
+from bench.process_env import child_env as env  # noqa: E402
 
 MASTER = "local[2]"
 DEFAULT_MODES = "warm,process,connect"
@@ -57,14 +58,6 @@ class Run:
     emitted: int
     wall_s: float
     checkpoint_bytes: int
-
-
-def env() -> dict:
-    out = dict(os.environ)
-    out.update({"SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable,
-                "PYSPARK_DRIVER_PYTHON": sys.executable,
-                "PYTHONPATH": ROOT + os.pathsep + out.get("PYTHONPATH", "")})
-    return out
 
 
 # -- ours --------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 STARTED = "Spark Connect server started"
 START_TIMEOUT_S = 180
@@ -60,9 +59,10 @@ def connect_server(base: str, master: str = "local[2]",
     home = os.path.dirname(pyspark.__file__)
     os.makedirs(base, exist_ok=True)
     port = free_port()
-    env = {**os.environ, "SPARK_HOME": home, "SPARK_LOCAL_IP": "127.0.0.1",
-           "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable,
-           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    from bench.process_env import child_env
+
+    env = {**child_env(), "SPARK_HOME": home, "SPARK_LOCAL_IP": "127.0.0.1",
+           "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
     settings = {"spark.ui.enabled": "false", "spark.connect.grpc.binding.address": "127.0.0.1",
                 "spark.connect.grpc.binding.port": str(port),
                 "spark.local.dir": os.path.join(base, "spark-local"),
