@@ -106,12 +106,33 @@ def compare_readers(spark, work: str, events: int, rounds: int = 3) -> list[tupl
     return out
 
 
+def make_input(job_name: str, folder: str, n: int, keys: int, run: int, runs: int) -> None:
+    """Run ``run``'s input of ``n`` events over ``keys`` keys (one new day per run)."""
+    if job_name == "keyed_aggregation":
+        from demo.sample_data import generate_events
+
+        generate_events(folder, n_events=n, n_keys=keys, seed=100 + run,
+                        start_ts_ms=1_800_000_000_000 + run * 86_400_000)
+        return
+    from bench.peers.events import EventsSpec, generate_days, write_days
+
+    # The days are generated together (late rows and repeats cross midnight); this run's
+    # day is written. Users = keys: one session state per active user.
+    days = generate_days(EventsSpec(days=runs, events_per_day=n, users=keys, seed=100))
+    tmp = write_days(days[run:run + 1], folder + ".tmp")[0]
+    os.replace(tmp, folder)
+    shutil.rmtree(folder + ".tmp", ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="1M,4M", help="events per run, e.g. 1M,4M,10M")
     ap.add_argument("--runs", type=int, default=2, help="runs per size (1: state writes only)")
     ap.add_argument("--engine", default="spark", choices=("spark", "local", "auto"),
                     help="the runs' engine (statebackend.job.engine; default %(default)s)")
+    ap.add_argument("--job", default="keyed_aggregation",
+                    choices=("keyed_aggregation", "sessionization"),
+                    help="the built-in job to scale (default %(default)s)")
     ap.add_argument("--parallelism", type=int, default=4)
     ap.add_argument("--master", default="local[2]")
     ap.add_argument("--work", default=None, help="work folder (default: a temp folder)")
@@ -122,16 +143,17 @@ def main() -> None:
 
     import pyarrow.parquet as pq
 
-    from demo.sample_data import generate_events
-    from jobs.keyed_aggregation import JOB
+    from jobs import BUILTIN_JOBS
     from statebackend.checkpoint.store import CheckpointStore
-    from statebackend.job import RunConfig, run_job
+    from statebackend.job import RunConfig, load_job, run_job
     from statebackend.spark.session import get_spark
     from statebackend.storage import open_storage
 
+    job = load_job(BUILTIN_JOBS[args.job])
     work = args.work or tempfile.mkdtemp(prefix="bench-scale-")
     spark = get_spark(args.master, app_name="bench-scale")
-    print(f"bench_scale: {args.master}, engine {args.engine}, P={args.parallelism}, runs per "
+    print(f"bench_scale: job {args.job}, {args.master}, engine {args.engine}, "
+          f"P={args.parallelism}, runs per "
           f"size {args.runs}, "
           f"load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores, work {work}")
     header = (f"{'events':>9} {'keys':>9} {'run':>3} {'wall s':>7} {'events/s':>10} "
@@ -140,8 +162,8 @@ def main() -> None:
     try:
         # A small run first: JVM code paths, Python workers and imports are then warm for all.
         warm = os.path.join(work, "warm")
-        generate_events(os.path.join(warm, "in"), n_events=10_000, n_keys=5_000, seed=1)
-        run_job(JOB, RunConfig(input=os.path.join(warm, "in"), storage=f"file://{warm}/store",
+        make_input(args.job, os.path.join(warm, "in"), 10_000, 5_000, 0, 1)
+        run_job(job, RunConfig(input=os.path.join(warm, "in"), storage=f"file://{warm}/store",
                                job="warm", run_id="w", output=os.path.join(warm, "out"),
                                parallelism=args.parallelism, master=args.master,
                                local_dir=os.path.join(warm, "local"), engine=args.engine),
@@ -155,10 +177,9 @@ def main() -> None:
             print(header)
             for r in range(args.runs):
                 inp = os.path.join(base, f"in{r}")
-                generate_events(inp, n_events=n, n_keys=keys, seed=100 + r,
-                                start_ts_ms=1_800_000_000_000 + r * 86_400_000)
+                make_input(args.job, inp, n, keys, r, args.runs)
                 started = time.perf_counter()
-                s = run_job(JOB, RunConfig(input=inp, storage=store_url, job="scale",
+                s = run_job(job, RunConfig(input=inp, storage=store_url, job="scale",
                                            run_id=f"r{r}", output=os.path.join(base, "out"),
                                            parallelism=args.parallelism, master=args.master,
                                            local_dir=os.path.join(base, "local"),
@@ -176,7 +197,8 @@ def main() -> None:
                     shutil.rmtree(os.path.join(base, f"in{r - 1}"), ignore_errors=True)
             if n == sizes[0]:
                 keys_col = pq.read_table(os.path.join(base, f"in{args.runs - 1}"),
-                                         columns=["key"])["key"].combine_chunks()
+                                         columns=[job.input.key])[job.input.key]
+                keys_col = keys_col.cast("string").combine_chunks()
                 col, loop = key_hashing(keys_col)
                 hashing = (len(keys_col), col, loop)
             shutil.rmtree(base, ignore_errors=True)
