@@ -136,6 +136,7 @@ class JobConfig:
     start_from: str | None = None
     local_dir: str | None = None
     fail_subtask: int | None = None  # test hook: this subtask raises after its upload
+    engine: str | None = None  # spark | local | auto (statebackend.job.engine)
 
     @property
     def quarantine_url(self) -> str:
@@ -148,7 +149,7 @@ class JobConfig:
             max_parallelism=self.max_parallelism, master=self.master,
             max_reject_fraction=self.max_reject_fraction, quarantine=self.quarantine,
             start_from=self.start_from, local_dir=self.local_dir,
-            fail_subtask=self.fail_subtask)
+            fail_subtask=self.fail_subtask, engine=self.engine)
 
 
 def run(config: JobConfig | RunConfig, spark=None) -> dict:

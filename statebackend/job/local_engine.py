@@ -26,6 +26,7 @@ races an upload.
 from __future__ import annotations
 
 import os
+import traceback
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 
 import numpy as np
@@ -148,8 +149,11 @@ def _run_one(params: TaskParams, subtask: int, share: pa.Table, batch_rows: int)
     try:
         # sorted here, in the subtask's thread: Arrow's sort releases the GIL
         return runner.run(iter(subtask_batches(share, params.job, batch_rows)))
-    except BaseException:
+    except BaseException as exc:
         runner.discard()
+        # The failed frames hold state handles, and RocksDB keeps the instance open (its
+        # LOCK too) while any handle lives: the next run in this process could not open it.
+        traceback.clear_frames(exc.__traceback__)
         raise
     finally:
         runner.close()

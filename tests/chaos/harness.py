@@ -216,6 +216,9 @@ class ChaosConfig:
     key_universe: int = 60
     keys_per_run: int = 30
     rerun_retired: bool = True  # also re-run run ids whose checkpoint retention retired
+    # The job runs' engine: "spark" (tasks in Python workers, out of the faults' reach) or
+    # "local" (subtasks in this process: kills also hit restores, snapshots and uploads)
+    engine: str = "spark"
 
 
 @dataclass
@@ -321,7 +324,7 @@ class Chaos:
         cfg = ka.JobConfig(input=self.model.interval(run_id).input_dir,
                            storage=self.config.storage_url, job=JOB, run_id=run_id,
                            output=self.output, parallelism=p, local_dir=self.local_dir,
-                           fail_subtask=fail_subtask)
+                           fail_subtask=fail_subtask, engine=self.config.engine)
         detail = f"{run_id} P={p}" + (f" fail_subtask={fail_subtask}" if fail else "") + \
             (" busy-gc" if busy else "")
         allowed = (ka.JobRunError,) if fail else ()

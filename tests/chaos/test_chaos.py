@@ -2,8 +2,11 @@
 
 See harness.py for the steps, the faults and the checks after every step. The CI
 run is two seeds of 100 steps each on file:// storage with one warm local Spark
-session; ``slow`` (also run in CI) adds two seeds of 100 steps and one short seed on
-a real S3 API (moto). Longer soaks: ``CKPT_CHAOS_SEEDS=1,2,3,4,5 CKPT_CHAOS_STEPS=200``.
+session, one with the job runs on Spark and one on the local engine (whose subtasks
+run in this process, so the injected deaths also hit restores, snapshots and
+uploads); ``slow`` (also run in CI) adds two seeds of 100 steps (one per engine) and
+one short seed on a real S3 API (moto). Longer soaks:
+``CKPT_CHAOS_SEEDS=1,2,3,4,5 CKPT_CHAOS_STEPS=200``.
 A failure names the seed and the last steps: re-run that seed alone with
 ``CKPT_CHAOS_SEEDS=<seed> pytest -m slow tests/chaos/test_chaos.py::test_chaos_slow``.
 """
@@ -24,15 +27,16 @@ from statebackend.storage import open_storage
 from tests.chaos.harness import Chaos, ChaosConfig, compare_state
 from tests.conftest import S3_BUCKET
 
-CI_SEEDS = (101, 202)
+CI_SEEDS = ((101, "spark"), (202, "local"))  # (seed, the job runs' engine)
 CI_STEPS = 100  # per seed: 200 steps in CI
 
 
-def _chaos(spark, tmp_path, seed: int, steps: int, storage_url: str | None = None) -> dict:
+def _chaos(spark, tmp_path, seed: int, steps: int, storage_url: str | None = None,
+           engine: str = "spark") -> dict:
     work = tmp_path / f"seed-{seed}"
     work.mkdir()
     config = ChaosConfig(seed=seed, steps=steps, work_dir=str(work),
-                         storage_url=storage_url or f"file://{work}/store")
+                         storage_url=storage_url or f"file://{work}/store", engine=engine)
     return Chaos(config, spark).run()
 
 
@@ -47,9 +51,9 @@ def _assert_covered(summary: dict) -> None:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("seed", CI_SEEDS)
-def test_chaos(spark, tmp_path, short_leases, chaos_report, seed):
-    summary = _chaos(spark, tmp_path, seed, CI_STEPS)
+@pytest.mark.parametrize("seed, engine", CI_SEEDS)
+def test_chaos(spark, tmp_path, short_leases, chaos_report, seed, engine):
+    summary = _chaos(spark, tmp_path, seed, CI_STEPS, engine=engine)
     chaos_report(summary)
     _assert_covered(summary)
 
@@ -62,10 +66,11 @@ def _env_ints(name: str, default: str) -> list[int]:
 @pytest.mark.timeout(3600)
 def test_chaos_slow(spark, tmp_path, short_leases, chaos_report):
     """200 more steps by default: 2 seeds x 100 (CKPT_CHAOS_SEEDS, CKPT_CHAOS_STEPS per
-    seed scale it up for a soak, e.g. 5 seeds x 200)."""
+    seed scale it up for a soak, e.g. 5 seeds x 200); odd seeds run the jobs on Spark,
+    even ones on the local engine."""
     steps = _env_ints("CKPT_CHAOS_STEPS", "100")[0]
     for seed in _env_ints("CKPT_CHAOS_SEEDS", "1 2"):
-        summary = _chaos(spark, tmp_path, seed, steps)
+        summary = _chaos(spark, tmp_path, seed, steps, engine=("local", "spark")[seed % 2])
         chaos_report(summary)
         _assert_covered(summary)
 

@@ -120,3 +120,39 @@ def test_memory_storage_runs_on_the_local_engine_and_spark_refuses_it(tmp_path):
                         totals_reference(days)[1]["totals"])
     with pytest.raises(UsageError, match="lives in one process.*or --engine local"):
         run_job(ka.JOB, _config(tmp_path, url, 1, "spark", run_id="again"))
+
+
+def _explode_after_state_work(batch, ctx) -> None:
+    """Reads and writes state, then fails while its frames hold the state handles."""
+    last_seen = ctx.state("last_seen")
+    keys = batch["user"].to_pylist()
+    last_seen.put(keys, [{"ts": 0, "category": "x"}] * len(keys))
+    if ctx.options["normalize_case"]:  # the test's switch: True fails the run
+        raise RuntimeError("logic failed")
+
+
+def test_a_failed_subtask_leaves_no_open_instance_behind(tmp_path):
+    """A subtask that fails inside the logic must not keep its RocksDB instance (and its
+    LOCK) open in this process: the next run here opens the same local folder."""
+    from dataclasses import replace
+
+    from examples import user_activity
+    from statebackend.job import JobRunError, Vectorized
+    from tests.jobs.run_reference import activity_events
+
+    activity_events(str(tmp_path / "in0"), rows=200, users=20, seed=1, day=0, fmt="parquet")
+    job = replace(user_activity.job, logic=Vectorized(_explode_after_state_work))
+    storage = f"file://{tmp_path}/store"
+    config = RunConfig(input=str(tmp_path / "in0"), storage=storage, run_id="d0",
+                       output=str(tmp_path / "out"), parallelism=2, engine="local",
+                       local_dir=str(tmp_path / "local"), options={"normalize_case": False})
+    assert run_job(job, config)["checkpoint_id"] == 1
+    failed = replace(config, run_id="d1", options={"normalize_case": True})
+    with pytest.raises(JobRunError, match="failed in a local subtask: subtask [01]: "
+                                          "RuntimeError: logic failed") as info:
+        run_job(job, failed)
+    # pytest keeps the exception (and its traceback) alive here, as a caller would
+    assert info.value.__cause__ is not None
+    again = run_job(job, replace(config, run_id="d1"))
+    # the failed attempt changed the instances: both come back from their local snapshot
+    assert (again["checkpoint_id"], again["restore_modes"]) == (2, ["local-snapshot"] * 2)
