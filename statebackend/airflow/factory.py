@@ -137,7 +137,7 @@ def build_rescale_dag(spec: JobSpec) -> DAG:
         rescale = CkptRescaleOperator(
             task_id="rescale", parallelism="{{ params.parallelism }}",
             checkpoint="{{ params.checkpoint }}", dry_run="{{ params.dry_run }}",
-            master=spec.spark.master, engine=spec.engine, **_storage(spec))
+            master=spec.spark.master, **_storage(spec))
 
         @task(task_id="validate")
         def validate(result: dict) -> dict:

@@ -20,7 +20,9 @@ import sys
 import pytest
 
 from demo.sample_data import DAY_MS, expected_totals, generate_events
+from statebackend.checkpoint.store import CheckpointStore
 from statebackend.job.run import run_dir_name
+from statebackend.storage import open_storage
 from tests.jobs.run_reference import activity_events, activity_reference, final_state, read_output
 
 pytestmark = pytest.mark.slow
@@ -48,7 +50,10 @@ def e2e(tmp_path_factory):
     activity = [activity_events(str(data / "activity" / f"day=2027-01-0{d + 1}"), rows=1500,
                                 users=120, seed=40 + d, day=d) for d in range(3)]
     config = base / "ckpt_jobs.yaml"
-    config.write_text(json.dumps({"defaults": {"spark": {"master": "local[2]"}}, "jobs": {
+    # clicks takes the default engine choice (auto: these small intervals run in the
+    # task, no JVM), activity runs on Spark: both engines under Airflow
+    config.write_text(json.dumps({"defaults": {"spark": {"master": "local[2]"},
+                                               "engine": "auto"}, "jobs": {
         "clicks": {"input": f"{data}/events/day={{{{ ds }}}}",
                    "output": f"{data}/out/day={{{{ ds }}}}",
                    "storage": f"file://{base}/store", "parallelism": 2, "keep": 5,
@@ -58,7 +63,8 @@ def e2e(tmp_path_factory):
                      "options": {"normalize_case": False},
                      "input": f"{data}/activity/day={{{{ ds }}}}",
                      "output": f"{data}/activity_out", "storage": f"file://{base}/store",
-                     "parallelism": 3, "start_date": "2027-01-01", "retries": 0}}}))
+                     "parallelism": 3, "start_date": "2027-01-01", "retries": 0,
+                     "engine": "spark"}}}))
     env = airflow_env(str(home), {"CKPT_JOBS_FILE": str(config)})
     subprocess.run([os.path.join(os.path.dirname(sys.executable), "airflow"), "db", "migrate"],
                    env=env, check=True, capture_output=True, timeout=300)
@@ -73,6 +79,8 @@ def e2e(tmp_path_factory):
     result["log"] = str(log_path)
     result["activity"] = {"frames": activity, "output": str(data / "activity_out"),
                           "storage": f"file://{base}/store"}
+    result["engines"] = {job: CheckpointStore(open_storage(f"file://{base}/store"), job)
+                         .load(1).extra.get("engine") for job in ("clicks", "activity")}
     return result, frames
 
 
@@ -84,6 +92,7 @@ def test_pipeline_runs_two_intervals(e2e):
         assert set(out[key]["tasks"].values()) == {"success"}, out[key]
     assert out["after_day1"] == [{"id": 1, "kind": "checkpoint", "parallelism": 2,
                                   "run_id": "interval__2027-01-01T00:00:00+00:00"}]
+    assert out["engines"] == {"clicks": "local", "activity": "spark"}
 
 
 def test_rerun_of_first_interval_counts_nothing_twice(e2e):
