@@ -24,9 +24,15 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from statebackend import defaults
 from statebackend.errors import UsageError
+
+if TYPE_CHECKING:
+    from statebackend.job.api import Job
+    from statebackend.job.task import TaskParams
+    from statebackend.progress import ProgressSink
 
 ENGINES = defaults.ENGINES
 ENGINE_ENV = "CKPT_ENGINE"
@@ -34,6 +40,25 @@ MAX_BYTES_ENV = "CKPT_LOCAL_ENGINE_MAX_BYTES"
 MAX_STATE_BYTES_ENV = "CKPT_LOCAL_ENGINE_MAX_STATE_BYTES"
 GZIP_EXPANSION = 8  # JSON lines compress about this well: what a .gz file becomes in memory
 _LOCAL_MASTER = re.compile(r"local(\[(\*|\d+)(,\d+)?\])?")
+
+
+class Engine(Protocol):
+    """What the run protocol asks of an engine (`SparkEngine`, `LocalEngine`)."""
+
+    name: str
+    task_word: str  # "a Spark task" | "a local subtask": where a failure happened
+
+    def default_parallelism(self) -> int:
+        """P of a new lineage run without ``--parallelism``."""
+
+    def max_event_time(self, job: Job, watermark: int | None, progress: ProgressSink,
+                       label: str) -> int | None:
+        """Max event time of the input rows the tasks will accept."""
+
+    def run_tasks(self, params: TaskParams, progress: ProgressSink, *, label: str,
+                  upstream: str, description: str, group_prefix: str,
+                  batch_rows: int) -> list[dict]:
+        """One result row per subtask (`statebackend.job.task.RESULT_SCHEMA`)."""
 
 
 @dataclass(frozen=True)

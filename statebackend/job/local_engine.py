@@ -38,8 +38,7 @@ from statebackend.job.api import Job
 from statebackend.job.arrow_input import output_schema, read_file
 from statebackend.job.core import max_accepted_time
 from statebackend.job.input import InputFiles, raw_table
-from statebackend.job.spark_engine import row_order
-from statebackend.job.task import PARTITION_COLUMN, SubtaskRun, TaskParams
+from statebackend.job.task import PARTITION_COLUMN, SubtaskRun, TaskParams, row_order
 from statebackend.progress import ProgressSink
 from statebackend.state.keygroups_bulk import key_groups
 

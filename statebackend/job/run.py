@@ -59,6 +59,7 @@ from statebackend.errors import CkptError, TaskFailedError, UsageError
 from statebackend.job.api import Job
 from statebackend.job.core import LATE
 from statebackend.job.engine import (
+    Engine,
     EngineChoice,
     choose_engine,
     input_weight,
@@ -236,7 +237,7 @@ def _run(job: Job, config: RunConfig, spark, options: dict, store: CheckpointSto
 
 
 def _engine(choice: EngineChoice, job: Job, config: RunConfig, store: CheckpointStore,
-            files: InputFiles, spark, progress: ProgressSink):
+            files: InputFiles, spark, progress: ProgressSink) -> Engine:
     """The engine object of ``choice``: the local engine, or Spark (started if needed)."""
     if choice.engine == "local":
         from statebackend.job.local_engine import LocalEngine
@@ -311,7 +312,7 @@ def check_states(job: Job, parent: CheckpointMetadata | None, job_dir: str) -> N
             f"{diff}): run it against its own lineage (--job) or start a new one")
 
 
-def _lineage_shape(config: RunConfig, parent: CheckpointMetadata | None, engine,
+def _lineage_shape(config: RunConfig, parent: CheckpointMetadata | None, engine: Engine,
                    warnings: list[str]) -> tuple[int, int]:
     if parent is not None:
         for name, asked, kept in (("parallelism", config.parallelism, parent.parallelism),
@@ -330,7 +331,7 @@ def _lineage_shape(config: RunConfig, parent: CheckpointMetadata | None, engine,
     return p, config.max_parallelism
 
 
-def _run_attempt(engine, choice: EngineChoice, job: Job, config: RunConfig, options: dict,
+def _run_attempt(engine: Engine, choice: EngineChoice, job: Job, config: RunConfig, options: dict,
                  store: CheckpointStore, parent: CheckpointMetadata | None, files: InputFiles,
                  started: float, warnings: list[str], progress: ProgressSink) -> dict:
     from statebackend.spark.dispatch import partition_values
@@ -384,7 +385,7 @@ class RunClock:
     must_run: tuple[bool, ...]
 
 
-def _run_clock(engine, job: Job, config: RunConfig, parent: CheckpointMetadata | None,
+def _run_clock(engine: Engine, job: Job, config: RunConfig, parent: CheckpointMetadata | None,
                parallelism: int, progress: ProgressSink) -> RunClock:
     wm = parent.watermark if parent else None
     logical = config.logical_time_ms if config.logical_time_ms is not None else \

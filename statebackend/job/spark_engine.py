@@ -23,7 +23,7 @@ import functools
 from statebackend.job.api import Job
 from statebackend.job.core import max_accepted_time, max_accepted_time_of_latest
 from statebackend.job.input import TEXT, InputFiles, marker_row, raw_table, read_ddl, read_input
-from statebackend.job.task import MARKER, RESULT_DDL, TaskParams, run_subtask
+from statebackend.job.task import MARKER, RESULT_DDL, TaskParams, row_order, run_subtask
 from statebackend.progress import ProgressSink
 
 # Rows with the latest event times the driver validates to find the new watermark.
@@ -74,14 +74,6 @@ class SparkEngine:
                           upstream=upstream):
             return dispatch.run_tasks(self.spark, tasks, description,
                                       group_prefix=group_prefix, batch_rows=batch_rows)
-
-
-def row_order(job: Job) -> tuple[str, ...]:
-    """The order of a subtask's rows: key, then event time (one key's rows reach the logic
-    in time order also across Arrow batches), then the rest (fixes float sums' order)."""
-    inp = job.input
-    leading = (inp.key, *([inp.event_time] if inp.event_time else []))
-    return (*leading, *[n for n in inp.schema.names if n not in leading])
 
 
 def max_event_time(spark, job: Job, files: InputFiles, watermark: int | None,

@@ -74,6 +74,14 @@ def part_name(subtask: int) -> str:
     return f"part-{subtask:05d}.parquet"
 
 
+def row_order(job: Job) -> tuple[str, ...]:
+    """The order of a subtask's rows: key, then event time (one key's rows reach the logic
+    in time order also across Arrow batches), then the rest (fixes float sums' order)."""
+    inp = job.input
+    leading = (inp.key, *([inp.event_time] if inp.event_time else []))
+    return (*leading, *[n for n in inp.schema.names if n not in leading])
+
+
 def output_folder(job: Job, output: str) -> str:
     """Folder of ``output`` under the output root: "" for a job with one output."""
     return "" if len(job.outputs) == 1 else output
