@@ -97,14 +97,16 @@ class LocalEngine:
             while pending:
                 done, pending = wait(pending, return_when=FIRST_EXCEPTION)
                 for f in done:
+                    if f.cancelled():
+                        continue
                     if f.exception() is None:
                         results.append(f.result())
                         progress.advance()
                     elif failed is None or futures[f] < futures[failed]:
                         failed = f
                 if failed is not None:
-                    for f in pending:
-                        f.cancel()  # not started: nothing to undo; started ones finish
+                    # not started: nothing to undo; the started ones finish first
+                    pending = {f for f in pending if not f.cancel()}
         if failed is not None:
             raise TaskFailedError(f"subtask {futures[failed]}: "
                                   f"{_one_line(failed.exception())}") from failed.exception()

@@ -22,7 +22,7 @@ from jobs import keyed_aggregation as ka
 from statebackend.checkpoint import layout
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import InputError, UsageError
-from statebackend.job import RunConfig, run_job
+from statebackend.job import JobRunError, RunConfig, run_job
 from statebackend.job.engine import ENGINE_ENV, MAX_BYTES_ENV
 from statebackend.storage import open_storage
 from tests.jobs.run_reference import (
@@ -37,8 +37,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _config(tmp_path, storage: str, d: int, engine: str | None, **kw) -> RunConfig:
     kw.setdefault("run_id", f"d{d}")
+    kw.setdefault("parallelism", 3)
     return RunConfig(input=str(tmp_path / f"in{d}"), storage=storage,
-                     output=f"{tmp_path}/out-{storage.rsplit('/', 1)[-1]}", parallelism=3,
+                     output=f"{tmp_path}/out-{storage.rsplit('/', 1)[-1]}",
                      local_dir=str(tmp_path / "local"), engine=engine, **kw)
 
 
@@ -156,3 +157,20 @@ def test_a_failed_subtask_leaves_no_open_instance_behind(tmp_path):
     again = run_job(job, replace(config, run_id="d1"))
     # the failed attempt changed the instances: both come back from their local snapshot
     assert (again["checkpoint_id"], again["restore_modes"]) == (2, ["local-snapshot"] * 2)
+
+
+def test_a_failed_subtask_cancels_the_waiting_ones_and_commits_nothing(tmp_path):
+    """One thread (local[1]), four subtasks: subtask 0 fails after its upload, the three
+    not started never run; its uploads are removed and the parent stays latest."""
+    totals_days(str(tmp_path), 2, seed=450)
+    storage = f"file://{tmp_path}/store"
+    base = dict(parallelism=4, master="local[1]")
+    assert run_job(ka.JOB, _config(tmp_path, storage, 0, "local", **base))["checkpoint_id"] == 1
+    store = CheckpointStore(open_storage(storage), "keyed_aggregation")
+    shared = {i.path for i in store.storage.walk_files("shared")}
+    with pytest.raises(JobRunError, match=r"failed in a local subtask: subtask 0: RuntimeError: "
+                                          r"injected failure in subtask 0.*checkpoint 1 stays"):
+        run_job(ka.JOB, _config(tmp_path, storage, 1, "local", fail_subtask=0, **base))
+    assert store.checkpoint_ids() == [1]
+    assert {i.path for i in store.storage.walk_files("shared")} == shared
+    assert run_job(ka.JOB, _config(tmp_path, storage, 1, "local", **base))["checkpoint_id"] == 2
