@@ -26,7 +26,6 @@ races an upload.
 from __future__ import annotations
 
 import os
-import traceback
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 
 import numpy as np
@@ -38,7 +37,7 @@ from statebackend.job.api import Job
 from statebackend.job.arrow_input import output_schema, read_file
 from statebackend.job.core import max_accepted_time
 from statebackend.job.input import InputFiles, raw_table
-from statebackend.job.task import PARTITION_COLUMN, SubtaskRun, TaskParams, row_order
+from statebackend.job.task import PARTITION_COLUMN, TaskParams, row_order, run_one_subtask
 from statebackend.progress import ProgressSink
 from statebackend.state.keygroups_bulk import key_groups
 
@@ -146,18 +145,9 @@ def _nulls_first_order(table: pa.Table, names: tuple[str, ...]) -> pa.Array:
 
 
 def _run_one(params: TaskParams, subtask: int, share: pa.Table, batch_rows: int) -> dict:
-    runner = SubtaskRun(params, subtask, attempt=0)
-    try:
-        # sorted here, in the subtask's thread: Arrow's sort releases the GIL
-        return runner.run(iter(subtask_batches(share, params.job, batch_rows)))
-    except BaseException as exc:
-        runner.discard()
-        # The failed frames hold state handles, and RocksDB keeps the instance open (its
-        # LOCK too) while any handle lives: the next run in this process could not open it.
-        traceback.clear_frames(exc.__traceback__)
-        raise
-    finally:
-        runner.close()
+    # sorted here, in the subtask's thread: Arrow's sort releases the GIL
+    return run_one_subtask(params, subtask, 0,
+                           iter(subtask_batches(share, params.job, batch_rows)))
 
 
 def _one_line(exc: BaseException | None) -> str:

@@ -34,6 +34,7 @@ import os
 import shutil
 import tempfile
 import time
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -137,15 +138,26 @@ def run_subtask(params: TaskParams, batches: Iterator[pa.RecordBatch]
     from pyspark import TaskContext
 
     ctx = TaskContext.get()
-    runner = SubtaskRun(params, ctx.partitionId(), ctx.attemptNumber())
+    result = run_one_subtask(params, ctx.partitionId(), ctx.attemptNumber(), batches)
+    yield pa.RecordBatch.from_pylist([result], schema=RESULT_SCHEMA)
+
+
+def run_one_subtask(params: TaskParams, subtask: int, attempt: int,
+                    batches: Iterator[pa.RecordBatch]) -> dict:
+    """One attempt of ``subtask`` over ``batches``: its result row; on failure its uploads
+    are removed and its instance closed before the exception goes on."""
+    runner = SubtaskRun(params, subtask, attempt)
     try:
-        result = runner.run(batches)
-    except BaseException:
+        return runner.run(batches)
+    except BaseException as exc:
         runner.discard()
+        # The failed frames hold state handles, and RocksDB keeps the instance open (its
+        # LOCK too) while any handle lives: the next attempt in this process (a reused
+        # Python worker, the local engine's next run) could not open it.
+        traceback.clear_frames(exc.__traceback__)
         raise
     finally:
         runner.close()
-    yield pa.RecordBatch.from_pylist([result], schema=RESULT_SCHEMA)
 
 
 class SubtaskRun:
