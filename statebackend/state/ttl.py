@@ -113,7 +113,12 @@ class StateTtl:
 
 def index_key(rocks_key: bytes, domain: bytes, expiry: int, state: bytes) -> bytes:
     """Index entry of the stored entry ``rocks_key`` (``state`` = u16-framed name)."""
-    return rocks_key[:2] + domain + encode_time(expiry) + state + rocks_key[2:]
+    return index_key_at(rocks_key, domain, encode_time(expiry), state)
+
+
+def index_key_at(rocks_key: bytes, domain: bytes, expiry: bytes, state: bytes) -> bytes:
+    """`index_key` of an encoded expiry (``encode_time``'s bytes, kept by hot loops)."""
+    return rocks_key[:2] + domain + expiry + state + rocks_key[2:]
 
 
 def state_tag(name: str) -> bytes:
@@ -348,8 +353,8 @@ class TtlAccess:
             had = None if o is None else o[:TIME_BYTES]
             if had != eb:
                 if had is not None:
-                    wb.delete(rk[:2] + dom + had + tag + rk[2:], ix)
-                wb.put(rk[:2] + dom + eb + tag + rk[2:], b"", ix)
+                    wb.delete(index_key_at(rk, dom, had, tag), ix)
+                wb.put(index_key_at(rk, dom, eb, tag), b"", ix)
             new = eb + value
             wb.put(rk, new, cf)
             stored[rk] = new
@@ -357,7 +362,7 @@ class TtlAccess:
             if rk in stored:
                 o = stored[rk]
             if o is not None:
-                wb.delete(rk[:2] + dom + o[:TIME_BYTES] + tag + rk[2:], ix)
+                wb.delete(index_key_at(rk, dom, o[:TIME_BYTES], tag), ix)
             wb.delete(rk, cf)
             stored[rk] = None
         self.backend.write(wb)

@@ -115,9 +115,6 @@ class Listing(Mapping[str, FileInfo]):
         return info
 
     def get(self, path: str, default: FileInfo | None = None) -> FileInfo | None:
-        info = self._infos.get(path)
-        if info is not None:
-            return info
         try:
             return self[path]
         except KeyError:
