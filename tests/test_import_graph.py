@@ -30,8 +30,10 @@ _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*(:
 
 def application_imports(source: str) -> list[str]:
     """Every application module ``source`` imports or names as a module string."""
+    tree = ast.parse(source)
+    called = _names_passed_to_import_functions(tree)
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -40,21 +42,22 @@ def application_imports(source: str) -> list[str]:
                 and _MODULE_NAME.match(node.value):
             # "jobs.x", "jobs.x:attr", or a bare "jobs" passed to an import function
             name = node.value.split(":", 1)[0]
-            if "." in name or _imported_by_call(source, name):
+            if "." in name or name in called:
                 found.append(name)
     return [m for m in found if m.split(".")[0] in APPLICATION]
 
 
-def _imported_by_call(source: str, name: str) -> bool:
-    """A bare "jobs" string counts when it is the argument of an import function."""
-    for node in ast.walk(ast.parse(source)):
+def _names_passed_to_import_functions(tree: ast.AST) -> set[str]:
+    """String first arguments of import functions: a bare "jobs" counts only there."""
+    names = set()
+    for node in ast.walk(tree):
         if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
-                and node.args[0].value == name:
+                and isinstance(node.args[0].value, str):
             func = node.func
             called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
             if called in ("import_module", "__import__", "find_spec", "load_job"):
-                return True
-    return False
+                names.add(node.args[0].value.split(":", 1)[0])
+    return names
 
 
 @pytest.mark.parametrize("snippet, expected", [

@@ -1,9 +1,11 @@
 """Real ``kill -9`` of whole job processes (issue 10, slow): recovery is exact and quick.
 
-Each trial starts ``python -m jobs.keyed_aggregation ... --json`` (its own JVM) on a
-big interval, SIGKILLs its process group at a seeded random moment (3-25 s after
-start: JVM start-up, reading, tasks, upload or commit), then re-runs the same run
-id and the next interval, and checks:
+Each trial starts ``python -m jobs.keyed_aggregation ... --json`` on a big interval,
+SIGKILLs its process group at a seeded random moment, then re-runs the same run id and
+the next interval, and checks the points below. One trial runs on Spark (its own JVM;
+killed 3-25 s after start: JVM start-up, reading, tasks, upload or commit), two on the
+local engine (killed 0.5-3 s after start: imports, reading, subtask threads, upload or
+commit, all in the one process):
 
 - a stale writer lease left by the kill expires at most one TTL after the kill
   (``CKPT_LEASE_TTL_SECONDS``), and a re-run is refused only until then;
@@ -38,7 +40,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TTL_SECONDS = 5.0
 SLACK_SECONDS = 2.0  # clock reads, process start-up of the refused attempt
 JOB = "k9"
-TRIAL_SEEDS = (7, 8)
+# (seed, engine, kill window in seconds after start: the engine's whole run)
+TRIALS = ((7, "spark", (3.0, 25.0)), (8, "local", (0.5, 3.0)), (9, "local", (0.5, 3.0)))
 
 
 def _env(local_dir: str) -> dict:
@@ -50,10 +53,10 @@ def _env(local_dir: str) -> dict:
     return env
 
 
-def _cmd(input_dir: str, storage: str, output: str, run_id: str) -> list[str]:
+def _cmd(input_dir: str, storage: str, output: str, run_id: str, engine: str) -> list[str]:
     return [sys.executable, "-m", "jobs.keyed_aggregation", "--input", input_dir,
             "--storage", storage, "--job", JOB, "--run-id", run_id, "--output", output,
-            "--parallelism", "2", "--master", "local[2]", "--json"]
+            "--parallelism", "2", "--master", "local[2]", "--engine", engine, "--json"]
 
 
 def _run_until_admitted(cmd: list[str], env: dict, killed_at: float) -> dict:
@@ -84,8 +87,8 @@ def _check_store(store: CheckpointStore, expected) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("seed", TRIAL_SEEDS)
-def test_kill9_then_rerun_is_exact(tmp_path, seed):
+@pytest.mark.parametrize("seed, engine, window", TRIALS)
+def test_kill9_then_rerun_is_exact(tmp_path, seed, engine, window):
     rng = random.Random(seed)
     days = [generate_events(str(tmp_path / f"in{d}"), n_events=400_000, n_keys=50_000,
                             seed=seed * 10 + d, start_ts_ms=DEFAULT_START_TS_MS + d * DAY_MS,
@@ -95,8 +98,9 @@ def test_kill9_then_rerun_is_exact(tmp_path, seed):
     env = _env(str(tmp_path / "local"))
     store = CheckpointStore(open_storage(storage), JOB)
 
-    delay = rng.uniform(3.0, 25.0)
-    proc = subprocess.Popen(_cmd(str(tmp_path / "in0"), storage, output, "day-0"), env=env,
+    delay = rng.uniform(*window)
+    proc = subprocess.Popen(_cmd(str(tmp_path / "in0"), storage, output, "day-0", engine),
+                            env=env,
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
@@ -107,7 +111,7 @@ def test_kill9_then_rerun_is_exact(tmp_path, seed):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
     killed_at = time.time()
-    print(f"\nkill -9 trial seed {seed}: killed after {delay:.1f} s "
+    print(f"\nkill -9 trial seed {seed} ({engine}): killed after {delay:.1f} s "
           f"(finished first: {finished_first}); leases left: "
           f"{[(x.purpose, x.expires_at) for x in list_leases(store.storage)]}")
 
@@ -115,10 +119,11 @@ def test_kill9_then_rerun_is_exact(tmp_path, seed):
         lapse = datetime.fromisoformat(lease.expires_at).timestamp() - killed_at
         assert lapse <= TTL_SECONDS + SLACK_SECONDS, (lease, lapse)
 
-    again = _run_until_admitted(_cmd(str(tmp_path / "in0"), storage, output, "day-0"), env,
-                                killed_at)
-    nxt = _run_until_admitted(_cmd(str(tmp_path / "in1"), storage, output, "day-1"), env,
-                              killed_at)
+    again = _run_until_admitted(_cmd(str(tmp_path / "in0"), storage, output, "day-0", engine),
+                                env, killed_at)
+    nxt = _run_until_admitted(_cmd(str(tmp_path / "in1"), storage, output, "day-1", engine),
+                              env, killed_at)
+    assert (again.get("engine", engine), nxt["engine"]) == (engine, engine)
     assert nxt["skipped"] is False and again["checkpoint_id"] < nxt["checkpoint_id"]
     expected = expected_totals(days)
     _check_store(store, expected)

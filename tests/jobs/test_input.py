@@ -153,10 +153,12 @@ def test_a_bad_file_among_good_ones_is_named_in_one_line(spark, tmp_path, reader
 
 
 def _cli(tmp_path, *extra: str) -> subprocess.CompletedProcess:
+    """The job module as a user runs it: the default engine (auto: local for this input)."""
     env = {**os.environ, "PYTHONPATH": ROOT}
     args = [sys.executable, "-m", "jobs.keyed_aggregation", "--input", str(tmp_path / "in"),
             "--storage", str(tmp_path / "store"), "--job", "cli", "--output",
-            str(tmp_path / "out"), "--parallelism", "1", "--master", "local[1]", *extra]
+            str(tmp_path / "out"), "--parallelism", "1", "--master", "local[1]",
+            "--engine", "auto", *extra]
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 

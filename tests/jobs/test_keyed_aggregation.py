@@ -223,10 +223,11 @@ def test_cli_json_and_skip(tmp_path):
     args = [sys.executable, "-m", "jobs.keyed_aggregation", "--input", str(tmp_path / "in"),
             "--storage", str(tmp_path / "store"), "--job", "cli", "--run-id", "d1",
             "--output", str(tmp_path / "out"), "--parallelism", "2", "--master", "local[1]",
-            "--json"]
+            "--engine", "auto", "--json"]
     proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
+    assert summary["engine"] == "local"  # what a user's small run gets by default
     assert {"run_id", "checkpoint_id", "events_read", "events_rejected", "keys_touched",
             "bytes_uploaded", "duration_s", "parallelism", "skipped", "timings"} <= set(summary)
     assert (summary["checkpoint_id"], summary["events_read"], summary["skipped"]) == (1, 300,

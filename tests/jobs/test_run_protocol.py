@@ -215,9 +215,11 @@ def test_ckpt_run_cli_with_a_job_option(tmp_path):
         proc = _ckpt("run", "examples.user_activity:job", "--input", str(tmp_path / f"in{d}"),
                      "--storage", store, "--run-id", f"d{d}", "--output", str(tmp_path / "out"),
                      "--parallelism", "2", "--master", "local[1]", "--normalize-case", "false",
-                     "--json")
+                     "--engine", "auto", "--json")
         assert proc.returncode == 0, proc.stderr[-3000:]
-        return json.loads(proc.stdout)
+        summary = json.loads(proc.stdout)
+        assert summary.get("engine", "local") == "local", summary
+        return summary
 
     first, second, again = run(0), run(1), run(1)
     assert (first["checkpoint_id"], second["checkpoint_id"]) == (1, 2)
