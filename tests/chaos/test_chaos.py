@@ -5,7 +5,7 @@ run is two seeds of 100 steps each on file:// storage with one warm local Spark
 session, one with the job runs on Spark and one on the local engine (whose subtasks
 run in this process, so the injected deaths also hit restores, snapshots and
 uploads); ``slow`` (also run in CI) adds two seeds of 100 steps (one per engine) and
-one short seed on a real S3 API (moto). Longer soaks:
+one short seed on a real S3 API (moto, local engine). Longer soaks:
 ``CKPT_CHAOS_SEEDS=1,2,3,4,5 CKPT_CHAOS_STEPS=200``.
 A failure names the seed and the last steps: re-run that seed alone with
 ``CKPT_CHAOS_SEEDS=<seed> pytest -m slow tests/chaos/test_chaos.py::test_chaos_slow``.
@@ -80,7 +80,9 @@ def test_chaos_slow(spark, tmp_path, short_leases, chaos_report):
 @pytest.mark.timeout(1800)
 def test_chaos_s3(spark, tmp_path, s3_server, short_leases, chaos_report):
     steps = min(_env_ints("CKPT_CHAOS_STEPS", "40")[0], 80)  # moto is slower than file://
-    summary = _chaos(spark, tmp_path, 303, steps, f"s3://{S3_BUCKET}/chaos-{uuid.uuid4().hex}")
+    # the local engine: the injected deaths also hit the subtasks' S3 uploads
+    summary = _chaos(spark, tmp_path, 303, steps, f"s3://{S3_BUCKET}/chaos-{uuid.uuid4().hex}",
+                     engine="local")
     chaos_report(summary)
     _assert_covered(summary)
 

@@ -152,7 +152,8 @@ def standalone(tmp_path_factory):
     seed = subprocess.run([sys.executable, "-m", "jobs.keyed_aggregation", "--input",
                            str(data / "events" / "day=2027-01-01"), "--storage", storage,
                            "--job", "clicks", "--run-id", "seed", "--output", str(data / "out"),
-                           "--parallelism", "2", "--master", "local[2]", "--json"],
+                           "--parallelism", "2", "--master", "local[2]", "--engine", "local",
+                           "--json"],
                           env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert seed.returncode == 0, seed.stderr[-3000:]
     log = open(base / "standalone.log", "w")
