@@ -1,7 +1,8 @@
 """``make demo``: the whole product on embedded defaults, in about five minutes.
 
-SQLite Airflow in ``.demo/airflow_home``, local Spark, ``file://`` storage in
-``.demo/checkpoints``. Steps (each an ``airflow dags test`` run, logs in
+SQLite Airflow in ``.demo/airflow_home``, ``file://`` storage in ``.demo/checkpoints``;
+the daily runs take the default engine (auto: these small days run in the task process,
+no JVM), the rescale runs on local Spark. Steps (each an ``airflow dags test`` run, logs in
 ``.demo/logs``):
 
 1. generate three days of sample events (``.demo/data/events/day=YYYY-MM-DD``);
