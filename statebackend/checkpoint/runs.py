@@ -47,8 +47,9 @@ OUTCOMES = ("committed", "skipped", "failed")
 log = logging.getLogger(__name__)
 RUN_RECORD_VERSION = 1
 # What a skipped re-run needs to finish publishing the run's output: the commit record's
-# ``output_parts`` and its run's ``keys_touched`` (`metrics.run_figures`).
-CARRIED_EXTRA = ("output_parts",)
+# ``output_parts`` and its run's ``keys_touched`` (`metrics.run_figures`); and which
+# engine ran it (`statebackend.job.engine`), still known once retention retired it.
+CARRIED_EXTRA = ("output_parts", "engine")
 
 
 def safe_run_name(run_id: str) -> str:

@@ -100,8 +100,8 @@ def add_run_arguments(p: argparse.ArgumentParser, *, with_storage: bool,
                        help="run as a Spark Connect client of this server (no local JVM)")
     p.add_argument("--engine", choices=defaults.ENGINES, default=None,
                    help="spark, or local: this process, no JVM (small inputs); auto "
-                        "(default, or $CKPT_ENGINE) picks local for an input up to 64 MiB "
-                        "(docs/performance.md)")
+                        "(default, or $CKPT_ENGINE; spark under spark-submit) picks local "
+                        "for an input up to 64 MiB (docs/performance.md)")
     p.add_argument("--max-reject-fraction", type=float, default=defaults.MAX_REJECT_FRACTION,
                    help="fail when more than this fraction of rows is rejected "
                         "(default %(default)s)")
@@ -131,7 +131,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def config_from_args(args: argparse.Namespace, job):
     """The `RunConfig` of parsed arguments (``args.storage``, ``args.job`` included)."""
     from statebackend.job.run import RunConfig
-    from statebackend.spark.session import default_master
+    from statebackend.spark.session import default_master, under_spark_submit
 
     options = {k[len(JOB_OPTION_PREFIX):]: v for k, v in vars(args).items()
                if k.startswith(JOB_OPTION_PREFIX)}
@@ -142,7 +142,9 @@ def config_from_args(args: argparse.Namespace, job):
         master=args.remote or args.master or default_master(),
         max_reject_fraction=args.max_reject_fraction, quarantine=args.quarantine,
         start_from=args.start_from, local_dir=args.local_dir, options=options,
-        logical_time_ms=args.logical_time_ms, engine=args.engine)
+        logical_time_ms=args.logical_time_ms,
+        # spark-submit started the application on its master: the run's tasks go there
+        engine=args.engine or ("spark" if under_spark_submit() else None))
 
 
 def run_from_args(args: argparse.Namespace, progress: ProgressSink = NO_PROGRESS) -> dict:

@@ -126,9 +126,14 @@ def default_parallelism(spark) -> int:
     return CONNECT_FALLBACK_PARALLELISM
 
 
+def under_spark_submit() -> bool:
+    """This Python is spark-submit's driver (its JVM is up and knows --master)."""
+    return bool(os.environ.get("PYSPARK_GATEWAY_PORT"))
+
+
 def default_master() -> str:
     """Under spark-submit the JVM already knows --master; otherwise local[*]."""
-    if os.environ.get("PYSPARK_GATEWAY_PORT"):
+    if under_spark_submit():
         from pyspark import SparkConf, SparkContext
 
         SparkContext._ensure_initialized()  # connect to spark-submit's JVM: its conf has --master

@@ -40,7 +40,7 @@ with DAG("my_activity", schedule=None, start_date=datetime(2020, 1, 1, tzinfo=UT
          params={{"p": Param(2, type="integer", minimum=1)}}):
     (CkptRunJobOperator(task_id="run", job_ref="examples.user_activity:job",
                         input_path="{data}/day={{{{ ds }}}}", output_path="{out}",
-                        parallelism=2, master="local[2]", **S)
+                        parallelism=2, master="local[2]", engine="auto", **S)
      >> CkptValidateOperator(task_id="validate", run_key=RUN_KEY_TEMPLATE,
                              job_ref="examples.user_activity:job", **S)
      >> CkptRescaleOperator(task_id="rescale", parallelism="{{{{ params.p }}}}",
@@ -149,3 +149,12 @@ def test_own_dag_of_operators_runs_a_user_job_on_s3_through_a_connection(tmp_pat
         for column in want.columns:
             assert got_out[column].tolist() == want[column].tolist(), (d, column)
     assert final_state(storage, "activity") == want_state  # (this process: env credentials)
+    from statebackend.checkpoint.runs import read_run_record
+    from statebackend.checkpoint.store import CheckpointStore
+    from statebackend.storage import open_storage
+
+    # the operator's engine="auto": these small intervals ran in the task, no Spark job
+    store = CheckpointStore(open_storage(storage), "activity")
+    ledger = [read_run_record(store.storage, f"interval__2027-01-0{d + 1}T00:00:00+00:00")
+              for d in range(2)]  # the ledger outlives the checkpoints retention retired
+    assert [r.extra.get("engine") for r in ledger] == ["local", "local"]

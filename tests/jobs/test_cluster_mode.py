@@ -107,6 +107,7 @@ def test_example_job_through_submit_script_on_the_cluster(standalone_cluster, s3
     expected, state = activity_reference(days)
     s3_url = f"s3://{S3_BUCKET}/example-{uuid.uuid4().hex[:8]}"
     env = {**standalone_cluster.env, "PYTHONPATH": ROOT}
+    env.pop("CKPT_ENGINE", None)  # the user's default: under spark-submit, Spark
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL",
                 "AWS_DEFAULT_REGION"):
         env[var] = os.environ[var]
@@ -125,6 +126,7 @@ def test_example_job_through_submit_script_on_the_cluster(standalone_cluster, s3
 
     first, second, again = submit(0), submit(1), submit(1)
     assert (first["checkpoint_id"], second["checkpoint_id"], again["skipped"]) == (1, 2, True)
+    assert (first["engine"], second["engine"]) == ("spark", "spark")
     for d in (0, 1):
         got = read_output(str(tmp_path / "out"), f"run=d{d}").set_index("user").sort_index()
         import pandas as pd
