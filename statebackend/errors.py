@@ -70,6 +70,10 @@ class CorruptStateError(CkptError):
     """RocksDB reported corruption while reading state (a scan stopped early)."""
 
 
+class CommitConflictError(LeaseConflictError):
+    """Another writer committed the checkpoint id this attempt wanted."""
+
+
 class LeaseLostError(LeaseConflictError):
     """This writer's lease expired or was taken over while it was still working."""
 
@@ -87,3 +91,8 @@ class InputError(CkptError):
 class TaskFailedError(CkptError):
     """A task of a job run (a Spark task, or a subtask of the local engine) failed; the
     message is the one-line cause."""
+
+
+class LineageError(CkptError):
+    """A lineage that forked, lost a commit record or forgot a run: readers and writers
+    refuse it until `ckpt doctor` repairs it."""

@@ -21,16 +21,21 @@ Where the output goes (always stderr, never stdout: stdout carries results):
   shorter than that prints nothing, so scripts of quick commands keep an
   empty stderr.
 - ``CKPT_PROGRESS`` = ``auto`` (default), ``bar``, ``lines`` or ``off``.
+
+Both variables are declared and checked in `statebackend.settings` (a bad value is a
+one-line error of the command, like every other ``CKPT_*`` setting).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Protocol, TypeVar
+
+from statebackend import settings
+from statebackend.errors import UsageError
 
 MODE_ENV = "CKPT_PROGRESS"
 INTERVAL_ENV = "CKPT_PROGRESS_INTERVAL"
@@ -73,9 +78,9 @@ def reports(progress: ProgressSink) -> bool:
 
 def choose_mode(stream: IO[str], requested: str | None = None) -> str:
     """"bar", "lines" or "off" for ``stream`` (``requested`` or env CKPT_PROGRESS)."""
-    mode = (requested or os.environ.get(MODE_ENV) or "auto").strip().lower()
+    mode = (requested or str(settings.value(MODE_ENV))).strip().lower()
     if mode not in MODES:
-        mode = "auto"  # a typo in an env variable must not break a command
+        raise UsageError(f"progress mode {mode!r} is unknown; use one of {list(MODES)}")
     if mode != "auto":
         return mode
     isatty = getattr(stream, "isatty", None)
@@ -83,11 +88,7 @@ def choose_mode(stream: IO[str], requested: str | None = None) -> str:
 
 
 def env_interval() -> float:
-    try:
-        value = float(os.environ.get(INTERVAL_ENV, DEFAULT_INTERVAL))
-    except ValueError:
-        return DEFAULT_INTERVAL
-    return value if value > 0 else DEFAULT_INTERVAL
+    return float(settings.value(INTERVAL_ENV))
 
 
 def format_line(command: str, label: str, done: int, total: int | None, unit: str,

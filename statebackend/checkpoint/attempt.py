@@ -5,9 +5,10 @@ Every writer of checkpoints uses this one mechanism: a job run
 in-process checkpoints (`statebackend.checkpoint.snapshot.checkpoint_backends`)::
 
     attempt = Attempt(store, checkpoint_id)
-    ... tasks upload; each Spark task attempt records what it uploaded
-        (`record_uploads`: chk-<id>/_attempts/<subtask>-<attempt>-<uuid>.json)
-        and the driver adds the winners' paths (`add_uploaded`) ...
+    ... tasks upload; each Spark task attempt records what it uploaded, with the
+        attempt's ``token`` (`record_uploads`:
+        chk-<id>/_attempts/<subtask>-<attempt>-<uuid>.json) and the driver adds the
+        winners' paths (`add_uploaded`) ...
     attempt.commit(meta, winners)   # verify files + lease, exclusive _metadata,
                                     # then drop losing task attempts' uploads
     attempt.discard()               # or: best-effort removal of every upload
@@ -18,8 +19,12 @@ Invariants:
   referenced file exists with its size and that the writer lease is still held,
   and creates `_metadata` exclusively. If that raises, the attempt is discarded
   and the error re-raised: nothing half-committed stays behind.
-- `discard` never deletes a committed checkpoint: when `_metadata` of this id
-  exists (another writer won the id) only this attempt's own uploads go.
+- `discard` deletes only this attempt's own uploads and records (those its tasks
+  recorded with its ``token``), never a folder: since a checkpoint's id is its
+  parent's + 1 (lineage.py), a writer paused past its lease and the writer that
+  took over may both upload into ``chk-<id>/``, and one's discard must not take
+  the other's files. Files of tasks whose result never came back are orphans
+  that `ckpt gc` removes after its grace period.
 - Only paths under ``shared/`` and ``chk-<id>/`` are ever deleted; what cannot
   be deleted now (storage down) is left to `ckpt gc`, which removes orphans
   after its grace period.
@@ -50,24 +55,28 @@ log = logging.getLogger(__name__)
 
 
 def record_uploads(job_storage: Storage, checkpoint_id: int, subtask: int, attempt: int,
-                   uploaded: Iterable[str]) -> None:
-    """Executor side: what one task attempt uploaded, before it returns its handle."""
-    record = {"subtask": subtask, "attempt": attempt, "uploaded": list(uploaded)}
+                   uploaded: Iterable[str], token: str = "") -> None:
+    """Executor side: what one task attempt uploaded, before it returns its handle.
+    ``token``: the driver's `Attempt.token` (its discard takes only its own)."""
+    record = {"subtask": subtask, "attempt": attempt, "uploaded": list(uploaded),
+              "token": token}
     job_storage.write_bytes(
         attempt_record_path(checkpoint_id, subtask, attempt, uuid.uuid4().hex[:8]),
         json.dumps(record).encode())
 
 
-def attempt_records(job_storage: Storage, checkpoint_id: int) -> list[dict]:
-    """The readable attempt records of ``checkpoint_id`` (unreadable ones are skipped)."""
+def attempt_records(job_storage: Storage, checkpoint_id: int,
+                    token: str | None = None) -> list[dict]:
+    """The readable attempt records of ``checkpoint_id`` (unreadable ones are skipped);
+    with ``token``, only that attempt's. Each carries its own ``path``."""
     records = []
     for info in job_storage.walk_files(attempts_dir(checkpoint_id)):
         try:
             rec = json.loads(job_storage.read_bytes(info.path))
         except (CkptError, ValueError):
             continue
-        if isinstance(rec, dict):
-            records.append(rec)
+        if isinstance(rec, dict) and (token is None or rec.get("token") == token):
+            records.append(dict(rec, path=info.path))
     return records
 
 
@@ -88,6 +97,7 @@ class Attempt:
         self.checkpoint_id = checkpoint_id
         self.uploaded: set[str] = set()
         self.on_discard = on_discard
+        self.token = uuid.uuid4().hex[:16]  # tells this attempt's task records from others'
 
     @property
     def storage(self) -> Storage:
@@ -141,17 +151,19 @@ class Attempt:
                 log.warning("discard of checkpoint %s attempt: %s", self.checkpoint_id, exc)
         paths = set(self.uploaded)
         try:
-            for rec in attempt_records(self.storage, self.checkpoint_id):
+            records = attempt_records(self.storage, self.checkpoint_id, self.token)
+            for rec in records:
                 paths.update(_recorded_paths(rec))
             self.storage.delete_many(sorted(
-                p for p in paths if belongs_to_attempt(p, self.checkpoint_id)))
-            if self.storage.exists(metadata_path(self.checkpoint_id)):
-                # Another writer committed this id: its checkpoint stays; ours is gone.
-                self.storage.delete_tree(attempts_dir(self.checkpoint_id))
-            else:
-                # Private files of tasks whose result never came back (a lost worker);
-                # their shared uploads are orphans that GC removes after its grace period.
-                self.storage.delete_tree(checkpoint_dir(self.checkpoint_id))
+                p for p in paths if belongs_to_attempt(p, self.checkpoint_id)
+                and p != metadata_path(self.checkpoint_id)))
+            self.storage.delete_many([rec["path"] for rec in records])
+            # An attempt folder left empty goes too (race-safe: a folder another writer
+            # uploads into is not empty).
+            self.storage.remove_empty_dirs(
+                {attempts_dir(self.checkpoint_id), checkpoint_dir(self.checkpoint_id)}
+                | {p.rsplit("/", n)[0] for p in paths if p.startswith(
+                    checkpoint_dir(self.checkpoint_id) + "/") for n in (1, 2)})
         except CkptError as exc:
             log.warning("discard of checkpoint %s attempt incomplete (%s); `ckpt gc` removes "
                         "the orphans later", self.checkpoint_id, exc)

@@ -11,6 +11,9 @@ test_layout.py scans the string constants of statebackend/ and plugins/)::
     <job>/leases/<lease>.json                  writer lease and hold leases
     <job>/leases/.takeover-<digest>            claim of a writer taking over a stale lease
     <job>/runs/<run>.json                      ledger of committed runs
+    <job>/runs/chain/<block>/<id>[-<run>].json commit log: one entry per commit (lineage.py)
+    <job>/runs/chain/<block>/<id>.retired      retention retired checkpoint <id>
+    <job>/runs/repairs/<utc>-<what>.json       what `ckpt doctor` changed, and why
     <job>/runs/history/<utc>-<run>-<outcome>.json   outcome of each finished attempt
     <job>/reports/chk-<id>/summary.json        validation report (and its data docs)
     <job>/_index/registry.json                 registry index (lifecycle/registry.py)
@@ -34,6 +37,12 @@ LEASE_SUFFIX = ".json"
 CLAIM_PREFIX = ".takeover-"
 RUNS_DIR = "runs"
 HISTORY_DIR = f"{RUNS_DIR}/history"
+CHAIN_DIR = f"{RUNS_DIR}/chain"
+REPAIRS_DIR = f"{RUNS_DIR}/repairs"
+CHAIN_ID_DIGITS = 10  # zero-padded: name order is id order
+CHAIN_BLOCK = 1000    # ids per folder of the log: a run lists the newest one or two
+CHAIN_BLOCK_DIGITS = 7
+RETIRED_SUFFIX = ".retired"
 REPORTS_DIR = "reports"
 SUMMARY_FILE = "summary.json"
 INDEX_DIR = "_index"
@@ -138,6 +147,63 @@ def run_record_path(safe_run_name: str) -> str:
 
 def history_path(stamp: str, safe_run_name: str, outcome: str) -> str:
     return f"{HISTORY_DIR}/{stamp}-{safe_run_name}-{outcome}.json"
+
+
+# -- the commit log (statebackend.checkpoint.lineage) ----------------------------------
+def chain_block_dir(checkpoint_id: int) -> str:
+    """``runs/chain/<block>``: the folder of the log holding ``checkpoint_id``."""
+    return f"{CHAIN_DIR}/{checkpoint_id // CHAIN_BLOCK:0{CHAIN_BLOCK_DIGITS}d}"
+
+
+def chain_block_of(name: str) -> int | None:
+    """The block number of a folder name under ``runs/chain/``, else None."""
+    ok = len(name) == CHAIN_BLOCK_DIGITS and name.isdecimal() and name.isascii()
+    return int(name) if ok else None
+
+
+def chain_entry_path(checkpoint_id: int, safe_run_name: str | None) -> str:
+    """``runs/chain/<block>/<id>-<run>.json``, or ``<id>.json`` for a commit of no run."""
+    run = f"-{safe_run_name}" if safe_run_name else ""
+    return (f"{chain_block_dir(checkpoint_id)}/{checkpoint_id:0{CHAIN_ID_DIGITS}d}{run}"
+            f"{LEASE_SUFFIX}")
+
+
+def retired_marker_path(checkpoint_id: int) -> str:
+    return f"{chain_block_dir(checkpoint_id)}/{checkpoint_id:0{CHAIN_ID_DIGITS}d}{RETIRED_SUFFIX}"
+
+
+def chain_name_of(name: str) -> tuple[int, str | None, bool] | None:
+    """(checkpoint id, safe run name or None, is a retired marker) of a file name in a
+    block of ``runs/chain/``, else None (temp files, foreign names)."""
+    digits = name[:CHAIN_ID_DIGITS]
+    if len(digits) < CHAIN_ID_DIGITS or not (digits.isdecimal() and digits.isascii()):
+        return None
+    rest = name[CHAIN_ID_DIGITS:]
+    if rest == RETIRED_SUFFIX:
+        return int(digits), None, True
+    if not rest.endswith(LEASE_SUFFIX):
+        return None
+    rest = rest[:-len(LEASE_SUFFIX)]
+    if not rest:
+        return int(digits), None, False
+    if not rest.startswith("-") or len(rest) < 2:
+        return None
+    return int(digits), rest[1:], False
+
+
+def repair_record_path(stamp: str, what: str) -> str:
+    return f"{REPAIRS_DIR}/{stamp}-{what}{LEASE_SUFFIX}"
+
+
+def history_name_of(name: str) -> tuple[str, str] | None:
+    """(safe run name, outcome) of a file name in ``runs/history/``, else None."""
+    if not name.endswith(LEASE_SUFFIX):
+        return None
+    stamp, sep, rest = name[:-len(LEASE_SUFFIX)].partition("-")
+    run, sep2, outcome = rest.rpartition("-")
+    if not sep or not sep2 or not stamp.isdecimal() or not run:
+        return None
+    return run, outcome
 
 
 # -- reports -------------------------------------------------------------------------

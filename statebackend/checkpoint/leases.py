@@ -39,9 +39,24 @@ Safety of renewal and take-over (numbered failure scenarios; tests name them):
 5. *Storage briefly unreachable.* A failed renewal is logged and retried at the
    next beat; only a lapse (scenario 4) marks the lease lost.
 
+6. *Paused writer committing after a take-over.* Checking the lease and writing
+   ``_metadata`` cannot be one atomic step on file:// or S3, so the lease alone
+   cannot stop a writer paused between the two. The commit protocol does
+   (`statebackend.checkpoint.lineage`): a checkpoint's id is its parent's + 1 and
+   both ``_metadata`` and its commit-log entry are created exclusively, and a writer
+   that takes over a stale lease first commits a *fence* (`CheckpointStore.writer`)
+   at the next id, so the paused writer's commit finds its slot taken. A taker
+   learns it took over from `HeldLease.taken_over`.
+
+Every acquisition carries a fencing ``epoch``: the writer's, raised above the
+lineage's newest commit and above a lease it took over (`HeldLease.set_epoch`);
+commits record it, and readers check that epochs never go down along the chain.
+
 Lease files are versioned JSON like every other metadata and are parsed
-strictly; ``token`` is an optional key (lease files written before it parse,
-and older readers ignore it), so the format version stays 1.
+strictly (times must carry a timezone; a corrupt file is refused in one line
+that says how to clear it); ``token`` and ``epoch`` are optional keys (lease
+files written before them parse, and older readers ignore them), so the format
+version stays 1.
 """
 
 from __future__ import annotations
@@ -59,8 +74,9 @@ from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
+from statebackend import settings
 from statebackend.checkpoint.layout import LEASES_DIR, claim_path, is_lease_file, lease_path
-from statebackend.errors import LeaseConflictError, LeaseLostError, MetadataError, UsageError
+from statebackend.errors import LeaseConflictError, LeaseLostError, MetadataError
 from statebackend.storage import Storage
 
 WRITER_LEASE = "writer"
@@ -70,6 +86,7 @@ HEARTBEATS_PER_TTL = 4
 TTL_ENV = "CKPT_LEASE_TTL_SECONDS"
 HEARTBEAT_ENV = "CKPT_LEASE_HEARTBEAT_SECONDS"
 CLAIM_STALE_SECONDS = 30.0
+MAX_EPOCH = 2**53
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +102,7 @@ class Lease:
     expires_at: str
     created_at: str
     token: str = ""  # unique per acquisition; "" in lease files written before tokens
+    epoch: int = 0   # the holder's fencing epoch (0: not set, or written before epochs)
 
     @property
     def path(self) -> str:
@@ -104,6 +122,8 @@ class Lease:
                "expires_at": self.expires_at, "created_at": self.created_at}
         if self.token:
             out["token"] = self.token
+        if self.epoch:
+            out["epoch"] = self.epoch
         return out
 
     def to_bytes(self) -> bytes:
@@ -111,23 +131,52 @@ class Lease:
 
     @staticmethod
     def from_bytes(data: bytes, where: str) -> Lease:
+        """Parse a lease file strictly; MetadataError (one line, naming the file and how to
+        clear it) on anything off."""
         try:
             obj = json.loads(data)
+            if not isinstance(obj, dict):
+                raise ValueError("not a JSON object")
             if obj.get("format_version") != LEASE_FORMAT_VERSION:
                 raise ValueError(f"format version {obj.get('format_version')!r}")
             ids = obj["checkpoint_ids"]
-            if not all(isinstance(i, int) for i in ids):
-                raise ValueError("checkpoint_ids must be integers")
-            datetime.fromisoformat(obj["expires_at"])
+            if not isinstance(ids, list) or not all(
+                    type(i) is int and 1 <= i < MAX_EPOCH for i in ids):
+                raise ValueError("checkpoint_ids must be a list of checkpoint ids")
+            for key in ("name", "holder", "purpose"):
+                if not isinstance(obj[key], str) or "\x00" in obj[key]:
+                    raise ValueError(f"{key} must be a string")
+            expires_at = _aware_time(obj["expires_at"], "expires_at")
+            created_at = obj.get("created_at", "")
+            if created_at:
+                _aware_time(created_at, "created_at")
             token = obj.get("token", "")
             if not isinstance(token, str):
                 raise ValueError("token must be a string")
-            return Lease(str(obj["name"]), str(obj["holder"]), str(obj["purpose"]),
-                         tuple(ids), obj["expires_at"], str(obj.get("created_at", "")), token)
+            epoch = obj.get("epoch", 0)
+            if type(epoch) is not int or not 0 <= epoch < MAX_EPOCH:
+                raise ValueError(f"epoch {epoch!r} must be an integer >= 0")
+            return Lease(obj["name"], obj["holder"], obj["purpose"], tuple(ids), expires_at,
+                         str(created_at), token, epoch)
         except RecursionError as exc:
-            raise MetadataError(f"malformed lease {where}: JSON nested too deeply") from exc
+            raise MetadataError(f"malformed lease {where}: JSON nested too deeply; "
+                                f"{CLEAR_HINT}") from exc
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise MetadataError(f"malformed lease {where}: {exc}") from exc
+            raise MetadataError(f"malformed lease {where}: {exc}; {CLEAR_HINT}") from exc
+
+
+CLEAR_HINT = ("if no writer of this job is running, clear it with `ckpt doctor --clear-lease "
+              "NAME` (see `ckpt doctor`)")
+
+
+def _aware_time(value: object, key: str) -> str:
+    """An ISO time with a timezone (naive times would compare with aware ones and crash)."""
+    if not isinstance(value, str):
+        raise ValueError(f"{key} must be an ISO time string")
+    parsed = datetime.fromisoformat(value)
+    if parsed.tzinfo is None or parsed.utcoffset() is None:
+        raise ValueError(f"{key} {value!r} has no timezone")
+    return value
 
 
 def default_holder() -> str:
@@ -136,26 +185,9 @@ def default_holder() -> str:
 
 def lease_timing(ttl_seconds: float | None = None,
                  heartbeat_seconds: float | None = None) -> tuple[float, float]:
-    """(ttl, heartbeat) from the arguments, else the environment, else the defaults."""
-    ttl = ttl_seconds if ttl_seconds is not None else _env_seconds(TTL_ENV, DEFAULT_TTL_SECONDS)
-    beat = heartbeat_seconds if heartbeat_seconds is not None else _env_seconds(
-        HEARTBEAT_ENV, ttl / HEARTBEATS_PER_TTL)
-    # two missed beats must still leave the lease alive, or a busy holder loses it
-    if not ttl > 0 or not 0 < beat <= ttl / 2:
-        raise UsageError(f"lease timing ttl {ttl!r} s, heartbeat {beat!r} s is invalid: use a "
-                         f"ttl > 0 and a heartbeat in (0, ttl/2] (set {TTL_ENV} / "
-                         f"{HEARTBEAT_ENV} or the keyword arguments)")
-    return float(ttl), float(beat)
-
-
-def _env_seconds(name: str, default: float) -> float:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        return float(text)
-    except ValueError:
-        raise UsageError(f"{name}={text!r} is not a number of seconds") from None
+    """(ttl, heartbeat) from the arguments, else the environment, else the defaults
+    (`statebackend.settings.lease_timing`: finite, heartbeat in [0.05 s, ttl/2])."""
+    return settings.lease_timing(ttl_seconds, heartbeat_seconds)
 
 
 def _new_lease(name: str, purpose: str, checkpoint_ids: Sequence[int], ttl_seconds: float,
@@ -189,14 +221,24 @@ def acquire_writer_lease(job_storage: Storage, purpose: str, *, checkpoint_ids: 
                          holder: str | None = None) -> Lease:
     """Become the only writer of the job, or raise LeaseConflictError (no heartbeat:
     use `writer_lease` to keep it alive)."""
+    return _acquire_writer(job_storage, purpose, checkpoint_ids, ttl_seconds, holder)[0]
+
+
+def _acquire_writer(job_storage: Storage, purpose: str, checkpoint_ids: Sequence[int],
+                    ttl_seconds: float | None, holder: str | None
+                    ) -> tuple[Lease, Lease | None]:
+    """(our lease, the expired lease we took over or None)."""
     if ttl_seconds is None:
         ttl_seconds = lease_timing()[0]
     lease = _new_lease(WRITER_LEASE, purpose, checkpoint_ids, ttl_seconds, holder)
+    taken: Lease | None = None
     # at most: void a crashed taker's claim, remove the stale lease, create ours
     for _ in range(4):
+        if taken is not None:  # the epoch a stale holder may have used is spent
+            lease = replace(lease, epoch=max(lease.epoch, taken.epoch + 1))
         try:
             job_storage.write_exclusive(lease.path, lease.to_bytes())
-            return lease
+            return lease, taken
         except FileExistsError:
             pass
         current = read_lease_file(job_storage, lease.path)
@@ -207,13 +249,15 @@ def acquire_writer_lease(job_storage: Storage, purpose: str, *, checkpoint_ids: 
                 f"job {job_storage.url} is busy: {current.purpose} by {current.holder} holds "
                 f"the writer lease until {current.expires_at}; wait, or remove "
                 f"{lease.path} if that writer is dead") from None
-        _take_over(job_storage, current, ttl_seconds)
+        if _take_over(job_storage, current, ttl_seconds):
+            taken = current
     raise LeaseConflictError(f"could not take the writer lease of {job_storage.url}: other "
                              "writers keep taking it; retry later")
 
 
-def _take_over(job_storage: Storage, stale: Lease, ttl_seconds: float) -> None:
-    """Remove the expired ``stale`` lease, unless another taker is doing so (scenario 3).
+def _take_over(job_storage: Storage, stale: Lease, ttl_seconds: float) -> bool:
+    """Remove the expired ``stale`` lease, unless another taker is doing so (scenario 3);
+    True if this call removed it.
 
     The claim expires with the taker's TTL (capped): a job tuned to a short TTL
     is not blocked longer by a crashed taker than by a crashed writer."""
@@ -228,7 +272,7 @@ def _take_over(job_storage: Storage, stale: Lease, ttl_seconds: float) -> None:
     except FileExistsError:
         if _claim_is_stale(job_storage, claim, now):
             job_storage.delete_many([claim])  # its taker crashed: the caller retries
-            return
+            return False
         raise LeaseConflictError(
             f"job {job_storage.url}: another writer is taking over the expired writer lease "
             f"of {stale.purpose} by {stale.holder}; retry later") from None
@@ -236,6 +280,8 @@ def _take_over(job_storage: Storage, stale: Lease, ttl_seconds: float) -> None:
         current = read_lease_file(job_storage, stale.path)
         if current is not None and current.identity == stale.identity:
             job_storage.delete_many([stale.path])
+            return True
+        return False
     finally:
         job_storage.delete_many([claim])
 
@@ -282,9 +328,12 @@ class HeldLease:
     """
 
     def __init__(self, storage: Storage, lease: Lease, *, ttl_seconds: float,
-                 heartbeat_seconds: float) -> None:
+                 heartbeat_seconds: float, taken_over: Lease | None = None) -> None:
         self.storage = storage
         self.lease = lease
+        # the expired lease this acquisition removed: its holder may still be paused
+        # mid-commit, so the new writer fences it (`CheckpointStore.writer`)
+        self.taken_over = taken_over
         self.ttl_seconds = ttl_seconds
         self.heartbeat_seconds = heartbeat_seconds
         self.renewals = 0
@@ -321,6 +370,16 @@ class HeldLease:
             self.lease = renewed
             self.renewals += 1
             return True
+
+    def set_epoch(self, epoch: int) -> None:
+        """Record our fencing epoch in the lease file (raised, never lowered); LeaseLostError
+        if the lease was lost meanwhile."""
+        self.ensure_held()
+        with self._lock:
+            if epoch > self.lease.epoch:
+                updated = replace(self.lease, epoch=epoch)
+                self.storage.write_atomic(self.lease.path, updated.to_bytes())
+                self.lease = updated
 
     def ensure_held(self) -> None:
         """Raise LeaseLostError unless the lease is still ours and unexpired (re-read now)."""
@@ -380,8 +439,10 @@ def held_writer_leases(job_storage: Storage) -> tuple[HeldLease, ...]:
 
 
 @contextmanager
-def _renewed(job_storage: Storage, lease: Lease, ttl: float, beat: float) -> Iterator[HeldLease]:
-    held = HeldLease(job_storage, lease, ttl_seconds=ttl, heartbeat_seconds=beat)
+def _renewed(job_storage: Storage, lease: Lease, ttl: float, beat: float,
+             taken_over: Lease | None = None) -> Iterator[HeldLease]:
+    held = HeldLease(job_storage, lease, ttl_seconds=ttl, heartbeat_seconds=beat,
+                     taken_over=taken_over)
     held.start()
     token = _HELD.set(_HELD.get() + (held,))
     try:
@@ -400,9 +461,8 @@ def writer_lease(job_storage: Storage, purpose: str, *, checkpoint_ids: Sequence
     `CheckpointStore.commit` inside the block raises LeaseLostError if the lease
     was lost (scenario 4)."""
     ttl, beat = lease_timing(ttl_seconds, heartbeat_seconds)
-    lease = acquire_writer_lease(job_storage, purpose, checkpoint_ids=checkpoint_ids,
-                                 ttl_seconds=ttl, holder=holder)
-    with _renewed(job_storage, lease, ttl, beat) as held:
+    lease, taken = _acquire_writer(job_storage, purpose, checkpoint_ids, ttl, holder)
+    with _renewed(job_storage, lease, ttl, beat, taken) as held:
         yield held
 
 

@@ -16,10 +16,21 @@ subtasks once let GC delete every file of the job). Invariants:
 - subtask indexes are 0..P-1 in order and each key-group range equals Flink's
   formula (`keygroups.key_group_range_for_subtask`): no gap, no overlap;
 - states have unique, valid names, a known kind and a known codec;
-- sizes, bytes_uploaded and row counts are integers >= 0; checkpoint_id >= 1;
-  a parent, when set, is 1 <= parent < checkpoint_id;
+- sizes, bytes_uploaded and row counts are integers in [0, MAX_COUNT];
+  checkpoint_id >= 1; a parent, when set, is 1 <= parent < checkpoint_id;
 - JSON nesting is at most MAX_NESTING deep (deeper input only exists to crash
-  recursive readers with RecursionError).
+  recursive readers with RecursionError);
+- names are printable (no NUL or control character: RocksDB and C libraries cut
+  or panic on them): state names, paths and ``local_name``s; a ``local_name`` is
+  one plain file name (no ``/`` or ``\\``), unique within its subtask;
+- a checksum is ``crc32c:`` or ``crc32:`` and at most 8 hex digits;
+- every file lies where the layout puts a file of this record (issue 20, defect 2:
+  a tampered record must not make retention delete what is not its own): a
+  checkpoint references ``shared/<file>`` and ``chk-<k>/<subtask>/<snapshot>/<file>``
+  with ``k`` its own id or an earlier one (a subtask without new rows carries its
+  parent's handle forward), never a ``_metadata``, ``_attempts``, ``savepoints/``,
+  ``runs/``, ``leases/``, ``reports/`` or ``_index/`` path; a savepoint references
+  only ``savepoints/<its name>/<subtask>/<file>``.
 
 Layout of one record (format 1)::
 
@@ -38,6 +49,10 @@ Layout of one record (format 1)::
      "extra": {},
      "watermark": 1700000000000, "processing_time": 1700003600000}
 
+``epoch`` (optional, an integer >= 1) is the fencing epoch of the writer that
+committed the record (`statebackend.checkpoint.leases`); records written before
+epochs have none (read as 0), and an epoch never goes down along a lineage.
+
 ``watermark`` (event time, epoch ms: max event time seen minus the allowed
 lateness, never decreasing) and ``processing_time`` (the logical time of the run
 that wrote the record, epoch ms) are optional: written only when set, absent or
@@ -49,11 +64,13 @@ carry ``"ttl": {"duration_ms", "time", "update_on"}``; internal column families
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from functools import cache
 from typing import Any
 
+from statebackend.checkpoint.layout import METADATA_FILE, SAVEPOINTS_DIR, SHARED_DIR, chk_id_of
 from statebackend.errors import CkptError, MetadataError, UnsupportedFormatVersionError
 from statebackend.state.keygroups import (
     MAX_MAX_PARALLELISM,
@@ -68,6 +85,10 @@ CHECKPOINT_KINDS = ("checkpoint", "rescale", "savepoint")
 # The deepest record this release writes is 6 levels (states -> codec -> fields);
 # free-form parts (source, extra) get room to grow, not room to crash a reader.
 MAX_NESTING = 32
+MAX_COUNT = 2**53            # sizes, row counts, ids: larger is damage, not data
+MAX_NAME_LENGTH = 255
+_CHECKSUM = re.compile(r"(crc32c|crc32):[0-9a-f]{1,8}")
+_SUBTASK_DIR = re.compile(r"[0-9]{1,5}")
 
 
 def utc_now_iso() -> str:
@@ -90,13 +111,20 @@ class FileRef:
     @staticmethod
     def from_json(data: Any, where: str) -> FileRef:
         _require(isinstance(data, dict), where, "file reference is not an object")
-        path = safe_relpath(_get(data, "path", str, where), f"{where} path")
+        raw_path = _get(data, "path", str, where)
+        _require(_printable(raw_path) and "\\" not in raw_path, where,
+                 f"path {raw_path!r} has a control character or a backslash")
+        path = safe_relpath(raw_path, f"{where} path")
         local_name = _get(data, "local_name", str, where)
-        _require("/" not in local_name and local_name not in ("", ".", ".."), where,
+        _require(is_plain_name(local_name), where,
                  f"local_name {local_name!r} must be a plain file name")
         size = _get(data, "size", int, where)
         _require(size >= 0, where, f"size {size} is negative")
-        return FileRef(path, local_name, size, _get(data, "checksum", str, where))
+        _require(size <= MAX_COUNT, where, f"size {size} is larger than 2**53 bytes")
+        checksum = _get(data, "checksum", str, where)
+        _require(_CHECKSUM.fullmatch(checksum) is not None, where,
+                 f"checksum {checksum!r} is not crc32c:<hex> or crc32:<hex> (8 digits at most)")
+        return FileRef(path, local_name, size, checksum)
 
 
 @dataclass(frozen=True)
@@ -147,12 +175,13 @@ class SubtaskHandle:
         private = _get(data, "private_files", list, w)
         counts = data.get("row_counts", {})
         _require(isinstance(counts, dict) and all(
-            isinstance(k, str) and _is_int(v) and v >= 0 for k, v in counts.items()), w,
-            f"row_counts {counts!r} must map state names to integers >= 0")
+            isinstance(k, str) and _is_int(v) and 0 <= v <= MAX_COUNT
+            for k, v in counts.items()), w,
+            f"row_counts {str(counts)[:200]} must map state names to integers in 0..2**53")
         uploaded = data.get("bytes_uploaded", 0)
-        _require(_is_int(uploaded) and uploaded >= 0, w,
-                 f"bytes_uploaded {uploaded!r} must be an integer >= 0")
-        return SubtaskHandle(
+        _require(_is_int(uploaded) and 0 <= uploaded <= MAX_COUNT, w,
+                 f"bytes_uploaded {uploaded!r} must be an integer >= 0 (at most 2**53)")
+        handle = SubtaskHandle(
             index=index,
             key_group_start=_get(data, "key_group_start", int, w),
             key_group_end=_get(data, "key_group_end", int, w),
@@ -163,6 +192,28 @@ class SubtaskHandle:
             row_counts=dict(counts),
             bytes_uploaded=uploaded,
         )
+        check_local_names(handle, w)
+        return handle
+
+
+def check_local_names(handle: SubtaskHandle, where: str) -> None:
+    """A subtask's files land in one folder by ``local_name``: two of one name would
+    overwrite each other at restore (a corrupt instance)."""
+    seen: set[str] = set()
+    for ref in handle.files:
+        _require(ref.local_name not in seen, where,
+                 f"local_name {ref.local_name!r} appears twice in subtask {handle.index}")
+        seen.add(ref.local_name)
+
+
+def is_plain_name(name: str) -> bool:
+    """One printable file name: no separator, not ``.``/``..``, at most 255 characters."""
+    return (0 < len(name) <= MAX_NAME_LENGTH and _printable(name) and "/" not in name
+            and "\\" not in name and name not in (".", ".."))
+
+
+def _printable(text: str) -> bool:
+    return text.isprintable()
 
 
 @dataclass(frozen=True)
@@ -186,6 +237,7 @@ class CheckpointMetadata:
     format_version: int = FORMAT_VERSION
     watermark: int | None = None
     processing_time: int | None = None
+    epoch: int = 0  # fencing epoch of the writer (0: written before epochs)
 
     # -- derived figures ---------------------------------------------------
     @property
@@ -260,6 +312,8 @@ class CheckpointMetadata:
             out["watermark"] = self.watermark
         if self.processing_time is not None:
             out["processing_time"] = self.processing_time
+        if self.epoch:
+            out["epoch"] = self.epoch
         return out
 
     def to_bytes(self) -> bytes:
@@ -300,6 +354,9 @@ class CheckpointMetadata:
         for name, value in (("watermark", watermark), ("processing_time", processing_time)):
             _require(value is None or _is_int(value), where,
                      f"{name} {value!r} must be an integer (epoch ms) or null")
+        epoch = obj.get("epoch", 0)
+        _require(_is_int(epoch) and 0 <= epoch <= MAX_COUNT, where,
+                 f"epoch {epoch!r} must be an integer >= 0")
         _check_nesting({"states": states, "source": source, "extra": extra}, where)
         _check_states(states, where)
         created_at = _get(obj, "created_at", str, where)
@@ -325,9 +382,11 @@ class CheckpointMetadata:
             format_version=version,
             watermark=watermark,
             processing_time=processing_time,
+            epoch=epoch,
         )
         _check_ids(meta, where)
         _check_key_groups(meta, where)
+        check_file_scope(meta, where)
         return meta
 
 
@@ -348,9 +407,61 @@ def decode_json(data: bytes, where: str, loads: Any) -> Any:
             f"malformed or truncated metadata {where}: not valid JSON ({exc})") from exc
 
 
+def check_file_scope(meta: CheckpointMetadata, where: str, memo: dict | None = None) -> None:
+    """Every file of ``meta`` lies where the layout puts this record's files (module doc).
+
+    ``memo`` (shared across records): a path's classification is computed once."""
+    if meta.kind == "savepoint":
+        names = set()
+        for ref in meta.files:
+            parts = ref.path.split("/")
+            _require(len(parts) == 4 and parts[0] == SAVEPOINTS_DIR
+                     and _SUBTASK_DIR.fullmatch(parts[2]) is not None
+                     and parts[3] != METADATA_FILE, where,
+                     f"savepoint file {ref.path!r} is not savepoints/<name>/<subtask>/<file>")
+            names.add(parts[1])
+        _require(len(names) <= 1, where, f"savepoint files span several savepoints "
+                                         f"{sorted(names)[:3]}")
+        return
+    own = meta.checkpoint_id
+    kinds = memo.setdefault("scope", {}) if memo is not None else {}
+    for sub in meta.subtasks:
+        for ref in sub.shared_files + sub.private_files:
+            k = kinds.get(ref.path)
+            if k is None:
+                k = kinds[ref.path] = _scope_of(ref.path)
+            if isinstance(k, str):
+                raise MetadataError(f"malformed metadata {where}: {k}")
+            _require(k <= own, where, f"file {ref.path!r} lies in a later checkpoint's folder "
+                                      f"(chk-{k} > chk-{own})")
+
+
+def _scope_of(path: str) -> int | str:
+    """0 for ``shared/<file>``, k for ``chk-<k>/<subtask>/<snapshot>/<file>``, else why not."""
+    parts = path.split("/")
+    if parts[0] == SHARED_DIR:
+        if len(parts) == 2 and not parts[1].startswith(("_", ".")):
+            return 0
+        return f"shared file {path!r} is not shared/<file>"
+    k = _chk_id(parts[0])
+    if k is None or len(parts) != 4:
+        return (f"file {path!r} is neither shared/<file> nor "
+                "chk-<id>/<subtask>/<snapshot>/<file> (a checkpoint references nothing else)")
+    if _SUBTASK_DIR.fullmatch(parts[1]) is None or parts[2].startswith(("_", ".")) \
+            or parts[3] == METADATA_FILE:
+        return f"file {path!r} is not a private file chk-<id>/<subtask>/<snapshot>/<file>"
+    return k
+
+
+def _chk_id(segment: str) -> int | None:
+    k = chk_id_of(segment)
+    return k if k is not None and segment.isascii() and len(segment) < 20 else None
+
+
 def _check_ids(meta: CheckpointMetadata, where: str) -> None:
     cid, parent = meta.checkpoint_id, meta.parent
-    _require(cid >= 1, where, f"checkpoint_id {cid} must be at least 1")
+    _require(1 <= cid <= MAX_COUNT, where, f"checkpoint_id {cid} must be at least 1 (and at "
+                                           "most 2**53)")
     _require(parent is None or 1 <= parent < cid, where,
              f"parent {parent} must be an earlier checkpoint id (1..{cid - 1}) or null")
     origin = meta.rescaled_from
@@ -383,8 +494,10 @@ def _check_states(states: list, where: str) -> None:
     seen: set[str] = set()
     for s in states:
         name = s["name"]
-        _require(bool(name) and name != "default" and "/" not in name, where,
-                 f"state name {name!r} is not allowed")
+        _require(bool(name) and name != "default" and "/" not in name and "\\" not in name
+                 and _printable(name) and len(name) <= MAX_NAME_LENGTH, where,
+                 f"state name {name!r} is not allowed (printable, no '/', at most "
+                 f"{MAX_NAME_LENGTH} characters)")
         _require(name not in seen, where, f"state {name!r} is declared twice")
         seen.add(name)
         kind = s.get("kind", "value")
@@ -484,7 +597,12 @@ def parse_metadata(data: bytes, where: str, memo: dict) -> CheckpointMetadata:
     meta = CheckpointMetadata.from_json(obj, where)
     subtasks = tuple(replace(s, shared_files=shared, private_files=private)
                      for s, (shared, private) in zip(meta.subtasks, refs, strict=True))
-    return replace(meta, subtasks=subtasks)
+    meta = replace(meta, subtasks=subtasks)
+    # from_json saw the subtasks without their files: check what depends on them here
+    for sub in subtasks:
+        check_local_names(sub, f"{where} subtask {sub.index}")
+    check_file_scope(meta, where, memo)
+    return meta
 
 
 def _take_refs(obj: dict, where: str, memo: dict

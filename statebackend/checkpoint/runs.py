@@ -43,7 +43,8 @@ from statebackend.errors import CkptError, MetadataError
 from statebackend.storage import Storage
 
 HISTORY_KEPT = 500
-OUTCOMES = ("committed", "skipped", "failed")
+# "rolledback": `ckpt doctor` rolled the run's checkpoint back; the run counts again
+OUTCOMES = ("committed", "skipped", "failed", "rolledback")
 log = logging.getLogger(__name__)
 RUN_RECORD_VERSION = 1
 # What a skipped re-run needs to finish publishing the run's output: the commit record's
@@ -85,17 +86,26 @@ class RunRecord:
         return RunRecord(meta.run_id, meta.checkpoint_id, meta.parallelism, meta.created_at,
                          carried)
 
+    def to_json(self) -> dict:
+        return {"format_version": RUN_RECORD_VERSION, "run_id": self.run_id,
+                "checkpoint_id": self.checkpoint_id, "parallelism": self.parallelism,
+                "committed_at": self.committed_at, "extra": self.extra}
+
     def to_bytes(self) -> bytes:
-        return json.dumps({"format_version": RUN_RECORD_VERSION, "run_id": self.run_id,
-                           "checkpoint_id": self.checkpoint_id,
-                           "parallelism": self.parallelism,
-                           "committed_at": self.committed_at, "extra": self.extra,
-                           "recorded_at": utc_now_iso()}, sort_keys=True).encode()
+        return json.dumps(dict(self.to_json(), recorded_at=utc_now_iso()),
+                          sort_keys=True).encode()
 
     @staticmethod
     def from_bytes(data: bytes, where: str) -> RunRecord:
         try:
             obj: Any = json.loads(data)
+        except (ValueError, RecursionError) as exc:
+            raise MetadataError(f"malformed run record {where}: {exc}") from exc
+        return RunRecord.from_json(obj, where)
+
+    @staticmethod
+    def from_json(obj: Any, where: str) -> RunRecord:
+        try:
             if not isinstance(obj, dict) or obj.get("format_version") != RUN_RECORD_VERSION:
                 raise ValueError("unknown format version "
                                  f"{obj.get('format_version') if isinstance(obj, dict) else obj!r}")
@@ -127,7 +137,12 @@ def read_run_record(job_storage: Storage, run_id: str) -> RunRecord | None:
 def write_run_record(job_storage: Storage, meta: CheckpointMetadata) -> None:
     """Record ``meta``'s run as committed (idempotent; no-op without a run id)."""
     if meta.run_id is not None:
-        job_storage.write_bytes(run_record_path(meta.run_id), RunRecord.of(meta).to_bytes())
+        write_record(job_storage, RunRecord.of(meta))
+
+
+def write_record(job_storage: Storage, record: RunRecord) -> None:
+    """Write (or rewrite, idempotent) the ledger record ``record``."""
+    job_storage.write_bytes(run_record_path(record.run_id), record.to_bytes())
 
 
 @dataclass(frozen=True)

@@ -145,18 +145,22 @@ def discard_uploads(job_storage: Storage, results: list[SnapshotResult]) -> None
 
 
 def checkpoint_backends(store: CheckpointStore, backends: Sequence[KeyedStateBackend], *,
-                        parent: int | None, run_id: str | None = None,
+                        parent: int | None | str = "latest", run_id: str | None = None,
                         inputs: Sequence[str] = (), extra: dict | None = None,
                         checkpoint_id: int | None = None) -> CheckpointMetadata:
     """Checkpoint in-process backends (subtask i = backends[i]) and commit.
 
     The driver-side loop of a checkpoint for code that holds every backend in
     one process (library users, the demo, tests); the Spark job does the same
-    across executors.
+    across executors. ``parent``: the latest committed checkpoint by default; the
+    new id is the parent's + 1 (checkpoint/lineage.py).
     """
     if not backends:
         raise UsageError("checkpoint_backends needs at least one backend")
-    cid = checkpoint_id if checkpoint_id is not None else store.next_checkpoint_id()
+    if parent == "latest":
+        ids = store.checkpoint_ids()
+        parent = ids[-1] if ids else None
+    cid = checkpoint_id if checkpoint_id is not None else (parent or 0) + 1
     pending = [snapshot(b, store.storage, checkpoint_id=cid, subtask=i)
                for i, b in enumerate(backends)]
     results, errors = [], []

@@ -14,29 +14,50 @@ Before writing `_metadata`, `commit` checks (issue 10, defect 2):
    pass of info requests), else MissingFilesError: a GC or cleanup that removed an
    in-flight upload must not yield a checkpoint that cannot restore;
 2. the writer lease this context holds (`leases.writer_lease`) is still ours,
-   else LeaseLostError: a writer whose lease was taken over must not commit.
-Nothing is written when either check fails.
+   else LeaseLostError: a writer whose lease was taken over must not commit;
+3. the record's id is its parent's + 1 (`lineage.check_successor`).
+Nothing is written when a check fails. Then it follows the commit protocol of
+lineage.py: exclusive `_metadata`, then its commit-log entry (a writer paused past
+its lease withdraws its record there), so a lineage never forks.
+
+Writers hold the lineage through `writer` (lease, then the lineage check, the
+writer's epoch, and a fence after taking over a stale lease); readers of "latest"
+refuse a lineage whose newest records fork or whose newest commit went missing
+(`Lineage.require_intact`).
 """
 
 from __future__ import annotations
 
+import logging
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
+from statebackend.checkpoint import lineage as log
 from statebackend.checkpoint.layout import CHK_DIR_RE, chk_id_of, metadata_path
-from statebackend.checkpoint.leases import HeldLease, held_writer_leases
+from statebackend.checkpoint.leases import HeldLease, held_writer_leases, writer_lease
 from statebackend.checkpoint.metadata import (
     CheckpointMetadata,
     FileRef,
     SubtaskHandle,
     parse_metadata,
+    utc_now_iso,
 )
-from statebackend.checkpoint.runs import RunRecord, read_run_record, write_run_record
+from statebackend.checkpoint.runs import (
+    RunRecord,
+    read_run_record,
+    safe_run_name,
+    write_record,
+    write_run_record,
+)
 from statebackend.errors import (
     CheckpointNotFoundError,
+    CommitConflictError,
     JobNotFoundError,
     LeaseConflictError,
+    LineageError,
     MetadataError,
     MissingFilesError,
     UsageError,
@@ -47,6 +68,11 @@ from statebackend.storage import Storage, child_storage, safe_relpath
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
 VERIFY_THREADS = 16
 MISSING_LIST_CAP = 5
+FENCE_ATTEMPTS = 5
+# What a fence keeps of the record it copies: the state's clocks and the job's kind; the
+# run's own figures (metrics, outputs, context) belong to that run's checkpoint only.
+FENCE_KEEPS = ("time", "job_kind", "engine")
+log_ = logging.getLogger(__name__)
 
 
 def check_name(what: str, name: str) -> str:
@@ -139,14 +165,93 @@ class CheckpointStore:
         return [self.load(i) for i in self.checkpoint_ids()]
 
     def latest(self) -> CheckpointMetadata | None:
+        """The newest committed checkpoint; LineageError if it does not build on the one
+        before it (a fork, lineage.py scenario 6)."""
         ids = self.checkpoint_ids()
-        return self.load(ids[-1]) if ids else None
+        if not ids:
+            return None
+        meta = self.load(ids[-1])
+        forks = log.find_forks(ids[-2:], {meta.checkpoint_id: meta.parent})
+        if forks:
+            raise LineageError(f"job {self.job!r}: {forks[0].message}; {forks[0].repair}")
+        return meta
+
+    def lineage(self, *, repair: bool = False) -> Lineage:
+        """The lineage's state now (lineage.py): committed ids, the latest record, the
+        commit log's names and every problem they show. ``repair`` (a writer holding
+        the lease): write missing log entries and ledger records first (scenarios 3-4).
+        """
+        ids = self.checkpoint_ids()
+        names = log.read_log(self.storage, ids[0] if ids else None)
+        latest = self.latest() if ids else None
+        problems = log.check_log(ids, names)
+        needs = any(p.kind in ("unlogged", "ledger-missing") for p in problems) or (
+            bool(ids) and not names.entries)  # a lineage from before the log: backfill
+        if repair and needs:
+            parents, epochs = self._repair_log(ids, names)
+            names = log.read_log(self.storage, ids[0] if ids else None)
+            problems = log.check_log(ids, names) + log.find_forks(ids, parents, epochs)
+        if latest is not None and ids[-1] in names.entries:
+            problems += self._check_latest_entry(latest, names)
+        return Lineage(self.job, tuple(ids), latest, names, tuple(problems))
+
+    def run_still_counts(self, record: RunRecord) -> bool:
+        """Whether a ledger record's checkpoint is committed, retired, or from before the
+        commit log (three cheap checks); False: it names a lost commit (lineage.py 5)."""
+        cid = record.checkpoint_id
+        return (self._committed(cid) or self.storage.exists(log.retired_path(cid))
+                or not log.slot(self.storage, cid))
+
+    def _check_latest_entry(self, latest: CheckpointMetadata,
+                            names: log.LogListing) -> list[log.Problem]:
+        """The latest record is the one its log entry describes (same parent and epoch)."""
+        entry = log.entry_of(self.storage, names, latest.checkpoint_id)
+        if entry is None or (entry.parent, entry.epoch) == (latest.parent, latest.epoch):
+            return []
+        cid = latest.checkpoint_id
+        return [log.Problem(
+            "mismatch", (cid,),
+            f"chk-{cid}/_metadata (parent {latest.parent}, epoch {latest.epoch}) is not the "
+            f"record its commit-log entry describes (parent {entry.parent}, epoch "
+            f"{entry.epoch}): it was replaced after its commit",
+            f"`ckpt doctor --rollback-to {latest.parent or cid - 1} --reason ...`", True)]
+
+    def _repair_log(self, ids: Sequence[int], names: log.LogListing
+                    ) -> tuple[dict[int, int | None], dict[int, int]]:
+        """Write the commit-log entries of committed records without one (parsed now;
+        a malformed one is skipped and reported by its readers) and the ledger records
+        of logged runs without one; (parents, epochs) of the records parsed."""
+        memo: dict = {}
+        parents: dict[int, int | None] = {}
+        epochs: dict[int, int] = {}
+        for cid in ids:
+            if cid in names.entries:
+                continue
+            data = self.read_record(cid)
+            if data is None:
+                continue
+            try:
+                meta = self.parse(cid, data, memo)
+            except MetadataError as exc:
+                log_.warning("commit log: checkpoint %s not logged: %s", cid, exc)
+                continue
+            parents[cid], epochs[cid] = meta.parent, meta.epoch
+            log.write_entry(self.storage, log.ChainEntry.of(meta, data))
+        for cid, run in names.entry_runs.items():
+            if run and run not in names.ledger:
+                entry = log.entry_of(self.storage, names, cid)
+                if entry is not None and entry.run is not None:
+                    write_record(self.storage, entry.run)
+        return parents, epochs
 
     def resolve(self, ref: str | int | None) -> CheckpointMetadata:
-        """``latest`` (default), an id, or ``chk-<id>``."""
+        """``latest`` (default), an id, or ``chk-<id>``. "latest" is refused (LineageError)
+        while the lineage forked or lost its newest commit: it would name the wrong one."""
         self.require_job()
         if ref in (None, "", "latest"):
-            meta = self.latest()
+            lineage = self.lineage()
+            lineage.require_intact(log.STATE_PROBLEMS)
+            meta = lineage.latest
             if meta is None:
                 raise CheckpointNotFoundError(
                     f"job {self.job!r} has no committed checkpoint under {self.root_storage.url}")
@@ -167,27 +272,91 @@ class CheckpointStore:
                 return meta
         return None
 
-    def find_run(self, run_id: str) -> RunRecord | None:
-        """Whether ``run_id`` was ever committed: its ledger record, else a retained
-        `_metadata` naming it (a crash between commit and ledger write; the record is
-        written now). See runs.py."""
+    def find_run(self, run_id: str, lineage: Lineage | None = None) -> RunRecord | None:
+        """Whether ``run_id`` was ever committed: its ledger record, else the commit-log
+        entry naming it (the ledger record is written again from it), else, in a lineage
+        committed before the log, a retained `_metadata` naming it. See runs.py and
+        lineage.py. A record naming a checkpoint that is neither committed nor retired
+        is not trusted: None, and the lineage check refuses the run (scenario 5)."""
         record = read_run_record(self.storage, run_id)
-        if record is not None:
+        if record is not None and (lineage is None or self._still_counts(record, lineage)):
             return record
-        meta = self.find_by_run_id(run_id)
-        if meta is None:
-            return None
-        self.record_run(meta)
-        return RunRecord.of(meta)
+        if lineage is None:
+            ids = self.checkpoint_ids()
+            names = log.read_log(self.storage, ids[0] if ids else None)
+        else:
+            names = lineage.log
+        cid = names.entry_of_run(safe_run_name(run_id))
+        if cid is not None:
+            entry = log.entry_of(self.storage, names, cid)
+            if entry is not None and entry.run is not None and entry.run.run_id == run_id:
+                write_record(self.storage, entry.run)
+                return entry.run
+        if not names.entries:  # written before the commit log: its records name their runs
+            meta = self.find_by_run_id(run_id)
+            if meta is not None:
+                self.record_run(meta)
+                return RunRecord.of(meta)
+        return None
+
+    @staticmethod
+    def _still_counts(record: RunRecord, lineage: Lineage) -> bool:
+        cid = record.checkpoint_id
+        return (cid in lineage.committed or cid in lineage.log.retired
+                or cid not in lineage.log.entries)
 
     def record_run(self, meta: CheckpointMetadata) -> None:
         """Add ``meta``'s run to the ledger of committed runs (runs.py)."""
         write_run_record(self.storage, meta)
 
     def next_checkpoint_id(self) -> int:
-        """One above every chk folder seen (committed or attempted)."""
-        ids = self.checkpoint_dirs()
+        """The id a commit on the latest checkpoint takes: latest + 1 (lineage.py step 1);
+        a folder an earlier failed attempt left at that id is shared (its files have
+        unique names and are orphans for gc)."""
+        ids = self.checkpoint_ids()
         return (ids[-1] + 1) if ids else 1
+
+    # -- the writer ---------------------------------------------------------------
+    @contextmanager
+    def writer(self, purpose: str, *, checkpoint_ids: Sequence[int] = ()
+               ) -> Iterator[WriterSession]:
+        """Hold the lineage for a write: the writer lease (renewed), then the lineage
+        check (repairing the commit log and the ledger; LineageError on a fork, a lost
+        commit or a forgotten run), the writer's epoch above every commit's, and, after
+        taking over a stale lease, a fence (lineage.py scenario 1)."""
+        with writer_lease(self.storage, purpose, checkpoint_ids=checkpoint_ids) as held:
+            lineage = self.lineage(repair=True)
+            lineage.require_intact()
+            latest = lineage.latest
+            taken = held.taken_over
+            held.set_epoch(max(latest.epoch if latest else 0, held.lease.epoch,
+                               taken.epoch if taken else 0) + 1)
+            if taken is not None and latest is not None:
+                latest = self.fence(latest, taken)
+                lineage = replace(lineage, latest=latest,
+                                  committed=lineage.committed + (latest.checkpoint_id,))
+            yield WriterSession(held, lineage)
+
+    def fence(self, latest: CheckpointMetadata, taken: object) -> CheckpointMetadata:
+        """Commit a carry-forward copy of ``latest`` at the next id, so a writer paused
+        with the lease ``taken`` over can never commit (lineage.py scenario 1). If that
+        writer commits first, fence on top of its commit."""
+        for _ in range(FENCE_ATTEMPTS):
+            fence = latest.with_changes(
+                checkpoint_id=latest.checkpoint_id + 1, parent=latest.checkpoint_id,
+                kind="checkpoint", run_id=None, input=(), rescaled_from=None, source=None,
+                created_at=utc_now_iso(), epoch=0,
+                subtasks=tuple(replace(s, bytes_uploaded=0) for s in latest.subtasks),
+                extra={**{k: latest.extra[k] for k in FENCE_KEEPS if k in latest.extra},
+                       "fence": {"after_takeover_of": getattr(taken, "purpose", ""),
+                                 "holder": getattr(taken, "holder", ""),
+                                 "epoch": getattr(taken, "epoch", 0)}})
+            try:
+                return self.commit(fence)
+            except CommitConflictError:
+                latest = self.latest() or latest  # the paused writer committed: fence on it
+        raise LeaseConflictError(f"job {self.job!r}: could not fence the lineage after "
+                                 "taking over a stale writer lease; retry later")
 
     # -- commit ------------------------------------------------------------
     def commit(self, meta: CheckpointMetadata, *,
@@ -199,17 +368,26 @@ class CheckpointStore:
         """
         if meta.job != self.job:
             raise UsageError(f"metadata of job {meta.job!r} cannot be committed to {self.job!r}")
+        log.check_successor(meta)
         for ref in meta.files:
             safe_relpath(ref.path)
         self.verify_files(meta)
-        for held in (lease,) if lease is not None else held_writer_leases(self.storage):
+        held_leases = (lease,) if lease is not None else held_writer_leases(self.storage)
+        for held in held_leases:
             held.ensure_held()  # last, right before the write: the closest check wins
+        epoch = max((h.lease.epoch for h in held_leases), default=0)
+        if epoch and meta.epoch != epoch:
+            meta = meta.with_changes(epoch=epoch)
+        data = meta.to_bytes()
+        # the parser's rules hold for what we write too (file scope, names, ranges)
+        self.parse(meta.checkpoint_id, data)
         try:
-            self.storage.write_exclusive(metadata_path(meta.checkpoint_id), meta.to_bytes())
+            self.storage.write_exclusive(metadata_path(meta.checkpoint_id), data)
         except FileExistsError as exc:
-            raise LeaseConflictError(
+            raise CommitConflictError(
                 f"checkpoint {meta.checkpoint_id} of job {self.job!r} was committed by another "
                 "writer; this attempt is aborted") from exc
+        log.log_commit(self.storage, meta, data)
         return meta
 
     def verify_files(self, meta: CheckpointMetadata) -> None:
@@ -223,6 +401,39 @@ class CheckpointStore:
                 f"checkpoint {meta.checkpoint_id} of job {self.job!r} not committed: {len(bad)} "
                 f"referenced file(s) under {self.storage.url} missing or with the wrong size: "
                 f"{shown}{more}; were they collected while the attempt ran? Run it again")
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """A job's lineage at one moment: committed ids, the latest record, the commit log's
+    names and the problems they show (lineage.py)."""
+
+    job: str
+    committed: tuple[int, ...]
+    latest: CheckpointMetadata | None
+    log: log.LogListing
+    problems: tuple[log.Problem, ...]
+
+    @property
+    def blocking(self) -> tuple[log.Problem, ...]:
+        return tuple(p for p in self.problems if p.blocking)
+
+    def require_intact(self, kinds: Sequence[str] | None = None) -> None:
+        """LineageError (one line: the first blocking problem and its repair); ``kinds``:
+        only problems of these kinds count."""
+        bad = [p for p in self.blocking if kinds is None or p.kind in kinds]
+        if bad:
+            more = f" ({len(bad) - 1} more problem(s))" if len(bad) > 1 else ""
+            raise LineageError(f"job {self.job!r}: {bad[0].message}; {bad[0].repair}{more}; "
+                               "see `ckpt doctor`")
+
+
+@dataclass(frozen=True)
+class WriterSession:
+    """What `CheckpointStore.writer` yields: the held lease and the lineage it checked."""
+
+    lease: HeldLease
+    lineage: Lineage
 
 
 def wrong_files(storage: Storage, refs: Iterable[FileRef],

@@ -29,6 +29,7 @@ from datetime import UTC, datetime
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 
+from statebackend import settings
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import (
     CkptError,
@@ -42,6 +43,7 @@ COMMAND_MODULES = (
     "statebackend.cli.lifecycle",
     "statebackend.cli.validate",
     "statebackend.cli.rescale",
+    "statebackend.cli.doctor",
     "statebackend.cli.run",  # `ckpt run` (job API); skipped until installed
 )
 DISTRIBUTION = "ckpt-lifecycle"
@@ -196,6 +198,7 @@ def run_command(args: argparse.Namespace) -> int:
     if scope == "job" and not args.job:
         raise UsageError(f"`ckpt {args.command}` needs --job NAME (or CKPT_JOB); "
                          "`ckpt jobs` lists the jobs under a storage root")
+    settings.check_environment()  # every CKPT_* setting, checked once, before any work
     storage = open_storage(args.storage)
     target = storage if scope == "root" else CheckpointStore(storage, args.job)
     return int(args.handler(args, target) or 0)

@@ -6,6 +6,7 @@ import argparse
 import sys
 from datetime import UTC, datetime
 
+from statebackend.checkpoint import lineage as log
 from statebackend.checkpoint.dump import (
     DUMP_FORMATS,
     STDOUT,
@@ -16,6 +17,7 @@ from statebackend.checkpoint.dump import (
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.cli.app import age_of, emit_json, human_bytes, json_flag
+from statebackend.errors import CheckpointNotFoundError, MetadataError
 from statebackend.progress import Progress
 
 
@@ -63,11 +65,27 @@ def epoch_ms(value: int | None) -> str:
 
 
 def cmd_list(args: argparse.Namespace, store: CheckpointStore) -> int:
+    """Every committed checkpoint; a malformed record is reported in its row and skipped
+    (an old damaged record must not hide the others), and the lineage's problems (a
+    fork, a lost commit, ...) are printed on stderr with their repair: exit 1 when one
+    blocks runs."""
     store.require_job()
-    metas = store.load_all()
+    metas, broken = [], {}
+    for cid in store.checkpoint_ids():
+        try:
+            metas.append(store.load(cid))
+        except MetadataError as exc:
+            broken[cid] = str(exc)
+        except CheckpointNotFoundError:
+            continue  # retired while listing
+    problems = lineage_problems(store, metas)
+    for p in problems:
+        print(f"ckpt: {'error' if p.blocking else 'warning'}: {p.message}; {p.repair}",
+              file=sys.stderr)
+    code = 1 if any(p.blocking for p in problems) else 0
     if args.json:
         emit_json([m.summary() for m in metas])
-        return 0
+        return code
     print(f"{'id':>6}  {'parent':>6}  {'created':>12}  {'P':>3}/{'M':<4}  {'files':>6}  "
           f"{'size':>10}  {'uploaded':>10}  run_id (kind)")
     for m in metas:
@@ -75,9 +93,20 @@ def cmd_list(args: argparse.Namespace, store: CheckpointStore) -> int:
               f"{age_of(m.created_at):>12}  {m.parallelism:>3}/{m.max_parallelism:<4}  "
               f"{len(m.files):>6}  {human_bytes(m.bytes_referenced):>10}  "
               f"{human_bytes(m.bytes_uploaded):>10}  {m.run_id or '-'} ({describe(m)})")
-    if not metas:
+    for cid, why in sorted(broken.items()):
+        print(f"{cid:>6}  malformed record: {why}")
+    if not metas and not broken:
         print("(no committed checkpoints)")
-    return 0
+    return code
+
+
+def lineage_problems(store: CheckpointStore, metas: list[CheckpointMetadata]) -> list:
+    """The commit log's problems and forks among ``metas`` (checkpoint/lineage.py)."""
+    ids = sorted(m.checkpoint_id for m in metas)
+    names = log.read_log(store.storage, ids[0] if ids else None)
+    return log.check_log(ids, names) + log.find_forks(
+        ids, {m.checkpoint_id: m.parent for m in metas},
+        {m.checkpoint_id: m.epoch for m in metas})
 
 
 def cmd_show(args: argparse.Namespace, store: CheckpointStore) -> int:

@@ -13,13 +13,14 @@ from statebackend.checkpoint.layout import savepoint_dir
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.cli.app import age_of, emit_json, human_bytes, json_flag
 from statebackend.errors import UsageError
-from statebackend.lifecycle.gc import DEFAULT_GRACE_SECONDS, collect_garbage
+from statebackend.lifecycle.gc import DEFAULT_GRACE_SECONDS, MAX_GRACE_SECONDS, collect_garbage
 from statebackend.lifecycle.gc import summarize_text as gc_text
 from statebackend.lifecycle.registry import build_registry
 from statebackend.lifecycle.retention import retain
 from statebackend.lifecycle.retention import summarize_text as retain_text
 from statebackend.lifecycle.savepoint import create_savepoint, delete_savepoint, list_savepoints
 from statebackend.progress import Progress
+from statebackend.settings import flag
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,7 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Keep the newest N committed checkpoints, every savepoint and every "
                     "checkpoint held by a live lease; retire the others (their _metadata first, "
                     "then their private files and the shared files nothing kept references).")
-    p.add_argument("--keep", type=int, required=True, help="checkpoints to keep (>= 1)")
+    p.add_argument("--keep", type=flag("--keep", minimum=1, integer=True), required=True,
+                   help="checkpoints to keep (>= 1)")
     p.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")
     p.set_defaults(handler=cmd_retain)
 
@@ -36,7 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "gc", parents=[json_flag()], help="delete unreferenced files (orphans) past a grace period",
         description="Delete files under shared/ and chk-*/ that no committed checkpoint, "
                     "savepoint or live lease references, once older than the grace period.")
-    p.add_argument("--grace-seconds", type=float, default=DEFAULT_GRACE_SECONDS,
+    p.add_argument("--grace-seconds", type=flag("--grace-seconds", maximum=MAX_GRACE_SECONDS),
+                   default=DEFAULT_GRACE_SECONDS,
                    help=f"minimum age of an orphan before it is deleted "
                         f"(default {DEFAULT_GRACE_SECONDS:g})")
     p.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")

@@ -49,9 +49,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from statebackend import defaults
+from statebackend import defaults, settings
 from statebackend.checkpoint.attempt import Attempt, cleanup_committed
-from statebackend.checkpoint.leases import writer_lease
 from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskHandle, utc_now_iso
 from statebackend.checkpoint.runs import RunOutcome, RunRecord, record_outcome, safe_run_name
 from statebackend.checkpoint.store import CheckpointStore, build_metadata
@@ -76,6 +75,7 @@ from statebackend.job.input import (
 )
 from statebackend.job.task import TaskParams, output_folder, part_name
 from statebackend.progress import NO_PROGRESS, ProgressSink
+from statebackend.settings import number
 from statebackend.state.keygroups import DEFAULT_MAX_PARALLELISM, check_parallelism
 from statebackend.state.kinds import INTERNAL_STATES
 from statebackend.state.watermark import advance
@@ -215,14 +215,16 @@ def _run(job: Job, config: RunConfig, spark, options: dict, store: CheckpointSto
          started: float, progress: ProgressSink) -> dict:
     progress.phase(f"run {config.run_id}: planning")
     done = store.find_run(config.run_id)
-    if done is not None:
+    if done is not None and store.run_still_counts(done):  # no lease needed to say so
         return _skipped(job, config, store, done, started)
-    with writer_lease(store.storage, f"{job.name} run {config.run_id}"):
-        done = store.find_run(config.run_id)  # committed while we waited for the lease
+    # The lineage is checked (forks, lost commits, forgotten runs) under the lease,
+    # before anything else: a run id is counted once (checkpoint/lineage.py).
+    with store.writer(f"{job.name} run {config.run_id}") as session:
+        done = store.find_run(config.run_id, session.lineage)
         if done is not None:
             return _skipped(job, config, store, done, started)
         warnings: list[str] = []
-        parent = _parent(config, store, warnings)
+        parent = _parent(config, store, session.lineage.latest, warnings)
         check_states(job, parent, store.job)
         files = list_input(config.input, config.storage_options)
         progress.phase(f"run {config.run_id}: checking {files.count} input files")
@@ -260,8 +262,8 @@ def _engine(choice: EngineChoice, job: Job, config: RunConfig, store: Checkpoint
 
 
 def _check_config(job: Job, config: RunConfig) -> dict:
-    if not 0.0 <= config.max_reject_fraction <= 1.0:
-        raise UsageError(f"--max-reject-fraction {config.max_reject_fraction} must be in [0, 1]")
+    settings.check_environment()  # every CKPT_* setting, before any work
+    number(config.max_reject_fraction, "--max-reject-fraction", maximum=1.0)
     if not config.run_id:
         raise UsageError("--run-id must not be empty")
     if job.outputs and not config.output:
@@ -275,9 +277,8 @@ def _check_config(job: Job, config: RunConfig) -> dict:
     return dict(job.resolve_options(config.options))
 
 
-def _parent(config: RunConfig, store: CheckpointStore,
+def _parent(config: RunConfig, store: CheckpointStore, parent: CheckpointMetadata | None,
             warnings: list[str]) -> CheckpointMetadata | None:
-    parent = store.latest()
     if parent is None and config.start_from:
         from statebackend.lifecycle.savepoint import import_start_point
 
@@ -337,7 +338,7 @@ def _run_attempt(engine: Engine, choice: EngineChoice, job: Job, config: RunConf
     from statebackend.spark.dispatch import partition_values
 
     parallelism, max_parallelism = _lineage_shape(config, parent, engine, warnings)
-    checkpoint_id = store.next_checkpoint_id()
+    checkpoint_id = (parent.checkpoint_id if parent else 0) + 1  # lineage.py: parent + 1
     run_dir = run_dir_name(config.run_id)
     # Leftovers of a crashed attempt of this run id must not mix with this attempt's parts.
     _delete_run_outputs(job, config)
@@ -356,6 +357,7 @@ def _run_attempt(engine: Engine, choice: EngineChoice, job: Job, config: RunConf
         watermark=clock.watermark, new_watermark=clock.new_watermark,
         processing_time=clock.processing_time, must_run=clock.must_run)
     attempt = Attempt(store, checkpoint_id, on_discard=lambda: _delete_run_outputs(job, config))
+    params = replace(params, attempt_token=attempt.token)
     progress.phase(f"run {config.run_id}: reading input")
     try:
         rows = engine.run_tasks(

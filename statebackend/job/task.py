@@ -119,6 +119,9 @@ class TaskParams:
     new_watermark: int | None = None
     processing_time: int | None = None
     must_run: tuple[bool, ...] = ()
+    # The driver's `Attempt.token`: this task's upload record names it, so a discard
+    # takes only its own attempt's uploads (statebackend.checkpoint.attempt).
+    attempt_token: str = ""
 
     def open(self, url: str) -> Storage:
         return open_storage(url, **self.storage_options)
@@ -252,7 +255,7 @@ class SubtaskRun:
         self.uploaded = done.uploaded_paths
         self.t["uploading"] += time.perf_counter() - started
         record_uploads(self.job_storage, p.checkpoint_id, self.subtask, self.attempt,
-                       self.uploaded)
+                       self.uploaded, p.attempt_token)
         if p.fail_subtask == self.subtask:
             raise RuntimeError(f"injected failure in subtask {self.subtask} "
                                "(RunConfig.fail_subtask)")

@@ -56,7 +56,9 @@ Failure scenarios this design handles (numbered; tests name them):
 6. *Interrupted retention.* `_metadata` is deleted before the files, so a crash
    leaves unreferenced, old files: ordinary orphans, collected here.
 7. *Malformed metadata or lease.* The registry raises MetadataError and
-   nothing is planned: an unreadable checkpoint could reference any file.
+   nothing is planned: an unreadable checkpoint could reference any file. So
+   does a lineage that forked or lost a commit record (LineageError,
+   checkpoint/lineage.py): a lost record's files would look unreferenced.
 8. *Clock skew.* Ages use the storage's mtime against ``now``; a writer lease's
    ``created_at`` comes from the writer's clock, so it is compared with
    ``WRITER_SKEW_SECONDS`` of slack.
@@ -85,7 +87,7 @@ from datetime import datetime
 from statebackend.checkpoint.layout import GC_SCOPE_PREFIXES
 from statebackend.checkpoint.leases import WRITER_LEASE, Lease, live_leases
 from statebackend.checkpoint.store import CheckpointStore
-from statebackend.errors import CheckpointNotFoundError, UsageError
+from statebackend.errors import CheckpointNotFoundError
 from statebackend.lifecycle.registry import (
     Registry,
     as_datetime,
@@ -97,8 +99,10 @@ from statebackend.lifecycle.registry import (
 )
 from statebackend.lifecycle.retention import delete_counted, prune_empty_dirs
 from statebackend.progress import NO_PROGRESS, ProgressSink
+from statebackend.settings import number
 
 DEFAULT_GRACE_SECONDS = 3600.0
+MAX_GRACE_SECONDS = 10 * 365 * 86400.0  # longer is a typo (or `inf`)
 WRITER_SKEW_SECONDS = 300.0
 LIST_CAP = 50
 
@@ -260,8 +264,8 @@ def lease_guard(live: Iterable[Lease], committed: Iterable[int]) -> LeaseGuard:
 
 def plan_gc(registry: Registry, *, grace_seconds: float = DEFAULT_GRACE_SECONDS) -> GcPlan:
     """Classify every listed file under shared/ and chk-*/ (see the module docstring)."""
-    if grace_seconds is None or grace_seconds < 0:
-        raise UsageError(f"--grace-seconds {grace_seconds!r} is invalid: use 0 or more")
+    grace_seconds = float(number(grace_seconds, "--grace-seconds", maximum=MAX_GRACE_SECONDS))
+    registry.require_intact("gc")
     now = registry.now.timestamp()
     guard = lease_guard(registry.live_leases, registry.checkpoints)
     deletions: list[GcFile] = []

@@ -71,6 +71,7 @@ the format.
 from __future__ import annotations
 
 import base64
+import bisect
 import hashlib
 import json
 import logging
@@ -83,9 +84,12 @@ from datetime import UTC, datetime
 from functools import cached_property
 
 from statebackend.checkpoint.layout import (
+    CHAIN_DIR,
     COMMIT_RECORD_SUFFIX,
     GC_SCOPE_PREFIXES,
+    HISTORY_DIR,
     INDEX_FILE,
+    RUNS_DIR,
     checkpoint_dir,
     chk_id_of,
     in_gc_scope,
@@ -96,9 +100,17 @@ from statebackend.checkpoint.layout import (
     savepoint_of,
 )
 from statebackend.checkpoint.leases import WRITER_LEASE, Lease, read_lease_file
+from statebackend.checkpoint.lineage import (
+    STATE_PROBLEMS,
+    LogListing,
+    Problem,
+    check_log,
+    find_forks,
+    parse_log_names,
+)
 from statebackend.checkpoint.metadata import CheckpointMetadata, FileRef, fast_loads
 from statebackend.checkpoint.store import CheckpointStore, check_name
-from statebackend.errors import CheckpointNotFoundError, CkptError, MetadataError
+from statebackend.errors import CheckpointNotFoundError, CkptError, LineageError, MetadataError
 from statebackend.storage import FileInfo, Listing
 
 log = logging.getLogger(__name__)
@@ -307,6 +319,37 @@ class Registry:
         """Recorded bytes of every file an owner lists."""
         return self.refs.bytes_at(self.refs.everything)
 
+    # -- the lineage --------------------------------------------------------------
+    def log(self) -> LogListing:
+        """The commit log's names (runs/chain, runs/, runs/history) from the listing."""
+        chain = [p.rsplit("/", 1)[-1] for p in names_under(self.files.paths, CHAIN_DIR, True)]
+        return parse_log_names(chain, names_under(self.files.paths, RUNS_DIR),
+                               names_under(self.files.paths, HISTORY_DIR))
+
+    def lineage_problems(self) -> list[Problem]:
+        """What is wrong with the lineage (checkpoint/lineage.py): the log's checks, and
+        forks among the records parsed for this registry (records taken from the index
+        passed this check when they were parsed)."""
+        ids = sorted(self.checkpoints)
+        parsed = [cid for cid in ids if cid not in self.indexed_ids]
+        before = {cid: prev for prev, cid in zip(ids, ids[1:], strict=False)}
+        parents = {cid: self.checkpoints[cid].parent for cid in parsed}
+        epochs = {c: self.checkpoints[c].epoch
+                  for c in {*parsed, *(before[c] for c in parsed if c in before)}}
+        return check_log(ids, self.log()) + find_forks(ids, parents, epochs)
+
+    def state_problems(self) -> list[Problem]:
+        """The lineage problems under which a file's references are not known: a fork, a
+        lost or doubly committed record (their files would look unreferenced)."""
+        return [p for p in self.lineage_problems() if p.kind in STATE_PROBLEMS]
+
+    def require_intact(self, what: str) -> None:
+        """LineageError while `state_problems` has one."""
+        bad = self.state_problems()
+        if bad:
+            raise LineageError(f"{what} of job {self.job!r} refused, nothing deleted: "
+                               f"{bad[0].message}; {bad[0].repair}; see `ckpt doctor`")
+
     def to_json(self) -> dict:
         orphans = self.orphans()
         missing = self.missing()
@@ -396,7 +439,8 @@ def build_registry(store: CheckpointStore, *, now: datetime | float | None = Non
         leases=tuple(leases), refs=refs, indexed_ids=frozenset(cached))
     # (memory:// lives as long as this process: an index would only cost a write)
     if update_index and not storage.process_local and (
-            index is None or to_parse or len(cached) != len(index.entries)):
+            index is None or to_parse or len(cached) != len(index.entries)) \
+            and not registry.state_problems():  # planners refuse: leave the index alone
         write_index(store, registry)
     return registry
 
@@ -637,6 +681,14 @@ def files_by_path(files: Iterable[FileInfo] | Mapping[str, FileInfo]) -> Listing
         return files
     infos = dict(files) if isinstance(files, Mapping) else {f.path: f for f in files}
     return Listing(sorted(infos), infos)
+
+
+def names_under(paths: list[str], folder: str, nested: bool = False) -> list[str]:
+    """Names of the files directly in ``folder`` (``paths``: sorted relative paths)."""
+    prefix = folder + "/"
+    first = bisect.bisect_left(paths, prefix)
+    end = bisect.bisect_left(paths, folder + "0", first)  # "0" sorts right after "/"
+    return [p[len(prefix):] for p in paths[first:end] if nested or "/" not in p[len(prefix):]]
 
 
 def paths_of(meta: CheckpointMetadata) -> tuple[str, ...]:

@@ -16,7 +16,9 @@ Kept, always:
 
 Retiring checkpoint C, in this order:
 0. write the ledger record of C's run (``runs/<run>.json``, runs.py), so the run
-   stays committed for idempotency once C is gone; if that fails, C is kept;
+   stays committed for idempotency once C is gone, and C's retired marker in the
+   commit log (``runs/chain/<C>.retired``, checkpoint/lineage.py), so a missing
+   record of C reads as retired, not lost; if either write fails, C is kept;
 1. delete ``chk-<C>/_metadata``: C stops existing atomically, so no reader can
    start from a checkpoint whose files are going away;
 2. delete the files C lists that no kept checkpoint, savepoint or live lease
@@ -33,7 +35,9 @@ Files in ``chk-<C>/`` that C does not list (uploads of a failed attempt with the
 same id) are orphans: GC removes them after the grace period (gc.py).
 
 `plan_retention` is pure (registry in, frozen plan out, each checkpoint and
-file with a reason). `execute_retention` is best effort and re-reads the
+file with a reason); it refuses a lineage that forked or lost a commit record
+(LineageError: `Registry.require_intact`), since a lost record's files would look
+unreferenced. `execute_retention` is best effort and re-reads the
 committed ids and leases just before deleting: a checkpoint held by a lease
 taken since planning is spared, and files referenced by a checkpoint committed
 since planning are spared. A plan made from the registry index (registry.py)
@@ -62,6 +66,7 @@ from statebackend.checkpoint.layout import (
     report_summary_path,
 )
 from statebackend.checkpoint.leases import live_leases
+from statebackend.checkpoint.lineage import mark_retired
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.runs import HISTORY_KEPT, history_beyond
 from statebackend.checkpoint.store import CheckpointStore
@@ -200,6 +205,7 @@ def plan_retention(registry: Registry, keep: int,
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
         raise UsageError(f"--keep {keep!r} is invalid: keep at least 1 checkpoint (the newest "
                          "is the base of the next run)")
+    registry.require_intact("retention")
     ids = sorted(registry.checkpoints)
     newest = set(ids[-keep:])
     held = registry.held_ids()
@@ -396,6 +402,7 @@ def _record_runs(store: CheckpointStore, checkpoint_ids: list[int]
         try:
             if meta is not None:
                 store.record_run(meta)
+                mark_retired(store.storage, [cid])
                 records[cid] = meta
         except CkptError as exc:
             log.warning("checkpoint %s kept: its run could not be recorded (%s)", cid, exc)

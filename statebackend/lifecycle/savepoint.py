@@ -8,14 +8,18 @@ Savepoint layout (paths in its `_metadata` are relative to the job root)::
 
 - `create_savepoint(store, ref, name)` copies every file of checkpoint ``ref``
   while holding a lease on it (retention and GC cannot take it away mid-copy),
-  then writes `_metadata` exclusively. Nothing in a savepoint points into
-  ``shared/``; GC and retention never touch ``savepoints/``. The name is claimed
-  first with an exclusive ``_claim`` file, so two creators of one name cannot
-  mix their files; an interrupted creation leaves an incomplete folder that
-  blocks the name until removed (listed by the registry, never collected).
+  verifies every copy's size and checksum against the record (issue 20 defect 5:
+  a truncated or flipped source file fails the savepoint in one line naming it,
+  and the partial copy is removed), then writes `_metadata` exclusively. Nothing in
+  a savepoint points into ``shared/``; GC and retention never touch
+  ``savepoints/``. The name is claimed first with an exclusive ``_claim`` file, so
+  two creators of one name cannot mix their files; an interrupted creation leaves
+  an incomplete folder that blocks the name until removed (listed by the registry,
+  never collected).
 - `import_start_point(storage, target_job, spec)` copies a savepoint or another
   job's checkpoint into ``target_job`` and commits it as that job's *first*
-  checkpoint (parent None, ``source`` naming where it came from). Shared files
+  checkpoint (parent None, ``source`` naming where it came from), verified the same
+  way. Shared files
   get fresh unique names under the target's ``shared/``, private files go to
   ``chk-<id>/<subtask>/<snapshot>/``. Because it is a copy, the two lineages
   never share a file: neither job's retention or GC can hurt the other.
@@ -61,6 +65,7 @@ from statebackend.checkpoint.store import CheckpointStore, check_job_name
 from statebackend.errors import (
     CheckpointNotFoundError,
     LeaseConflictError,
+    MetadataError,
     StorageError,
     UsageError,
 )
@@ -68,7 +73,7 @@ from statebackend.lifecycle.registry import (
     check_savepoint_name,
     load_savepoint,
 )
-from statebackend.storage import Storage
+from statebackend.storage import Storage, checksum_algorithm
 
 COPY_THREADS = 8
 CLAIM_FILE = "_claim"
@@ -213,14 +218,14 @@ def create_savepoint(store: CheckpointStore, ref: str | int | None,
         with hold(storage, savepoint_purpose(name), [meta.checkpoint_id]):
             # the checkpoint may have been retired between resolve and hold: re-read it
             meta = store.load(meta.checkpoint_id)
-            copies: list[tuple[str, str]] = []
+            copies: list[tuple[FileRef, str]] = []
             subtasks = [
                 _relocated(sub, copies,
                            shared_to=lambda f, i=sub.index: f"{base}/{i}/{f.local_name}",
                            private_to=lambda f, i=sub.index: f"{base}/{i}/{f.local_name}")
                 for sub in meta.subtasks]
             _check_unique([dst for _, dst in copies], f"savepoint {name!r}")
-            _copy_all(storage, copies)
+            _copy_all(storage, copies, f"savepoint {name!r} of job {store.job!r} not created")
             saved = meta.with_changes(
                 kind="savepoint", parent=None, subtasks=tuple(subtasks), created_at=utc_now_iso(),
                 source={"job": store.job, "checkpoint": meta.checkpoint_id, "savepoint": None},
@@ -317,7 +322,7 @@ def import_start_point(storage: Storage, target_job: str, spec: str) -> Checkpoi
 def _import(root: Storage, target: CheckpointStore, meta: CheckpointMetadata,
             source: dict) -> CheckpointMetadata:
     cid = target.next_checkpoint_id()
-    copies: list[tuple[str, str]] = []
+    copies: list[tuple[FileRef, str]] = []
     subtasks = []
     for sub in meta.subtasks:
         prefix = private_dir(cid, sub.index, sub.snapshot_id)
@@ -333,7 +338,8 @@ def _import(root: Storage, target: CheckpointStore, meta: CheckpointMetadata,
         processing_time=meta.processing_time)
     # copy through the common root: both jobs are folders of it
     src_job = source["job"]
-    _copy_all(root, [(f"{src_job}/{s}", f"{target.job}/{d}") for s, d in copies])
+    _copy_all(root, [(replace(f, path=f"{src_job}/{f.path}"), f"{target.job}/{d}")
+                     for f, d in copies], f"start point for job {target.job!r} not imported")
     try:
         if target.checkpoint_ids():
             raise UsageError(f"job {target.job!r} got a checkpoint while the start point was "
@@ -345,10 +351,10 @@ def _import(root: Storage, target: CheckpointStore, meta: CheckpointMetadata,
     return first
 
 
-def _relocated(sub: SubtaskHandle, copies: list[tuple[str, str]], *,
+def _relocated(sub: SubtaskHandle, copies: list[tuple[FileRef, str]], *,
                shared_to: Callable[[FileRef], str],
                private_to: Callable[[FileRef], str]) -> SubtaskHandle:
-    """The handle with every file at its new path; appends (src, dst) to ``copies``.
+    """The handle with every file at its new path; appends (source ref, dst) to ``copies``.
 
     The copy is self-contained, so all its bytes count as uploaded by it.
     """
@@ -356,7 +362,7 @@ def _relocated(sub: SubtaskHandle, copies: list[tuple[str, str]], *,
         out = []
         for f in refs:
             dst = name_of(f)
-            copies.append((f.path, dst))
+            copies.append((f, dst))
             out.append(FileRef(dst, f.local_name, f.size, f.checksum))
         return tuple(out)
 
@@ -371,21 +377,41 @@ def _check_unique(paths: list[str], what: str) -> None:
                          "names in one subtask)")
 
 
-def _copy_all(storage: Storage, copies: list[tuple[str, str]]) -> None:
-    """Copy (src, dst) pairs of ``storage`` in parallel (server-side on S3); on failure
-    remove what was copied and raise one error listing the distinct causes."""
+def _copy_all(storage: Storage, copies: list[tuple[FileRef, str]], what: str) -> None:
+    """Copy (source ref, dst) pairs of ``storage`` in parallel (server-side on S3), each
+    verified against the source's recorded size and checksum; on any failure remove
+    what was copied and raise one error: a damaged source file by name (MetadataError),
+    else the distinct storage causes."""
     done: list[str] = []
     errors: list[BaseException] = []
     with ThreadPoolExecutor(max_workers=COPY_THREADS) as pool:
-        futures = [(pool.submit(storage.copy, src, dst), dst) for src, dst in copies]
+        futures = [(pool.submit(_copy_verified, storage, ref, dst), dst) for ref, dst in copies]
         for fut, dst in futures:
             try:
                 fut.result()
                 done.append(dst)
             except Exception as exc:  # noqa: BLE001 - collected below
                 errors.append(exc)
+                done.append(dst)  # a failed copy may have left a partial file
     if errors:
         storage.delete_many(done)
+        damaged = [e for e in errors if isinstance(e, MetadataError)]
+        if damaged:
+            more = f" (and {len(damaged) - 1} more damaged files)" if len(damaged) > 1 else ""
+            raise MetadataError(f"{what}: {damaged[0]}{more}; nothing was kept") from damaged[0]
         causes = sorted({str(e) for e in errors})
-        raise StorageError(f"copy failed for {len(errors)} of {len(copies)} files: "
+        raise StorageError(f"{what}: copy failed for {len(errors)} of {len(copies)} files: "
                            + "; ".join(causes[:5])) from errors[0]
+
+
+def _copy_verified(storage: Storage, ref: FileRef, dst: str) -> None:
+    """Copy ``ref`` to ``dst``, then check the copy's size and checksum against ``ref``
+    (what was recorded when the file was uploaded)."""
+    storage.copy(ref.path, dst)
+    size, checksum = storage.checksum(dst, checksum_algorithm(ref.checksum))
+    if size != ref.size or checksum != ref.checksum:
+        found = f"size {size}" if size != ref.size else f"checksum {checksum}"
+        wanted = f"{ref.size}" if size != ref.size else ref.checksum
+        raise MetadataError(
+            f"file {storage.url_of(ref.path)} is damaged: {found}, recorded {wanted} (run "
+            "`ckpt validate --level deep` on its checkpoint)")

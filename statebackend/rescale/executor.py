@@ -86,7 +86,7 @@ from rocksdict import (
 )
 
 from statebackend.checkpoint.attempt import Attempt
-from statebackend.checkpoint.leases import hold, writer_lease
+from statebackend.checkpoint.leases import hold
 from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskHandle
 from statebackend.checkpoint.restore import download_files
 from statebackend.checkpoint.snapshot import upload_snapshot
@@ -609,13 +609,21 @@ def rescale(store: CheckpointStore, ref: str | int | None = "latest",
                 "bytes_to_download": plan.bytes_to_download, "plan": plan.to_json(),
                 "plan_text": plan.describe()}
     purpose = f"rescale of checkpoint {meta.checkpoint_id} to parallelism {parallelism}"
-    with writer_lease(store.storage, purpose, checkpoint_ids=[meta.checkpoint_id]), \
+    with store.writer(purpose, checkpoint_ids=[meta.checkpoint_id]) as session, \
             hold(store.storage, purpose, [meta.checkpoint_id]):
         # Re-read under the lease: "latest" may have moved since the check above.
         meta = store.resolve(ref)
+        latest = session.lineage.latest
+        if latest is not None and latest.checkpoint_id != meta.checkpoint_id:
+            # the rescaled state would become the latest and silently drop every run
+            # committed after the source: a fork (checkpoint/lineage.py)
+            raise UsageError(
+                f"checkpoint {meta.checkpoint_id} of job {store.job!r} is not the latest "
+                f"({latest.checkpoint_id}): a rescale continues the lineage from its latest "
+                f"checkpoint; to go back to checkpoint {meta.checkpoint_id} first, roll back "
+                f"explicitly (`ckpt doctor --rollback-to {meta.checkpoint_id} --reason ...`)")
         plan = plan_rescale(meta, parallelism)
-        latest = store.latest()
-        checkpoint_id = store.next_checkpoint_id()
+        checkpoint_id = meta.checkpoint_id + 1  # lineage.py: a commit's id is parent + 1
         specs = _task_specs(store, meta, plan, checkpoint_id, compact, _fail_subtask)
         description = (f"ckpt rescale {store.job} chk-{meta.checkpoint_id} "
                        f"{plan.from_parallelism} -> {parallelism}")
@@ -687,8 +695,4 @@ def rescale(store: CheckpointStore, ref: str | int | None = "latest",
         "tasks_seconds": round(tasks_seconds, 4),
         "duration_seconds": round(time.perf_counter() - started, 4),
     }
-    if latest is not None and latest.checkpoint_id != meta.checkpoint_id:
-        summary["warning"] = (f"source checkpoint {meta.checkpoint_id} is not the latest "
-                              f"({latest.checkpoint_id}); later runs continue from the rescaled "
-                              f"state of checkpoint {meta.checkpoint_id}")
     return summary

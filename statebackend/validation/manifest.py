@@ -96,7 +96,9 @@ def _file_records(obj: dict | None, checkpoint_id: int) -> list[dict]:
                 ref = ref if isinstance(ref, dict) else {}
                 path = ref.get("path")
                 try:
-                    safe = safe_relpath(path) if isinstance(path, str) else None
+                    # the metadata parser's path rules: relative, inside the root, printable
+                    safe = safe_relpath(path) if isinstance(path, str) and path.isprintable() \
+                        and "\\" not in path else None
                 except CkptError:
                     safe = None
                 rows.append({

@@ -2,8 +2,9 @@
 
 On a real file:// store: what stays after a commit (the winners' files, no attempt
 records), after a failed commit and after a discard (nothing of the attempt; another
-writer's checkpoint of the same id untouched), what a crash after the commit leaves for
-`cleanup_committed`, and that nothing outside ``shared/`` and ``chk-<id>/`` is deleted.
+writer's checkpoint of the same id untouched; another attempt's uploads into the same
+``chk-<id>/`` untouched), what a crash after the commit leaves for `cleanup_committed`,
+and that nothing outside ``shared/`` and ``chk-<id>/`` is deleted.
 """
 
 from __future__ import annotations
@@ -31,13 +32,15 @@ def store(tmp_path) -> CheckpointStore:
     return CheckpointStore(open_storage(f"file://{tmp_path}/store"), "job")
 
 
-def upload(store: CheckpointStore, cid: int, subtask: int, attempt: int, tag: str) -> FileRef:
-    """One task attempt's upload (a shared file and its private CURRENT), recorded."""
+def upload(store: CheckpointStore, cid: int, subtask: int, attempt: int, tag: str,
+           token: str = "") -> FileRef:
+    """One task attempt's upload (a shared file and its private CURRENT), recorded with
+    the driver attempt's ``token``."""
     shared = FileRef(f"shared/{cid}-{subtask}-{tag}.sst", f"{tag}.sst", 3, "crc32:0")
     private = f"chk-{cid}/{subtask}/{tag}/CURRENT"
     store.storage.write_bytes(shared.path, b"sst")
     store.storage.write_bytes(private, b"cur")
-    record_uploads(store.storage, cid, subtask, attempt, [shared.path, private])
+    record_uploads(store.storage, cid, subtask, attempt, [shared.path, private], token)
     return shared
 
 
@@ -69,9 +72,9 @@ def test_commit_keeps_the_winners_and_drops_retried_attempts(store):
 
 
 def test_failed_commit_discards_the_attempt_and_reraises(store):
-    ref = upload(store, 1, 0, 0, "a")
-    missing = FileRef("shared/never-uploaded.sst", "x.sst", 3, "crc32:0")
     attempt = Attempt(store, 1)
+    ref = upload(store, 1, 0, 0, "a", attempt.token)
+    missing = FileRef("shared/never-uploaded.sst", "x.sst", 3, "crc32:0")
     attempt.add_uploaded([ref.path])
     with pytest.raises(MissingFilesError, match="never-uploaded.sst"):
         attempt.commit(metadata(store, 1, [ref, missing]))
@@ -79,22 +82,36 @@ def test_failed_commit_discards_the_attempt_and_reraises(store):
 
 
 def test_discard_on_discard_runs_first_and_everything_goes(store):
-    ref = upload(store, 1, 0, 0, "a")
-    store.storage.write_bytes("chk-1/1/orphan/CURRENT", b"x")  # a lost worker's private file
     calls = []
     attempt = Attempt(store, 1, on_discard=lambda: calls.append(files(store)))
+    ref = upload(store, 1, 0, 0, "a", attempt.token)
     attempt.add_uploaded([ref.path])
     assert attempt.discard() is True
     assert calls and ref.path in calls[0]  # called before the uploads went
     assert files(store) == set()
 
 
+def test_discard_leaves_another_attempts_uploads_to_the_same_id(store):
+    """Issue 20: a writer paused past its lease and the writer that took over both upload
+    into chk-1/ (a checkpoint's id is its parent's + 1); one's discard must not take the
+    other's files. A lost worker's unrecorded file is an orphan left to gc."""
+    ours, theirs = Attempt(store, 1), Attempt(store, 1)
+    mine = upload(store, 1, 0, 0, "mine", ours.token)
+    other = upload(store, 1, 0, 0, "other", theirs.token)
+    store.storage.write_bytes("chk-1/1/orphan/CURRENT", b"x")  # a lost worker's private file
+    assert ours.discard() is True
+    left = files(store)
+    assert mine.path not in left and "chk-1/0/mine/CURRENT" not in left
+    assert {other.path, "chk-1/0/other/CURRENT", "chk-1/1/orphan/CURRENT"} <= left
+    assert [r["token"] for r in attempt_records(store.storage, 1)] == [theirs.token]
+
+
 def test_discard_never_touches_another_writers_checkpoint(store):
     theirs = upload(store, 1, 0, 0, "theirs"), upload(store, 1, 1, 0, "theirs1")
     Attempt(store, 1).commit(metadata(store, 1, list(theirs)), winners=[(0, 0), (1, 0)])
     committed = files(store)
-    ours = upload(store, 1, 0, 7, "ours")
     attempt = Attempt(store, 1)
+    ours = upload(store, 1, 0, 7, "ours", attempt.token)
     attempt.add_uploaded([ours.path])
     with pytest.raises(LeaseConflictError, match="committed by another writer"):
         attempt.commit(metadata(store, 1, [ours, theirs[1]]))
@@ -105,9 +122,12 @@ def test_discard_never_touches_another_writers_checkpoint(store):
 def test_only_paths_of_the_checkpoint_are_deleted(store):
     store.storage.write_bytes("chk-2/0/x/CURRENT", b"other checkpoint")
     store.storage.write_bytes("savepoints/sp/_metadata", b"{}")
+    attempt = Attempt(store, 1)
     record_uploads(store.storage, 1, 0, 0, ["chk-2/0/x/CURRENT", "savepoints/sp/_metadata",
-                                            "../outside"])
-    assert Attempt(store, 1).discard() is True
+                                            "../outside", "chk-1/_metadata"], attempt.token)
+    store.storage.write_bytes("chk-1/_metadata", b"{}")  # never an attempt's to delete
+    assert attempt.discard() is True
+    store.storage.delete_many(["chk-1/_metadata"])
     assert files(store) == {"chk-2/0/x/CURRENT", "savepoints/sp/_metadata"}
 
 

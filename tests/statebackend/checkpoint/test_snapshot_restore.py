@@ -317,7 +317,8 @@ def test_commit_is_exclusive_and_metadata_round_trips(tmp_path):
     assert store.resolve("latest") == store.resolve("chk-1") == store.resolve(1) == meta
     assert store.next_checkpoint_id() == 2
     store.storage.write_bytes("chk-5/0/x/CURRENT", b"x")  # a failed attempt's folder
-    assert store.checkpoint_ids() == [1] and store.next_checkpoint_id() == 6
+    # the next id follows the latest (lineage.py: parent + 1), whatever folders exist
+    assert store.checkpoint_ids() == [1] and store.next_checkpoint_id() == 2
     handle = meta.subtasks[0]
     with pytest.raises(UsageError, match="expected subtask 0"):
         build_metadata(job="orders", checkpoint_id=9, parent=None, max_parallelism=M,

@@ -18,12 +18,14 @@ NOW = datetime(2026, 11, 21, 12, 0, tzinfo=UTC)
 
 def meta(cid: int, shared=(), private=None, job: str = "j", kind: str = "checkpoint",
          savepoint: str | None = None) -> CheckpointMetadata:
-    """Synthetic one-subtask metadata; private defaults to chk-<id>/0/s/MANIFEST."""
+    """Synthetic one-subtask metadata; private defaults to chk-<id>/0/s/MANIFEST; a
+    checkpoint's parent is the id before it (a linear lineage, checkpoint/lineage.py)."""
     if private is None:
         private = (f"chk-{cid}/0/s/MANIFEST",)
     refs = lambda paths: tuple(FileRef(p, p.rsplit("/", 1)[-1], 10, "crc32:0") for p in paths)  # noqa: E731
     sub = SubtaskHandle(0, 0, 127, "b", "s", refs(shared), refs(private))
-    return CheckpointMetadata(job=job, checkpoint_id=cid, parent=None, parallelism=1,
+    parent = cid - 1 if kind != "savepoint" and cid > 1 else None
+    return CheckpointMetadata(job=job, checkpoint_id=cid, parent=parent, parallelism=1,
                               max_parallelism=128, states=({"name": "v"},), subtasks=(sub,),
                               kind=kind)
 

@@ -1,0 +1,178 @@
+"""Every ``CKPT_*`` setting and numeric knob, declared once with its range.
+
+A setting is read from the process environment (`value`), a numeric flag or
+argument is checked against the same kind of range (`number`); both refuse a bad
+value in one line that names the variable or flag, the value and the range, before
+any work. Nothing here guesses: ``inf``, ``nan``, a negative size or a heartbeat
+that would spin are refused, not clamped.
+
+    CKPT_LEASE_TTL_SECONDS          lease lifetime (s), default 60, in [0.5, 604800]
+    CKPT_LEASE_HEARTBEAT_SECONDS    renewal period (s), default TTL/4, in [0.05, TTL/2]
+    CKPT_ENGINE                     auto | spark | local (default auto)
+    CKPT_LOCAL_ENGINE_MAX_BYTES     input bytes (decompressed) `auto` runs locally, 64 MiB
+    CKPT_LOCAL_ENGINE_MAX_STATE_BYTES  parent state a cluster run keeps local, 256 MiB
+    CKPT_LOCAL_ENGINE_MAX_MEMORY_BYTES decompressed input a local-engine run may hold, 2 GiB
+    CKPT_PROGRESS                   auto | bar | lines | off
+    CKPT_PROGRESS_INTERVAL          seconds between progress lines, default 5, in [0.05, 86400]
+    CKPT_LOCAL_DIR                  executors' local-recovery root (a path)
+
+`check_environment` validates every one that is set (the CLI and a job run call it
+first). This module imports only `statebackend.errors` and `defaults`: DAG files and
+executors may import it at no cost.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from statebackend import defaults
+from statebackend.errors import UsageError
+
+MIN_HEARTBEAT_SECONDS = 0.05  # a faster renewal is a busy loop on the lease file
+MAX_SECONDS = 7 * 24 * 3600.0  # a week: anything longer is a typo or `inf`
+MAX_BYTES = 2**50              # a PiB: larger is a typo
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One ``CKPT_*`` variable: its kind, default and range (numbers) or choices."""
+
+    name: str
+    kind: str                      # "seconds" | "bytes" | "choice" | "path"
+    default: float | int | str | None
+    help: str
+    minimum: float = 0.0
+    maximum: float = math.inf
+    choices: tuple[str, ...] = ()
+
+    def parse(self, text: str) -> float | int | str:
+        """The value of ``text``; UsageError naming the variable, the value and the range."""
+        text = text.strip()
+        if self.kind == "path":
+            if not text:
+                raise UsageError(f"{self.name} is set but empty: unset it or name a folder")
+            return text
+        if self.kind == "choice":
+            value = text.lower()
+            if value not in self.choices:
+                raise UsageError(f"{self.name}={text!r} is unknown; use one of "
+                                 f"{list(self.choices)}")
+            return value
+        return number(text, self.name, minimum=self.minimum, maximum=self.maximum,
+                      integer=self.kind == "bytes")
+
+
+SETTINGS: dict[str, Setting] = {s.name: s for s in (
+    Setting("CKPT_LEASE_TTL_SECONDS", "seconds", 60.0,
+            "how long a lease lives without renewal", minimum=0.5, maximum=MAX_SECONDS),
+    Setting("CKPT_LEASE_HEARTBEAT_SECONDS", "seconds", None,
+            "how often a held lease is renewed (default TTL/4; at most TTL/2)",
+            minimum=MIN_HEARTBEAT_SECONDS, maximum=MAX_SECONDS),
+    Setting("CKPT_ENGINE", "choice", defaults.ENGINE, "the engine of job runs",
+            choices=defaults.ENGINES),
+    Setting("CKPT_LOCAL_ENGINE_MAX_BYTES", "bytes", defaults.LOCAL_ENGINE_MAX_BYTES,
+            "decompressed input bytes up to which `auto` runs the local engine",
+            maximum=MAX_BYTES),
+    Setting("CKPT_LOCAL_ENGINE_MAX_STATE_BYTES", "bytes", defaults.LOCAL_ENGINE_MAX_STATE_BYTES,
+            "parent state up to which a cluster run takes the local engine", maximum=MAX_BYTES),
+    Setting("CKPT_LOCAL_ENGINE_MAX_MEMORY_BYTES", "bytes",
+            defaults.LOCAL_ENGINE_MAX_MEMORY_BYTES,
+            "decompressed input a local-engine run may hold in memory", minimum=1,
+            maximum=MAX_BYTES),
+    Setting("CKPT_PROGRESS", "choice", "auto", "progress display on stderr",
+            choices=("auto", "bar", "lines", "off")),
+    Setting("CKPT_PROGRESS_INTERVAL", "seconds", 5.0, "seconds between progress lines",
+            minimum=MIN_HEARTBEAT_SECONDS, maximum=86400.0),
+    Setting("CKPT_LOCAL_DIR", "path", None, "executors' local-recovery root"),
+)}
+
+
+def value(name: str, environ: Mapping[str, str] | None = None) -> float | int | str | None:
+    """The setting ``name`` from the environment (checked), else its default."""
+    setting = SETTINGS[name]
+    text = (os.environ if environ is None else environ).get(name)
+    if text is None or (not text.strip() and setting.kind != "path"):
+        return setting.default
+    return setting.parse(text)
+
+
+def check_environment(environ: Mapping[str, str] | None = None) -> None:
+    """Validate every declared setting that is set (UsageError on the first bad one),
+    and the lease timing as a pair (heartbeat at most half the TTL)."""
+    env = os.environ if environ is None else environ
+    for name in SETTINGS:
+        value(name, env)
+    lease_timing(environ=env)
+
+
+def lease_timing(ttl_seconds: float | None = None, heartbeat_seconds: float | None = None,
+                 environ: Mapping[str, str] | None = None) -> tuple[float, float]:
+    """(ttl, heartbeat) from the arguments, else the environment, else the defaults.
+
+    Two missed beats must still leave a lease alive, or a busy holder loses it: the
+    heartbeat is at most TTL/2; and at least `MIN_HEARTBEAT_SECONDS` (no busy loop)."""
+    ttl_source = "ttl_seconds" if ttl_seconds is not None else "CKPT_LEASE_TTL_SECONDS"
+    ttl = float(number(ttl_seconds, ttl_source, minimum=0.5, maximum=MAX_SECONDS)
+                if ttl_seconds is not None else value("CKPT_LEASE_TTL_SECONDS", environ))
+    if heartbeat_seconds is not None:
+        beat_source, beat = "heartbeat_seconds", float(number(
+            heartbeat_seconds, "heartbeat_seconds", minimum=MIN_HEARTBEAT_SECONDS,
+            maximum=MAX_SECONDS))
+    else:
+        beat_source = "CKPT_LEASE_HEARTBEAT_SECONDS"
+        configured = value(beat_source, environ)
+        beat = float(configured) if configured is not None else max(
+            MIN_HEARTBEAT_SECONDS, ttl / 4)
+    if beat > ttl / 2:
+        raise UsageError(f"{beat_source} {beat:g} s is more than half of {ttl_source} "
+                         f"{ttl:g} s: a lease would lapse between two renewals; use at most "
+                         f"{ttl / 2:g} s")
+    return ttl, beat
+
+
+def number(raw: object, what: str, *, minimum: float = 0.0, maximum: float = math.inf,
+           integer: bool = False) -> float | int:
+    """``raw`` (a number or its text) checked to be finite and in [minimum, maximum].
+
+    ``what`` names it in the error (a variable, a flag like ``--grace-seconds``)."""
+    kind = "an integer" if integer else "a number"
+    shown = f"{what}={raw!r}" if what.startswith("CKPT_") else f"{what} {raw}"
+    if isinstance(raw, bool):
+        raise UsageError(f"{shown} is not {kind}")
+    if isinstance(raw, str):
+        text = raw.strip().replace("_", "")
+        try:
+            parsed: float | int = int(text) if integer else float(text)
+        except ValueError:
+            raise UsageError(f"{shown} is not {kind}") from None
+    elif isinstance(raw, int | float):
+        parsed = raw
+    else:
+        raise UsageError(f"{shown} is not {kind}")
+    if integer and not isinstance(parsed, int):
+        if not float(parsed).is_integer():
+            raise UsageError(f"{shown} is not {kind}")
+        parsed = int(parsed)
+    if isinstance(parsed, float) and not math.isfinite(parsed):
+        raise UsageError(f"{shown} is not a finite number")
+    if not minimum <= parsed <= maximum:
+        upper = "" if maximum == math.inf else f" and at most {maximum:g}"
+        raise UsageError(f"{shown} is out of range: use at least {minimum:g}{upper}")
+    return parsed
+
+
+def flag(what: str, *, minimum: float = 0.0, maximum: float = math.inf, integer: bool = False):
+    """An argparse ``type=`` that checks a numeric flag with `number` (one-line errors)."""
+    import argparse
+
+    def parse(text: str) -> float | int:
+        try:
+            return number(text, what, minimum=minimum, maximum=maximum, integer=integer)
+        except UsageError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = what.lstrip("-").replace("-", "_")
+    return parse
