@@ -11,7 +11,7 @@ test_layout.py scans the string constants of statebackend/ and plugins/)::
     <job>/leases/<lease>.json                  writer lease and hold leases
     <job>/leases/.takeover-<digest>            claim of a writer taking over a stale lease
     <job>/runs/<run>.json                      ledger of committed runs
-    <job>/runs/chain/<block>/<id>[-<run>].json commit log: one entry per commit (lineage.py)
+    <job>/runs/chain/<block>/<id>-<sha>[-<run>].json   commit log: one entry per commit
     <job>/runs/chain/<block>/<id>.retired      retention retired checkpoint <id>
     <job>/runs/repairs/<utc>-<what>.json       what `ckpt doctor` changed, and why
     <job>/runs/history/<utc>-<run>-<outcome>.json   outcome of each finished attempt
@@ -42,6 +42,7 @@ REPAIRS_DIR = f"{RUNS_DIR}/repairs"
 CHAIN_ID_DIGITS = 10  # zero-padded: name order is id order
 CHAIN_BLOCK = 1000    # ids per folder of the log: a run lists the newest one or two
 CHAIN_BLOCK_DIGITS = 7
+CHAIN_DIGEST_DIGITS = 16  # the record's SHA-256, first hex digits: a replaced record shows
 RETIRED_SUFFIX = ".retired"
 REPORTS_DIR = "reports"
 SUMMARY_FILE = "summary.json"
@@ -161,34 +162,39 @@ def chain_block_of(name: str) -> int | None:
     return int(name) if ok else None
 
 
-def chain_entry_path(checkpoint_id: int, safe_run_name: str | None) -> str:
-    """``runs/chain/<block>/<id>-<run>.json``, or ``<id>.json`` for a commit of no run."""
+def chain_entry_path(checkpoint_id: int, digest: str, safe_run_name: str | None) -> str:
+    """``runs/chain/<block>/<id>-<sha>-<run>.json`` (``<id>-<sha>.json`` for a commit of
+    no run); ``<sha>``: the first `CHAIN_DIGEST_DIGITS` hex digits of the record's SHA-256."""
     run = f"-{safe_run_name}" if safe_run_name else ""
-    return (f"{chain_block_dir(checkpoint_id)}/{checkpoint_id:0{CHAIN_ID_DIGITS}d}{run}"
-            f"{LEASE_SUFFIX}")
+    return (f"{chain_block_dir(checkpoint_id)}/{checkpoint_id:0{CHAIN_ID_DIGITS}d}-"
+            f"{digest[:CHAIN_DIGEST_DIGITS]}{run}{LEASE_SUFFIX}")
 
 
 def retired_marker_path(checkpoint_id: int) -> str:
     return f"{chain_block_dir(checkpoint_id)}/{checkpoint_id:0{CHAIN_ID_DIGITS}d}{RETIRED_SUFFIX}"
 
 
-def chain_name_of(name: str) -> tuple[int, str | None, bool] | None:
-    """(checkpoint id, safe run name or None, is a retired marker) of a file name in a
-    block of ``runs/chain/``, else None (temp files, foreign names)."""
+def chain_name_of(name: str) -> tuple[int, str | None, str | None] | None:
+    """(checkpoint id, record digest or None for a retired marker, safe run name or None)
+    of a file name in a block of ``runs/chain/``, else None (temp files, foreign names)."""
     digits = name[:CHAIN_ID_DIGITS]
     if len(digits) < CHAIN_ID_DIGITS or not (digits.isdecimal() and digits.isascii()):
         return None
     rest = name[CHAIN_ID_DIGITS:]
     if rest == RETIRED_SUFFIX:
-        return int(digits), None, True
-    if not rest.endswith(LEASE_SUFFIX):
+        return int(digits), None, None
+    if not rest.endswith(LEASE_SUFFIX) or not rest.startswith("-"):
         return None
-    rest = rest[:-len(LEASE_SUFFIX)]
-    if not rest:
-        return int(digits), None, False
-    if not rest.startswith("-") or len(rest) < 2:
+    rest = rest[1:-len(LEASE_SUFFIX)]
+    n = CHAIN_DIGEST_DIGITS
+    digest, sep, run = rest[:n], rest[n:n + 1], rest[n + 1:]
+    if len(digest) < CHAIN_DIGEST_DIGITS or any(c not in "0123456789abcdef" for c in digest):
         return None
-    return int(digits), rest[1:], False
+    if sep == "" and not run:
+        return int(digits), digest, None
+    if sep != "-" or not run:
+        return None
+    return int(digits), digest, run
 
 
 def repair_record_path(stamp: str, what: str) -> str:

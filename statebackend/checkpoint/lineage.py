@@ -4,7 +4,8 @@ run is counted once.
 Layout (layout.py)::
 
     <job>/chk-<id>/_metadata                  the commit record (exists iff committed)
-    <job>/runs/chain/<block>/<id>-<run>.json  its commit-log entry (run-less: <id>.json),
+    <job>/runs/chain/<block>/<id>-<sha>-<run>.json   its commit-log entry (run-less:
+                                              <id>-<sha>.json; <sha>: of the record),
                                               created exclusively right after the record
     <job>/runs/chain/<block>/<id>.retired     written by retention before it deletes
                                               the record
@@ -107,7 +108,8 @@ class ChainEntry:
     @property
     def path(self) -> str:
         return layout.chain_entry_path(
-            self.checkpoint_id, safe_run_name(self.run.run_id) if self.run else None)
+            self.checkpoint_id, self.digest,
+            safe_run_name(self.run.run_id) if self.run else None)
 
     @staticmethod
     def of(meta: CheckpointMetadata, data: bytes) -> ChainEntry:
@@ -156,6 +158,7 @@ class LogListing:
     retired: frozenset[int]
     ledger: frozenset[str]                     # safe run names with a ledger record
     history: Mapping[str, str]                 # safe run name -> newest outcome
+    digests: Mapping[int, str] = field(default_factory=dict)  # id -> its record's digest
 
     @property
     def logged_runs(self) -> frozenset[str]:
@@ -165,6 +168,13 @@ class LogListing:
         """The id whose log entry names run ``safe_run`` (newest), or None."""
         found = [cid for cid, run in self.entry_runs.items() if run == safe_run]
         return max(found) if found else None
+
+
+    def replaced(self, checkpoint_id: int, digest: str) -> bool:
+        """Whether a record of SHA-256 ``digest`` is not the one its log entry was written
+        for."""
+        logged = self.digests.get(checkpoint_id)
+        return logged is not None and not digest.startswith(logged)
 
 
 EMPTY_LOG = LogListing({}, {}, frozenset(), frozenset(), {})
@@ -177,17 +187,19 @@ def parse_log_names(chain_names: Iterable[str], ledger_names: Iterable[str] = ()
     outcome of a run wins)."""
     entries: dict[int, list[str]] = {}
     runs: dict[int, str | None] = {}
+    digests: dict[int, str] = {}
     retired: set[int] = set()
     for name in sorted(chain_names):
         parsed = layout.chain_name_of(name)
         if parsed is None:
             continue
-        cid, run, is_retired = parsed
-        if is_retired:
+        cid, digest, run = parsed
+        if digest is None:
             retired.add(cid)
             continue
         entries.setdefault(cid, []).append(f"{layout.chain_block_dir(cid)}/{name}")
         runs.setdefault(cid, run)
+        digests.setdefault(cid, digest)
     ledger = frozenset(n[:-len(layout.LEASE_SUFFIX)] for n in ledger_names
                        if n.endswith(layout.LEASE_SUFFIX) and not n.startswith("."))
     history: dict[str, str] = {}
@@ -196,7 +208,7 @@ def parse_log_names(chain_names: Iterable[str], ledger_names: Iterable[str] = ()
         if parsed_h is not None and parsed_h[1] in ("committed", "rolledback"):
             history[parsed_h[0]] = parsed_h[1]
     return LogListing({k: tuple(v) for k, v in entries.items()}, runs, frozenset(retired),
-                      ledger, history)
+                      ledger, history, digests)
 
 
 def read_log(job_storage: Storage, from_id: int | None = None) -> LogListing:
@@ -326,6 +338,25 @@ def check_log(committed: Sequence[int], log: LogListing) -> list[Problem]:
             "re-run would count their input twice",
             "`ckpt doctor --repair` rebuilds their ledger records from the history", True,
             tuple(forgotten)))
+    return out
+
+
+def check_digests(log: LogListing, digests: Mapping[int, str], latest: int | None
+                  ) -> list[Problem]:
+    """Pure: committed records (id -> SHA-256 of their bytes) that are not the record their
+    log entry was written for: replaced after the commit (flipped, edited). At the head the
+    lineage's latest is unknown (roll back); below it, later checkpoints hold its state."""
+    out = []
+    for cid in sorted(digests):
+        if log.replaced(cid, digests[cid]):
+            head = cid == latest
+            out.append(Problem(
+                "mismatch", (cid,),
+                f"chk-{cid}/_metadata is not the record its commit-log entry "
+                f"({log.entries[cid][0]}) was written for: replaced after its commit",
+                f"`ckpt doctor --rollback-to {cid - 1} --reason ...`, or restore the record"
+                if head else "`ckpt doctor --repair` quarantines it (later checkpoints hold "
+                             "its state)", True))
     return out
 
 

@@ -167,14 +167,7 @@ class CheckpointStore:
     def latest(self) -> CheckpointMetadata | None:
         """The newest committed checkpoint; LineageError if it does not build on the one
         before it (a fork, lineage.py scenario 6)."""
-        ids = self.checkpoint_ids()
-        if not ids:
-            return None
-        meta = self.load(ids[-1])
-        forks = log.find_forks(ids[-2:], {meta.checkpoint_id: meta.parent})
-        if forks:
-            raise LineageError(f"job {self.job!r}: {forks[0].message}; {forks[0].repair}")
-        return meta
+        return self._latest_record(self.checkpoint_ids())[0]
 
     def lineage(self, *, repair: bool = False) -> Lineage:
         """The lineage's state now (lineage.py): committed ids, the latest record, the
@@ -183,7 +176,7 @@ class CheckpointStore:
         """
         ids = self.checkpoint_ids()
         names = log.read_log(self.storage, ids[0] if ids else None)
-        latest = self.latest() if ids else None
+        latest, data = self._latest_record(ids)
         problems = log.check_log(ids, names)
         needs = any(p.kind in ("unlogged", "ledger-missing") for p in problems) or (
             bool(ids) and not names.entries)  # a lineage from before the log: backfill
@@ -191,9 +184,24 @@ class CheckpointStore:
             parents, epochs = self._repair_log(ids, names)
             names = log.read_log(self.storage, ids[0] if ids else None)
             problems = log.check_log(ids, names) + log.find_forks(ids, parents, epochs)
-        if latest is not None and ids[-1] in names.entries:
-            problems += self._check_latest_entry(latest, names)
+        if latest is not None:
+            problems += log.check_digests(names, {latest.checkpoint_id: log.digest_of(data)},
+                                          latest.checkpoint_id)
         return Lineage(self.job, tuple(ids), latest, names, tuple(problems))
+
+    def _latest_record(self, ids: Sequence[int]) -> tuple[CheckpointMetadata | None, bytes]:
+        """The newest record (and its bytes), checked to build on the one before it."""
+        if not ids:
+            return None, b""
+        data = self.read_record(ids[-1])
+        if data is None:
+            raise CheckpointNotFoundError(f"checkpoint {ids[-1]} of job {self.job!r} was "
+                                          "retired while it was read; try again")
+        meta = self.parse(ids[-1], data)
+        forks = log.find_forks(ids[-2:], {meta.checkpoint_id: meta.parent})
+        if forks:
+            raise LineageError(f"job {self.job!r}: {forks[0].message}; {forks[0].repair}")
+        return meta, data
 
     def run_still_counts(self, record: RunRecord) -> bool:
         """Whether a ledger record's checkpoint is committed, retired, or from before the
@@ -201,20 +209,6 @@ class CheckpointStore:
         cid = record.checkpoint_id
         return (self._committed(cid) or self.storage.exists(log.retired_path(cid))
                 or not log.slot(self.storage, cid))
-
-    def _check_latest_entry(self, latest: CheckpointMetadata,
-                            names: log.LogListing) -> list[log.Problem]:
-        """The latest record is the one its log entry describes (same parent and epoch)."""
-        entry = log.entry_of(self.storage, names, latest.checkpoint_id)
-        if entry is None or (entry.parent, entry.epoch) == (latest.parent, latest.epoch):
-            return []
-        cid = latest.checkpoint_id
-        return [log.Problem(
-            "mismatch", (cid,),
-            f"chk-{cid}/_metadata (parent {latest.parent}, epoch {latest.epoch}) is not the "
-            f"record its commit-log entry describes (parent {entry.parent}, epoch "
-            f"{entry.epoch}): it was replaced after its commit",
-            f"`ckpt doctor --rollback-to {latest.parent or cid - 1} --reason ...`", True)]
 
     def _repair_log(self, ids: Sequence[int], names: log.LogListing
                     ) -> tuple[dict[int, int | None], dict[int, int]]:

@@ -67,8 +67,8 @@ def epoch_ms(value: int | None) -> str:
 def cmd_list(args: argparse.Namespace, store: CheckpointStore) -> int:
     """Every committed checkpoint; a malformed record is reported in its row and skipped
     (an old damaged record must not hide the others), and the lineage's problems (a
-    fork, a lost commit, ...) are printed on stderr with their repair: exit 1 when one
-    blocks runs."""
+    fork, a lost commit, ...) are printed on stderr with their repair: exit 1 when a
+    record is malformed or a problem blocks runs."""
     store.require_job()
     metas, broken = [], {}
     for cid in store.checkpoint_ids():
@@ -82,7 +82,7 @@ def cmd_list(args: argparse.Namespace, store: CheckpointStore) -> int:
     for p in problems:
         print(f"ckpt: {'error' if p.blocking else 'warning'}: {p.message}; {p.repair}",
               file=sys.stderr)
-    code = 1 if any(p.blocking for p in problems) else 0
+    code = 1 if broken or any(p.blocking for p in problems) else 0
     if args.json:
         emit_json([m.summary() for m in metas])
         return code

@@ -58,10 +58,12 @@ class LeaseState:
     state: str            # live | expired | corrupt
     detail: str           # holder and expiry, or the parse error
     age_seconds: float | None  # since the file was last written
+    checkpoint_ids: tuple[int, ...] = ()
 
     def to_json(self) -> dict:
         return {"name": self.name, "path": self.path, "state": self.state,
-                "detail": self.detail, "age_seconds": self.age_seconds}
+                "detail": self.detail, "age_seconds": self.age_seconds,
+                "checkpoint_ids": list(self.checkpoint_ids)}
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,7 @@ class Diagnosis:
     leases: tuple[LeaseState, ...]
     problems: tuple[log.Problem, ...]
     ledger: Mapping[str, RunRecord] = field(default_factory=dict)  # read ledger records
+    mismatched: frozenset[int] = frozenset()    # records replaced after their commit
 
     @property
     def latest(self) -> int | None:
@@ -116,7 +119,10 @@ def diagnose(store: CheckpointStore, now: datetime | None = None) -> Diagnosis:
     problems = log.check_log(committed, names)
     problems += log.find_forks(list(records), {c: m.parent for c, m in records.items()},
                                {c: m.epoch for c, m in records.items()})
-    problems += _mismatches(storage, names, records, raw)
+    replaced = log.check_digests(names, {c: log.digest_of(b) for c, b in raw.items()},
+                                 committed[-1] if committed else None)
+    problems += replaced
+    mismatched = [cid for p in replaced for cid in p.ids]
     if malformed:
         newest = committed[-1]
         old = sorted(c for c in malformed if c != newest)
@@ -141,21 +147,7 @@ def diagnose(store: CheckpointStore, now: datetime | None = None) -> Diagnosis:
         "(`--repair` clears it once it is older than two lease lifetimes)", True)
         for x in leases if x.state == "corrupt"]
     return Diagnosis(store.job, committed, records, malformed, names, leases, tuple(problems),
-                     _ledger(storage, names))
-
-
-def _mismatches(storage, names: log.LogListing, records: Mapping[int, CheckpointMetadata],
-                raw: Mapping[int, bytes]) -> list[log.Problem]:
-    out = []
-    for cid, meta in records.items():
-        entry = log.entry_of(storage, names, cid) if cid in names.entries else None
-        if entry is not None and entry.digest != log.digest_of(raw[cid]):
-            out.append(log.Problem(
-                "mismatch", (cid,),
-                f"chk-{cid}/_metadata is not the record its commit-log entry was written for "
-                "(replaced after its commit)",
-                f"`ckpt doctor --rollback-to {meta.parent or cid - 1} --reason ...`", True))
-    return out
+                     _ledger(storage, names), frozenset(mismatched))
 
 
 def _lease_states(storage, now: datetime) -> list[LeaseState]:
@@ -179,7 +171,7 @@ def _lease_states(storage, now: datetime) -> list[LeaseState]:
         state = "expired" if lease.expired(now) else "live"
         out.append(LeaseState(lease_name, path, state,
                               f"{lease.purpose} by {lease.holder} until {lease.expires_at}",
-                              age))
+                              age, lease.checkpoint_ids))
     return out
 
 
@@ -269,10 +261,11 @@ def plan_repair(d: Diagnosis, *, now: datetime | None = None,
             acts.append(RepairAction("mark-retired", layout.retired_marker_path(cid),
                                      f"lost record below the latest ({newest}): its state is "
                                      "in the later checkpoints", cid))
-    for cid in sorted(d.malformed):
+    damaged = {cid: f"malformed old record: {why[:120]}" for cid, why in d.malformed.items()}
+    damaged.update((cid, "old record replaced after its commit") for cid in d.mismatched)
+    for cid in sorted(damaged):
         if cid != newest:
-            acts.append(RepairAction("quarantine", layout.metadata_path(cid),
-                                     f"malformed old record: {d.malformed[cid][:120]}", cid))
+            acts.append(RepairAction("quarantine", layout.metadata_path(cid), damaged[cid], cid))
             acts.append(RepairAction("mark-retired", layout.retired_marker_path(cid),
                                      "its state is in the later checkpoints", cid))
     for x in d.leases:
@@ -288,9 +281,10 @@ def plan_rollback(d: Diagnosis, to: int, reason: str) -> RepairPlan:
     a readable committed record or no reason is given."""
     if not reason or not reason.strip():
         raise UsageError("a roll back needs --reason (it is recorded with what it removes)")
-    if to not in d.records:
+    if to not in d.records or to in d.mismatched:
         raise UsageError(f"cannot roll back job {d.job!r} to checkpoint {to}: it is not a "
-                         f"committed, readable checkpoint (committed: {list(d.committed)})")
+                         f"committed, readable checkpoint (committed: {list(d.committed)}, "
+                         f"damaged: {sorted(set(d.malformed) | d.mismatched)})")
     ancestry = {to}
     cid = to
     while (parent := d.records[cid].parent) is not None and parent in d.records:
@@ -299,6 +293,13 @@ def plan_rollback(d: Diagnosis, to: int, reason: str) -> RepairPlan:
     floor = min(ancestry)
     quarantined = sorted((c for c in d.committed if c not in ancestry and c > floor),
                          reverse=True)
+    held = [(x, c) for x in d.leases if x.state == "live" for c in x.checkpoint_ids
+            if c in quarantined]
+    if held:
+        lease, c = held[0]
+        raise UsageError(f"cannot roll back job {d.job!r} to checkpoint {to}: checkpoint {c} "
+                         f"is held by the live lease {lease.name} ({lease.detail}); wait until "
+                         "it is released")
     acts = [RepairAction("quarantine", layout.metadata_path(c),
                          "above the roll-back point" if c > to else "on another branch", c)
             for c in quarantined]

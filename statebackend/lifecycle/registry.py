@@ -104,7 +104,9 @@ from statebackend.checkpoint.lineage import (
     STATE_PROBLEMS,
     LogListing,
     Problem,
+    check_digests,
     check_log,
+    digest_of,
     find_forks,
     parse_log_names,
 )
@@ -255,6 +257,8 @@ class Registry:
     # ids whose references come from the index, not from parsing their _metadata now:
     # executors re-check deletions against their real records (module docstring)
     indexed_ids: frozenset[int] = field(default=frozenset(), compare=False)
+    # SHA-256 of the records parsed for this registry (checked against the commit log)
+    digests: Mapping[int, str] = field(default_factory=dict, compare=False)
 
     @property
     def owner_paths(self) -> Mapping[str, tuple[str, ...]]:
@@ -336,7 +340,9 @@ class Registry:
         parents = {cid: self.checkpoints[cid].parent for cid in parsed}
         epochs = {c: self.checkpoints[c].epoch
                   for c in {*parsed, *(before[c] for c in parsed if c in before)}}
-        return check_log(ids, self.log()) + find_forks(ids, parents, epochs)
+        names = self.log()
+        return (check_log(ids, names) + find_forks(ids, parents, epochs)
+                + check_digests(names, self.digests, ids[-1] if ids else None))
 
     def state_problems(self) -> list[Problem]:
         """The lineage problems under which a file's references are not known: a fork, a
@@ -419,9 +425,10 @@ def build_registry(store: CheckpointStore, *, now: datetime | float | None = Non
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         leases = [x for x in pool.map(read_lease, sorted(lease_paths)) if x is not None]
         reader = pool.map if workers > 1 else map  # remote: overlap reads, parse here
-        metas = [store.parse(cid, data, memo)
+        pairs = [(store.parse(cid, data, memo), digest_of(data))
                  for cid, data in zip(to_parse, reader(store.read_record, to_parse), strict=True)
                  if data is not None]  # None: retired since the listing
+        metas = [m for m, _ in pairs]
         savepoints = list(pool.map(read_savepoint, sorted(savepoint_names)))
 
     parsed = {m.checkpoint_id: m for m in metas}
@@ -436,7 +443,8 @@ def build_registry(store: CheckpointStore, *, now: datetime | float | None = Non
         job=store.job, now=when, files=files,
         checkpoints=LazyCheckpoints(store, parsed, frozenset(cached)) if cached else parsed,
         savepoints=named, incomplete_savepoints=tuple(sorted(savepoint_dirs - savepoint_names)),
-        leases=tuple(leases), refs=refs, indexed_ids=frozenset(cached))
+        leases=tuple(leases), refs=refs, indexed_ids=frozenset(cached),
+        digests={m.checkpoint_id: digest for m, digest in pairs})
     # (memory:// lives as long as this process: an index would only cost a write)
     if update_index and not storage.process_local and (
             index is None or to_parse or len(cached) != len(index.entries)) \

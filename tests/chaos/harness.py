@@ -11,6 +11,12 @@ One *step* is one operation on the job ``chaos`` of a storage root (file:// in C
     rescale          rescale(latest) to another parallelism (Spark tasks)
     wait             sleep until every stale lease has expired
     check-savepoint  restore a savepoint, compare it with the reference of its creation
+    tamper           bad luck or an operator between steps (issue 20): delete the newest or
+                     a middle commit record, flip a byte of one, delete a ledger record or a
+                     commit-log entry, write a corrupt writer lease
+    doctor           the operator: `ckpt doctor` diagnoses; a lost or damaged head, or a
+                     fork, is rolled back explicitly to the newest intact checkpoint (the
+                     runs it forgets count again later); everything else gets --repair
 
 Faults (the only mocks):
 
@@ -28,6 +34,10 @@ Faults (the only mocks):
 - *busy GC*: a run pauses longer than the lease TTL before its commit while
   another process runs GC with zero grace and retain(keep=1): only the lease
   heartbeat keeps the run's uploads alive.
+- *paused writer* (issue 20): before a random storage write of a run's commit path
+  the whole writer freezes past its lease (its heartbeat too, as under SIGSTOP) while
+  another writer runs the next interval; then it resumes. It must commit only if its
+  commit became visible before the take-over, and never fork the lineage.
 
 Checks after every step (`Checker`):
 
@@ -39,7 +49,11 @@ Checks after every step (`Checker`):
 4. no run id is committed twice;
 5. a run step that returned (ran or skipped) published ``run=<id>/_SUCCESS``;
 6. a lease is left only by a killed step, and never renewed after its writer died;
-   a LeaseConflictError happens only while such a stale lease is live.
+   a LeaseConflictError happens only while such a stale lease is live;
+7. no fork: every retained record builds on the one before it;
+8. no run lost: every run a step acknowledged stays committed unless the doctor rolled
+   it back; a run refused or failed is not committed (the ledger decides, step 2);
+9. nothing outside the storage root changed (a canary folder beside it).
 """
 
 from __future__ import annotations
@@ -61,15 +75,26 @@ import pytest
 
 from demo.sample_data import DAY_MS, DEFAULT_START_TS_MS, expected_totals, generate_events
 from jobs import keyed_aggregation as ka
+from statebackend.checkpoint import layout
+from statebackend.checkpoint import leases as lease_module
 from statebackend.checkpoint.dump import checkpoint_rows
 from statebackend.checkpoint.layout import (
     CLAIM_PREFIX,
     LEASES_DIR,
     savepoint_metadata_path,
 )
-from statebackend.checkpoint.leases import CLAIM_STALE_SECONDS, list_leases
+from statebackend.checkpoint.leases import CLAIM_STALE_SECONDS, HeldLease
+from statebackend.checkpoint.lineage import find_forks
 from statebackend.checkpoint.store import CheckpointStore
-from statebackend.errors import LeaseConflictError, LeaseLostError, SnapshotError
+from statebackend.errors import (
+    CheckpointNotFoundError,
+    CkptError,
+    LeaseConflictError,
+    LeaseLostError,
+    MetadataError,
+    SnapshotError,
+)
+from statebackend.lifecycle import doctor
 from statebackend.lifecycle.gc import collect_garbage
 from statebackend.lifecycle.registry import load_savepoint
 from statebackend.lifecycle.retention import retain
@@ -80,12 +105,17 @@ from statebackend.storage import Storage, open_storage
 JOB = "chaos"
 TTL_ENV = "CKPT_LEASE_TTL_SECONDS"
 LEASE_SLACK_S = 0.75  # clock reads of the harness and the library differ by this much at most
-MUTATIONS = ("write_bytes", "write_exclusive", "put_file", "copy", "delete_many", "delete_tree")
+MUTATIONS = ("write_bytes", "write_exclusive", "write_atomic", "put_file", "copy", "delete_many",
+             "delete_tree")
 # Initial guesses of how many driver-side storage mutations a step kind makes; raised
 # as steps run, so kill points spread over the whole step.
 MUTATION_GUESS = {"run": 8, "gc": 2, "retain": 3, "savepoint": 12, "rescale": 6}
 WEIGHTS = {"run-new": 24, "run-retry": 9, "run-rerun": 7, "gc": 13, "retain": 12,
-           "savepoint": 7, "rescale": 7, "wait": 4, "check-savepoint": 3}
+           "savepoint": 7, "rescale": 7, "wait": 4, "check-savepoint": 3, "tamper": 5,
+           "doctor": 6}
+TAMPERS = ("lose-head", "lose-middle", "flip-record", "lose-ledger", "lose-log-entry",
+           "corrupt-lease")
+COMMIT_PATH_WRITES = 7  # _metadata, log entry, cleanup (2), ledger, _SUCCESS, history
 
 
 class Killed(BaseException):
@@ -99,14 +129,22 @@ class ChaosViolation(AssertionError):
 # -- fault injection ------------------------------------------------------------------
 
 class FaultInjector:
-    """Counts the driver's storage mutations in one step; kills the process at call ``kill_at``."""
+    """Counts the driver's storage mutations in one step; kills the process at call ``kill_at``,
+    or, with ``pause`` (a callable), freezes it before the ``pause_at``-th mutation of its
+    commit path (counted from `CheckpointStore.commit`) and calls ``pause`` meanwhile."""
 
-    def __init__(self, kill_at: int | None, rng: random.Random) -> None:
+    def __init__(self, kill_at: int | None, rng: random.Random, pause_at: int | None = None,
+                 pause: Callable[[], None] | None = None) -> None:
         self.kill_at = kill_at
         self.rng = rng
         self.calls = 0
         self.dead = False
         self.where = ""
+        self.pause_at, self.pause = pause_at, pause
+        self.committing = False
+        self.commit_calls = 0
+        self.paused = ""  # where the writer froze, once it did
+        self.passthrough = False  # another writer runs while this one is frozen
 
     def _counted(self, rel: str) -> bool:
         # Heartbeats renew the lease from a background thread at times that depend on
@@ -118,9 +156,21 @@ class FaultInjector:
         injector = self
 
         def mutation(storage: Storage, *args, **kwargs):
+            if injector.passthrough:
+                return original(storage, *args, **kwargs)
             if injector.dead:
                 return _dead_result(name)
             rel = args[1] if name in ("put_file", "copy") else (args[0] if args else "")
+            if injector.committing and injector.pause is not None \
+                    and threading.current_thread() is threading.main_thread():
+                if injector.commit_calls == injector.pause_at and not injector.paused:
+                    injector.paused = f"{name}({_short(args)})"
+                    injector.passthrough = True
+                    try:
+                        injector.pause()
+                    finally:
+                        injector.passthrough = False
+                injector.commit_calls += 1
             if name == "delete_many":
                 args = (list(args[0]),) + args[1:]
                 rel = args[0][0] if args[0] else ""
@@ -149,6 +199,15 @@ class FaultInjector:
                 for name in MUTATIONS:
                     if name in vars(cls):
                         mp.setattr(cls, name, self.wrap(name, vars(cls)[name]))
+            real_commit = CheckpointStore.commit
+            injector = self
+
+            def commit(store, meta, **kwargs):
+                if threading.current_thread() is threading.main_thread():
+                    injector.committing = True
+                return real_commit(store, meta, **kwargs)
+
+            mp.setattr(CheckpointStore, "commit", commit)
             yield self
 
 
@@ -190,6 +249,9 @@ class Model:
     savepoints: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name -> runs in it
     stale: dict[str, tuple[str, str]] = field(default_factory=dict)  # path -> created, expires
     parallelism: int | None = None
+    acked: set[str] = field(default_factory=set)        # runs a step returned ok / skipped for
+    rolled_back: set[str] = field(default_factory=set)  # runs the doctor rolled back
+    damaged: str = ""  # a tamper whose repair is the doctor's (runs may be refused meanwhile)
 
     def interval(self, run_id: str) -> Interval:
         return next(i for i in self.intervals if i.run_id == run_id)
@@ -219,6 +281,7 @@ class ChaosConfig:
     # The job runs' engine: "spark" (tasks in Python workers, out of the faults' reach) or
     # "local" (subtasks in this process: kills also hit restores, snapshots and uploads)
     engine: str = "spark"
+    pause_probability: float = 0.06  # a run freezes past its lease in its commit path
 
 
 @dataclass
@@ -247,6 +310,13 @@ class Chaos:
         self.outcomes: Counter = Counter()
         self.seconds: Counter = Counter()
         self.ttl = float(os.environ.get(TTL_ENV, "0") or 0)
+        # a folder beside the storage root: nothing any step does may change it (check 9)
+        self.outside = os.path.join(config.work_dir, "outside")
+        os.makedirs(self.outside, exist_ok=True)
+        for name in ("canary.txt", "canary.sst"):
+            with open(os.path.join(self.outside, name), "w") as fh:
+                fh.write(f"seed {config.seed}: must never change\n")
+        self.outside_before = _snapshot(self.outside)
 
     # -- driving --------------------------------------------------------------------
     def run(self) -> dict:
@@ -279,11 +349,19 @@ class Chaos:
             allowed.pop("wait")
         if not m.savepoints:
             allowed.pop("check-savepoint")
+        if m.damaged:
+            allowed.pop("tamper")  # one damage at a time; the operator comes soon
+            allowed["doctor"] = 20
+        else:
+            allowed.pop("doctor")
         kinds = sorted(allowed)
         return self.rng.choices(kinds, [allowed[k] for k in kinds])[0]
 
     def finish(self) -> None:
-        """Recovery: stale leases expire, every interval commits, the state is exact."""
+        """Recovery: the operator repairs, stale leases expire, every interval commits, the
+        state is exact, no acknowledged run is lost."""
+        if self.model.damaged:
+            self.do_doctor()
         self.do_wait()
         for run_id in self.model.pending():
             _, outcome = self._run(run_id, kill=False, fail=False, busy=False)
@@ -292,6 +370,7 @@ class Chaos:
                 self.violation(len(self.history), f"final run {run_id}: {outcome}")
         if self.model.pending():
             self.violation(len(self.history), f"runs never committed: {self.model.pending()}")
+        self.check_acked(len(self.history))
 
     # -- steps ----------------------------------------------------------------------
     def do_run_new(self) -> tuple[str, str]:
@@ -306,7 +385,7 @@ class Chaos:
         if not self.config.rerun_retired:
             # Only run ids whose checkpoint is still retained (the ledger in
             # statebackend/checkpoint/runs.py remembers the others; this narrows the search).
-            retained = {m.run_id for m in self.store.load_all()}
+            retained = {m.run_id for m in self.records()}
             runs = [r for r in runs if r in retained] or runs[-1:]
         return self._run_step(self.rng.choice(runs))
 
@@ -314,11 +393,15 @@ class Chaos:
         c = self.config
         self.maybe_wait()
         busy = self.rng.random() < c.busy_gc_probability
-        kill = not busy and self.rng.random() < c.kill_probability
-        fail = not busy and self.rng.random() < c.executor_failure_probability
-        return self._run(run_id, kill=kill, fail=fail, busy=busy)
+        pause = not busy and not self.model.damaged and self.rng.random() < c.pause_probability
+        kill = not busy and not pause and self.rng.random() < c.kill_probability
+        fail = not busy and not pause and self.rng.random() < c.executor_failure_probability
+        if pause:
+            self.do_wait()  # the other writer meets only the paused one's lease
+        return self._run(run_id, kill=kill, fail=fail, busy=busy, pause=pause)
 
-    def _run(self, run_id: str, *, kill: bool, fail: bool, busy: bool) -> tuple[str, str]:
+    def _run(self, run_id: str, *, kill: bool, fail: bool, busy: bool,
+             pause: bool = False) -> tuple[str, str]:
         p = self.model.parallelism or self.rng.randint(1, 3)
         fail_subtask = self.rng.randrange(p) if fail else None
         cfg = ka.JobConfig(input=self.model.interval(run_id).input_dir,
@@ -327,16 +410,57 @@ class Chaos:
                            fail_subtask=fail_subtask, engine=self.config.engine)
         detail = f"{run_id} P={p}" + (f" fail_subtask={fail_subtask}" if fail else "") + \
             (" busy-gc" if busy else "")
-        allowed = (ka.JobRunError,) if fail else ()
+        allowed: tuple[type, ...] = (ka.JobRunError,) if fail else ()
+        frozen = None
+        if pause:  # frozen past its lease before a write of its commit path (SIGSTOP)
+            frozen = (self.rng.randrange(COMMIT_PATH_WRITES), self.paused_writer)
+            allowed = (LeaseConflictError,)  # fenced off, or its id taken: a clean refusal
         with self._busy_gc(busy):
             detail2, outcome = self.attempt("run", lambda: ka.run(cfg, self.spark), kill,
-                                            allowed)
+                                            allowed, frozen)
         if outcome == "killed":
             self.tear_an_upload()
         self.sync_ledger()
         if outcome in ("ok", "skipped"):
             self.check_success_marker(run_id)
+            self.model.acked.add(run_id)
         return detail + detail2, outcome
+
+    def paused_writer(self) -> None:
+        """While the run is frozen: its leases lapse (no heartbeat), then another writer
+        runs the next interval in a thread of its own (a process of its own, as far as
+        leases go), and only then does the frozen run go on."""
+        frozen = lease_module._HELD.get()  # the frozen run's held leases (this context)
+        real_renew = HeldLease.renew
+
+        def renew(held, now=None):
+            return True if any(held is f for f in frozen) else real_renew(held, now)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(HeldLease, "renew", renew)
+            # until the frozen run's leases lapse (a beat under way may extend them once;
+            # frozen while releasing, its lease is no longer in `frozen` but still there)
+            paths = {h.lease.path for h in frozen} | {layout.lease_path("writer")}
+            for path in sorted(paths):
+                while (lease := lease_module.read_lease_file(self.store.storage, path)) \
+                        is not None and _epoch(lease.expires_at) + LEASE_SLACK_S > time.time():
+                    time.sleep(_epoch(lease.expires_at) - time.time() + LEASE_SLACK_S)
+            other = self.new_interval()
+            cfg = ka.JobConfig(input=other.input_dir, storage=self.config.storage_url, job=JOB,
+                               run_id=other.run_id, output=self.output,
+                               parallelism=self.model.parallelism or 2,
+                               local_dir=self.local_dir, engine=self.config.engine)
+            result: list = []
+            thread = threading.Thread(target=lambda: result.append(_outcome(
+                lambda: ka.run(cfg, self.spark))))
+            thread.start()
+            thread.join()
+        error = result[0] if result else RuntimeError("the other writer did not finish")
+        if isinstance(error, BaseException):
+            self.violation(len(self.history), f"the writer that took over from a paused one "
+                                              f"failed: {type(error).__name__}: {error}")
+        self.model.acked.add(other.run_id)
+        self.outcomes["took-over-from-paused"] += 1
 
     def do_gc(self) -> tuple[str, str]:
         kill = self.rng.random() < self.config.kill_probability
@@ -367,7 +491,12 @@ class Chaos:
 
     def do_rescale(self) -> tuple[str, str]:
         self.maybe_wait()
-        latest = self.store.latest()
+        try:
+            latest = self.store.latest()
+        except CkptError as exc:
+            if not self.model.damaged:
+                raise
+            return f"refused: {str(exc)[:100]}", "refused"
         if latest is None:
             return "no checkpoint", "noop"
         q = self.rng.choice([x for x in (1, 2, 3, 4) if x != latest.parallelism])
@@ -405,11 +534,96 @@ class Chaos:
                                               f"of its creation: {problems}")
         return name, "ok"
 
+    def do_tamper(self) -> tuple[str, str]:
+        """Bad luck or an operator between steps (issue 20)."""
+        st = self.store.storage
+        ids = self.store.checkpoint_ids()
+        kinds = [k for k in TAMPERS if not (k in ("lose-head", "flip-record") and len(ids) < 2)
+                 and not (k == "lose-middle" and len(ids) < 3)]
+        kind = self.rng.choice(kinds)
+        self.outcomes[f"tamper-{kind}"] += 1
+        if kind == "lose-head":
+            st.delete_many([layout.metadata_path(ids[-1])])
+            self.model.damaged = kind
+            return f"{kind} chk-{ids[-1]}", "ok"
+        if kind == "lose-middle":
+            cid = self.rng.choice(ids[1:-1])
+            st.delete_many([layout.metadata_path(cid)])
+            self.model.damaged = kind
+            return f"{kind} chk-{cid}", "ok"
+        if kind == "flip-record":
+            cid = self.rng.choice(ids)
+            data = bytearray(st.read_bytes(layout.metadata_path(cid)))
+            at = self.rng.randrange(len(data))
+            data[at] ^= 1 << self.rng.randrange(8)
+            st.write_bytes(layout.metadata_path(cid), bytes(data))
+            self.model.damaged = kind
+            return f"{kind} chk-{cid} byte {at}", "ok"
+        if kind == "lose-ledger":
+            names = [n for n in st.list_dir(layout.RUNS_DIR) if n.endswith(".json")]
+            if names:
+                st.delete_many([f"{layout.RUNS_DIR}/{self.rng.choice(names)}"])
+            return f"{kind} ({len(names)} records)", "ok"
+        if kind == "lose-log-entry":
+            entries = [f"{layout.CHAIN_DIR}/{b}/{n}" for b in st.list_dir(layout.CHAIN_DIR)
+                       for n in st.list_dir(f"{layout.CHAIN_DIR}/{b}") if n.endswith(".json")]
+            if entries:
+                st.delete_many([self.rng.choice(entries)])
+            return f"{kind} ({len(entries)} entries)", "ok"
+        if self._live_stale():  # corrupt-lease: a live writer's lease is not ours to break
+            return f"{kind}: a live lease, skipped", "noop"
+        st.write_bytes(layout.lease_path("writer"), b'{"format_version": 1, "name": "wri')
+        self.model.damaged = kind
+        return kind, "ok"
+
+    def do_doctor(self) -> tuple[str, str]:
+        """The operator: diagnose; roll back a damaged head explicitly (its runs count again
+        later); apply the safe repairs; clear a lease known to be garbage."""
+        index = len(self.history)
+        self.do_wait()  # a killed writer's lease lapses first (the doctor takes the lease)
+        d = doctor.diagnose(self.store)
+        if any(p.kind in ("fork", "epoch", "duplicate") for p in d.problems):
+            self.violation(index, f"the lineage forked: {[p.message for p in d.problems]}")
+        done = []
+        for lease in d.leases:
+            if lease.state == "corrupt":
+                doctor.execute(self.store, doctor.plan_clear_lease(d, lease.name, force=True),
+                               d)
+                done.append(f"cleared {lease.name}")
+        newest = d.committed[-1] if d.committed else None
+        head = [p for p in d.problems if p.blocking and (
+            (p.kind == "lost" and max(p.ids) > (newest or 0))
+            or (p.kind in ("malformed", "mismatch") and newest in p.ids))]
+        if head:
+            d = doctor.diagnose(self.store)
+            target = max(c for c in d.records if c not in d.mismatched)
+            plan = doctor.plan_rollback(d, target, f"chaos seed {self.config.seed}: {head[0].kind}")
+            doctor.execute(self.store, plan, d)
+            forgotten = [a.run_id for a in plan.actions if a.action == "forget-run"]
+            for run_id in forgotten:
+                if run_id in self.model.committed:
+                    self.model.committed.remove(run_id)
+                self.model.commit_of.pop(run_id, None)
+                self.model.acked.discard(run_id)
+            done.append(f"rolled back to {target}, forgot {forgotten}")
+            self.outcomes["rolled-back"] += 1
+        d = doctor.diagnose(self.store)
+        plan = doctor.plan_repair(d)
+        if plan.actions:
+            doctor.execute(self.store, plan, d)
+            done.append(f"repaired {sorted({a.action for a in plan.actions})}")
+        left = [p.message for p in doctor.diagnose(self.store).blocking]
+        if left:
+            self.violation(index, f"the doctor left blocking problems: {left}")
+        self.model.damaged = ""
+        return "; ".join(done) or "healthy", "ok"
+
     # -- attempts, kills ------------------------------------------------------------
     def attempt(self, kind: str, fn: Callable[[], object], kill: bool,
-                allowed: tuple[type, ...] = ()) -> tuple[str, str]:
+                allowed: tuple[type, ...] = (),
+                pause: tuple[int, Callable[[], None]] | None = None) -> tuple[str, str]:
         kill_at = self.rng.randint(0, self.mutations_seen[kind]) if kill else None
-        injector = FaultInjector(kill_at, self.rng)
+        injector = FaultInjector(kill_at, self.rng, *(pause or (None, None)))
         live_stale = self._live_stale()
         result: object = None
         error: BaseException | None = None
@@ -420,11 +634,24 @@ class Chaos:
                 error = exc
             except Exception as exc:  # noqa: BLE001 - judged below, with the step's history
                 error = exc
-        if not injector.dead:
+        if not injector.dead and not injector.paused:
             self.mutations_seen[kind] = max(self.mutations_seen[kind], injector.calls)
         if injector.dead:
             self.record_stale()
             return f" killed at {injector.where}", "killed"
+        if injector.paused:
+            self.outcomes["paused-writer"] += 1
+            where = f" paused before {injector.paused}"
+            if error is None:
+                return where + ": committed before the take-over", "ok"
+            if isinstance(error, LeaseConflictError):
+                self.outcomes["paused-writer-fenced"] += 1
+                return where + f": refused ({type(error).__name__})", "fenced"
+            self.violation(len(self.history), f"a paused {kind} raised "
+                                              f"{type(error).__name__}: {error}")
+        if self.model.damaged and isinstance(error, CkptError):
+            # the lineage is damaged until the doctor comes: refusing is right
+            return f" refused: {str(error)[:100]}", "refused"
         if isinstance(error, LeaseLostError):
             # Only a starved heartbeat loses a lease here (no other writer runs): the
             # attempt must not commit, and its expired lease file may stay behind.
@@ -447,9 +674,26 @@ class Chaos:
         now = time.time()
         return any(_epoch(exp) + LEASE_SLACK_S > now for _, exp in self.model.stale.values())
 
+    def leases(self) -> list:
+        """Every lease file that parses (a corrupt one is the doctor's business)."""
+        out = []
+        for name in self.store.storage.list_dir(LEASES_DIR):
+            path = f"{LEASES_DIR}/{name}"
+            if not layout.is_lease_file(path):
+                continue
+            try:
+                lease = lease_module.read_lease_file(self.store.storage, path)
+            except MetadataError:
+                if not self.model.damaged:
+                    raise
+                continue
+            if lease is not None:
+                out.append(lease)
+        return out
+
     def record_stale(self) -> None:
         """After a kill: what the dead process left under leases/ (leases, take-over claims)."""
-        for lease in list_leases(self.store.storage):
+        for lease in self.leases():
             known = self.model.stale.get(lease.path)
             if known is None or known[0] != lease.created_at:
                 self.model.stale[lease.path] = (lease.created_at, lease.expires_at)
@@ -510,8 +754,18 @@ class Chaos:
         self.model.intervals.append(interval)
         return interval
 
+    def records(self) -> list:
+        """The committed records that parse (damaged ones are the doctor's business)."""
+        out = []
+        for cid in self.store.checkpoint_ids():
+            try:
+                out.append(self.store.load(cid))
+            except (MetadataError, CheckpointNotFoundError):
+                continue
+        return out
+
     def sync_ledger(self) -> None:
-        metas = self.store.load_all()
+        metas = self.records()
         seen: Counter = Counter(m.run_id for m in metas if m.run_id and m.kind == "checkpoint")
         twice = [r for r, n in seen.items() if n > 1]
         if twice:
@@ -529,7 +783,7 @@ class Chaos:
             self.model.parallelism = metas[-1].parallelism
 
     def referenced_files(self) -> dict[str, int]:
-        out = {f.path: f.size for m in self.store.load_all() for f in m.files}
+        out = {f.path: f.size for m in self.records() for f in m.files}
         for name in self.model.savepoints:
             out.update({f.path: f.size for f in load_savepoint(self.store, name).files})
         return out
@@ -537,6 +791,14 @@ class Chaos:
     # -- checks ---------------------------------------------------------------------
     def check(self, index: int, kind: str, outcome: str, detail: str) -> None:
         self.sync_ledger()
+        self.check_no_fork(index)
+        if _snapshot(self.outside) != self.outside_before:
+            self.violation(index, f"a file outside the storage root changed: {self.outside}")
+        self.check_leases(index, outcome)
+        if self.model.damaged:
+            return  # refusing is right until the doctor repairs; it is checked after that
+        if kind in ("doctor", "tamper") or index % (4 if self.store.storage.remote else 1) == 0:
+            self.check_acked(index)
         latest = self.store.latest()
         reference = self.model.reference()
         if latest is None:
@@ -550,7 +812,20 @@ class Chaos:
                                       f"reference over {len(self.model.committed)} runs: "
                                       f"{problems}")
         self.check_files(index)
-        self.check_leases(index, outcome)
+
+    def check_no_fork(self, index: int) -> None:
+        metas = self.records()
+        forks = find_forks([m.checkpoint_id for m in metas],
+                           {m.checkpoint_id: m.parent for m in metas},
+                           {m.checkpoint_id: m.epoch for m in metas})
+        if forks:
+            self.violation(index, f"the lineage forked: {forks[0].message}")
+
+    def check_acked(self, index: int) -> None:
+        """No run a step acknowledged is lost: the ledger (or the commit log) has it."""
+        lost = sorted(r for r in self.model.acked if self.store.find_run(r) is None)
+        if lost:
+            self.violation(index, f"acknowledged runs lost (counted nowhere): {lost[:5]}")
 
     def _rows(self, meta) -> dict[str, dict]:
         try:
@@ -574,7 +849,7 @@ class Chaos:
                     info.path not in self.model.stale:
                 self.violation(index, f"take-over claim {info.path} was left behind by a step "
                                       f"that ended with {outcome!r}")
-        for lease in list_leases(self.store.storage):
+        for lease in self.leases():
             known = self.model.stale.get(lease.path)
             if known is None or known[0] != lease.created_at:
                 self.violation(index, f"lease {lease.path} ({lease.purpose}) was left behind "
@@ -630,6 +905,24 @@ def compare_state(state: dict[str, dict], expected: pd.DataFrame) -> list[str]:
         if len(problems) >= 5:
             break
     return problems
+
+
+def _snapshot(folder: str) -> dict[str, bytes]:
+    out = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as fh:
+                out[os.path.relpath(path, folder)] = fh.read()
+    return out
+
+
+def _outcome(fn: Callable[[], object]) -> object:
+    """``fn()``, or the exception it raised (for a thread's result)."""
+    try:
+        return fn()
+    except BaseException as exc:  # noqa: BLE001 - handed to the caller
+        return exc
 
 
 def _epoch(iso: str) -> float:

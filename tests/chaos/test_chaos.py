@@ -1,12 +1,14 @@
 """Randomized chaos test of issue 10: job runs, kills, GC, retain, savepoint, rescale.
 
 See harness.py for the steps, the faults and the checks after every step. The CI
-run is two seeds of 100 steps each on file:// storage with one warm local Spark
-session, one with the job runs on Spark and one on the local engine (whose subtasks
-run in this process, so the injected deaths also hit restores, snapshots and
+run is three seeds of 100 steps each (300 steps) on file:// storage with one warm
+local Spark session, one with the job runs on Spark and two on the local engine (whose
+subtasks run in this process, so the injected deaths also hit restores, snapshots and
 uploads); ``slow`` (also run in CI) adds two seeds of 100 steps (one per engine) and
-one short seed on a real S3 API (moto, local engine). Longer soaks:
-``CKPT_CHAOS_SEEDS=1,2,3,4,5 CKPT_CHAOS_STEPS=200``.
+one short seed on a real S3 API (moto, local engine). Every seed has paused writers
+(issue 20), lost, flipped and replaced records, ledgers, log entries and leases, and
+the operator's `ckpt doctor`. Longer soaks: ``CKPT_CHAOS_SEEDS=1,2,3,4,5
+CKPT_CHAOS_STEPS=200``.
 A failure names the seed and the last steps: re-run that seed alone with
 ``CKPT_CHAOS_SEEDS=<seed> pytest -m slow tests/chaos/test_chaos.py::test_chaos_slow``.
 """
@@ -27,8 +29,8 @@ from statebackend.storage import open_storage
 from tests.chaos.harness import Chaos, ChaosConfig, compare_state
 from tests.conftest import S3_BUCKET
 
-CI_SEEDS = ((101, "spark"), (202, "local"))  # (seed, the job runs' engine)
-CI_STEPS = 100  # per seed: 200 steps in CI
+CI_SEEDS = ((101, "spark"), (202, "local"), (404, "local"))  # (seed, the job runs' engine)
+CI_STEPS = 100  # per seed: 300 steps in CI
 
 
 def _chaos(spark, tmp_path, seed: int, steps: int, storage_url: str | None = None,
@@ -44,8 +46,10 @@ def _assert_covered(summary: dict) -> None:
     """The run exercised what it claims: kills, re-runs, every step kind, commits."""
     kinds, outcomes, steps = summary["steps_by_kind"], summary["outcomes"], summary["steps"]
     if steps >= 80:
-        assert {"run-new", "run-rerun", "gc", "retain", "savepoint", "rescale"} <= set(kinds)
+        assert {"run-new", "run-rerun", "gc", "retain", "savepoint", "rescale", "tamper",
+                "doctor"} <= set(kinds)
         assert outcomes.get("skipped", 0) >= 1, outcomes
+        assert outcomes.get("paused-writer", 0) >= 1, outcomes
     assert outcomes.get("killed", 0) >= max(1, steps // 25), outcomes
     assert summary["committed_runs"] == summary["intervals"] >= steps // 10, summary
 

@@ -131,3 +131,22 @@ def two_checkpoint_job(base: str, job: str) -> dict:
     rows = dump_backends(backends)
     close_all(backends)
     return {"url": url, "store": store, "rows": rows, "tmp": base}
+
+
+def recommit_record(store: CheckpointStore, checkpoint_id: int, data: bytes) -> None:
+    """Replace checkpoint ``checkpoint_id``'s `_metadata` with ``data`` *as if it had been
+    committed so* (its commit-log entry rewritten to match): tests of damage that happened
+    before the commit. A record replaced after its commit is refused by the lineage check
+    (statebackend/checkpoint/lineage.py), which other tests exercise."""
+    import json
+
+    from statebackend.checkpoint import lineage
+    from statebackend.checkpoint.layout import metadata_path
+
+    names = lineage.read_log(store.storage)
+    store.storage.delete_many(list(names.entries.get(checkpoint_id, ())))
+    store.storage.write_bytes(metadata_path(checkpoint_id), data)
+    obj = json.loads(data)  # leniently: the record may be one the strict parser refuses
+    lineage.write_entry(store.storage, lineage.ChainEntry(
+        checkpoint_id, obj.get("parent"), obj.get("kind", "checkpoint"), obj.get("epoch", 0),
+        lineage.digest_of(data), str(obj.get("created_at", ""))))

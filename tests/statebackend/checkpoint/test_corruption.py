@@ -38,6 +38,7 @@ from tests.statebackend.helpers import (
     fill,
     keys,
     open_backends,
+    recommit_record,
     route,
 )
 
@@ -89,7 +90,7 @@ def damage_block_before_upload(store: CheckpointStore, checkpoint_id: int, ref: 
             if f["path"] == ref.path:
                 f["checksum"] = checksum_of_bytes(data, checksum_algorithm(f["checksum"]))
                 f["size"] = len(data)
-    store.storage.write_bytes(metadata_path(checkpoint_id), json.dumps(raw).encode())
+    recommit_record(store, checkpoint_id, json.dumps(raw).encode())
 
 
 @pytest.fixture
@@ -380,7 +381,7 @@ def test_deep_validation_names_a_damaged_file_of_a_refused_record(tmp_path):
     raw = json.loads(store.storage.read_bytes(metadata_path(1)))
     raw["subtasks"][1]["private_files"].append(
         {"path": "../outside", "local_name": "X", "size": 1, "checksum": "crc32c:00000000"})
-    store.storage.write_bytes(metadata_path(1), json.dumps(raw).encode())
+    recommit_record(store, 1, json.dumps(raw).encode())
     result = validate_checkpoint(store, 1, deep=True)
     assert not result.success
     assert {"metadata_parses", "file_checksums_match"} <= set(result.failed_checks)

@@ -263,12 +263,18 @@ def test_every_command_refuses_a_nonsense_latest_record(lineage, capsys, tmp_pat
     change, invariant = TAMPERS["p-zero"]
     where = _tamper(job_dir, 3, change)
     before = _files(job_dir)
-    for argv in (["show"], ["show", "3", "--json"], ["list"],
+    for argv in (["show"], ["show", "3", "--json"],
                  ["dump", "--out", str(tmp_path / "rows.jsonl")],
                  ["rescale", "--parallelism", "1", "--dry-run"],
                  ["savepoint", "--name", "sp"], ["leases"]):
         message = _ckpt_error(capsys, url, *argv)
         assert where in message and invariant in message, argv
+    # `list` lists the others and names the broken record in its row (issue 20, defect 11)
+    from statebackend.cli.app import main
+
+    assert main(["--storage", url, "--job", "orders", "list"]) == 1
+    out = capsys.readouterr().out
+    assert "malformed record" in out and where in out and invariant in out
     assert _files(job_dir) == before
 
 

@@ -42,6 +42,7 @@ from statebackend.checkpoint.restore import restore_subtask, restored_readonly
 from statebackend.checkpoint.snapshot import checkpoint_backends, upload_snapshot
 from statebackend.checkpoint.store import CheckpointStore, build_metadata
 from statebackend.errors import LeaseConflictError
+from statebackend.lifecycle.doctor import diagnose, execute, plan_rollback
 from statebackend.lifecycle.gc import collect_garbage
 from statebackend.lifecycle.registry import build_registry
 from statebackend.lifecycle.retention import retain
@@ -169,7 +170,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         """Restart the job from its latest checkpoint, holding it until the next commit.
         (Continuing from an older one would fork the lineage: `rollback` does that
         explicitly.)"""
-        cid = max(self.expected)
+        self._continue_from(max(self.expected))
+
+    def _continue_from(self, cid: int) -> None:
         lease = acquire_hold(self.store.storage, "job run", [cid])
         if self.base_lease is not None:
             release(self.store.storage, self.base_lease)
@@ -183,6 +186,26 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.live = dict(self.expected[cid])
         assert state_of(self.backend) == self.live
         self.parent = cid
+
+    @precondition(lambda self: len(self.expected) >= 2)
+    @rule(data=st.data())
+    def rollback(self, data) -> None:
+        """The explicit way back (`ckpt doctor --rollback-to`): an older checkpoint becomes
+        the latest and the job continues from it; newer ones are quarantined."""
+        held = max((c for x in self._live_leases() if x is not self.base_lease
+                    for c in x.checkpoint_ids), default=0)
+        candidates = [c for c in sorted(self.expected)[:-1] if c >= held]
+        if not candidates:
+            return
+        cid = data.draw(st.sampled_from(candidates))
+        if self.base_lease is not None:  # the job is stopped for the roll back
+            release(self.store.storage, self.base_lease)
+            self.base_lease = None
+        d = diagnose(self.store)
+        execute(self.store, plan_rollback(d, cid, "model"), d)
+        for newer in [c for c in self.expected if c > cid]:
+            del self.expected[newer]
+        self._continue_from(cid)
 
     @precondition(lambda self: self.expected and len(self.holds) < 3)
     @rule(data=st.data(), expired=st.booleans())

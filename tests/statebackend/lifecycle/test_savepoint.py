@@ -112,10 +112,11 @@ def _set_time(store: CheckpointStore, cid: int, watermark: int, processing: int)
     """Give a committed record a watermark and clock (as a job with event time writes)."""
     import json
 
-    rel = f"chk-{cid}/_metadata"
-    obj = json.loads(store.storage.read_bytes(rel))
+    from tests.statebackend.helpers import recommit_record
+
+    obj = json.loads(store.storage.read_bytes(f"chk-{cid}/_metadata"))
     obj.update(watermark=watermark, processing_time=processing)
-    store.storage.write_bytes(rel, json.dumps(obj).encode())
+    recommit_record(store, cid, json.dumps(obj).encode())
 
 
 def test_savepoint_and_import_keep_the_watermark(job):

@@ -23,7 +23,7 @@ from statebackend.state.kinds import StateDescriptor
 from statebackend.state.ttl import TTL_INDEX, StateTtl, iter_index, purge_expired
 from statebackend.storage import open_storage
 from statebackend.validation.content import build_content
-from tests.statebackend.helpers import close_all, open_backends
+from tests.statebackend.helpers import close_all, open_backends, recommit_record
 
 M = 128
 TTL = 1_000
@@ -468,7 +468,6 @@ def test_next_expiry_per_domain(tmp_path):
 
 
 def test_validate_checkpoint_fails_on_a_readable_expired_entry(tmp_path):
-    from statebackend.checkpoint.store import metadata_path
     from statebackend.state.codecs import domain_byte
     from statebackend.state.ttl import index_key, state_tag
     from statebackend.validation.validate import validate_checkpoint
@@ -481,8 +480,8 @@ def test_validate_checkpoint_fails_on_a_readable_expired_entry(tmp_path):
     results = {}
     for name, change in (("clean", None), ("tampered", tamper)):
         store, meta = _checkpoint_with_ttl(tmp_path / name, change)
-        # the run protocol records its watermark; write it into the committed record
-        store.storage.write_bytes(metadata_path(meta.checkpoint_id), meta.to_bytes())
+        # the run protocol records its watermark; here it goes into the record as committed
+        recommit_record(store, meta.checkpoint_id, meta.to_bytes())
         results[name] = validate_checkpoint(store, deep=True)
     assert results["clean"].summary["failed_checks"] == []
     assert results["tampered"].summary["failed_checks"] == ["values_decode"]
