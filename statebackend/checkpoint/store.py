@@ -60,6 +60,7 @@ from statebackend.errors import (
     LineageError,
     MetadataError,
     MissingFilesError,
+    UnsafePathError,
     UsageError,
 )
 from statebackend.state.keygroups import check_parallelism, key_group_range_for_subtask
@@ -135,7 +136,11 @@ class CheckpointStore:
                       + [cid for cid in folders if cid in known])
 
     def _committed(self, checkpoint_id: int) -> bool:
-        return self.storage.exists(metadata_path(checkpoint_id))
+        try:
+            return self.storage.exists(metadata_path(checkpoint_id))
+        except UnsafePathError as exc:  # a symlinked record: not ours, never read (file://)
+            log_.warning("checkpoint %s skipped: %s", checkpoint_id, exc)
+            return False
 
     def read_record(self, checkpoint_id: int) -> bytes | None:
         """The raw `_metadata` of ``checkpoint_id``, or None if it does not exist."""
@@ -382,6 +387,9 @@ class CheckpointStore:
                 f"checkpoint {meta.checkpoint_id} of job {self.job!r} was committed by another "
                 "writer; this attempt is aborted") from exc
         log.log_commit(self.storage, meta, data)
+        # the ledger remembers the run once retention retires this record (runs.py); a
+        # crash before this line is repaired from the log entry (lineage.py scenario 4)
+        self.record_run(meta)
         return meta
 
     def verify_files(self, meta: CheckpointMetadata) -> None:

@@ -18,7 +18,6 @@ from statebackend.checkpoint.store import CheckpointStore
 from statebackend.cli.app import emit_json, json_flag
 from statebackend.errors import UsageError
 from statebackend.lifecycle import doctor
-from statebackend.settings import flag
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,8 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help="apply the safe repairs (log entries, ledger records, lost middle "
                            "records marked retired, malformed old records quarantined, dead "
                            "leases)")
-    what.add_argument("--rollback-to", type=flag("--rollback-to", minimum=1, integer=True),
-                      metavar="N", help="make checkpoint N the latest (needs --reason)")
+    what.add_argument("--rollback-to", type=int, metavar="N",
+                      help="make checkpoint N the latest (needs --reason)")
     what.add_argument("--clear-lease", metavar="NAME",
                       help="remove lease NAME (e.g. writer); a live one only with --force")
     p.add_argument("--reason", help="why (recorded with a roll back)")

@@ -20,7 +20,7 @@ from statebackend.lifecycle.retention import retain
 from statebackend.lifecycle.retention import summarize_text as retain_text
 from statebackend.lifecycle.savepoint import create_savepoint, delete_savepoint, list_savepoints
 from statebackend.progress import Progress
-from statebackend.settings import flag
+from statebackend.settings import number
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,8 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Keep the newest N committed checkpoints, every savepoint and every "
                     "checkpoint held by a live lease; retire the others (their _metadata first, "
                     "then their private files and the shared files nothing kept references).")
-    p.add_argument("--keep", type=flag("--keep", minimum=1, integer=True), required=True,
-                   help="checkpoints to keep (>= 1)")
+    p.add_argument("--keep", type=int, required=True, help="checkpoints to keep (>= 1)")
     p.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")
     p.set_defaults(handler=cmd_retain)
 
@@ -38,8 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "gc", parents=[json_flag()], help="delete unreferenced files (orphans) past a grace period",
         description="Delete files under shared/ and chk-*/ that no committed checkpoint, "
                     "savepoint or live lease references, once older than the grace period.")
-    p.add_argument("--grace-seconds", type=flag("--grace-seconds", maximum=MAX_GRACE_SECONDS),
-                   default=DEFAULT_GRACE_SECONDS,
+    p.add_argument("--grace-seconds", default=DEFAULT_GRACE_SECONDS,
                    help=f"minimum age of an orphan before it is deleted "
                         f"(default {DEFAULT_GRACE_SECONDS:g})")
     p.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")
@@ -76,8 +74,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_retain(args: argparse.Namespace, store: CheckpointStore) -> int:
     store.require_job()
-    if args.keep < 1:
-        raise UsageError(f"--keep {args.keep} is invalid: keep at least 1 checkpoint")
+    number(args.keep, "--keep", minimum=1, integer=True)
     with Progress("retain") as progress:
         report = retain(store, args.keep, dry_run=args.dry_run, progress=progress)
     if args.json:
@@ -89,8 +86,9 @@ def cmd_retain(args: argparse.Namespace, store: CheckpointStore) -> int:
 
 def cmd_gc(args: argparse.Namespace, store: CheckpointStore) -> int:
     store.require_job()
+    grace = number(args.grace_seconds, "--grace-seconds", maximum=MAX_GRACE_SECONDS)
     with Progress("gc") as progress:
-        report = collect_garbage(store, grace_seconds=args.grace_seconds, dry_run=args.dry_run,
+        report = collect_garbage(store, grace_seconds=grace, dry_run=args.dry_run,
                                  progress=progress)
     if args.json:
         emit_json(report.to_json())

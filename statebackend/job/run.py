@@ -507,11 +507,9 @@ def _commit(job: Job, config: RunConfig, store: CheckpointStore, attempt: Attemp
     if job.has_time or job.input.event_time is not None:  # other jobs' records stay as they were
         meta = meta.with_changes(watermark=clock.new_watermark,
                                  processing_time=clock.processing_time)
-    # Discards the attempt (uploads and output parts) if the commit fails.
+    # Discards the attempt (uploads and output parts) if the commit fails; records the run
+    # in the commit log and the ledger (checkpoint/lineage.py).
     attempt.commit(meta, winners=[(r["subtask"], r["attempt"]) for r in rows])
-    # The ledger remembers the run once retention retires this checkpoint (runs.py);
-    # a crash before this line is repaired by the skipped re-run (`find_run`).
-    store.record_run(meta)
     # A crash from here on leaves a committed run without _SUCCESS: its re-run is
     # skipped and finishes the publication (`_skipped`).
     folders = run_folders(job, config.run_id)

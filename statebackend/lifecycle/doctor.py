@@ -46,7 +46,7 @@ from statebackend.checkpoint.runs import (
     write_record,
 )
 from statebackend.checkpoint.store import CheckpointStore
-from statebackend.errors import CkptError, MetadataError, UsageError
+from statebackend.errors import CheckpointNotFoundError, CkptError, MetadataError, UsageError
 
 LIST_CAP = 20
 
@@ -281,6 +281,10 @@ def plan_rollback(d: Diagnosis, to: int, reason: str) -> RepairPlan:
     a readable committed record or no reason is given."""
     if not reason or not reason.strip():
         raise UsageError("a roll back needs --reason (it is recorded with what it removes)")
+    if to not in d.committed:
+        raise CheckpointNotFoundError(
+            f"checkpoint {to} of job {d.job!r} not found (committed: {list(d.committed)}); "
+            "see `ckpt doctor`")
     if to not in d.records or to in d.mismatched:
         raise UsageError(f"cannot roll back job {d.job!r} to checkpoint {to}: it is not a "
                          f"committed, readable checkpoint (committed: {list(d.committed)}, "

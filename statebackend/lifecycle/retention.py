@@ -346,7 +346,10 @@ def execute_retention(store: CheckpointStore, plan: RetentionPlan, *,
     # A retired checkpoint's validation report describes state that no longer exists.
     for a in meta_actions:
         if a.path not in failed:
-            storage.delete_tree(report_dir(a.checkpoint_id))
+            try:
+                storage.delete_tree(report_dir(a.checkpoint_id))
+            except CkptError as exc:  # e.g. a symlinked reports/ folder: reported, kept
+                failures.append((report_dir(a.checkpoint_id), str(exc)))
     prune_empty_dirs(storage, [a.path for a in deleted])
     spared = tuple(sorted({a.path for a in plan.deletions} - {a.path for a in deleted}
                           - failed))

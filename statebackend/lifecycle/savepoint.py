@@ -67,6 +67,7 @@ from statebackend.errors import (
     LeaseConflictError,
     MetadataError,
     StorageError,
+    UnsafePathError,
     UsageError,
 )
 from statebackend.lifecycle.registry import (
@@ -304,6 +305,7 @@ def import_start_point(storage: Storage, target_job: str, spec: str) -> Checkpoi
                          "seed a new job (use another --job, or restore from its own latest)")
     kind, source_job, what = parse_start_spec(storage, spec)
     source = CheckpointStore(storage, source_job)
+    source.require_job()  # a hold on a missing job would leave a phantom folder behind
     if kind == "savepoint":
         # a lease with no checkpoint ids: it only tells `delete_savepoint` to wait
         with hold(source.storage, savepoint_purpose(what, f"import into {target_job}"), []):
@@ -395,6 +397,9 @@ def _copy_all(storage: Storage, copies: list[tuple[FileRef, str]], what: str) ->
                 done.append(dst)  # a failed copy may have left a partial file
     if errors:
         storage.delete_many(done)
+        unsafe = [e for e in errors if isinstance(e, UnsafePathError)]
+        if unsafe:
+            raise UnsafePathError(f"{what}: {unsafe[0]}; nothing was kept") from unsafe[0]
         damaged = [e for e in errors if isinstance(e, MetadataError)]
         if damaged:
             more = f" (and {len(damaged) - 1} more damaged files)" if len(damaged) > 1 else ""

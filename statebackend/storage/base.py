@@ -9,6 +9,9 @@ Contracts (every scheme; tests/statebackend/storage/test_storage.py checks them
 on file://, memory:// and s3://):
 - paths are relative to the root and checked by `safe_relpath`: absolute paths
   and ``..`` are refused, so nothing read from metadata can reach outside it;
+- nothing follows a symbolic link below the root (only file:// has them, local.py
+  refuses a path through one with UnsafePathError, `delete_many` reports it as a
+  failure, listings leave symlinks out; tests: test_containment.py);
 - `write_exclusive` is atomic and refuses to overwrite (FileExistsError);
   `write_atomic` replaces a file so that readers see the old or the new bytes;
 - `put_file` / `get_file` stream in chunks and return (size, checksum) computed

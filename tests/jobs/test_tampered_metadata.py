@@ -12,9 +12,11 @@ import subprocess
 import sys
 
 from examples import user_activity
+from statebackend.checkpoint.store import CheckpointStore
 from statebackend.job import RunConfig, run_job
 from statebackend.storage import open_storage
 from tests.jobs.run_reference import activity_events
+from tests.statebackend.helpers import recommit_record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EVIL = "ckpt_tamper_probe"
@@ -48,7 +50,8 @@ def test_tampered_metadata_never_imports_a_module(spark, tmp_path):
     ref = f"{EVIL}:job"
     meta["extra"].update({"job_kind": ref, "job": ref, "module": EVIL, "checks": [EVIL]})
     meta["source"] = {"job": ref, "module": EVIL}
-    storage.write_bytes("user_activity/chk-1/_metadata", json.dumps(meta).encode())
+    # written as if committed so (an attacker who can write the record can write the log)
+    recommit_record(CheckpointStore(storage, "user_activity"), 1, json.dumps(meta).encode())
 
     probe_dir = tmp_path / "probe"
     probe_dir.mkdir()

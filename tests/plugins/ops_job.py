@@ -23,7 +23,7 @@ from statebackend.checkpoint.metadata import FileRef, SubtaskHandle
 from statebackend.checkpoint.store import CheckpointStore, build_metadata
 from statebackend.lifecycle.savepoint import create_savepoint
 from statebackend.state.keygroups import key_group_range_for_subtask
-from statebackend.storage import open_storage
+from statebackend.storage import checksum_of_bytes, open_storage
 from statebackend.validation.report import overview_html
 
 START = datetime(2027, 1, 1, tzinfo=UTC)
@@ -100,8 +100,9 @@ def commit(store: CheckpointStore, cid: int, start: datetime) -> None:
     for i in range(p):
         r = key_group_range_for_subtask(128, p, i)
         size = subtask_bytes(cid, i, p)
-        ref = FileRef(f"shared/{cid}-{i}.sst", f"{cid}-{i}.sst", size, "crc32:0")
-        store.storage.write_bytes(ref.path, b"\0" * size)  # commit checks they exist
+        data = b"\0" * size
+        ref = FileRef(f"shared/{cid}-{i}.sst", f"{cid}-{i}.sst", size, checksum_of_bytes(data))
+        store.storage.write_bytes(ref.path, data)  # commit checks they exist
         handles.append(SubtaskHandle(i, r.start, r.end, f"b{i}", f"s{cid}", (ref,), (),
                                      {"totals": 10 * cid + i}, size // 2))
     rescale = cid == RESCALE_ID

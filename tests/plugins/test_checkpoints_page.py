@@ -18,7 +18,7 @@ from statebackend.airflow.config import specs_from_config
 from statebackend.checkpoint.metadata import FileRef, SubtaskHandle
 from statebackend.checkpoint.store import CheckpointStore, build_metadata
 from statebackend.state.keygroups import key_group_range_for_subtask
-from statebackend.storage import open_storage
+from statebackend.storage import checksum_of_bytes, open_storage
 
 # Airflow reads AIRFLOW_HOME once, at first import: never let it default to ~/airflow.
 os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="ckpt-airflow-home-"))
@@ -40,8 +40,10 @@ def commit_fake(store: CheckpointStore, cid: int, parallelism: int, size: int, u
     handles = []
     for i in range(parallelism):
         r = key_group_range_for_subtask(128, parallelism, i)
-        ref = FileRef(f"shared/{cid}-{i}.sst", f"{cid}-{i}.sst", size // parallelism, "crc32:0")
-        store.storage.write_bytes(ref.path, b"\0" * ref.size)  # commit checks they exist
+        data = b"\0" * (size // parallelism)
+        ref = FileRef(f"shared/{cid}-{i}.sst", f"{cid}-{i}.sst", len(data),
+                      checksum_of_bytes(data))  # true checksums: a savepoint verifies them
+        store.storage.write_bytes(ref.path, data)  # commit checks they exist
         handles.append(SubtaskHandle(i, r.start, r.end, f"b{i}", f"s{cid}", (ref,), (),
                                      {"totals": 1}, uploaded // parallelism))
     store.commit(build_metadata(job=store.job, checkpoint_id=cid, parent=cid - 1 or None,

@@ -199,3 +199,45 @@ def test_other_file_types_and_escapes_are_refused(server, path):
     resp = client.get(f"/ckpt/reports/clicks/{path}", headers=bearer(login(client, "alice")))
     assert resp.status_code == 404, (path, resp.status_code, resp.text)
     assert b"alert(1)" not in resp.content and b"<script" not in resp.content
+
+
+# -- containment (issue 20: defects 6 and 12) -----------------------------------------
+@pytest.mark.parametrize("path", ["/ckpt/docs", "/ckpt/redoc", "/ckpt/openapi.json",
+                                  "/ckpt/docs/oauth2-redirect"])
+def test_api_docs_are_off(server, path):
+    client, _ = server
+    for headers in ({}, bearer(login(client, "alice"))):
+        resp = client.get(path, headers=headers)
+        assert resp.status_code in (401, 404), (path, resp.status_code, resp.text[:200])
+        assert "openapi" not in resp.text.lower() and "/reports/" not in resp.text
+
+
+def test_report_symlinks_are_never_followed(server, tmp_path):
+    """A report file or folder that is a symlink (out of the storage root, or inside it)
+    answers 404 to a user allowed to read the job, and never the file behind it."""
+    client, storage = server
+    root = storage.removeprefix("file://")
+    reports = os.path.join(root, "clicks", "reports")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.html").write_bytes(b"<p>outside the storage root</p>")
+    links = {"chk-2/passwd.css": "/etc/passwd",            # a file out of the root
+             "chk-3": str(outside),                       # a folder out of the root
+             "chk-4": "/etc",                             # a system folder
+             "chk-5/record.json": os.path.join(root, "clicks", "chk-1", "_metadata")}
+    try:
+        for link, target in links.items():
+            os.makedirs(os.path.dirname(os.path.join(reports, link)), exist_ok=True)
+            os.symlink(target, os.path.join(reports, link))
+        token = bearer(login(client, "alice"))
+        for path in ("chk-2/passwd.css", "chk-3/secret.html", "chk-4/hostname.css",
+                     "chk-4/passwd.css", "chk-5/record.json"):
+            resp = client.get(f"/ckpt/reports/clicks/{path}", headers=token)
+            assert resp.status_code in (403, 404), (path, resp.status_code)
+            assert b"root:" not in resp.content and b"outside the storage" not in resp.content
+            assert b'"checkpoint_id"' not in resp.content
+        ok = client.get("/ckpt/reports/clicks/chk-1/summary.json", headers=token)
+        assert ok.status_code == 200
+    finally:
+        for link in links:
+            os.unlink(os.path.join(reports, link))

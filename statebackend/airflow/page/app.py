@@ -12,6 +12,9 @@ Routes:
 - ``GET /ckpt/reports/{job}/{path}``   validation report files read from the job's
                                        ``reports/`` folder in storage
 
+No other route exists: FastAPI's generated ``/docs``, ``/redoc`` and ``/openapi.json``
+are off (they need no login).
+
 Read-only. Every route but ``static`` needs a user authenticated by Airflow's auth
 manager (the ``Authorization: Bearer`` header of API clients, else the UI's ``_token``
 cookie), and a job is shown only to users allowed to read all of its DAGs
@@ -27,7 +30,9 @@ script on it: report files are never served as JavaScript (allow-list of types, 
 Report files come from storage, so they are untrusted: only the file types reports
 contain are served (fixed content types, ``nosniff``), under a CSP that allows no
 script at all and sandboxes the document. Report paths go through ``safe_relpath`` and
-are confined to ``<job>/reports/chk-<id>/``; job names must be configured. Nothing
+are confined to ``<job>/reports/chk-<id>/``; job names must be configured. Reports are
+read through the storage, which never follows a symlink below its root (a symlinked
+report file or folder answers 404, see storage/local.py). Nothing
 here imports Spark, RocksDB or Great Expectations.
 """
 
@@ -205,7 +210,10 @@ def static_file(name: str) -> tuple[bytes, str] | None:
 def create_app(specs_loader: Callable[[], Iterable[Any]] = load_specs,
                auth_manager_getter: Callable[[], Any] = _airflow_auth_manager) -> FastAPI:
     """The plugin app; ``auth_manager_getter`` is the live auth manager of the api-server."""
-    app = FastAPI(title="Checkpoints", description="Checkpoint history and validation reports")
+    # No generated API docs (/docs, /redoc, /openapi.json): FastAPI serves them without
+    # any login, and they would list the routes to anyone (issue 20, defect 12).
+    app = FastAPI(title="Checkpoints", description="Checkpoint history and validation reports",
+                  docs_url=None, redoc_url=None, openapi_url=None)
 
     def specs_by_name() -> dict:
         return {s.name: s for s in specs_loader()}

@@ -179,10 +179,14 @@ def test_bad_metadata_is_one_line_naming_the_file(broken, capsys, case, expected
         _rewrite(path, lambda d: d.update(format_version=99))
     elif case == "missing-key":
         _rewrite(path, lambda d: d.pop("subtasks"))
-    for command in (["show", "1"], ["list"], ["dump", "--out", os.devnull]):
+    for command in (["show", "1"], ["dump", "--out", os.devnull]):
         msg = _error(capsys, "--storage", url, "--job", "broken", *command)
         assert expected in msg
         assert "broken/chk-1/_metadata" in msg
+    # `list` lists what it can and names the broken record in its row (exit 1)
+    assert cli.main(["--storage", url, "--job", "broken", "list"]) == 1
+    out = capsys.readouterr().out
+    assert "malformed record" in out and expected in out and "broken/chk-1/_metadata" in out
 
 
 def _closed_port() -> int:

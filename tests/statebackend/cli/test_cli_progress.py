@@ -22,7 +22,7 @@ from statebackend.checkpoint.metrics import LEGACY_RUN_KEYS, run_figures
 from statebackend.checkpoint.snapshot import checkpoint_backends
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.cli import app as cli
-from statebackend.errors import StorageError
+from statebackend.errors import StorageError, UsageError
 from statebackend.progress import Progress, choose_mode
 from statebackend.storage import open_storage
 from tests.statebackend.helpers import close_all, dump_backends, fill, keys, open_backends
@@ -73,8 +73,9 @@ def test_mode_choice(monkeypatch):
     assert choose_mode(Tty()) == "off"
     monkeypatch.setenv("CKPT_PROGRESS", "lines")
     assert choose_mode(Tty()) == "lines"
-    monkeypatch.setenv("CKPT_PROGRESS", "bogus")  # a typo falls back to auto
-    assert choose_mode(Tty()) == "bar"
+    monkeypatch.setenv("CKPT_PROGRESS", "bogus")  # a typo is refused, naming the variable
+    with pytest.raises(UsageError, match="CKPT_PROGRESS='bogus' is unknown"):
+        choose_mode(Tty())
 
 
 def test_bar_mode_on_a_terminal_shows_phase_and_count(monkeypatch):

@@ -41,6 +41,7 @@ TABLE: dict[str, tuple[list[str], list[str], list[str] | None]] = {
     "rescale": (["--parallelism", "1", "--dry-run"],
                 ["--parallelism", "1", "--dry-run", "--json"],
                 ["99", "--parallelism", "1", "--dry-run"]),
+    "doctor": ([], ["--json"], ["--rollback-to", "99", "--reason", "x", "--dry-run"]),
 }
 ROOT_COMMANDS = {"jobs"}  # need --storage only: a bad --job does not apply
 # Commands whose text/--json rows need Spark: their successful runs are tested elsewhere
@@ -271,7 +272,8 @@ def test_jobs_lists_only_job_folders(tmp_path, capsys):
     storage.write_bytes("b/savepoints/s/_claim", b"{}")
     storage.write_bytes("c/leases/writer.json", b"{bad")  # unreadable lease: reported in its row
     storage.write_bytes("not-a-job/readme.txt", b"hi")
-    code, out, err = run(capsys, ["jobs", "--storage", url, "--json"])
+    # --all: folders with nothing committed too (by default only "c": an error is shown)
+    code, out, err = run(capsys, ["jobs", "--storage", url, "--json", "--all"])
     assert (code, err) == (0, "")
     rows = {r["job"]: r for r in json.loads(out)}
     assert set(rows) == {"a", "b", "c"}

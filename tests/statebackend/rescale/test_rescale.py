@@ -13,14 +13,22 @@ from statebackend.checkpoint.leases import acquire_writer_lease, list_leases, re
 from statebackend.checkpoint.snapshot import checkpoint_backends
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.cli import app as cli
-from statebackend.errors import LeaseConflictError, SnapshotError
+from statebackend.errors import LeaseConflictError, SnapshotError, UsageError
 from statebackend.rescale.executor import NothingToRescaleError, rescale
 from statebackend.state.keygroups import key_group_for_bytes
 from statebackend.state.kinds import StateDescriptor
 from statebackend.state.timers import with_timers
 from statebackend.state.ttl import StateTtl
 from statebackend.storage import open_storage
-from tests.statebackend.helpers import DESCRIPTORS, close_all, fill, keys, open_backends, route
+from tests.statebackend.helpers import (
+    DESCRIPTORS,
+    close_all,
+    fill,
+    keys,
+    open_backends,
+    recommit_record,
+    route,
+)
 
 N_KEYS = 2000
 M = 128
@@ -246,11 +254,13 @@ def test_rescale_holds_source_and_writer_lease_while_running(spark, tmp_path, mo
     assert all(ids == (2,) for _, ids in seen)
 
 
-def test_rescale_an_older_checkpoint_warns(spark, tmp_path):
+def test_rescale_of_an_older_checkpoint_is_refused(spark, tmp_path):
+    """It would become the latest and drop the runs committed after it: a fork (issue 20).
+    The way back is an explicit roll back first."""
     store = build_source(tmp_path, f"file://{tmp_path}/store", 2)
-    summary = rescale(store, "1", 3, spark=spark)
-    assert "not the latest" in summary["warning"]
-    assert store.latest().parent == 1
+    with pytest.raises(UsageError, match=r"not the latest \(2\).*--rollback-to 1"):
+        rescale(store, "1", 3, spark=spark)
+    assert store.checkpoint_ids() == [1, 2] and list_leases(store.storage) == []
 
 
 def test_rescale_on_s3(spark, s3_server, tmp_path):
@@ -397,10 +407,9 @@ def test_timers_and_ttl_entries_rescale_on_spark(spark, tmp_path):
 
 def test_rescale_keeps_the_watermark_and_clock(spark, tmp_path):
     store = build_source(tmp_path, f"file://{tmp_path}/store", 2)
-    rel = "chk-2/_metadata"
-    obj = json.loads(store.storage.read_bytes(rel))
+    obj = json.loads(store.storage.read_bytes("chk-2/_metadata"))
     obj.update(watermark=1_800_000_000_000, processing_time=1_800_000_360_000)
-    store.storage.write_bytes(rel, json.dumps(obj).encode())
+    recommit_record(store, 2, json.dumps(obj).encode())  # as a job with event time writes it
     rescale(store, "latest", 3, spark=spark)
     new = store.latest()
     assert (new.kind, new.watermark, new.processing_time) == (

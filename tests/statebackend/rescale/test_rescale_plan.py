@@ -155,7 +155,8 @@ def test_cli_dry_run_prints_plan_and_writes_nothing(capsys, tmp_path, fake_store
                            "--parallelism", "3", "--dry-run", "--json")
     doc = json.loads(out)
     assert doc["dry_run"] is True and doc["plan"]["to_parallelism"] == 3
-    assert sorted(p.name for p in (tmp_path / "store" / "j").iterdir()) == ["chk-1", "shared"]
+    assert sorted(p.name for p in (tmp_path / "store" / "j").iterdir()) == ["chk-1", "runs",
+                                                                             "shared"]
     assert sorted(p.name for p in (tmp_path / "store" / "j" / "chk-1").iterdir()) == [
         "0", "1", "2", "3", "_metadata"]
 

@@ -1,0 +1,116 @@
+"""``ckpt jobs`` lists a folder only when it holds something committed (issue 20, defect 12).
+
+A failed first run and a ``--start-from`` of a missing job leave folders behind (leases,
+``runs/history``); they are not jobs: listed only with ``--all``, marked ``nothing
+committed``. Runs go through ``ckpt run`` on the local engine (no Spark).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from statebackend.checkpoint.store import CheckpointStore
+from statebackend.cli.app import main
+from statebackend.lifecycle.savepoint import create_savepoint
+from statebackend.storage import open_storage
+from tests.statebackend.helpers import two_checkpoint_job
+
+JOB_MODULE = "examples.user_activity:job"
+OLD_KEYS = {"job", "checkpoints", "latest", "created_at", "parallelism", "max_parallelism",
+            "bytes_referenced", "savepoints", "live_leases", "error"}
+
+
+@pytest.fixture(autouse=True)
+def no_progress(monkeypatch):
+    monkeypatch.setenv("CKPT_PROGRESS", "off")
+    monkeypatch.delenv("CKPT_STORAGE", raising=False)
+    monkeypatch.delenv("CKPT_JOB", raising=False)
+
+
+def ckpt(capsys, *argv) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def jobs(capsys, url, *flags) -> dict[str, dict]:
+    code, out, err = ckpt(capsys, "--storage", url, "jobs", "--json", *flags)
+    assert (code, err) == (0, ""), err
+    rows = json.loads(out)
+    assert all(set(r) == OLD_KEYS | {"committed"} for r in rows)  # --json: one key added
+    return {r["job"]: r for r in rows}
+
+
+def failing_input(tmp_path):
+    """An input folder whose rows are mostly malformed: the run fails, commits nothing."""
+    folder = tmp_path / "in"
+    folder.mkdir(exist_ok=True)
+    (folder / "a.jsonl").write_text('{"user": "u1", "ts": 1, "category": "a"}\n'
+                                    "not json\n{\"broken\": \n")
+    return folder
+
+
+def run_job(capsys, url, job, tmp_path, *extra) -> tuple[int, str]:
+    code, _, err = ckpt(capsys, "--storage", url, "--job", job, "run", JOB_MODULE,
+                        "--input", str(failing_input(tmp_path)),
+                        "--run-id", "r1", "--output", str(tmp_path / "out"),
+                        "--engine", "local", *extra)
+    return code, err
+
+
+def test_failed_first_run_leaves_no_listed_job(tmp_path, capsys):
+    url = f"file://{tmp_path}/store"
+    code, err = run_job(capsys, url, "failed", tmp_path)
+    assert code != 0 and "nothing committed" in err
+    assert (tmp_path / "store" / "failed" / "runs" / "history").is_dir()  # what it leaves
+    assert jobs(capsys, url) == {}
+    code, out, _ = ckpt(capsys, "--storage", url, "jobs")
+    assert code == 0 and out.splitlines() == [
+        f"(no jobs under {url})", "(1 folder with nothing committed not shown: see --all)"]
+    row = jobs(capsys, url, "--all")["failed"]
+    assert row["committed"] is False and row["checkpoints"] == 0 and row["error"] is None
+    code, out, _ = ckpt(capsys, "--storage", url, "jobs", "--all")
+    (line,) = [x for x in out.splitlines() if x.startswith("failed")]
+    assert line.endswith("(nothing committed)")
+
+
+@pytest.mark.parametrize("start", ["ghost:latest", "ghost/savepoints/nope"])
+def test_start_from_a_missing_job_leaves_no_listed_job(tmp_path, capsys, start):
+    url = f"file://{tmp_path}/store"
+    committed = two_checkpoint_job(str(tmp_path / "base"), "clicks")  # another root
+    code, err = run_job(capsys, url, "fresh", tmp_path, "--start-from", start)
+    assert code == 2 and "ghost" in err
+    assert jobs(capsys, url) == {}
+    assert set(jobs(capsys, url, "--all")) <= {"fresh", "ghost"}
+    assert all(not r["committed"] for r in jobs(capsys, url, "--all").values())
+    assert set(jobs(capsys, committed["url"])) == {"clicks"}
+
+
+def test_committed_checkpoints_or_a_complete_savepoint_make_a_job(tmp_path, capsys):
+    made = two_checkpoint_job(str(tmp_path), "clicks")
+    url = made["url"]
+    storage = open_storage(url)
+    create_savepoint(made["store"], 2, "keep")
+    # a job left with a savepoint only: its checkpoints and run records deleted
+    spare = CheckpointStore(storage, "spare")
+    storage.write_bytes("spare/savepoints/keep/_metadata",
+                        made["store"].storage.read_bytes("savepoints/keep/_metadata"))
+    assert spare.checkpoint_ids() == []
+    storage.write_bytes("attempt/chk-1/0/x", b"x")              # an attempt, no commit
+    storage.write_bytes("partial/savepoints/s/0/x", b"x")       # a savepoint being copied
+    storage.write_bytes("leased/leases/writer.json", b"{bad")   # unreadable: always shown
+    storage.write_bytes("history/runs/history/1-r1-failed.json", b"{}")
+    storage.write_bytes("not-a-job/readme.txt", b"hi")
+    rows = jobs(capsys, url)
+    assert set(rows) == {"clicks", "spare", "leased"}
+    assert rows["clicks"]["committed"] and rows["clicks"]["latest"] == 2
+    assert rows["clicks"]["savepoints"] == 1
+    assert rows["spare"]["committed"] and rows["spare"]["checkpoints"] == 0
+    assert rows["leased"]["committed"] is None and "malformed lease" in rows["leased"]["error"]
+    everything = jobs(capsys, url, "--all")
+    assert set(everything) == {"clicks", "spare", "leased", "attempt", "partial", "history"}
+    assert [j for j, r in everything.items() if r["committed"] is False] == [
+        "attempt", "history", "partial"]
+    assert everything["partial"]["savepoints"] == 1
