@@ -279,6 +279,8 @@ class CheckpointMetadata:
             "watermark": self.watermark,
             "processing_time": self.processing_time,
             "states": [s["name"] for s in self.states],
+            # each state's schema (statebackend.state.schema): versions and history
+            "schemas": [dict(s) for s in self.states],
             "subtasks": [
                 {"index": s.index, "key_group_start": s.key_group_start,
                  "key_group_end": s.key_group_end, "files": len(s.files),
@@ -490,7 +492,8 @@ def _check_key_groups(meta: CheckpointMetadata, where: str) -> None:
 
 def _check_states(states: list, where: str) -> None:
     """Unique valid names, known kinds and codecs: what dump/validate/rescale decode with."""
-    codec_from_json, state_kinds, internal, ttl_from_json = _state_vocabulary()
+    codec_from_json, state_kinds, internal, ttl_from_json, check_schema_keys = \
+        _state_vocabulary()
     seen: set[str] = set()
     for s in states:
         name = s["name"]
@@ -509,6 +512,8 @@ def _check_states(states: list, where: str) -> None:
                                                  f"(known: {', '.join(state_kinds)})")
         _require(s.get("ttl") is None or name not in internal, where,
                  f"state {name!r} is internal and cannot have a TTL")
+        why = check_schema_keys(s)
+        _require(why is None, where, f"state {name!r}: {why}")
         try:
             codec_from_json(s.get("codec", {"type": "json"}))
             if s.get("ttl") is not None:
@@ -518,14 +523,16 @@ def _check_states(states: list, where: str) -> None:
 
 
 @cache
-def _state_vocabulary() -> tuple[Any, tuple[str, ...], dict[str, str], Any]:
+def _state_vocabulary() -> tuple[Any, tuple[str, ...], dict[str, str], Any, Any]:
     # lazy: state and serialization pull in rocksdict and numpy, which a CLI start
     # or a DAG parse that never reads metadata should not pay for
     from statebackend.state.codecs import codec_from_json
     from statebackend.state.kinds import INTERNAL_STATES, STATE_KINDS
+    from statebackend.state.schema import check_schema_keys
     from statebackend.state.ttl import StateTtl
 
-    return codec_from_json, STATE_KINDS, INTERNAL_STATES, StateTtl.from_json
+    return codec_from_json, STATE_KINDS, INTERNAL_STATES, StateTtl.from_json, \
+        check_schema_keys
 
 
 def _check_nesting(value: dict | list, where: str) -> None:

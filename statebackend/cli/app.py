@@ -44,6 +44,7 @@ COMMAND_MODULES = (
     "statebackend.cli.validate",
     "statebackend.cli.rescale",
     "statebackend.cli.doctor",
+    "statebackend.cli.check",
     "statebackend.cli.run",  # `ckpt run` (job API); skipped until installed
 )
 DISTRIBUTION = "ckpt-lifecycle"

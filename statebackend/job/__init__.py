@@ -40,6 +40,7 @@ from statebackend.job.run import (
     format_summary,
     run_job,
 )
+from statebackend.state.schema import Upgrade
 from statebackend.state.ttl import StateTtl
 
 __all__ = [
@@ -48,5 +49,5 @@ __all__ = [
     "ProcessResult", "RejectThresholdError", "Rule", "RunConfig", "SubtaskProcessor",
     "Vectorized", "aggregating_state", "between", "finite", "format_summary", "list_state",
     "load_job", "map_state", "not_empty", "not_null", "parses", "process", "record",
-    "reducing_state", "run_job", "split_rows", "value_state",
+    "reducing_state", "run_job", "split_rows", "Upgrade", "value_state",
 ]

@@ -41,6 +41,10 @@ A user writes::
 - **expectations**: per state name, a callable taking the state's descriptor and
   returning Great Expectations expectations (the shape of
   `statebackend.validation.checks.StateCheck`); not called here.
+- **dropped_states** / **renamed_states**: how the job changed since the lineage it
+  continues (docs/evolve-a-job.md): stored states it gives up, and ``{new: old}``
+  renames. Record fields with defaults, widened fields, TTL changes and value upgrades
+  (``upgrades=`` on a state) need no word here: `statebackend.state.schema` plans them.
 
 Every definition error is a one-line `UsageError` naming the job and the field.
 """
@@ -60,6 +64,7 @@ import pyarrow.compute as pc
 from statebackend.errors import UsageError
 from statebackend.state.codecs import Codec, JsonCodec, RecordCodec
 from statebackend.state.kinds import AggregateFunction, StateDescriptor
+from statebackend.state.schema import Upgrade
 from statebackend.state.ttl import StateTtl
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -144,24 +149,31 @@ class Input:
 
 
 # -- states ---------------------------------------------------------------------------
-def record(**fields: str) -> RecordCodec:
-    """Fixed-width record codec: ``record(count="int64", sum="float64")``."""
-    return RecordCodec(tuple(fields.items()))
+def record(**fields: str | tuple[str, Any]) -> RecordCodec:
+    """Fixed-width record codec: ``record(count="int64", sum="float64")``; a field added
+    to an existing state declares its default: ``record(..., refunds=("int64", 0))``."""
+    types = tuple((n, f if isinstance(f, str) else f[0]) for n, f in fields.items())
+    defaults = tuple((n, f[1]) for n, f in fields.items() if not isinstance(f, str))
+    for name, f in fields.items():
+        if not isinstance(f, str) and (not isinstance(f, tuple) or len(f) != 2):
+            raise UsageError(f"record field {name!r}: give a type name or (type, default), "
+                             f"got {f!r}")
+    return RecordCodec(types, defaults)
 
 
-def value_state(name: str, codec: Codec | None = None,
-                ttl: StateTtl | None = None) -> StateDescriptor:
-    return StateDescriptor(name, "value", codec or JsonCodec(), ttl=ttl)
+def value_state(name: str, codec: Codec | None = None, ttl: StateTtl | None = None,
+                upgrades: tuple[Upgrade, ...] = ()) -> StateDescriptor:
+    return StateDescriptor(name, "value", codec or JsonCodec(), ttl=ttl, upgrades=upgrades)
 
 
-def list_state(name: str, codec: Codec | None = None,
-               ttl: StateTtl | None = None) -> StateDescriptor:
-    return StateDescriptor(name, "list", codec or JsonCodec(), ttl=ttl)
+def list_state(name: str, codec: Codec | None = None, ttl: StateTtl | None = None,
+               upgrades: tuple[Upgrade, ...] = ()) -> StateDescriptor:
+    return StateDescriptor(name, "list", codec or JsonCodec(), ttl=ttl, upgrades=upgrades)
 
 
-def map_state(name: str, codec: Codec | None = None,
-              ttl: StateTtl | None = None) -> StateDescriptor:
-    return StateDescriptor(name, "map", codec or JsonCodec(), ttl=ttl)
+def map_state(name: str, codec: Codec | None = None, ttl: StateTtl | None = None,
+              upgrades: tuple[Upgrade, ...] = ()) -> StateDescriptor:
+    return StateDescriptor(name, "map", codec or JsonCodec(), ttl=ttl, upgrades=upgrades)
 
 
 def reducing_state(name: str, reduce_fn: Callable[[Any, Any], Any],
@@ -257,20 +269,25 @@ class Job:
     on_timer: Vectorized | PerKey | None = None  # the timer handler (see the docstring)
     configure: Callable[[Job, Mapping[str, Any]], Job] | None = field(default=None,
                                                                        compare=False)
+    # Evolution (docs/evolve-a-job.md): stored states given up, and {new name: old name}.
+    dropped_states: tuple[str, ...] = ()
+    renamed_states: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
             raise UsageError(f"job name {self.name!r} is not a plain name "
                              "(letters, digits, '_', '.', '-')")
-        for name in ("states", "outputs", "options"):
+        for name in ("states", "outputs", "options", "dropped_states"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "expectations", MappingProxyType(dict(self.expectations)))
+        object.__setattr__(self, "renamed_states", MappingProxyType(dict(self.renamed_states)))
         _check_input(self)
         _check_states(self)
         _check_outputs(self)
         _check_logic(self)
         _check_options(self)
         _check_expectations(self)
+        _check_evolution(self)
         if self.compression not in COMPRESSIONS:
             raise _fail(self, f"compression {self.compression!r} is not one of "
                         f"{list(COMPRESSIONS)}")
@@ -433,6 +450,26 @@ def _check_options(job: Job) -> None:
             raise _fail(job, f"option {o.name!r} has default {o.default!r}; give a value of type "
                         f"{o.type.__name__}, not text")
         o.parse(job.name, o.default)
+
+
+def _check_evolution(job: Job) -> None:
+    declared = {d.name for d in job.states}
+    for name in job.dropped_states:
+        if not isinstance(name, str) or not name:
+            raise _fail(job, f"dropped_states holds {name!r}, not a state name")
+        if name in declared:
+            raise _fail(job, f"state {name!r} is both declared and in dropped_states")
+    for new, old in job.renamed_states.items():
+        if new not in declared:
+            raise _fail(job, f"renamed_states renames {old!r} to {new!r}, which is not a "
+                        f"declared state (states: {sorted(declared)})")
+        if not isinstance(old, str) or not old or old == new:
+            raise _fail(job, f"renamed_states maps {new!r} to {old!r}: name the stored state")
+        if old in job.dropped_states:
+            raise _fail(job, f"state {old!r} is both renamed to {new!r} and dropped")
+    olds = list(job.renamed_states.values())
+    if len(set(olds)) != len(olds):
+        raise _fail(job, f"renamed_states renames one state twice: {olds}")
 
 
 def _check_expectations(job: Job) -> None:

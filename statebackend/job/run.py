@@ -51,7 +51,12 @@ from typing import Any
 
 from statebackend import defaults, settings
 from statebackend.checkpoint.attempt import Attempt, cleanup_committed
-from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskHandle, utc_now_iso
+from statebackend.checkpoint.metadata import (
+    MAX_COUNT,
+    CheckpointMetadata,
+    SubtaskHandle,
+    utc_now_iso,
+)
 from statebackend.checkpoint.runs import RunOutcome, RunRecord, record_outcome, safe_run_name
 from statebackend.checkpoint.store import CheckpointStore, build_metadata
 from statebackend.errors import CkptError, TaskFailedError, UsageError
@@ -78,6 +83,13 @@ from statebackend.progress import NO_PROGRESS, ProgressSink
 from statebackend.settings import number
 from statebackend.state.keygroups import DEFAULT_MAX_PARALLELISM, check_parallelism
 from statebackend.state.kinds import INTERNAL_STATES
+from statebackend.state.schema import (
+    KEY,
+    MIGRATE_HINT,
+    EvolutionPlan,
+    StateChange,
+    plan_evolution,
+)
 from statebackend.state.watermark import advance
 from statebackend.storage import Storage, StorageOptions, open_storage
 
@@ -195,10 +207,18 @@ def run_job(job: Job, config: RunConfig, spark=None,
     options = _check_config(job, config)
     job = job.configured(options)
     store = CheckpointStore(config.open(config.storage), config.job_dir(job))
+    progress.phase(f"run {config.run_id}: planning")
+    done = store.find_run(config.run_id)
+    if done is not None and not store.run_still_counts(done):
+        done = None  # it names a lost commit: the lineage check under the lease says so
+    if done is None:
+        # a job that cannot continue its lineage is refused before anything is written
+        evolution_plan(job, _base_of(config, store), store.job)
     outcome = RunOutcome(config.run_id, "failed", None, started_at, 0.0, None,
                          dict(config.context))
     try:
-        result = _run(job, config, spark, options, store, started, progress)
+        result = _skipped(job, config, store, done, started) if done is not None else \
+            _run(job, config, spark, options, store, started, progress)
     except CkptError as exc:
         outcome = replace(outcome, error=str(exc))
         raise
@@ -213,10 +233,6 @@ def run_job(job: Job, config: RunConfig, spark=None,
 
 def _run(job: Job, config: RunConfig, spark, options: dict, store: CheckpointStore,
          started: float, progress: ProgressSink) -> dict:
-    progress.phase(f"run {config.run_id}: planning")
-    done = store.find_run(config.run_id)
-    if done is not None and store.run_still_counts(done):  # no lease needed to say so
-        return _skipped(job, config, store, done, started)
     # The lineage is checked (forks, lost commits, forgotten runs) under the lease,
     # before anything else: a run id is counted once (checkpoint/lineage.py).
     with store.writer(f"{job.name} run {config.run_id}") as session:
@@ -224,8 +240,9 @@ def _run(job: Job, config: RunConfig, spark, options: dict, store: CheckpointSto
         if done is not None:
             return _skipped(job, config, store, done, started)
         warnings: list[str] = []
+        evolution = evolution_plan(job, session.lineage.latest or _base_of(config, store),
+                                   store.job)
         parent = _parent(config, store, session.lineage.latest, warnings)
-        check_states(job, parent, store.job)
         files = list_input(config.input, config.storage_options)
         progress.phase(f"run {config.run_id}: checking {files.count} input files")
         check_parquet(files)  # before Spark starts: a bad file costs no session
@@ -235,7 +252,7 @@ def _run(job: Job, config: RunConfig, spark, options: dict, store: CheckpointSto
             parent_state_bytes=parent.bytes_referenced if parent else 0)
         engine = _engine(choice, job, config, store, files, spark, progress)
         return _run_attempt(engine, choice, job, config, options, store, parent, files,
-                            started, warnings, progress)
+                            started, warnings, progress, evolution)
 
 
 def _engine(choice: EngineChoice, job: Job, config: RunConfig, store: CheckpointStore,
@@ -264,6 +281,9 @@ def _engine(choice: EngineChoice, job: Job, config: RunConfig, store: Checkpoint
 def _check_config(job: Job, config: RunConfig) -> dict:
     settings.check_environment()  # every CKPT_* setting, before any work
     number(config.max_reject_fraction, "--max-reject-fraction", maximum=1.0)
+    if config.logical_time_ms is not None:
+        number(config.logical_time_ms, "--logical-time-ms", minimum=-MAX_COUNT,
+               maximum=MAX_COUNT, integer=True)
     if not config.run_id:
         raise UsageError("--run-id must not be empty")
     if job.outputs and not config.output:
@@ -294,23 +314,48 @@ def _warn(warnings: list[str], text: str) -> None:
     warnings.append(text)
 
 
-def check_states(job: Job, parent: CheckpointMetadata | None, job_dir: str) -> None:
-    """The lineage's states must be the job's (name, kind, codec, TTL): never guess a
-    mapping. Internal families (timers, TTL index) are the backend's, not compared."""
-    if parent is None:
-        return
-    stored = {s.get("name"): (s.get("kind", "value"), s.get("codec", {"type": "json"}),
-                              s.get("ttl"))
-              for s in parent.states if s.get("name") not in INTERNAL_STATES}
-    declared = {d.name: (d.kind, d.codec.to_json(), d.ttl.to_json() if d.ttl else None)
-                for d in job.states}
-    if stored != declared:
-        diff = sorted(n for n in set(stored) | set(declared)
-                      if stored.get(n) != declared.get(n))
-        raise UsageError(
-            f"job {job.name!r} declares states {sorted(declared)} but checkpoint "
-            f"{parent.checkpoint_id} of {job_dir!r} holds {sorted(stored)} (differs in "
-            f"{diff}): run it against its own lineage (--job) or start a new one")
+def new_lineage_plan(job: Job) -> EvolutionPlan:
+    """The schemas of a lineage's first checkpoint: every state added at version 1."""
+    return plan_evolution((), job.descriptors, internal=tuple(INTERNAL_STATES))
+
+
+def _base_of(config: RunConfig, store: CheckpointStore) -> CheckpointMetadata | None:
+    """What the run would build on: the latest checkpoint, else its start point (read,
+    not copied)."""
+    latest = store.latest()
+    if latest is None and config.start_from:
+        from statebackend.lifecycle.savepoint import read_start_point
+
+        return read_start_point(store.root_storage, config.start_from)
+    return latest
+
+
+def evolution_plan(job: Job, base: CheckpointMetadata | None, job_dir: str
+                   ) -> EvolutionPlan | None:
+    """How the job's states continue ``base``'s (statebackend.state.schema); UsageError
+    naming the state and the change when they cannot, before any work."""
+    plan = plan_for(job, base)
+    if plan is not None:
+        plan.require_compatible(job.name, f"the lineage of {job_dir!r} (checkpoint "
+                                          f"{base.checkpoint_id})")
+    return plan
+
+
+def plan_for(job: Job, base: CheckpointMetadata | None) -> EvolutionPlan | None:
+    """The evolution plan of ``job`` on ``base`` (None: a new lineage), refusals included:
+    a changed key column is refused like a state change. Internal families (timers, TTL
+    index) are the backend's, not compared."""
+    if base is None:
+        return None
+    plan = plan_evolution(base.states, job.descriptors, renamed=job.renamed_states,
+                          dropped=job.dropped_states, checkpoint_id=base.checkpoint_id,
+                          internal=tuple(INTERNAL_STATES))
+    stored_key = base.extra.get("key") if base.extra else None
+    if stored_key is not None and stored_key != job.key:
+        key = StateChange(KEY, "refused", (
+            f"the key column changes from {stored_key!r} to {job.key!r}; {MIGRATE_HINT}",))
+        plan = replace(plan, changes=(key, *plan.changes))
+    return plan
 
 
 def _lineage_shape(config: RunConfig, parent: CheckpointMetadata | None, engine: Engine,
@@ -334,7 +379,8 @@ def _lineage_shape(config: RunConfig, parent: CheckpointMetadata | None, engine:
 
 def _run_attempt(engine: Engine, choice: EngineChoice, job: Job, config: RunConfig, options: dict,
                  store: CheckpointStore, parent: CheckpointMetadata | None, files: InputFiles,
-                 started: float, warnings: list[str], progress: ProgressSink) -> dict:
+                 started: float, warnings: list[str], progress: ProgressSink,
+                 evolution: EvolutionPlan | None) -> dict:
     from statebackend.spark.dispatch import partition_values
 
     parallelism, max_parallelism = _lineage_shape(config, parent, engine, warnings)
@@ -344,6 +390,9 @@ def _run_attempt(engine: Engine, choice: EngineChoice, job: Job, config: RunConf
     _delete_run_outputs(job, config)
     config.open(config.quarantine_url).delete_tree(run_dir)
     clock = _run_clock(engine, job, config, parent, parallelism, progress)
+    migration = evolution if evolution is not None and evolution.rewrites else None
+    if migration is not None:  # every subtask rewrites its entries once (state/migrate.py)
+        clock = replace(clock, must_run=(True,) * parallelism)
     params = TaskParams(
         job=job, options=options, storage_url=store.root_storage.url, job_dir=store.job,
         checkpoint_id=checkpoint_id, parallelism=parallelism, max_parallelism=max_parallelism,
@@ -355,7 +404,7 @@ def _run_attempt(engine: Engine, choice: EngineChoice, job: Job, config: RunConf
         # given): executors on other hosts reach the same storage; nothing goes to env.
         storage_options=store.root_storage.options,
         watermark=clock.watermark, new_watermark=clock.new_watermark,
-        processing_time=clock.processing_time, must_run=clock.must_run)
+        processing_time=clock.processing_time, must_run=clock.must_run, migration=migration)
     attempt = Attempt(store, checkpoint_id, on_discard=lambda: _delete_run_outputs(job, config))
     params = replace(params, attempt_token=attempt.token)
     progress.phase(f"run {config.run_id}: reading input")
@@ -373,7 +422,7 @@ def _run_attempt(engine: Engine, choice: EngineChoice, job: Job, config: RunConf
                           f"{engine.task_word}: {exc}; {where}") from exc
     progress.phase(f"run {config.run_id}: committing checkpoint {checkpoint_id}")
     return _commit(job, config, store, attempt, parent, files, parallelism, max_parallelism,
-                   rows, started, warnings, clock, progress, choice)
+                   rows, started, warnings, clock, progress, choice, evolution)
 
 
 # -- time: watermark, logical time, subtasks with due work -----------------------------
@@ -441,7 +490,7 @@ def _commit(job: Job, config: RunConfig, store: CheckpointStore, attempt: Attemp
             parent: CheckpointMetadata | None, files: InputFiles, parallelism: int,
             max_parallelism: int, rows: list[dict], started: float,
             warnings: list[str], clock: RunClock, progress: ProgressSink,
-            choice: EngineChoice) -> dict:
+            choice: EngineChoice, evolution: EvolutionPlan | None) -> dict:
     """Check the task results, commit `_metadata` through the attempt, publish outputs."""
     by_subtask = {r["subtask"]: r for r in rows}
     for r in rows:
@@ -484,6 +533,7 @@ def _commit(job: Job, config: RunConfig, store: CheckpointStore, attempt: Attemp
              "output": config.output,
              # Which parts the run wrote: a re-run may only publish complete folders.
              "output_parts": _output_parts(job, rows), "job_kind": job.name,
+             "key": job.key,
              "metrics": run_metrics(rows, handles, started, reasons)}
     if config.context:
         extra["context"] = dict(config.context)
@@ -502,7 +552,8 @@ def _commit(job: Job, config: RunConfig, store: CheckpointStore, attempt: Attemp
     meta = build_metadata(
         job=store.job, checkpoint_id=attempt.checkpoint_id,
         parent=parent.checkpoint_id if parent else None, max_parallelism=max_parallelism,
-        states=[d.to_json() for d in job.descriptors], handles=handles, run_id=config.run_id,
+        states=(evolution or new_lineage_plan(job)).states, handles=handles,
+        run_id=config.run_id,
         inputs=[config.input], extra=extra)
     if job.has_time or job.input.event_time is not None:  # other jobs' records stay as they were
         meta = meta.with_changes(watermark=clock.new_watermark,

@@ -51,6 +51,8 @@ from statebackend.job.input import LINE, raw_table, spark_ddl
 from statebackend.job.input import REASON as READ_REASON
 from statebackend.state.backend import KeyedStateBackend
 from statebackend.state.keygroups import key_group_range_for_subtask
+from statebackend.state.migrate import migrate_backend
+from statebackend.state.schema import EvolutionPlan
 from statebackend.storage import Storage, StorageOptions, child_storage, open_storage
 
 MARKER = "__subtask_marker__"  # `_reason` of the one synthetic row each subtask receives
@@ -122,6 +124,8 @@ class TaskParams:
     # The driver's `Attempt.token`: this task's upload record names it, so a discard
     # takes only its own attempt's uploads (statebackend.checkpoint.attempt).
     attempt_token: str = ""
+    # A state schema evolution to apply right after the restore (state/migrate.py).
+    migration: EvolutionPlan | None = None
 
     def open(self, url: str) -> Storage:
         return open_storage(url, **self.storage_options)
@@ -181,6 +185,7 @@ class SubtaskRun:
         self.t = dict.fromkeys(PHASES, 0.0)
         self.restore_mode = "none"
         self.reuploaded: tuple[str, ...] = ()
+        self.migrated: dict | None = None
 
     # -- phases ------------------------------------------------------------------------
     def open_state(self) -> SubtaskProcessor:
@@ -201,6 +206,11 @@ class SubtaskRun:
                                              p.max_parallelism, kg)
             self.restore_mode = "new"
         tune(self.backend, self.job.compression)
+        if p.migration is not None and self.parent is not None:
+            clock = p.new_watermark if p.new_watermark is not None else p.watermark
+            self.migrated = migrate_backend(
+                self.backend, p.migration.migrations, p.migration.dropped,
+                {"event": clock, "processing": p.processing_time}).to_json()
         self.processor = SubtaskProcessor(
             self.job, self.backend, p.options, run_id=p.run_id, checkpoint_id=p.checkpoint_id,
             subtask=self.subtask, watermark=p.watermark, new_watermark=p.new_watermark,
@@ -237,7 +247,7 @@ class SubtaskRun:
         self._write_quarantine(result.rejected)
         self.t["processing"] += time.perf_counter() - started
         if result.events == 0 and self.parent is not None and not result.timers_fired \
-                and not result.ttl_index_read:
+                and not result.ttl_index_read and self.migrated is None:
             return self._result(None, result, {})  # nothing changed the state: carry forward
         return self._checkpoint(result)
 

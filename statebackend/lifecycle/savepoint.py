@@ -297,6 +297,15 @@ def _relative_to_root(storage: Storage, location: str) -> str:
                      "run with --storage set to its root, or copy the savepoint there")
 
 
+def read_start_point(storage: Storage, spec: str) -> CheckpointMetadata:
+    """The record ``spec`` names (a savepoint or another job's checkpoint), read only:
+    what a first run's compatibility check compares with before anything is copied."""
+    kind, source_job, what = parse_start_spec(storage, spec)
+    source = CheckpointStore(storage, source_job)
+    source.require_job()
+    return load_savepoint(source, what) if kind == "savepoint" else source.resolve(what)
+
+
 def import_start_point(storage: Storage, target_job: str, spec: str) -> CheckpointMetadata:
     """Copy a savepoint or another job's checkpoint into ``target_job`` as its first checkpoint."""
     target = CheckpointStore(storage, target_job)

@@ -358,6 +358,20 @@ class KeyedStateBackend:
     def column_family(self, name: str) -> Rdict:
         return self._cfs[name]
 
+    def drop_column_family(self, name: str) -> None:
+        """Drop a stored family no declared state uses any more (a dropped or renamed
+        state, statebackend.state.migrate): the next snapshot does not hold it."""
+        if name in self.descriptors and not self.descriptors[name].internal:
+            raise UsageError(f"state {name!r} is declared: it cannot be dropped")
+        if name not in self._cfs:
+            return
+        self._states.pop(name, None)
+        self._cfs.pop(name)
+        self._handles.pop(name)
+        self._cf_names.remove(name)
+        self.db.drop_column_family(name)
+        self._dirty = True
+
     def column_family_handle(self, name: str):
         return self._handles[name]
 

@@ -9,7 +9,10 @@ Codecs (declared per state, recorded in `_metadata` as JSON):
 
 - ``json``   b"\\x01" + compact UTF-8 JSON (dict/list/str/int/float/bool/None)
 - ``record`` b"\\x02" + little-endian struct of named fixed-width fields
-             (int64, float64, bool); decodes to a dict; vectorised with NumPy
+             (int32, int64, float32, float64, bool); decodes to a dict; vectorised
+             with NumPy. A field may declare a default (``record(n=("int64", 0))``):
+             not part of the stored layout, it fills the field when a lineage's
+             stored records lack it (state schema evolution, `statebackend.state.schema`).
 - ``bytes``  b"\\x03" + raw bytes
 - ``str``    b"\\x04" + UTF-8
 
@@ -32,7 +35,7 @@ import json
 import operator
 import struct
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -45,7 +48,8 @@ RECORD_FORMAT = 0x02
 BYTES_FORMAT = 0x03
 STR_FORMAT = 0x04
 
-_FIELD_TYPES = {"int64": ("q", "<i8"), "float64": ("d", "<f8"), "bool": ("?", "?")}
+_FIELD_TYPES = {"int64": ("q", "<i8"), "float64": ("d", "<f8"), "bool": ("?", "?"),
+                "int32": ("i", "<i4"), "float32": ("f", "<f4")}
 _U32 = struct.Struct(">I")
 TIME_BYTES = 8
 _TIME_OFFSET = 1 << 63
@@ -186,19 +190,47 @@ class StrCodec:
 
 @dataclass(frozen=True)
 class RecordCodec:
-    """Fixed-width record of named fields; fast to encode and decode in bulk."""
+    """Fixed-width record of named fields; fast to encode and decode in bulk.
+
+    ``defaults``: (field, value) pairs declared for evolution; they do not change the
+    layout, the stored description (`to_json`) or equality."""
 
     fields: tuple[tuple[str, str], ...]
+    defaults: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if not self.fields:
             raise UsageError("a record codec needs at least one field")
+        names = [n for n, _ in self.fields]
+        if len(set(names)) != len(names):
+            raise UsageError(f"record fields {names} name a field twice")
         for name, ftype in self.fields:
+            if not isinstance(name, str) or not name.isidentifier():
+                raise UsageError(f"record field name {name!r} is not an identifier")
             if ftype not in _FIELD_TYPES:
                 raise UsageError(
                     f"record field {name!r} has unknown type {ftype!r}; "
                     f"use one of {sorted(_FIELD_TYPES)}"
                 )
+        for name, value in self.defaults:
+            if name not in names:
+                raise UsageError(f"record default for {name!r} names no field of {names}")
+            self.check_value(name, value)
+
+    def check_value(self, name: str, value: Any) -> None:
+        """UsageError unless ``value`` fits field ``name`` (e.g. a declared default)."""
+        ftype = dict(self.fields)[name]
+        try:
+            struct.pack("<" + _FIELD_TYPES[ftype][0], value)
+            ok = not (ftype in ("int32", "int64") and isinstance(value, bool | float))
+        except (struct.error, TypeError):
+            ok = False
+        if not ok:
+            raise UsageError(f"record field {name!r} ({ftype}) cannot hold {value!r}")
+
+    @property
+    def default_of(self) -> dict[str, Any]:
+        return dict(self.defaults)
 
     @property
     def _struct(self) -> struct.Struct:

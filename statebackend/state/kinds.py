@@ -40,6 +40,7 @@ from statebackend.state.codecs import (
     split_map_key,
 )
 from statebackend.state.keygroups import key_group_prefix
+from statebackend.state.schema import Upgrade, check_upgrades
 from statebackend.state.ttl import TTL_INDEX, StateTtl, TtlAccess
 
 if TYPE_CHECKING:
@@ -71,8 +72,20 @@ class StateDescriptor:
     reduce_fn: Callable[[Any, Any], Any] | None = field(default=None, compare=False)
     aggregate_fn: AggregateFunction | None = field(default=None, compare=False)
     ttl: StateTtl | None = None
+    # Declared value upgrades (statebackend.state.schema): code, so not compared.
+    upgrades: tuple[Upgrade, ...] = field(default=(), compare=False)
+
+    @property
+    def upgrade_version(self) -> int:
+        """The version of the values this code writes: the newest declared upgrade, or 0."""
+        return max((u.version for u in self.upgrades), default=0)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "upgrades", tuple(self.upgrades))
+        if not all(isinstance(u, Upgrade) for u in self.upgrades):
+            raise UsageError(f"state {self.name!r}: upgrades must be Upgrade(version, fn) "
+                             f"values, got {self.upgrades!r}")
+        check_upgrades(self.name, self.upgrades)
         internal = INTERNAL_STATES.get(self.name)
         if self.kind not in STATE_KINDS and self.kind != internal:
             raise UsageError(f"state {self.name!r} has unknown kind {self.kind!r}; "
@@ -111,6 +124,7 @@ class StateDescriptor:
         object.__setattr__(desc, "codec", codec_from_json(data.get("codec", {"type": "json"})))
         object.__setattr__(desc, "reduce_fn", None)
         object.__setattr__(desc, "aggregate_fn", None)
+        object.__setattr__(desc, "upgrades", ())
         ttl = data.get("ttl")
         object.__setattr__(desc, "ttl", None if ttl is None else StateTtl.from_json(ttl))
         if kind not in STATE_KINDS and kind != INTERNAL_STATES.get(desc.name):

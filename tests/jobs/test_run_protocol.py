@@ -170,7 +170,9 @@ def test_states_of_another_job_are_refused(spark, tmp_path):
     url = f"file://{tmp_path}/store"
     run_job(user_activity.job, RunConfig(input=str(tmp_path / "in"), storage=url, run_id="a",
                                          output=str(tmp_path / "o1")), spark)
-    with pytest.raises(UsageError, match=r"declares states \['totals'\] but checkpoint 1"):
+    with pytest.raises(UsageError, match=r"cannot continue the lineage of 'user_activity' "
+                                         r"\(checkpoint 1\): its key: the key column changes "
+                                         r"from 'user' to 'key'.*\(2 more refused\)"):
         run_job(ka.JOB, RunConfig(input=str(tmp_path / "in"), storage=url, job="user_activity",
                                   run_id="b", output=str(tmp_path / "o2")), spark)
 
