@@ -19,6 +19,7 @@ from statebackend.checkpoint.store import CheckpointStore
 from statebackend.cli.app import age_of, emit_json, human_bytes, json_flag
 from statebackend.errors import CheckpointNotFoundError, MetadataError
 from statebackend.progress import Progress
+from statebackend.state.schema import describe_schema
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -44,29 +45,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "to stderr)")
     p.add_argument("--format", choices=DUMP_FORMATS, default="jsonl")
     p.set_defaults(handler=cmd_dump)
-
-
-def schema_lines(states: tuple[dict, ...]) -> list[str]:
-    """One line per state: name, kind, codec (record fields), TTL, schema and upgrade
-    version, and where it came from (statebackend.state.schema)."""
-    out = []
-    for s in states:
-        codec = s.get("codec", {"type": "json"})
-        what = codec.get("type", "?")
-        if what == "record":
-            what += "(" + ", ".join(f"{n} {t}" for n, t in codec.get("fields", [])) + ")"
-        ttl = s.get("ttl")
-        ttl_text = f", ttl {ttl['duration_ms']} ms {ttl.get('time', 'processing')}" if ttl \
-            else ""
-        upgrade = f", upgrade {s['upgrade_version']}" if s.get("upgrade_version") else ""
-        past = s.get("history") or []
-        origin = ""
-        if past:
-            names = [h.get("name") for h in past if h.get("name") not in (None, s["name"])]
-            origin = f" (was {names[-1]!r})" if names else ""
-        out.append(f"{s['name']:18} {s.get('kind', 'value'):11} {what}{ttl_text} "
-                   f"v{s.get('schema_version', 1)}{upgrade}{origin}")
-    return out
 
 
 def describe(meta: CheckpointMetadata) -> str:
@@ -146,8 +124,8 @@ def cmd_show(args: argparse.Namespace, store: CheckpointStore) -> int:
                 "files_referenced", "bytes_referenced", "bytes_uploaded", "rows"):
         print(f"  {key:17} {shown[key]}")
     print("  states (schemas):")
-    for line in schema_lines(meta.states):
-        print(f"    {line}")
+    for state in meta.states:
+        print(f"    {state['name']:18} {describe_schema(state)}")
     for key in ("watermark", "processing_time"):
         print(f"  {key:17} {epoch_ms(s[key])}")
     if meta.source:

@@ -110,6 +110,24 @@ def check_schema_keys(state: Mapping[str, Any]) -> str | None:
     return None
 
 
+def describe_schema(stored: Mapping[str, Any]) -> str:
+    """One line for people (`ckpt show`, the Checkpoints page): kind, codec (record
+    fields), TTL, schema and upgrade version, and the name it had before a rename."""
+    s = schema_of(stored)
+    codec = s["codec"] if isinstance(s["codec"], dict) else {}
+    what = str(codec.get("type", "?"))
+    if what == "record":
+        what += "(" + ", ".join(f"{n} {t}" for n, t in codec.get("fields", [])) + ")"
+    ttl = s["ttl"] if isinstance(s["ttl"], dict) else None
+    ttl_text = f", ttl {ttl.get('duration_ms')} ms {ttl.get('time', 'processing')}" if ttl \
+        else ""
+    upgrade = f", upgrade {s['upgrade_version']}" if s["upgrade_version"] else ""
+    names = [h.get("name") for h in s["history"] if isinstance(h, dict)
+             and h.get("name") not in (None, s["name"])]
+    origin = f" (was {names[-1]!r})" if names else ""
+    return f"{s['kind']} {what}{ttl_text} v{s['schema_version']}{upgrade}{origin}"
+
+
 # -- the plan -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class StateChange:

@@ -55,6 +55,7 @@ class ManifestTables:
     files: pd.DataFrame
     subtasks: pd.DataFrame
     checkpoint: pd.DataFrame
+    states: pd.DataFrame
     facts: dict[str, FileFacts] = field(default_factory=dict)
 
 
@@ -197,6 +198,41 @@ def subtasks_table(obj: dict | None, checkpoint_id: int) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=columns)
 
 
+def states_table(obj: dict | None, checkpoint_id: int) -> pd.DataFrame:
+    """One row per recorded state: its schema (statebackend.state.schema) and whether this
+    release reads it; the versions of its history must rise to its current one."""
+    from statebackend.state.codecs import codec_from_json
+    from statebackend.state.schema import check_schema_keys, schema_of
+
+    states = obj.get("states") if obj else None
+    rows = []
+    for raw in states if isinstance(states, list) else []:
+        if not isinstance(raw, dict):
+            continue
+        s = schema_of(raw)
+        error = check_schema_keys(raw)
+        try:
+            codec = codec_from_json(s["codec"]).to_json()
+        except CkptError as exc:
+            codec, error = s["codec"], error or str(exc)
+        history = s["history"] if isinstance(s["history"], list) else []
+        versions = [h.get("schema_version") for h in history if isinstance(h, dict)]
+        versions.append(s["schema_version"])
+        rows.append({
+            "checkpoint_id": checkpoint_id, "state": str(s.get("name")), "kind": s["kind"],
+            "codec": json.dumps(codec, sort_keys=True),
+            "ttl": json.dumps(s["ttl"], sort_keys=True) if s["ttl"] else "",
+            "schema_version": s["schema_version"], "upgrade_version": s["upgrade_version"],
+            "history": " -> ".join(f"v{h.get('schema_version')} {h.get('name')}"
+                                   for h in history if isinstance(h, dict)),
+            "schema_error": error or "", "schema_ok": error is None,
+            "history_ok": all(isinstance(v, int) for v in versions)
+            and versions == sorted(set(versions))})
+    columns = ["checkpoint_id", "state", "kind", "codec", "ttl", "schema_version",
+               "upgrade_version", "history", "schema_error", "schema_ok", "history_ok"]
+    return pd.DataFrame(rows, columns=columns)
+
+
 def checkpoint_table(store: CheckpointStore, checkpoint_id: int, obj: dict | None,
                      error: str | None) -> pd.DataFrame:
     obj = obj or {}
@@ -248,7 +284,8 @@ def build_manifest(store: CheckpointStore, checkpoint_id: int, *, checksums: boo
     return ManifestTables(
         checkpoint_id=checkpoint_id, raw=obj, meta=meta, metadata_error=error,
         files=files_table(records, facts), subtasks=subtasks_table(obj, checkpoint_id),
-        checkpoint=checkpoint_table(store, checkpoint_id, obj, error), facts=facts)
+        checkpoint=checkpoint_table(store, checkpoint_id, obj, error),
+        states=states_table(obj, checkpoint_id), facts=facts)
 
 
 def refresh_files(tables: ManifestTables, facts: dict[str, FileFacts]) -> None:

@@ -16,6 +16,9 @@ files       ckpt.manifest.files        paths_inside_job_root, files_exist,
                                        file_sizes_match, file_checksums_match
 subtasks    ckpt.manifest.subtasks     key_group_ranges_match_formula,
                                        key_group_ranges_no_gap, key_group_ranges_no_overlap
+states      ckpt.manifest.states       state_schemas_readable, schema_history_ascending
+                                       (one row per state: kind, codec and fields, TTL,
+                                       schema and upgrade version, history)
 restore     ckpt.content.restore       subtasks_restore (deep)
 state       ckpt.content.state         key_group_prefix_matches_hash,
                                        keys_in_subtask_range, values_decode (deep; at
@@ -78,6 +81,12 @@ _BUILTIN: dict[str, list[tuple[str, str, str, str, tuple]]] = {
         ("key_group_ranges_no_overlap", "no two subtask ranges overlap",
          "overlap_before", "between", (0, 0)),
     ],
+    "states": [
+        ("state_schemas_readable", "each state's schema (kind, codec and fields, TTL, "
+         "versions) is one this release reads", "schema_ok", "true", ()),
+        ("schema_history_ascending", "each state's schema versions rise along its history "
+         "and end at its current version", "history_ok", "true", ()),
+    ],
     "restore": [
         ("subtasks_restore", "every subtask downloads intact and opens read-only",
          "restored", "true", ()),
@@ -108,6 +117,8 @@ INDEX_COLUMNS = {
               "actual_checksum"],
     "subtasks": ["subtask", "key_group_start", "key_group_end", "expected_start",
                  "expected_end", "gap_before", "gap_after"],
+    "states": ["state", "kind", "codec", "ttl", "schema_version", "upgrade_version",
+               "history", "schema_error"],
     "restore": ["subtask", "restore_error"],
     "state": ["subtask", "state", "key", "user_key", "key_group", "computed_key_group",
               "range_start", "range_end", "decode_error"],
@@ -120,6 +131,7 @@ SUITE_NAMES = {
     "checkpoint": "ckpt.manifest.checkpoint",
     "files": "ckpt.manifest.files",
     "subtasks": "ckpt.manifest.subtasks",
+    "states": "ckpt.manifest.states",
     "restore": "ckpt.content.restore",
     "state": "ckpt.content.state",
     "families": "ckpt.content.families",

@@ -158,7 +158,8 @@ def validate_checkpoint(store: CheckpointStore, ref: str | int | None = "latest"
     tables = manifest_mod.build_manifest(store, cid, checksums=None if deep else True)
     runs = [suites_mod.builtin_run("checkpoint", tables.checkpoint),
             suites_mod.builtin_run("files", tables.files),
-            suites_mod.builtin_run("subtasks", tables.subtasks)]
+            suites_mod.builtin_run("subtasks", tables.subtasks),
+            suites_mod.builtin_run("states", tables.states)]
     figures: dict = {"files": len(tables.files), "bytes_referenced":
                      int(tables.files["recorded_size"].clip(lower=0).sum())
                      if len(tables.files) else 0,
@@ -235,6 +236,8 @@ def validate_checkpoint(store: CheckpointStore, ref: str | int | None = "latest"
             "failed_checks": sorted({c["name"] for c in failed}),
             "suites": suites,
             "checks": checks,
+            # each state's schema, as the checkpoint records it (docs/evolve-a-job.md)
+            "schemas": tables.states.drop(columns=["checkpoint_id"]).to_dict("records"),
             "figures": figures,
             "timings": timings,
             "duration_seconds": timings["total_seconds"],

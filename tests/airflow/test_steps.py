@@ -177,3 +177,41 @@ def test_a_run_task_logs_its_progress(spark, tmp_path, caplog, monkeypatch):
     lines = [r.getMessage() for r in caplog.records if r.name == steps.log.name]
     assert any(re.fullmatch(r"ckpt run: run interval__2027-01-01T00:00:00\+00:00, checkpoint 1: "
                             r"2/2 subtasks \(100%\), \d+ s", x) for x in lines), lines
+
+
+def test_a_changed_job_continues_its_lineage_or_fails_before_reading_input(tmp_path):
+    """Issue 21: a ckpt_jobs entry whose code changed between DAG runs: a compatible
+    change continues the lineage (the page shows the new schema versions); an
+    incompatible one fails in one line before its input is read."""
+    from statebackend.airflow.page import data as page
+    from statebackend.checkpoint.dump import checkpoint_rows
+    from tests.evolution.card_spend import dumped, events, reference
+
+    days = []
+    for d, version in ((0, 1), (1, 3)):
+        folder = tmp_path / "in" / f"day=2027-01-0{d + 1}"
+        folder.mkdir(parents=True)
+        events(200, 20, 40 + d, d).to_parquet(folder / "part.parquet")
+        spec = make_spec(tmp_path, job=f"tests.evolution.card_spend:V{version}",
+                         engine="local")
+        summary = steps.run_pipeline_job(spec, logical_date=datetime(2027, 1, d + 1, tzinfo=UTC),
+                                         airflow_run_id=f"scheduled__{d}", storage_options={})
+        assert summary["checkpoint_id"] == d + 1
+        days.append((events(200, 20, 40 + d, d), version))
+    store = steps.open_store(spec, {})
+    got = dumped(checkpoint_rows(store, store.latest()))["totals"]
+    want = reference(days)["totals"]
+    assert got.keys() == want.keys()
+    for card, totals in want.items():
+        assert got[card] == pytest.approx(totals), card
+    row = page.checkpoint_row(spec, store, store.latest(), None, {})
+    assert {s["name"]: s["schema_version"] for s in row["states"]}["totals"] == 2
+    bad_day = tmp_path / "in" / "day=2027-01-03"
+    bad_day.mkdir()
+    (bad_day / "part.parquet").write_bytes(b"not parquet: reading it would fail differently")
+    spec = make_spec(tmp_path, job="tests.evolution.card_spend:TOTALS_AS_MAP", engine="local")
+    with pytest.raises(UsageError) as info:
+        steps.run_pipeline_job(spec, logical_date=datetime(2027, 1, 3, tzinfo=UTC),
+                               airflow_run_id="scheduled__2", storage_options={})
+    assert "state 'totals': its kind changes from value to map" in str(info.value)
+    assert "\n" not in str(info.value) and store.checkpoint_ids() == [1, 2]

@@ -149,3 +149,9 @@ def dumped(rows) -> dict[str, dict]:
         key = (r["key"], r["user_key"]) if r.get("user_key") is not None else r["key"]
         out.setdefault(r["state"], {})[key] = r["value"]
     return out
+
+
+# module attributes a deployment's ckpt_jobs can name ("tests.evolution.card_spend:V3")
+V1, V2, V3, V4, V5, V6 = (VERSIONS[v] for v in range(1, 7))
+TOTALS_AS_MAP = Job(name="card_spend", input=INPUT,
+                    states=(map_state("totals"), *states(2)[1:]), logic=logic(2))

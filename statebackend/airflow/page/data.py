@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import quote, urlencode
 
 from statebackend.checkpoint.layout import HISTORY_DIR, REPORTS_DIR, chk_id_of
+from statebackend.state.schema import describe_schema
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +200,9 @@ def checkpoint_row(spec, store, meta, summary: dict | None, files: dict[int, lis
         "report": f"{URL_PREFIX}/reports/{spec.name}/{index}" if index else None,
         "metrics": run_metrics(meta), "subtasks": subtask_rows(meta),
         "context": ctx, "links": airflow_links(ctx),
+        # each state's schema and version (statebackend.state.schema)
+        "states": [{"name": s.get("name"), "schema": describe_schema(s),
+                    "schema_version": s.get("schema_version", 1)} for s in meta.states],
     }
 
 

@@ -237,6 +237,8 @@ def render_detail(job: str, r: dict, is_open: bool) -> str:
         ("run", f"{human_seconds(m['duration_s'])}: {phases}"),
         ("events", f"{human_count(m['events_read'])} read, {human_count(m['events_rejected'])} "
                    f"rejected ({reasons}), {human_count(m['keys_touched'])} keys touched"),
+        ("states", "<br>".join(f"{esc(s['name'])}: {esc(s['schema'])}"
+                               for s in r.get("states", [])) or "–"),
         ("validation", link(r["report"], r["validation"], "report")
          + (f" (failed: {checks})" if checks else "")),
         ("Airflow", _airflow_cells(r["links"]) or "–"),
