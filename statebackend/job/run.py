@@ -213,7 +213,9 @@ def run_job(job: Job, config: RunConfig, spark=None,
         done = None  # it names a lost commit: the lineage check under the lease says so
     if done is None:
         # a job that cannot continue its lineage is refused before anything is written
-        evolution_plan(job, _base_of(config, store), store.job)
+        base = _base_of(config, store)
+        evolution_plan(job, base, store.job)
+        _check_max_parallelism(config, base)
     outcome = RunOutcome(config.run_id, "failed", None, started_at, 0.0, None,
                          dict(config.context))
     try:
@@ -314,6 +316,15 @@ def _warn(warnings: list[str], text: str) -> None:
     warnings.append(text)
 
 
+def _check_max_parallelism(config: RunConfig, base: CheckpointMetadata | None) -> None:
+    """Key groups never change once data exists: another max parallelism is refused."""
+    asked = config.max_parallelism
+    if base is not None and asked not in (DEFAULT_MAX_PARALLELISM, base.max_parallelism):
+        raise UsageError(f"--max-parallelism {asked} differs from the lineage's "
+                         f"{base.max_parallelism}: key groups never change once data exists; "
+                         f"{MIGRATE_HINT}")
+
+
 def new_lineage_plan(job: Job) -> EvolutionPlan:
     """The schemas of a lineage's first checkpoint: every state added at version 1."""
     return plan_evolution((), job.descriptors, internal=tuple(INTERNAL_STATES))
@@ -361,13 +372,9 @@ def plan_for(job: Job, base: CheckpointMetadata | None) -> EvolutionPlan | None:
 def _lineage_shape(config: RunConfig, parent: CheckpointMetadata | None, engine: Engine,
                    warnings: list[str]) -> tuple[int, int]:
     if parent is not None:
-        for name, asked, kept in (("parallelism", config.parallelism, parent.parallelism),
-                                  ("max parallelism", config.max_parallelism,
-                                   parent.max_parallelism)):
-            if asked is not None and asked != kept and not (
-                    name == "max parallelism" and asked == DEFAULT_MAX_PARALLELISM):
-                _warn(warnings, f"{name} {asked} ignored: the lineage keeps {kept} (use "
-                                "rescale-restore to change parallelism)")
+        if config.parallelism is not None and config.parallelism != parent.parallelism:
+            _warn(warnings, f"parallelism {config.parallelism} ignored: the lineage keeps "
+                            f"{parent.parallelism} (use rescale-restore to change parallelism)")
         return parent.parallelism, parent.max_parallelism
     if config.parallelism is not None:
         check_parallelism(config.parallelism, config.max_parallelism)

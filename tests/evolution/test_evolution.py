@@ -144,3 +144,16 @@ def test_six_versions_through_runs_a_crash_a_rescale_and_a_savepoint(tmp_path, s
     assert [h["name"] for h in merchants["history"]] == ["per_merchant"]
     again = lin.run(5, 6, job_dir="card_spend_v4")  # re-run of a committed day: skipped
     assert again["skipped"] is True
+
+
+def test_a_changed_max_parallelism_or_key_is_refused_before_any_work(tmp_path):
+    lin = Lineage(tmp_path, f"file://{tmp_path}/store", "local", None)
+    lin.run(0, 1)
+    lin.refused(1, 1, "card_spend", "--max-parallelism 64 differs from the lineage's 128: "
+                "key groups never change", max_parallelism=64)
+    rekeyed = dataclasses.replace(job(1), input=dataclasses.replace(
+        job(1).input, key="merchant"))
+    lin.refused(1, rekeyed, "card_spend", "its key: the key column changes from 'card' to "
+                "'merchant'; transform the state")
+    lin.run(1, 1)
+    lin.check()
