@@ -66,7 +66,7 @@ INPUT = Input(
            not_null("value"), finite("value", "non_numeric_value")),
 )
 REJECT_REASONS = ("malformed", "missing_key", "empty_key", "missing_ts", "invalid_ts",
-                  "missing_value", "non_numeric_value")
+                  "missing_value", "non_numeric_value", "invalid_key", "invalid_utf8")
 
 
 def fold(batch: pa.Table, ctx) -> None:

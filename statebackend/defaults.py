@@ -27,7 +27,7 @@ LOCAL_ENGINE_MAX_BYTES = 64 * 2**20
 # ... and, with a cluster or Connect master, a parent state up to this size.
 LOCAL_ENGINE_MAX_STATE_BYTES = 256 * 2**20
 # A local-engine run holds its whole (decompressed) input in memory: at most this much.
-LOCAL_ENGINE_MAX_MEMORY_BYTES = 2 * 2**30
+LOCAL_ENGINE_MAX_MEMORY_BYTES = 2**30
 
 __all__ = ["ENGINE", "ENGINES", "GC_GRACE_SECONDS", "LOCAL_ENGINE_MAX_BYTES",
            "LOCAL_ENGINE_MAX_MEMORY_BYTES", "LOCAL_ENGINE_MAX_STATE_BYTES",

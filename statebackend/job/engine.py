@@ -8,12 +8,21 @@ lineage's parent and the Spark master:
 
 - ``spark`` / ``local``: as asked.
 - ``auto`` (the default; ``CKPT_ENGINE`` sets another default): ``local`` unless
-  - the input is larger than ``CKPT_LOCAL_ENGINE_MAX_BYTES`` (default 64 MiB; a
-    gzip file counts `GZIP_EXPANSION` times its size), or
+  - the input is larger than ``CKPT_LOCAL_ENGINE_MAX_BYTES`` (default 64 MiB) or than
+    ``CKPT_LOCAL_ENGINE_MAX_MEMORY_BYTES`` (default 1 GiB, the local engine's bound on
+    the input it holds), counted decompressed (`input_weight`), or
   - the master is a cluster or a Connect server (not ``local[...]``) and either the
     lineage starts here without ``--parallelism`` (its parallelism is the cluster's)
     or the parent's state exceeds ``CKPT_LOCAL_ENGINE_MAX_STATE_BYTES`` (default
     256 MiB): the driver would download state the executors keep locally.
+
+`input_weight` measures the input as the local engine would hold it: plain files by
+their size, Parquet by the decoded size its footers prove at least (when
+`check_parquet` kept them: `statebackend.job.input.ParquetFooter`), gzip files by
+decompressing them as a stream, only until the running total passes the ``auto``
+limit: a gzip bomb costs the driver at most that limit of decompression and goes to
+Spark. The limits are read with `statebackend.settings` (one-line errors naming the
+variable).
 
 The summary and the commit record say which engine ran and why (``engine``,
 ``engine_reason``).
@@ -26,8 +35,9 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from statebackend import defaults
+from statebackend import defaults, settings
 from statebackend.errors import UsageError
+from statebackend.job.input import decompressed_bytes
 
 if TYPE_CHECKING:
     from statebackend.job.api import Job
@@ -38,7 +48,7 @@ ENGINES = defaults.ENGINES
 ENGINE_ENV = "CKPT_ENGINE"
 MAX_BYTES_ENV = "CKPT_LOCAL_ENGINE_MAX_BYTES"
 MAX_STATE_BYTES_ENV = "CKPT_LOCAL_ENGINE_MAX_STATE_BYTES"
-GZIP_EXPANSION = 8  # JSON lines compress about this well: what a .gz file becomes in memory
+MAX_MEMORY_ENV = "CKPT_LOCAL_ENGINE_MAX_MEMORY_BYTES"
 _LOCAL_MASTER = re.compile(r"local(\[(\*|\d+)(,\d+)?\])?")
 
 
@@ -71,11 +81,11 @@ class EngineChoice:
 
 def requested_engine(engine: str | None) -> str:
     """``engine``, else ``$CKPT_ENGINE``, else ``auto``; UsageError naming a bad value."""
-    value = engine or os.environ.get(ENGINE_ENV) or defaults.ENGINE
-    if value not in ENGINES:
-        source = "--engine" if engine else ENGINE_ENV
-        raise UsageError(f"{source} {value!r} is unknown; use one of {list(ENGINES)}")
-    return value
+    if not engine:
+        return str(settings.value(ENGINE_ENV))
+    if engine not in ENGINES:
+        raise UsageError(f"--engine {engine!r} is unknown; use one of {list(ENGINES)}")
+    return engine
 
 
 def is_local_master(master: str | None) -> bool:
@@ -90,46 +100,53 @@ def local_master_cores(master: str | None) -> int:
     return int(m.group(2))
 
 
-def input_weight(files) -> int:
-    """Bytes the input takes in memory, estimated: gzip files count `GZIP_EXPANSION`x."""
-    return files.total_bytes + (GZIP_EXPANSION - 1) * files.gz_bytes
+def auto_limit() -> int:
+    """Input bytes (decompressed) up to which ``auto`` runs the local engine."""
+    return min(int(settings.value(MAX_BYTES_ENV)), int(settings.value(MAX_MEMORY_ENV)))
 
 
-def _limit(env: str, default: int) -> int:
-    text = os.environ.get(env)
-    if not text:
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        raise UsageError(f"{env}={text!r} is not a byte count") from None
-    if value < 0:
-        raise UsageError(f"{env}={text!r} must not be negative")
-    return value
+def input_weight(files, limit: int | None = None) -> int:
+    """Bytes the input takes decompressed (module doc), counted only until the total
+    passes ``limit`` (default `auto_limit`): a larger result is then a lower bound."""
+    limit = auto_limit() if limit is None else limit
+    footers = [files.footers[p] for p in files.parquet if p in files.footers]
+    total = (files.total_bytes - files.gz_bytes - sum(f.file_bytes for f in footers)
+             + sum(f.decoded_bytes for f in footers))
+    for path in files.json:
+        if total > limit:
+            break
+        if path.lower().endswith(".gz"):
+            total += decompressed_bytes(path, files.options, limit - total)
+    return total
 
 
 def choose_engine(requested: str | None, *, input_bytes: int, master: str | None,
                   first_run_without_parallelism: bool, parent_state_bytes: int) -> EngineChoice:
-    """The engine of one run (module doc); pure apart from reading the limits' variables."""
+    """The engine of one run (module doc); pure apart from reading the limits' settings.
+    ``input_bytes``: `input_weight` (decompressed, possibly counted only past the limit)."""
     asked = requested_engine(requested)
     if asked != "auto":
         return EngineChoice(asked, f"asked for ({'--engine' if requested else ENGINE_ENV})")
-    max_bytes = _limit(MAX_BYTES_ENV, defaults.LOCAL_ENGINE_MAX_BYTES)
-    if input_bytes > max_bytes:
-        return EngineChoice("spark", f"input {_mib(input_bytes)} exceeds the local engine's "
-                                     f"{_mib(max_bytes)} ({MAX_BYTES_ENV})")
+    max_bytes = int(settings.value(MAX_BYTES_ENV))
+    max_memory = int(settings.value(MAX_MEMORY_ENV))
+    for limit, env in ((max_bytes, MAX_BYTES_ENV), (max_memory, MAX_MEMORY_ENV)):
+        if input_bytes > limit:
+            return EngineChoice("spark", f"input of at least {mib(input_bytes)} "
+                                         f"(decompressed) exceeds the local engine's "
+                                         f"{mib(limit)} ({env})")
     if not is_local_master(master):
         if first_run_without_parallelism:
             return EngineChoice("spark", f"the lineage's first run takes its parallelism "
                                          f"from {master}")
-        max_state = _limit(MAX_STATE_BYTES_ENV, defaults.LOCAL_ENGINE_MAX_STATE_BYTES)
+        max_state = int(settings.value(MAX_STATE_BYTES_ENV))
         if parent_state_bytes > max_state:
-            return EngineChoice("spark", f"state {_mib(parent_state_bytes)} exceeds "
-                                         f"{_mib(max_state)} ({MAX_STATE_BYTES_ENV}): the "
+            return EngineChoice("spark", f"state {mib(parent_state_bytes)} exceeds "
+                                         f"{mib(max_state)} ({MAX_STATE_BYTES_ENV}): the "
                                          f"executors of {master} keep it locally")
-    return EngineChoice("local", f"input {_mib(input_bytes)} within the local engine's "
-                                 f"{_mib(max_bytes)}")
+    return EngineChoice("local", f"input {mib(input_bytes)} within the local engine's "
+                                 f"{mib(max_bytes)}")
 
 
-def _mib(n: int) -> str:
+def mib(n: int) -> str:
+    """``n`` bytes as MiB with one decimal (engine reasons, input errors)."""
     return f"{n / 2**20:.1f} MiB"

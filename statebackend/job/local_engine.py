@@ -6,14 +6,23 @@ the Spark engine (`statebackend.job.spark_engine`), because every step is the sa
 code or the same rule:
 
 - read: every input file with the executors' Arrow reader
-  (`statebackend.job.arrow_input.read_file`), in threads, once per run;
+  (`statebackend.job.arrow_input.read_file`), in threads, once per run, after the
+  same key-column check as the Spark engine's (`statebackend.job.input.check_key_columns`).
+  The run holds its whole input in memory, so the decompressed bytes read are
+  bounded by ``CKPT_LOCAL_ENGINE_MAX_MEMORY_BYTES`` (default 1 GiB; JSON text as
+  decompressed, Parquet as decoded batches): past it the reading stops and the run
+  fails, nothing committed, with one `InputError` line naming the input, the bound
+  and the ways out (``--engine spark``, whose tasks stream the input, or a larger
+  setting). The process peaks at about 4.5x the bound for JSON lines (each row keeps
+  its line; docs/performance.md, "Input memory and its bound");
 - watermark: the max accepted event time over every row (`max_accepted_time`, which
   the Spark engine's top-k settles to the same value);
 - route: key group ``murmur3_32(key) mod M`` (`key_groups`, as Spark's routing pass),
   subtask ``kg * P // M``; each subtask's rows sorted like Spark's
-  ``sortWithinPartitions`` (`row_order`, nulls first; in the subtask's thread) and
-  handed to `SubtaskRun` in batches of ``batch_rows`` rows, as Arrow batches reach a
-  Spark task;
+  ``sortWithinPartitions`` (`row_order`, nulls first; in the subtask's thread: the
+  order columns are sorted, then the rows taken from the input table whole batches at
+  a time, never a copy of the whole table) and handed to `SubtaskRun` in batches of
+  ``batch_rows`` rows, as Arrow batches reach a Spark task;
 - tasks: `SubtaskRun` (restore, logic, snapshot, upload, outputs), in a pool of
   min(P, cores) threads. The local recovery folder is the one a ``local[...]`` Spark
   executor on this machine uses, so the engines can alternate without downloads.
@@ -26,22 +35,27 @@ races an upload.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from statebackend.errors import CkptError, TaskFailedError
+from statebackend import settings
+from statebackend.errors import CkptError, InputError, TaskFailedError
 from statebackend.job.api import Job
-from statebackend.job.arrow_input import output_schema, read_file
+from statebackend.job.arrow_input import BudgetExceeded, ByteBudget, output_schema, read_file
 from statebackend.job.core import max_accepted_time
-from statebackend.job.input import InputFiles, raw_table
+from statebackend.job.engine import MAX_MEMORY_ENV, mib
+from statebackend.job.input import InputFiles, check_key_columns, raw_table
 from statebackend.job.task import PARTITION_COLUMN, TaskParams, row_order, run_one_subtask
 from statebackend.progress import ProgressSink
 from statebackend.state.keygroups_bulk import key_groups
 
 READ_THREADS = 8  # input files read at once (I/O bound: fsspec, gzip, Arrow's parsers)
+TAKE_ROWS = 1_000_000  # a subtask takes its sorted rows this many at a time (fewer is slower)
+TAKE_BYTES = 256 * 2**20  # ... and about this many bytes (a string column stays < 2 GiB)
 
 
 class LocalEngine:
@@ -64,10 +78,22 @@ class LocalEngine:
         """Every input row in `output_schema` columns, files in listing order."""
         if self._table is None:
             inp, options = self.job.input, self.files.options
+            check_key_columns(self.files, inp)
             schema = output_schema(inp)
             paths = (*self.files.parquet, *self.files.json)
-            with ThreadPoolExecutor(max(1, min(READ_THREADS, len(paths)))) as pool:
-                parts = list(pool.map(lambda p: list(read_file(inp, options, p, schema)), paths))
+            limit = int(settings.value(MAX_MEMORY_ENV))
+            budget = ByteBudget(limit)
+            try:
+                with ThreadPoolExecutor(max(1, min(READ_THREADS, len(paths)))) as pool:
+                    parts = list(pool.map(
+                        lambda p: list(read_file(inp, options, p, schema, budget)), paths))
+            except BudgetExceeded as exc:
+                raise InputError(
+                    f"input {self.files.url}: the local engine holds a run's whole input in "
+                    f"memory and stopped reading at {exc.path} after {mib(exc.total)} "
+                    f"decompressed, over {MAX_MEMORY_ENV}={limit} ({mib(limit)}); run it "
+                    f"with --engine spark (its tasks stream the input) or raise "
+                    f"{MAX_MEMORY_ENV}; nothing was committed") from None
             self._table = pa.Table.from_batches([b for part in parts for b in part], schema)
         return self._table
 
@@ -85,12 +111,15 @@ class LocalEngine:
                   batch_rows: int) -> list[dict]:
         """One result row per subtask; `TaskFailedError` (one line) when a subtask fails."""
         progress.phase(upstream)
-        shares = subtask_shares(self.table(), params)
+        table = self.table()
+        self._table = None  # held by the subtasks until the last one ends
+        rows = subtask_rows(table, params)
         progress.phase(label, total=params.parallelism, unit="subtasks")
         with ThreadPoolExecutor(min(params.parallelism, self.cores),
                                 thread_name_prefix="ckpt-subtask") as pool:
-            futures = {pool.submit(_run_one, params, i, shares[i], batch_rows): i
+            futures = {pool.submit(_run_one, params, i, table, rows[i], batch_rows): i
                        for i in range(params.parallelism)}
+            del table, rows
             results, failed = [], None
             pending: set[Future] = set(futures)
             while pending:
@@ -112,27 +141,37 @@ class LocalEngine:
         return results
 
 
-def subtask_shares(table: pa.Table, params: TaskParams) -> list[pa.Table]:
-    """Per subtask, its rows with ``_p``, in input order (`subtask_batches` sorts them)."""
+def subtask_rows(table: pa.Table, params: TaskParams) -> list[np.ndarray]:
+    """Per subtask, the indices of its rows in ``table``, in input order."""
     m, p = params.max_parallelism, params.parallelism
     if not table.num_rows:
-        return [table.append_column(PARTITION_COLUMN, pa.array([], pa.int32()))] * p
+        return [np.empty(0, np.int64)] * p
     subtask = key_groups(table.column(params.job.input.key), m) * p // m
     order = np.argsort(subtask, kind="stable")
-    values = np.asarray(params.part_values, dtype=np.int32)[subtask[order]]
-    routed = table.take(pa.array(order)).append_column(PARTITION_COLUMN, pa.array(values))
-    counts = np.bincount(subtask, minlength=p)
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    return [routed.slice(int(start), int(n)) for start, n in zip(starts, counts, strict=True)]
+    return np.split(order, np.cumsum(np.bincount(subtask, minlength=p))[:-1])
 
 
-def subtask_batches(share: pa.Table, job: Job, batch_rows: int) -> list[pa.RecordBatch]:
-    """A subtask's rows in Spark's order (``sortWithinPartitions`` by `row_order`, nulls
-    first), in batches of ``batch_rows`` as Arrow batches reach a Spark task."""
-    if not share.num_rows:
-        return []
-    return share.take(_nulls_first_order(share, row_order(job))).to_batches(
-        max_chunksize=batch_rows)
+def subtask_batches(table: pa.Table, rows: np.ndarray, params: TaskParams, subtask: int,
+                    batch_rows: int) -> Iterator[pa.RecordBatch]:
+    """Subtask ``subtask``'s rows (``rows`` of ``table``) with ``_p``, in Spark's order
+    (``sortWithinPartitions`` by `row_order`, nulls first; a stable sort of the rows in
+    input order), in batches of ``batch_rows`` as Arrow batches reach a Spark task.
+    The sort reads only the order columns; the rows are taken as the batches are asked
+    for, whole batches at a time (up to `TAKE_ROWS` rows, about `TAKE_BYTES`), so the
+    input is never held twice."""
+    if not len(rows):
+        return
+    names = row_order(params.job)
+    indices = pa.array(rows)
+    order = indices.take(_nulls_first_order(table.select(list(names)).take(indices), names))
+    value = params.part_values[subtask]
+    row_bytes = max(1, table.nbytes // max(1, table.num_rows))
+    step = batch_rows * max(1, min(TAKE_ROWS, TAKE_BYTES // row_bytes) // batch_rows)
+    for start in range(0, len(order), step):
+        rows_taken = table.take(order.slice(start, step)).combine_chunks()
+        part = pa.array(np.full(rows_taken.num_rows, value, np.int32))
+        yield from rows_taken.append_column(PARTITION_COLUMN, part).to_batches(
+            max_chunksize=batch_rows)
 
 
 def _nulls_first_order(table: pa.Table, names: tuple[str, ...]) -> pa.Array:
@@ -144,10 +183,11 @@ def _nulls_first_order(table: pa.Table, names: tuple[str, ...]) -> pa.Array:
                                null_placement="at_start")
 
 
-def _run_one(params: TaskParams, subtask: int, share: pa.Table, batch_rows: int) -> dict:
-    # sorted here, in the subtask's thread: Arrow's sort releases the GIL
+def _run_one(params: TaskParams, subtask: int, table: pa.Table, rows: np.ndarray,
+             batch_rows: int) -> dict:
+    # sorted here, in the subtask's thread: Arrow's sort and take release the GIL
     return run_one_subtask(params, subtask, 0,
-                           iter(subtask_batches(share, params.job, batch_rows)))
+                           subtask_batches(table, rows, params, subtask, batch_rows))
 
 
 def _one_line(exc: BaseException | None) -> str:
@@ -155,4 +195,3 @@ def _one_line(exc: BaseException | None) -> str:
         return str(exc)
     text = " ".join(str(exc).split()) if exc is not None else ""
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-

@@ -247,9 +247,12 @@ def _run(job: Job, config: RunConfig, spark, options: dict, store: CheckpointSto
         parent = _parent(config, store, session.lineage.latest, warnings)
         files = list_input(config.input, config.storage_options)
         progress.phase(f"run {config.run_id}: checking {files.count} input files")
-        check_parquet(files)  # before Spark starts: a bad file costs no session
+        check_parquet(files, job.input)  # before Spark starts: a bad file costs no session
+        # Weighing decompresses gzip input (downloads it from S3): only ``auto`` needs it.
+        weight = (input_weight(files) if requested_engine(config.engine) == "auto"
+                  else files.total_bytes)
         choice = choose_engine(
-            config.engine, input_bytes=input_weight(files), master=config.master,
+            config.engine, input_bytes=weight, master=config.master,
             first_run_without_parallelism=parent is None and config.parallelism is None,
             parent_state_bytes=parent.bytes_referenced if parent else 0)
         engine = _engine(choice, job, config, store, files, spark, progress)
@@ -734,5 +737,6 @@ def format_summary(s: dict) -> str:
 def skipped_warning(input_url: str, s: dict) -> str:
     n, names = s["input_files_skipped"], s.get("input_files_skipped_names") or []
     more = f" and {n - len(names)} more" if n > len(names) else ""
-    return (f"{n} unsupported input file(s) under {input_url} skipped ({', '.join(names)}"
-            f"{more}); only *.parquet and JSON lines (optionally .gz) are read")
+    return (f"{n} input file(s) under {input_url} skipped ({', '.join(names)}{more}); "
+            f"only regular *.parquet and JSON-lines files (optionally .gz) inside the "
+            f"input root are read")

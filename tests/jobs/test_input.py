@@ -71,7 +71,7 @@ def test_skipped_files_warn_in_text_mode(tmp_path):
     proc = _cli(tmp_path, "--run-id", "w1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     warnings = [ln for ln in proc.stderr.splitlines() if "keyed_aggregation: warning" in ln]
-    assert len(warnings) == 1 and "1 unsupported input file(s)" in warnings[0]
+    assert len(warnings) == 1 and "1 input file(s)" in warnings[0] and "skipped" in warnings[0]
     assert "extra.csv" in warnings[0]
 
 

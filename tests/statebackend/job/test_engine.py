@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import gzip
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from statebackend import defaults
@@ -9,6 +14,7 @@ from statebackend.errors import UsageError
 from statebackend.job.engine import (
     ENGINE_ENV,
     MAX_BYTES_ENV,
+    MAX_MEMORY_ENV,
     MAX_STATE_BYTES_ENV,
     choose_engine,
     input_weight,
@@ -16,14 +22,14 @@ from statebackend.job.engine import (
     local_master_cores,
     requested_engine,
 )
-from statebackend.job.input import InputFiles
+from statebackend.job.input import COUNT_BLOCK_BYTES, check_parquet, list_input
 
 MIB = 2**20
 
 
 @pytest.fixture(autouse=True)
 def _no_engine_env(monkeypatch):
-    for var in (ENGINE_ENV, MAX_BYTES_ENV, MAX_STATE_BYTES_ENV):
+    for var in (ENGINE_ENV, MAX_BYTES_ENV, MAX_STATE_BYTES_ENV, MAX_MEMORY_ENV):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -66,13 +72,14 @@ def test_limits_come_from_the_environment_and_bad_values_are_one_line(monkeypatc
     monkeypatch.setenv(MAX_BYTES_ENV, str(MIB // 2))
     assert choice(input_mib=1).engine == "spark"
     monkeypatch.setenv(MAX_BYTES_ENV, "lots")
-    with pytest.raises(UsageError, match=f"{MAX_BYTES_ENV}='lots' is not a byte count"):
+    # read through statebackend.settings: one-line errors naming the variable
+    with pytest.raises(UsageError, match=f"{MAX_BYTES_ENV}='lots' is not an integer"):
         choice()
     monkeypatch.delenv(MAX_BYTES_ENV)
     with pytest.raises(UsageError, match="--engine 'turbo' is unknown"):
         requested_engine("turbo")
     monkeypatch.setenv(ENGINE_ENV, "fast")
-    with pytest.raises(UsageError, match=f"{ENGINE_ENV} 'fast' is unknown"):
+    with pytest.raises(UsageError, match=f"{ENGINE_ENV}='fast' is unknown"):
         requested_engine(None)
 
 
@@ -85,7 +92,64 @@ def test_masters_and_their_cores(monkeypatch):
         == [1, 3, 6, 2]
 
 
-def test_gzip_input_counts_as_what_it_expands_to():
-    files = InputFiles("file:///in", (), ("a.json", "b.json.gz"), total_bytes=3 * MIB,
-                       gz_bytes=1 * MIB)
-    assert input_weight(files) == 2 * MIB + 8 * MIB
+def _gzip_lines(path, n_bytes: int, line: bytes = b'{"key":"k","ts":1,"value":1.0}\n') -> int:
+    """A gzip file of about ``n_bytes`` of JSON lines, written as a stream; its size."""
+    block = line * (2**20 // len(line))
+    written = 0
+    with gzip.open(path, "wb", compresslevel=6) as fh:
+        while written < n_bytes:
+            fh.write(block)
+            written += len(block)
+    return written
+
+
+def test_gzip_input_counts_its_decompressed_bytes(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_bytes(b'{"key":"a"}\n' * 1000)
+    expanded = _gzip_lines(tmp_path / "in" / "b.jsonl.gz", 3 * MIB)
+    files = list_input(str(tmp_path / "in"))
+    reference = (tmp_path / "in" / "a.jsonl").stat().st_size + \
+        len(gzip.decompress((tmp_path / "in" / "b.jsonl.gz").read_bytes()))
+    assert expanded == reference - 12_000
+    assert input_weight(files) == reference  # exact below the limit, not a guess of 8x
+    assert choice(input_mib=input_weight(files) / MIB).engine == "local"
+
+
+def test_a_gzip_bomb_goes_to_spark_after_counting_only_up_to_the_limit(tmp_path, monkeypatch):
+    (tmp_path / "in").mkdir()
+    bomb = tmp_path / "in" / "bomb.jsonl.gz"
+    _gzip_lines(bomb, 40 * MIB)
+    assert bomb.stat().st_size < MIB // 4  # compressed: well under 8x's guess of the limit
+    monkeypatch.setenv(MAX_BYTES_ENV, str(4 * MIB))
+    weight = input_weight(list_input(str(tmp_path / "in")))
+    # the driver stopped decompressing one block after the limit, not at 40 MiB
+    assert 4 * MIB < weight <= 4 * MIB + COUNT_BLOCK_BYTES
+    picked = choice(input_mib=weight / MIB)
+    assert picked.engine == "spark" and MAX_BYTES_ENV in picked.reason
+    assert "(decompressed) exceeds the local engine's 4.0 MiB" in picked.reason
+
+
+def test_auto_keeps_the_input_within_the_local_engines_memory_bound(monkeypatch):
+    monkeypatch.setenv(MAX_MEMORY_ENV, str(MIB))  # below CKPT_LOCAL_ENGINE_MAX_BYTES
+    picked = choice(input_mib=2)
+    assert picked.engine == "spark" and MAX_MEMORY_ENV in picked.reason
+    assert choice(input_mib=0.5).engine == "local"
+    monkeypatch.setenv(MAX_MEMORY_ENV, "0")
+    with pytest.raises(UsageError, match=f"{MAX_MEMORY_ENV}='0' is out of range"):
+        choice()
+
+
+def test_parquet_counts_at_least_its_decoded_size(tmp_path):
+    (tmp_path / "in").mkdir()
+    path = tmp_path / "in" / "a.parquet"
+    n = 200_000  # one key over and over: dictionary pages of a few bytes
+    table = pa.table({"key": pa.array(["same-key"] * n), "ts": pa.array(np.zeros(n, np.int64))})
+    pq.write_table(table, path, compression="zstd")
+    files = list_input(str(tmp_path / "in"))
+    assert input_weight(files) == files.total_bytes  # footers not read yet: the file size
+    check_parquet(files)
+    meta = pq.read_metadata(path)
+    uncompressed = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+    assert uncompressed < 10_000 and files.total_bytes < 10_000  # both far below the data
+    decoded = pq.read_table(path).nbytes  # the reference: what Arrow holds
+    assert n * (4 + 8) <= input_weight(files) <= decoded
