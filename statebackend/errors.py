@@ -96,3 +96,11 @@ class TaskFailedError(CkptError):
 class LineageError(CkptError):
     """A lineage that forked, lost a commit record or forgot a run: readers and writers
     refuse it until `ckpt doctor` repairs it."""
+
+
+class RejectThresholdError(CkptError):
+    """More input rows were rejected than --max-reject-fraction allows; nothing committed."""
+
+
+class JobRunError(CkptError):
+    """A job run's subtasks did not all report; nothing was committed."""

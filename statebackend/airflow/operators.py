@@ -94,7 +94,7 @@ class CkptRunJobOperator(_CheckpointOperator):
 
     def execute(self, context) -> dict:
         from statebackend.airflow.steps import run_job_once
-        from statebackend.job.run import RunConfig
+        from statebackend.job.config import RunConfig
 
         config = RunConfig(
             input=self.input_path, storage=self.storage, job=self.job, run_id=self.run_key,

@@ -200,7 +200,7 @@ def build_run_config(spec: JobSpec, *, logical_date: datetime | None, airflow_ru
                      parallelism: int | None = None, local_dir: str | None = None,
                      context: Mapping[str, Any] | None = None):
     """The `RunConfig` of one interval of ``spec`` (paths rendered for that interval)."""
-    from statebackend.job.run import RunConfig
+    from statebackend.job.config import RunConfig
 
     values = template_values(logical_date, airflow_run_id)
     return RunConfig(

@@ -130,7 +130,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def config_from_args(args: argparse.Namespace, job):
     """The `RunConfig` of parsed arguments (``args.storage``, ``args.job`` included)."""
-    from statebackend.job.run import RunConfig
+    from statebackend.job.config import RunConfig
     from statebackend.spark.session import default_master, under_spark_submit
 
     options = {k[len(JOB_OPTION_PREFIX):]: v for k, v in vars(args).items()

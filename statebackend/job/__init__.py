@@ -10,6 +10,7 @@ task = one subtask), `statebackend.job.input` (listing and reading input),
 Importing this package imports neither Spark nor Great Expectations.
 """
 
+from statebackend.errors import JobRunError, RejectThresholdError
 from statebackend.job.api import (
     Input,
     Job,
@@ -30,16 +31,11 @@ from statebackend.job.api import (
     reducing_state,
     value_state,
 )
+from statebackend.job.config import RunConfig
 from statebackend.job.context import BatchContext, KeyContext, KeyTimers, Timers
 from statebackend.job.core import ProcessResult, SubtaskProcessor, process, split_rows
 from statebackend.job.load import load_job
-from statebackend.job.run import (
-    JobRunError,
-    RejectThresholdError,
-    RunConfig,
-    format_summary,
-    run_job,
-)
+from statebackend.job.run import format_summary, run_job
 from statebackend.state.schema import Upgrade
 from statebackend.state.ttl import StateTtl
 

@@ -117,7 +117,7 @@ def test_unset_settings_take_the_library_defaults():
 def test_defaults_are_defined_once():
     """The CLI, the run config and the lifecycle read statebackend.defaults (same values)."""
     from statebackend.cli.app import build_parser
-    from statebackend.job.run import RunConfig
+    from statebackend.job.config import RunConfig
     from statebackend.lifecycle.gc import DEFAULT_GRACE_SECONDS
     from statebackend.state.keygroups import DEFAULT_MAX_PARALLELISM
 

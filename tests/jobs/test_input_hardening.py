@@ -36,11 +36,10 @@ import pytest
 
 from demo.sample_data import expected_totals, generate_events
 from jobs import keyed_aggregation as ka
-from statebackend.errors import InputError
+from statebackend.errors import InputError, RejectThresholdError
 from statebackend.job import RunConfig, arrow_input, run_job
 from statebackend.job.engine import ENGINE_ENV, choose_engine, input_weight
 from statebackend.job.input import COUNT_BLOCK_BYTES, list_input
-from statebackend.job.run import RejectThresholdError
 from tests.jobs.helpers import assert_state_equals, dump_latest, store_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

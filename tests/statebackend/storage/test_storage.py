@@ -371,7 +371,7 @@ def test_local_and_memory_roots_ignore_storage_options(tmp_path):
 
 
 def test_run_config_and_task_params_show_no_secret():
-    from statebackend.job.run import RunConfig
+    from statebackend.job.config import RunConfig
     from statebackend.job.task import TaskParams
 
     config = RunConfig(input="i", storage="s3://b/x", run_id="r",
