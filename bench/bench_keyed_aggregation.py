@@ -71,7 +71,8 @@ def dir_bytes(path: str) -> int:
 def ours_run(spark, spec: dict, day: int) -> dict:
     """One run of the job; ``spark`` None: the run starts Spark only if its engine is Spark."""
     from jobs.keyed_aggregation import JOB
-    from statebackend.job.run import RunConfig, run_job
+    from statebackend.job.config import RunConfig
+    from statebackend.job.run import run_job
 
     store = os.path.join(spec["work"], "store")
     before = dir_bytes(store)
@@ -179,9 +180,7 @@ def worker(spec: dict) -> None:
         result.update(day=day, startup_s=startup)
         print("RESULT " + json.dumps(result), flush=True)
         startup = 0.0
-    from statebackend.spark.session import stop_active_session
-
-    stop_active_session()
+    spark.stop()
 
 
 @contextmanager

@@ -52,9 +52,15 @@ from jobs.keyed_aggregation import DESCRIPTORS, TOTALS  # noqa: E402
 from statebackend.checkpoint.metadata import SubtaskHandle  # noqa: E402
 from statebackend.checkpoint.restore import download_files  # noqa: E402
 from statebackend.checkpoint.snapshot import checkpoint_backends, upload_snapshot  # noqa: E402
-from statebackend.checkpoint.store import CheckpointStore, build_metadata  # noqa: E402
+from statebackend.checkpoint.store import (  # noqa: E402
+    CheckpointStore,
+    MetadataParts,
+    build_metadata,
+)
 from statebackend.rescale import executor  # noqa: E402
-from statebackend.rescale.executor import plan_rescale, rescale  # noqa: E402
+from statebackend.rescale import task as rescale_task  # noqa: E402
+from statebackend.rescale.executor import rescale  # noqa: E402
+from statebackend.rescale.plan import plan_rescale  # noqa: E402
 from statebackend.spark.session import get_spark  # noqa: E402
 from statebackend.state.backend import KeyedStateBackend  # noqa: E402
 from statebackend.state.keygroups import key_group_range_for_subtask  # noqa: E402
@@ -140,9 +146,9 @@ def naive_rescale(spark, store: CheckpointStore, source_id: int, q: int) -> dict
               "handles": [by_index[i].to_json() for i in s.sources]} for s in plan.subtasks]
     out = spark.sparkContext.parallelize(specs, len(specs)).map(naive_subtask).collect()
     handles = [SubtaskHandle.from_json(h, "bench") for h in out]
-    new_meta = build_metadata(job=store.job, checkpoint_id=cid, parent=source_id,
+    new_meta = build_metadata(MetadataParts(job=store.job, checkpoint_id=cid, parent=source_id,
                               max_parallelism=M, states=meta.states, handles=handles,
-                              kind="rescale", rescaled_from=meta.parallelism)
+                              kind="rescale", rescaled_from=meta.parallelism))
     store.commit(new_meta)
     return {"rows": sum(sum(h.row_counts.values()) for h in handles),
             "bytes_uploaded": new_meta.bytes_uploaded}
@@ -293,14 +299,14 @@ def main(argv: list[str] | None = None) -> int:
             times["ours"].append(time.perf_counter() - t)
             assert summaries[-1]["rows"] == n_keys, summaries[-1]["rows"]
             referenced = store.latest().bytes_referenced
-            rule = executor.COMPACT_CLIPPED_SHARE
-            executor.COMPACT_CLIPPED_SHARE = 1.0  # never: clipped SSTs kept whole
+            rule = rescale_task.COMPACT_CLIPPED_SHARE
+            rescale_task.COMPACT_CLIPPED_SHARE = 1.0  # never: clipped SSTs kept whole
             try:
                 t = time.perf_counter()
                 whole = rescale(store, sid, q, spark=spark)
                 times["ours_whole"].append(time.perf_counter() - t)
             finally:
-                executor.COMPACT_CLIPPED_SHARE = rule
+                rescale_task.COMPACT_CLIPPED_SHARE = rule
             referenced_whole = store.latest().bytes_referenced
             assert whole["rows"] == n_keys and whole["compacted_subtasks"] == 0
             t = time.perf_counter()

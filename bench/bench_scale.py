@@ -86,7 +86,8 @@ def compare_readers(spark, work: str, events: int, rounds: int = 3) -> list[tupl
     """(format, events, best s spark, best s arrow) for reading the same local input."""
     from demo.sample_data import generate_events
     from jobs.keyed_aggregation import JOB
-    from statebackend.job.input import list_input, read_input
+    from statebackend.job.input import list_input
+    from statebackend.job.spark_input import read_input
 
     out = []
     for fmt, n in (("parquet", events), ("json", min(events, 500_000))):

@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rocksdict import Rdict, WriteBatch  # noqa: E402
 
 from bench.s3 import moto_s3  # noqa: E402
-from statebackend.checkpoint.restore import download_files, restore_subtask  # noqa: E402
+from statebackend.checkpoint.restore import FROM_STORAGE, download_files, restore_subtask  # noqa: E402
 from statebackend.checkpoint.snapshot import upload_snapshot  # noqa: E402
 from statebackend.state.backend import KeyedStateBackend, no_wal, rocks_options  # noqa: E402
 from statebackend.state.codecs import JsonCodec, RecordCodec  # noqa: E402
@@ -219,7 +219,7 @@ def bench_transfer(label: str, url: str, work: str, backend, local, repeat: int,
         shutil.rmtree(target, ignore_errors=True)
 
     def restore() -> None:
-        restore_subtask(job, handle, target, DESCRIPTORS, M, allow_local=False).close()
+        restore_subtask(job, handle, target, DESCRIPTORS, M, FROM_STORAGE).close()
 
     def copy_down() -> None:
         os.makedirs(target, exist_ok=True)

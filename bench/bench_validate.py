@@ -134,6 +134,7 @@ def main() -> int:
 def run(args, n_keys: int, base: str, s3: MotoS3 | None) -> int:
     """Build the checkpoint (under ``base``, or on ``s3``), time restore and validation."""
     try:
+        from statebackend.validation.options import ValidationOptions
         from statebackend.validation.suites import load_great_expectations
         from statebackend.validation.validate import validate_checkpoint
 
@@ -149,8 +150,8 @@ def run(args, n_keys: int, base: str, s3: MotoS3 | None) -> int:
 
         def validate(level: str, report: str) -> float:
             t0 = time.perf_counter()
-            result = validate_checkpoint(store, meta.checkpoint_id, level=level,
-                                         report_dir=f"{base}/reports", report=report)
+            result = validate_checkpoint(store, meta.checkpoint_id, ValidationOptions(
+                level=level, report_dir=f"{base}/reports", report=report))
             wall = time.perf_counter() - t0
             assert result.success, result.summary["failed_checks"]
             name = level if report == "none" else f"{level}+docs"

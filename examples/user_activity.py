@@ -8,8 +8,8 @@ Input rows ``(user, ts, category)``. Per user it keeps two states:
 
 Each run outputs one ``activity`` row per user seen in the run, with the user's
 totals at the end of the run. The job is written twice, with the same result:
-`job` in the per-key form (the one docs/write-a-job.md shows) and
-`job_vectorized` in the vectorized form (one call per batch of many users).
+`job` in the per-key form (the one docs/write-a-job.md shows: one call per user and
+run) and `job_vectorized` in the vectorized form (one call per batch of many users).
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from statebackend.job import (
+    BatchContext,
     Input,
     Job,
+    KeyContext,
     Option,
     Output,
     PerKey,
@@ -42,7 +44,7 @@ ACTIVITY = Output(
     "activity",
     pa.schema([("user", pa.string()), ("last_ts", pa.int64()), ("last_category", pa.string()),
                ("category_events", pa.int64()), ("categories", pa.int64())]),
-    last_per="user",  # one row per user and run: the newest
+    last_per="user",  # the vectorized form emits per batch: keep each user's newest row
 )
 STATES = (value_state("last_seen"), map_state("counts"))
 OPTIONS = (Option("normalize_case", bool, True, "count categories case-insensitively"),)
@@ -57,8 +59,8 @@ def counts_checks(descriptor):
 
 
 # -- per-key form ----------------------------------------------------------------------
-def handle_rows(user: str, rows: pa.Table, state) -> list[dict]:
-    """Called once per user of a batch with that user's rows (in input order)."""
+def handle_rows(user: str, rows: pa.Table, state: KeyContext) -> list[dict]:
+    """Called once per user and run with all of the user's rows of the run."""
     categories = rows["category"]
     if state.options["normalize_case"]:
         categories = pc.utf8_lower(categories)
@@ -66,7 +68,7 @@ def handle_rows(user: str, rows: pa.Table, state) -> list[dict]:
     i = len(ts) - 1 - int(np.argmax(ts[::-1]))  # the latest ts, the last row on ties
 
     last_seen = state["last_seen"]
-    seen = last_seen.get()
+    seen = last_seen.value()
     if seen is None or ts[i] >= seen["ts"]:
         seen = {"ts": int(ts[i]), "category": categories[i].as_py()}
         last_seen.update(seen)
@@ -87,7 +89,7 @@ job = Job(name="user_activity", input=INPUT, states=STATES, outputs=(ACTIVITY,),
 
 
 # -- vectorized form -------------------------------------------------------------------
-def process_batch(batch: pa.Table, ctx) -> None:
+def process_batch(batch: pa.Table, ctx: BatchContext) -> None:
     """Called once per batch of many users; every state call takes a column of keys."""
     if ctx.options["normalize_case"]:
         batch = batch.set_column(batch.schema.get_field_index("category"), "category",
@@ -103,9 +105,9 @@ def process_batch(batch: pa.Table, ctx) -> None:
     last_seen = ctx.state("last_seen")
     new_seen = [
         old if old is not None and ts < old["ts"] else {"ts": ts, "category": category}
-        for old, ts, category in zip(last_seen.get(keys), latest["ts"].to_pylist(),
+        for old, ts, category in zip(last_seen.value(keys), latest["ts"].to_pylist(),
                                      latest["category"].to_pylist(), strict=True)]
-    last_seen.put(keys, new_seen)
+    last_seen.update(keys, new_seen)
 
     counts = ctx.state("counts")
     per_pair = batch.group_by(["user", "category"], use_threads=False).aggregate(

@@ -36,20 +36,21 @@ if __package__ in (None, ""):  # spark-submit jobs/dedup.py: make the repo impor
 import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
 
-from statebackend.cli.submit import entry_point  # noqa: E402
 from statebackend.job import (  # noqa: E402
+    BatchContext,
+    BytesCodec,
     Input,
     Job,
     Option,
     Output,
+    StateTtl,
     Vectorized,
+    entry_point,
+    group_by_key,
     not_null,
     parses,
     value_state,
 )
-from statebackend.job.context import group_by_key  # noqa: E402
-from statebackend.state.codecs import BytesCodec  # noqa: E402
-from statebackend.state.ttl import StateTtl  # noqa: E402
 
 MINUTE_MS = 60_000
 DAY_MS = 24 * 60 * MINUTE_MS
@@ -62,7 +63,7 @@ INPUT = Input(schema=SCHEMA, key="event_id",
               event_time="ts", allowed_lateness=60 * MINUTE_MS)
 
 
-def first_of_each(batch: pa.Table, ctx) -> None:
+def first_of_each(batch: pa.Table, ctx: BatchContext) -> None:
     """Emit the earliest row of each id not remembered; remember it at its event time."""
     by_time = batch.take(pc.sort_indices(batch, [("ts", "ascending")]))  # stable
     keys, rows, offsets = group_by_key(by_time, "event_id")

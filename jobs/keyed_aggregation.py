@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 if __package__ in (None, ""):  # spark-submit jobs/keyed_aggregation.py: make the repo importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,31 +25,28 @@ if __package__ in (None, ""):  # spark-submit jobs/keyed_aggregation.py: make th
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
-from statebackend.cli.submit import entry_point  # noqa: E402
-from statebackend.defaults import MAX_REJECT_FRACTION  # noqa: E402
 from statebackend.job import (  # noqa: E402
+    BatchContext,
     Input,
     Job,
+    JobRunError,
     Output,
+    RecordCodec,
+    RejectThresholdError,
     RunConfig,
+    StateDescriptor,
     Vectorized,
+    entry_point,
     finite,
+    format_summary,
     not_empty,
     not_null,
     parses,
     record,
+    run_dir_name,
     run_job,
     value_state,
 )
-from statebackend.job.run import (  # noqa: E402
-    JobRunError,
-    RejectThresholdError,
-    format_summary,
-    run_dir_name,
-)
-from statebackend.state.codecs import RecordCodec  # noqa: E402
-from statebackend.state.keygroups import DEFAULT_MAX_PARALLELISM  # noqa: E402
-from statebackend.state.kinds import StateDescriptor  # noqa: E402
 
 JOB_KIND = "keyed_aggregation"
 TOTALS_FIELDS = (("count", "int64"), ("sum", "float64"), ("min_ts", "int64"),
@@ -69,19 +66,19 @@ REJECT_REASONS = ("malformed", "missing_key", "empty_key", "missing_ts", "invali
                   "missing_value", "non_numeric_value", "invalid_key", "invalid_utf8")
 
 
-def fold(batch: pa.Table, ctx) -> None:
+def fold(batch: pa.Table, ctx: BatchContext) -> None:
     """Pre-aggregate one batch per key, then one multi-get and one write batch."""
     g = batch.group_by("key", use_threads=False).aggregate(
         [("ts", "count"), ("value", "sum"), ("ts", "min"), ("ts", "max")])
     keys = g["key"]
     totals = ctx.state("totals")
-    found, old = totals.get_columns(keys)
+    found, old = totals.value_columns(keys)
     lo, hi = g["ts_min"].to_numpy(), g["ts_max"].to_numpy()
     new = {"count": old["count"] + g["ts_count"].to_numpy(),
            "sum": old["sum"] + g["value_sum"].to_numpy(),
            "min_ts": np.where(found, np.minimum(old["min_ts"], lo), lo),
            "max_ts": np.where(found, np.maximum(old["max_ts"], hi), hi)}
-    totals.put_columns(keys, new)
+    totals.update_columns(keys, new)
     n = len(keys)
     ctx.emit("totals", {"key": keys, **{k: pa.array(v) for k, v in new.items()},
                         "run_id": pa.array([ctx.run_id] * n, pa.string()),
@@ -119,6 +116,9 @@ JOB = Job(name=JOB_KIND, input=INPUT, states=(TOTALS,),
           compression="zstd")
 
 
+_RUN_DEFAULTS = {f.name: f.default for f in fields(RunConfig)}  # declared once, there
+
+
 @dataclass(frozen=True)
 class JobConfig:
     """One run (the pre-port name, kept for callers). See `statebackend.job.RunConfig`."""
@@ -129,9 +129,9 @@ class JobConfig:
     run_id: str
     output: str
     parallelism: int | None = None
-    max_parallelism: int = DEFAULT_MAX_PARALLELISM
+    max_parallelism: int = _RUN_DEFAULTS["max_parallelism"]
     master: str = "local[*]"
-    max_reject_fraction: float = MAX_REJECT_FRACTION
+    max_reject_fraction: float = _RUN_DEFAULTS["max_reject_fraction"]
     quarantine: str | None = None  # default: <output>/_quarantine
     start_from: str | None = None
     local_dir: str | None = None

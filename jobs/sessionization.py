@@ -36,19 +36,20 @@ if __package__ in (None, ""):  # spark-submit jobs/sessionization.py: make the r
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
-from statebackend.cli.submit import entry_point  # noqa: E402
 from statebackend.job import (  # noqa: E402
+    BatchContext,
     Input,
     Job,
     Option,
     Output,
     Vectorized,
+    entry_point,
+    group_by_key,
     not_empty,
     not_null,
     parses,
     value_state,
 )
-from statebackend.job.context import group_by_key  # noqa: E402
 
 MINUTE_MS = 60_000
 SESSIONS = value_state("sessions")  # JSON: [[start, end, events, value_sum], ...]
@@ -88,14 +89,14 @@ def _next_timer(sessions: list | None, gap: int) -> int | None:
     return min(s[1] for s in sessions) + gap if sessions else None
 
 
-def assign(batch: pa.Table, ctx) -> None:
+def assign(batch: pa.Table, ctx: BatchContext) -> None:
     """Merge each user's events into its open sessions; keep its timer at the next close."""
     gap = ctx.options["gap_minutes"] * MINUTE_MS
     keys, rows, offsets = group_by_key(batch, "user")
     ts = rows["ts"].to_numpy()
     values = rows["value"].to_numpy()
     state = ctx.state("sessions")
-    old = state.get(keys)
+    old = state.value(keys)
     merged, drop_k, drop_t, add_k, add_t = [], [], [], [], []
     for i, k in enumerate(keys):
         lo, hi = offsets[i], offsets[i + 1]
@@ -108,14 +109,14 @@ def assign(batch: pa.Table, ctx) -> None:
                 drop_t.append(before)
             add_k.append(k)
             add_t.append(after)
-    state.put(keys, merged)
+    state.update(keys, merged)
     if drop_k:
         ctx.timers.delete(drop_k, drop_t)
     if add_k:
         ctx.timers.register(add_k, add_t)
 
 
-def close(timers: pa.Table, ctx) -> None:
+def close(timers: pa.Table, ctx: BatchContext) -> None:
     """Emit the sessions the watermark closed; move each user's timer to its next close."""
     gap = ctx.options["gap_minutes"] * MINUTE_MS
     wm = ctx.new_watermark
@@ -123,7 +124,7 @@ def close(timers: pa.Table, ctx) -> None:
     state = ctx.state("sessions")
     out: dict[str, list] = {n: [] for n in OUTPUT_SCHEMA.names}
     keep_k, keep_v, gone, add_k, add_t = [], [], [], [], []
-    for k, sessions in zip(keys, state.get(keys), strict=True):
+    for k, sessions in zip(keys, state.value(keys), strict=True):
         if not sessions:
             continue
         remaining = []
@@ -141,9 +142,9 @@ def close(timers: pa.Table, ctx) -> None:
         else:
             gone.append(k)
     if keep_k:
-        state.put(keep_k, keep_v)
+        state.update(keep_k, keep_v)
     if gone:
-        state.delete(gone)
+        state.clear(gone)
     if add_k:
         ctx.timers.register(add_k, add_t)
     if out["user"]:

@@ -1,9 +1,10 @@
 """Every ``CKPT_*`` setting and numeric knob, declared once with its range.
 
 A setting is read from the process environment (`value`), a numeric flag or
-argument is checked against the same kind of range (`number`); both refuse a bad
-value in one line that names the variable or flag, the value and the range, before
-any work. Nothing here guesses: ``inf``, ``nan``, a negative size or a heartbeat
+argument is checked against the same kind of range (`number`), a yes/no value (a
+rendered Airflow template, a CLI or job option) is read by `boolean`; each refuses a
+bad value in one line that names the variable, flag or argument, the value and what
+is accepted, before any work. Nothing here guesses: ``inf``, ``nan``, a negative size or a heartbeat
 that would spin are refused, not clamped.
 
     CKPT_LEASE_TTL_SECONDS          lease lifetime (s), default 60, in [0.5, 604800]
@@ -34,6 +35,8 @@ from statebackend.errors import UsageError
 MIN_HEARTBEAT_SECONDS = 0.05  # a faster renewal is a busy loop on the lease file
 MAX_SECONDS = 7 * 24 * 3600.0  # a week: anything longer is a typo or `inf`
 MAX_BYTES = 2**50              # a PiB: larger is a typo
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -162,3 +165,20 @@ def number(raw: object, what: str, *, minimum: float = 0.0, maximum: float = mat
         upper = "" if maximum == math.inf else f" and at most {maximum:g}"
         raise UsageError(f"{shown} is out of range: use at least {minimum:g}{upper}")
     return parsed
+
+
+def boolean(raw: object, what: str) -> bool:
+    """``raw`` as a bool: a bool itself, or one of `TRUE_WORDS` / `FALSE_WORDS` (any case,
+    spaces around ignored: a rendered template reads ``"True"``). Anything else, ``"maybe"``
+    included, is refused in one line naming ``what`` (a variable, a flag, an argument)."""
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, str):
+        word = raw.strip().lower()
+        if word in TRUE_WORDS:
+            return True
+        if word in FALSE_WORDS:
+            return False
+    shown = f"{what}={raw!r}" if what.startswith("CKPT_") else f"{what} {raw!r}"
+    raise UsageError(f"{shown} is not a boolean; use one of {list(TRUE_WORDS)} or "
+                     f"{list(FALSE_WORDS)}")

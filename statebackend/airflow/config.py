@@ -28,7 +28,10 @@ Shape::
 ``keyed_aggregation``) or ``pkg.module:attribute`` of a `statebackend.job.Job`.
 Only this configuration chooses code; nothing read from storage does.
 ``options`` are checked against the job's declared options when its task runs.
-Unset settings take the library's defaults (`statebackend.defaults`).
+The run settings (``input``, ``output``, ``parallelism``, ``engine`` ...) are the run
+options declared in `statebackend.run_options` with ``spec``: their types, defaults and
+choices come from there; ``spark.master`` is the run's master. Unset settings take the
+library's defaults (`statebackend.defaults`).
 
 String values may use ``${VAR}`` / ``${VAR:-default}`` (expanded from the
 environment at load time) and Jinja fields ``{{ ds }}``, ``{{ ds_nodash }}``,
@@ -44,14 +47,15 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from datetime import UTC, datetime
 from importlib.metadata import entry_points
+from typing import Any
 
 from statebackend import defaults
 from statebackend.checkpoint.store import check_job_name
-from statebackend.defaults import ENGINES
 from statebackend.errors import UsageError
+from statebackend.run_options import RunOption, annotation_of, run_option, run_options
 
 CONFIG_ENV = "CKPT_JOBS_FILE"
 VARIABLE_NAME = "ckpt_jobs"
@@ -80,30 +84,41 @@ class SparkSettings:
     """How the job's Spark runs: in the task process (``local``) or via spark-submit."""
 
     mode: str = "local"
-    master: str = "local[*]"
+    master: str = run_option("master").default
     conn_id: str = "spark_default"  # SparkSubmitOperator connection (submit mode)
     conf: dict = field(default_factory=dict)  # extra --conf for spark-submit
 
 
-@dataclass(frozen=True)
-class JobSpec:
-    """One stateful job and the schedule/lifecycle settings of its three DAGs."""
+# The run options a job spec sets (`statebackend.run_options`), and the keys every job
+# spec needs (a deployment's job writes output).
+SPEC_RUN_OPTIONS: tuple[RunOption, ...] = tuple(o for o in run_options() if o.spec)
+REQUIRED_KEYS = ("input", "output", "storage")
+
+
+def _run_field(opt: RunOption) -> Any:
+    if opt.required:
+        return field()
+    if isinstance(opt.default, dict):
+        return field(default_factory=opt.default_value)
+    return field(default=opt.default)
+
+
+# JobSpec's run settings: one field per declared option, with its type and default.
+_RunSettings = make_dataclass(
+    "_RunSettings", [(o.name, annotation_of(o.name), _run_field(o)) for o in SPEC_RUN_OPTIONS],
+    frozen=True, kw_only=True)
+_RunSettings.__module__ = __name__
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec(_RunSettings):  # type: ignore[misc,valid-type]
+    """One stateful job: its run settings (the declared run options, see `_RunSettings`)
+    and the schedule/lifecycle settings of its three DAGs."""
 
     name: str
-    input: str
-    output: str
-    storage: str
     job: str = DEFAULT_JOB  # built-in job name or "pkg.module:attribute"
-    options: dict = field(default_factory=dict)  # the job's own options (Job.options)
-    parallelism: int | None = None
-    max_parallelism: int = defaults.MAX_PARALLELISM
-    max_reject_fraction: float = defaults.MAX_REJECT_FRACTION
-    quarantine: str | None = None
-    start_from: str | None = None  # first run only: <job>/savepoints/<name> or <job>:<id|latest>
     storage_conn_id: str | None = None  # Airflow AWS connection -> storage options
     spark: SparkSettings = field(default_factory=SparkSettings)
-    # auto | spark | local (statebackend.job.engine); None: $CKPT_ENGINE, else auto
-    engine: str | None = None
     schedule: str = "@daily"
     maintenance_schedule: str = "@daily"
     start_date: str = "2026-01-01"
@@ -232,29 +247,22 @@ def spec_from_dict(name: str, raw: dict, defaults: dict | None = None,
     if unknown:
         raise JobConfigError(f"{where}: job {name!r} spark has unknown setting(s) "
                              f"{sorted(unknown)}")
-    for required in ("input", "output", "storage"):
+    for required in REQUIRED_KEYS:
         if not merged.get(required):
             raise JobConfigError(f"{where}: job {name!r} needs '{required}'")
     settings = SparkSettings(**spark)
     if settings.mode not in SPARK_MODES:
         raise JobConfigError(f"{where}: job {name!r} spark.mode {settings.mode!r} is not one of "
                              f"{list(SPARK_MODES)}")
-    engine = merged.get("engine") or None
-    if engine is not None and engine not in ENGINES:
-        raise JobConfigError(f"{where}: job {name!r} engine {engine!r} is not one of "
-                             f"{list(ENGINES)}")
-    if engine == "local" and settings.mode == "submit":
+    _check_job(name, merged, where)
+    _parse_run_settings(name, merged, where)
+    if merged.get("engine") == "local" and settings.mode == "submit":
         raise JobConfigError(f"{where}: job {name!r}: engine 'local' runs in the Airflow "
                              "task, spark.mode 'submit' in a spark-submit application: "
                              "choose one")
-    merged["engine"] = engine
     merged["tags"] = tuple(merged.get("tags") or ())
     if merged.get("storage_conn_id") == "":
         merged["storage_conn_id"] = None
-    for optional in ("quarantine", "start_from"):
-        if merged.get(optional) == "":
-            merged[optional] = None
-    _check_job(name, merged, where)
     try:
         spec = JobSpec(name=name, spark=settings, **merged)
         _check_numbers(spec)
@@ -276,6 +284,18 @@ def _check_job(name: str, merged: dict, where: str) -> None:
     elif not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
         raise JobConfigError(f"{where}: job {name!r}: 'options' must be a mapping of option "
                              f"names to values, got {options!r}")
+
+
+def _parse_run_settings(name: str, merged: dict, where: str) -> None:
+    """Each run setting given, as its declared type (numbers may be ``${VAR}`` text),
+    within its choices; ``""`` is unset (the default)."""
+    for opt in SPEC_RUN_OPTIONS:
+        if opt.name in merged:
+            try:
+                merged[opt.name] = opt.parse(merged[opt.name], f"{where}: job {name!r} "
+                                                               f"{opt.name}")
+            except UsageError as exc:
+                raise JobConfigError(str(exc)) from exc
 
 
 def _check_numbers(spec: JobSpec) -> None:

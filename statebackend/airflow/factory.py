@@ -25,13 +25,21 @@ from airflow.sdk import DAG, Asset, CronDataIntervalTimetable, Param, task
 
 from statebackend.airflow.config import JobSpec, load_job_specs
 from statebackend.airflow.operators import (
+    RUN_ARGUMENTS,
     CkptGcOperator,
     CkptRescaleOperator,
     CkptRetainOperator,
     CkptRunJobOperator,
     CkptValidateOperator,
 )
-from statebackend.airflow.steps import RUN_KEY_TEMPLATE
+from statebackend.airflow.steps import (
+    RUN_KEY_TEMPLATE,
+    check_no_running_pipeline,
+    open_store,
+    spark_submit_operator,
+    spec_run_values,
+    validate_store,
+)
 
 CHECKPOINT_PATTERN = r"^(latest|chk-[0-9]+|[0-9]+)$"
 # Manual runs are created "now": a start_date after that (the job's first interval may lie
@@ -56,17 +64,15 @@ def _storage(spec: JobSpec) -> dict:
 
 
 def run_job_task(spec: JobSpec, task_id: str = "run_job"):
-    """The job's run: in this worker (``spark.mode: local``) or through spark-submit."""
+    """The job's run: in this worker (``spark.mode: local``) or through spark-submit; the
+    operator gets every run option the spec sets (`steps.spec_run_values`)."""
     if spec.spark.mode == "submit":
-        from statebackend.airflow.steps import spark_submit_operator
-
         return spark_submit_operator(spec, task_id=task_id)
-    return CkptRunJobOperator(
-        task_id=task_id, job_ref=spec.job, input_path=spec.input, output_path=spec.output,
-        quarantine_path=spec.quarantine, run_key=RUN_KEY_TEMPLATE, job_options=spec.options,
-        parallelism=spec.parallelism, max_parallelism=spec.max_parallelism,
-        max_reject_fraction=spec.max_reject_fraction, start_from=spec.start_from,
-        master=spec.spark.master, engine=spec.engine, **_storage(spec))
+    values = spec_run_values(spec)
+    run = {argument: values[opt.name] for argument, opt in RUN_ARGUMENTS.items()
+           if opt.name in values}
+    return CkptRunJobOperator(task_id=task_id, job_ref=spec.job, run_key=RUN_KEY_TEMPLATE,
+                              **run, **_storage(spec))
 
 
 def build_pipeline_dag(spec: JobSpec) -> DAG:
@@ -126,13 +132,11 @@ def build_rescale_dag(spec: JobSpec) -> DAG:
                     "parallelism.") as dag:
 
         @task(task_id="check_no_running_pipeline")
-        def check_no_running_pipeline(**context) -> dict:
-            from statebackend.airflow.steps import check_no_running_pipeline as check
-
+        def no_running_pipeline(**context) -> dict:
             ti = context["ti"]
-            return check(spec.pipeline_dag_id,
-                         lambda dag_id: ti.get_dr_count(dag_id=dag_id,
-                                                        states=["running", "queued"]))
+            return check_no_running_pipeline(
+                spec.pipeline_dag_id,
+                lambda dag_id: ti.get_dr_count(dag_id=dag_id, states=["running", "queued"]))
 
         rescale = CkptRescaleOperator(
             task_id="rescale", parallelism="{{ params.parallelism }}",
@@ -141,16 +145,12 @@ def build_rescale_dag(spec: JobSpec) -> DAG:
 
         @task(task_id="validate")
         def validate(result: dict) -> dict:
-            from statebackend.airflow.hook import CheckpointHook
-            from statebackend.airflow.steps import validate_store
-
             if result.get("dry_run"):
                 return {"skipped": "dry run: nothing to validate"}
-            store = CheckpointHook(spec.storage_conn_id, storage=spec.storage,
-                                   job=spec.name).get_store()
-            return validate_store(store, ref=result["checkpoint_id"], job_ref=spec.job)
+            return validate_store(open_store(spec), ref=result["checkpoint_id"],
+                                  job_ref=spec.job)
 
-        check_no_running_pipeline() >> rescale
+        no_running_pipeline() >> rescale
         validate(rescale.output)
     return dag
 

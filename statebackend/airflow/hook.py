@@ -3,6 +3,9 @@
     hook = CheckpointHook("aws_ckpt", storage="s3://bucket/checkpoints", job="clicks")
     store = hook.get_store()          # statebackend.checkpoint.store.CheckpointStore
 
+The operators hold one as their cached ``hook`` property (as Airflow's providers do),
+so a task reads its connection once.
+
 The connection (an ``aws`` connection, see `statebackend.airflow.connection`)
 becomes storage options; without a connection id the storage opens with the
 worker's own AWS settings (its environment, profile or instance role), as s3fs
@@ -17,6 +20,8 @@ from typing import Any
 from airflow.sdk import BaseHook
 
 from statebackend.airflow.connection import storage_options_from_connection
+from statebackend.checkpoint.store import CheckpointStore
+from statebackend.storage import Storage, open_storage
 
 
 class CheckpointHook(BaseHook):
@@ -42,16 +47,12 @@ class CheckpointHook(BaseHook):
             self._options = storage_options_from_connection(self.conn_id, self._get_connection)
         return self._options
 
-    def get_storage(self):
+    def get_storage(self) -> Storage:
         """The storage root (all jobs), opened with the connection's options."""
-        from statebackend.storage import open_storage
-
         return open_storage(self.storage, **self.storage_options())
 
-    def get_store(self):
+    def get_store(self) -> CheckpointStore:
         """The job's `CheckpointStore`."""
-        from statebackend.checkpoint.store import CheckpointStore
-
         return CheckpointStore(self.get_storage(), self.job)
 
     def test_connection(self) -> tuple[bool, str]:

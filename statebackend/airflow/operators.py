@@ -1,10 +1,10 @@
 """Operators for a stateful job's checkpoints, usable in your own DAGs.
 
 Each operator takes keyword-only arguments, declares its templated fields, makes
-one call into the library (`statebackend.airflow.steps`) and returns a JSON-able
-dict (the XCom). Storage credentials come from ``storage_conn_id`` (an ``aws``
-connection, see `CheckpointHook`) as storage options, never from or into the
-environment::
+one call into the library (`statebackend.airflow.steps`) through its cached ``hook``
+(`CheckpointHook`) and returns a JSON-able dict (the XCom). Storage credentials come
+from ``storage_conn_id`` (an ``aws`` connection) as storage options, never from or
+into the environment::
 
     run = CkptRunJobOperator(task_id="run", job_ref="mypkg.jobs:job", job="sessions",
                              storage="s3://bucket/ckpt", storage_conn_id="aws_ckpt",
@@ -17,18 +17,48 @@ environment::
 ``job`` is the job's folder under the storage root; ``job_ref`` the code that
 runs (a built-in job name or ``pkg.module:attribute``), taken only from the DAG,
 never from storage.
+
+Every operator takes ``storage``, ``job`` and ``storage_conn_id``, then its own
+arguments (`ARGUMENTS` of its class: name -> default), then BaseOperator's
+(``task_id``, ``retries`` ...). ``CkptRunJobOperator``'s own arguments are the run
+options declared in `statebackend.run_options` (``input_path``, ``output_path``,
+``parallelism``, ``engine`` ...; the templated ones are its template fields). An
+unknown argument is refused in one line naming it. Yes/no arguments (``dry_run``,
+``deep``) accept a bool or its text (``"True"``, a rendered template) and refuse
+anything else, naming the argument.
 """
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from collections.abc import Mapping, Sequence
-from typing import Any
+from functools import cached_property
+from typing import Any, ClassVar
 
 from airflow.sdk import BaseOperator
 
 from statebackend import defaults
 from statebackend.airflow.hook import CheckpointHook
-from statebackend.airflow.steps import RUN_KEY_TEMPLATE
+from statebackend.airflow.steps import (
+    RUN_KEY_TEMPLATE,
+    gc_store,
+    make_run_config,
+    publish_extra,
+    rescale_store,
+    retain_store,
+    run_job_once,
+    validate_store,
+)
+from statebackend.run_options import RunOption, run_options
+from statebackend.settings import boolean
+
+REQUIRED = object()  # an argument without a default
+# BaseOperator's own keyword arguments (task_id, retries, default_args ...), and the private
+# ones Airflow passes when it maps or validates an operator.
+BASE_ARGUMENTS = frozenset(name for name in inspect.signature(BaseOperator.__init__).parameters
+                           if name not in ("self", "kwargs"))
+COMMON_ARGUMENTS = ("storage", "job", "storage_conn_id")
 
 
 def _as_int(value: Any) -> Any:
@@ -38,72 +68,102 @@ def _as_int(value: Any) -> Any:
     return value
 
 
-def _as_bool(value: Any) -> bool:
-    if isinstance(value, str):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return bool(value)
-
-
 class _CheckpointOperator(BaseOperator):
-    """Common arguments: the storage root, the job's folder, the storage connection."""
+    """Common arguments: the storage root, the job's folder, the storage connection; the
+    class's own arguments (`ARGUMENTS`) become attributes (templates render them)."""
 
     ui_color = "#e8f1fb"
+    ARGUMENTS: ClassVar[Mapping[str, Any]] = {}
 
     def __init__(self, *, storage: str, job: str, storage_conn_id: str | None = None,
                  **kwargs: Any) -> None:
+        own = {name: kwargs.pop(name) for name in list(kwargs) if name in self.ARGUMENTS}
+        self._refuse_unknown(kwargs)
         super().__init__(**kwargs)
         self.storage = storage
         self.job = job
         self.storage_conn_id = storage_conn_id
+        for name, default in self.ARGUMENTS.items():
+            value = own.get(name, default)
+            if value is REQUIRED:
+                raise TypeError(f"{type(self).__name__} (task_id {self.task_id!r}): missing "
+                                f"argument {name!r}")
+            setattr(self, name, dict(value) if isinstance(value, Mapping) else value)
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Give each operator an ``__init__`` whose signature names its own arguments:
+        Airflow reads it to fill them from ``default_args``, to require those without a
+        default and to check ``partial()``/``expand()`` arguments (the body is the base's)."""
+        super().__init_subclass__(**kwargs)
+        if "__init__" in vars(cls):
+            return
+
+        def __init__(self: _CheckpointOperator, **kw: Any) -> None:
+            _CheckpointOperator.__init__(self, **kw)
+
+        base = inspect.signature(_CheckpointOperator.__init__).parameters
+        own = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
+                                 default=inspect.Parameter.empty if default is REQUIRED
+                                 else default) for name, default in cls.ARGUMENTS.items()]
+        params = [*list(base.values())[:-1], *own, base["kwargs"]]
+        __init__.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+        cls.__init__ = __init__  # type: ignore[method-assign]
+
+    @classmethod
+    def _refuse_unknown(cls, kwargs: Mapping[str, Any]) -> None:
+        """One line naming the first argument neither ours nor BaseOperator's."""
+        known = [*COMMON_ARGUMENTS, *cls.ARGUMENTS, *sorted(BASE_ARGUMENTS)]
+        for name in kwargs:
+            if name in BASE_ARGUMENTS or name.startswith("_airflow"):
+                continue
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(f"{cls.__name__} (task_id {kwargs.get('task_id')!r}): unknown "
+                            f"argument {name!r}{hint}; its own arguments are "
+                            f"{[*COMMON_ARGUMENTS, *cls.ARGUMENTS]}")
+
+    @cached_property
     def hook(self) -> CheckpointHook:
+        """The job's checkpoint store through ``storage_conn_id`` (built once per task)."""
         return CheckpointHook(self.storage_conn_id, storage=self.storage, job=self.job)
+
+    def yes_no(self, name: str) -> bool:
+        """Yes/no argument ``name`` (a bool, or its text from a rendered template)."""
+        return boolean(getattr(self, name), f"{type(self).__name__} argument {name}")
+
+
+# The run options the operator takes beside storage and job (its base's), by argument name.
+RUN_ARGUMENTS: dict[str, RunOption] = {
+    opt.argument: opt for opt in run_options()
+    if opt.argument is not None and opt.argument not in COMMON_ARGUMENTS}
 
 
 class CkptRunJobOperator(_CheckpointOperator):
     """Run one interval of a stateful job in this worker (local Spark or ``master``).
 
-    ``engine``: ``auto`` (a small interval runs in this task's process, no JVM),
-    ``spark`` or ``local`` (`statebackend.job.engine`); None: ``$CKPT_ENGINE``, else auto.
+    Arguments: ``job_ref`` (required), then the run options (`statebackend.run_options`),
+    e.g. ``input_path`` (required), ``output_path``, ``run_key`` (default:
+    `RUN_KEY_TEMPLATE`), ``job_options``, ``parallelism``, ``engine``: ``auto`` (a small
+    interval runs in this task's process, no JVM), ``spark`` or ``local``.
     """
 
-    template_fields: Sequence[str] = ("input_path", "output_path", "quarantine_path", "storage",
-                                      "run_key", "job_options", "start_from")
-
-    def __init__(self, *, job_ref: str, input_path: str, storage: str, job: str,
-                 output_path: str | None = None, run_key: str = RUN_KEY_TEMPLATE,
-                 job_options: Mapping[str, Any] | None = None,
-                 storage_conn_id: str | None = None, parallelism: int | None = None,
-                 max_parallelism: int = defaults.MAX_PARALLELISM,
-                 max_reject_fraction: float = defaults.MAX_REJECT_FRACTION,
-                 quarantine_path: str | None = None, start_from: str | None = None,
-                 master: str = "local[*]", engine: str | None = None, **kwargs: Any) -> None:
-        super().__init__(storage=storage, job=job, storage_conn_id=storage_conn_id, **kwargs)
-        self.job_ref = job_ref
-        self.input_path = input_path
-        self.output_path = output_path  # (``output`` is BaseOperator's XCom reference)
-        self.run_key = run_key
-        self.job_options = dict(job_options or {})
-        self.parallelism = parallelism
-        self.max_parallelism = max_parallelism
-        self.max_reject_fraction = max_reject_fraction
-        self.quarantine_path = quarantine_path
-        self.start_from = start_from
-        self.master = master
-        self.engine = engine
+    ARGUMENTS: ClassVar[Mapping[str, Any]] = {
+        "job_ref": REQUIRED,
+        **{argument: RUN_KEY_TEMPLATE if opt.name == "run_id"
+           else REQUIRED if opt.required else opt.default_value()
+           for argument, opt in RUN_ARGUMENTS.items()}}
+    template_fields: Sequence[str] = tuple(
+        opt.argument for opt in run_options() if opt.templated and opt.argument)
 
     def execute(self, context) -> dict:
-        from statebackend.airflow.steps import run_job_once
-        from statebackend.job.config import RunConfig
-
-        config = RunConfig(
-            input=self.input_path, storage=self.storage, job=self.job, run_id=self.run_key,
-            output=self.output_path or None, parallelism=self.parallelism,
-            max_parallelism=self.max_parallelism, master=self.master,
-            max_reject_fraction=self.max_reject_fraction, quarantine=self.quarantine_path or None,
-            start_from=self.start_from or None, options=self.job_options,
-            storage_options=self.hook().storage_options(), context=_airflow_context(context),
-            logical_time_ms=_interval_end_ms(context), engine=self.engine)
+        values = {opt.name: opt.parse(getattr(self, argument), f"CkptRunJobOperator argument "
+                                                               f"{argument}")
+                  for argument, opt in RUN_ARGUMENTS.items()}
+        config = make_run_config({
+            **values, "storage": self.storage, "job": self.job,
+            "storage_options": self.hook.storage_options(),
+            "context": _airflow_context(context), "logical_time_ms": _interval_end_ms(context)})
         return run_job_once(self.job_ref, config, entry=self.job)
 
 
@@ -111,31 +171,21 @@ class CkptValidateOperator(_CheckpointOperator):
     """Validate the checkpoint committed by ``run_key`` (or ``checkpoint``); fail on breaks.
 
     With ``outlets`` (Assets), each gets the checkpoint's figures as its event extra.
-    ``report``: ``"now"`` renders the Great Expectations report after the verdict,
-    ``"none"`` decides without importing GE (summary and overview page only).
+    ``level``: ``"manifest"`` (default), ``"deep"`` or ``"full"``; ``deep=True`` is
+    ``level="deep"``. ``report``: ``"now"`` renders the Great Expectations report after
+    the verdict, ``"none"`` decides without importing GE (summary and overview page only).
     """
 
+    ARGUMENTS: ClassVar[Mapping[str, Any]] = {
+        "run_key": None, "checkpoint": "latest", "deep": False, "level": None,
+        "job_ref": None, "report": "now"}
     template_fields: Sequence[str] = ("storage", "run_key", "checkpoint")
 
-    def __init__(self, *, storage: str, job: str, run_key: str | None = None,
-                 checkpoint: str | int = "latest", deep: bool = False,
-                 level: str | None = None, job_ref: str | None = None,
-                 storage_conn_id: str | None = None, report: str = "now",
-                 **kwargs: Any) -> None:
-        super().__init__(storage=storage, job=job, storage_conn_id=storage_conn_id, **kwargs)
-        self.run_key = run_key
-        self.checkpoint = checkpoint
-        self.deep = deep
-        self.level = level
-        self.job_ref = job_ref
-        self.report = report
-
     def execute(self, context) -> dict:
-        from statebackend.airflow.steps import publish_extra, validate_store
-
-        result = validate_store(self.hook().get_store(), run_id=self.run_key or None,
-                                ref=_as_int(self.checkpoint), deep=self.deep,
-                                level=self.level, job_ref=self.job_ref, report=self.report)
+        level = self.level or ("deep" if self.yes_no("deep") else None)
+        result = validate_store(self.hook.get_store(), run_id=self.run_key or None,
+                                ref=_as_int(self.checkpoint), level=level,
+                                job_ref=self.job_ref, report=self.report)
         for asset in self.outlets or ():
             context["outlet_events"][asset].extra = publish_extra(result)
         return result
@@ -144,63 +194,37 @@ class CkptValidateOperator(_CheckpointOperator):
 class CkptRetainOperator(_CheckpointOperator):
     """Keep the newest ``keep`` checkpoints (plus savepoints and leased ones)."""
 
+    ARGUMENTS: ClassVar[Mapping[str, Any]] = {"keep": defaults.RETENTION_KEEP, "dry_run": False}
     template_fields: Sequence[str] = ("storage", "keep", "dry_run")
 
-    def __init__(self, *, storage: str, job: str, keep: int = defaults.RETENTION_KEEP,
-                 dry_run: bool = False, storage_conn_id: str | None = None,
-                 **kwargs: Any) -> None:
-        super().__init__(storage=storage, job=job, storage_conn_id=storage_conn_id, **kwargs)
-        self.keep = keep
-        self.dry_run = dry_run
-
     def execute(self, context) -> dict:
-        from statebackend.airflow.steps import retain_store
-
-        return retain_store(self.hook().get_store(), keep=_as_int(self.keep),
-                            dry_run=_as_bool(self.dry_run))
+        return retain_store(self.hook.get_store(), keep=_as_int(self.keep),
+                            dry_run=self.yes_no("dry_run"))
 
 
 class CkptGcOperator(_CheckpointOperator):
     """Delete shared files nothing references (orphans only after ``grace_seconds``)."""
 
+    ARGUMENTS: ClassVar[Mapping[str, Any]] = {
+        "grace_seconds": defaults.GC_GRACE_SECONDS, "dry_run": False}
     template_fields: Sequence[str] = ("storage", "grace_seconds", "dry_run")
 
-    def __init__(self, *, storage: str, job: str,
-                 grace_seconds: float = defaults.GC_GRACE_SECONDS, dry_run: bool = False,
-                 storage_conn_id: str | None = None, **kwargs: Any) -> None:
-        super().__init__(storage=storage, job=job, storage_conn_id=storage_conn_id, **kwargs)
-        self.grace_seconds = grace_seconds
-        self.dry_run = dry_run
-
     def execute(self, context) -> dict:
-        from statebackend.airflow.steps import gc_store
-
-        return gc_store(self.hook().get_store(), grace_seconds=float(self.grace_seconds),
-                        dry_run=_as_bool(self.dry_run))
+        return gc_store(self.hook.get_store(), grace_seconds=float(self.grace_seconds),
+                        dry_run=self.yes_no("dry_run"))
 
 
 class CkptRescaleOperator(_CheckpointOperator):
     """Rescale-restore ``checkpoint`` to ``parallelism`` subtasks (a new checkpoint)."""
 
+    ARGUMENTS: ClassVar[Mapping[str, Any]] = {
+        "parallelism": REQUIRED, "checkpoint": "latest", "dry_run": False, "master": None}
     template_fields: Sequence[str] = ("storage", "parallelism", "checkpoint", "dry_run")
 
-    def __init__(self, *, storage: str, job: str, parallelism: int | str,
-                 checkpoint: str | int = "latest", dry_run: bool | str = False,
-                 master: str | None = None, storage_conn_id: str | None = None,
-                 **kwargs: Any) -> None:
-        super().__init__(storage=storage, job=job, storage_conn_id=storage_conn_id, **kwargs)
-        self.parallelism = parallelism
-        self.checkpoint = checkpoint
-        self.dry_run = dry_run
-        self.master = master
-
     def execute(self, context) -> dict:
-        from statebackend.airflow.steps import rescale_store
-
-        return rescale_store(self.hook().get_store(),
-                             parallelism=_as_int(self.parallelism),
+        return rescale_store(self.hook.get_store(), parallelism=_as_int(self.parallelism),
                              checkpoint=_as_int(self.checkpoint),
-                             dry_run=_as_bool(self.dry_run), master=self.master)
+                             dry_run=self.yes_no("dry_run"), master=self.master)
 
 
 def _interval_end_ms(context) -> int | None:

@@ -29,8 +29,8 @@ A run reports its progress (phases, subtasks done) to this module's logger, so
 the task log shows it every few seconds (`statebackend.progress`, lines mode;
 ``CKPT_PROGRESS=off`` silences it).
 
-Heavy modules (pyspark, great_expectations, rocksdict, pandas) are imported inside
-the functions: DAG files import this module at parse time.
+Heavy modules (pyspark, great_expectations, rocksdict, pyarrow and the job package,
+pandas) are imported inside the functions: DAG files import this module at parse time.
 """
 
 from __future__ import annotations
@@ -39,12 +39,22 @@ import io
 import logging
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
 from statebackend import defaults
-from statebackend.airflow.config import JobSpec
+from statebackend.airflow.config import SPEC_RUN_OPTIONS, JobSpec, resolve_job_ref
+from statebackend.airflow.connection import storage_options_from_connection
+from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import CkptError, UsageError
+from statebackend.lifecycle.gc import collect_garbage
+from statebackend.lifecycle.retention import retain
+from statebackend.progress import Progress, choose_mode
+from statebackend.run_options import command_line, run_options
+from statebackend.spark.session import add_to_pythonpath
+from statebackend.state.keygroups import check_parallelism
+from statebackend.storage import open_storage
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +86,12 @@ def run_key(logical_date: datetime | str | None, airflow_run_id: str) -> str:
     return f"{RUN_KEY_PREFIX}{text}"
 
 
-def render(template: str | None, values: dict) -> str | None:
-    """Render the Jinja fields of a configured path (``{{ ds }}``, ``{{ ts }}`` ...)."""
-    if template is None or "{" not in template:
+def render(template: Any, values: dict) -> Any:
+    """Render the Jinja fields of a configured value (``{{ ds }}``, ``{{ ts }}`` ...): a
+    string, or each string of a mapping; anything else as it is."""
+    if isinstance(template, Mapping):
+        return {key: render(value, values) for key, value in template.items()}
+    if not isinstance(template, str) or "{" not in template:
         return template
     import jinja2
 
@@ -104,17 +117,12 @@ def template_values(logical_date: datetime | None, airflow_run_id: str) -> dict:
 def storage_options_for(spec: JobSpec, get_connection: Callable[[str], Any] | None = None
                         ) -> dict:
     """The job's storage options from its ``storage_conn_id`` ({} without one)."""
-    from statebackend.airflow.connection import storage_options_from_connection
-
     return storage_options_from_connection(spec.storage_conn_id, get_connection)
 
 
 def open_store(spec: JobSpec, storage_options: Mapping[str, Any] | None = None, *,
                get_connection: Callable[[str], Any] | None = None):
     """The job's `CheckpointStore`; options from its connection unless given."""
-    from statebackend.checkpoint.store import CheckpointStore
-    from statebackend.storage import open_storage
-
     if storage_options is None:
         storage_options = storage_options_for(spec, get_connection)
     return CheckpointStore(open_storage(spec.storage, **storage_options), spec.name)
@@ -131,9 +139,8 @@ def checkpoint_facts(meta) -> dict:
 # -- run -------------------------------------------------------------------------
 def load_configured_job(job_ref: str, entry: str):
     """The `Job` a configuration names (built-in name or module:attr); one-line errors."""
-    from statebackend.airflow.config import resolve_job_ref
+    # the job package (pyarrow, RocksDB) only when a task runs: DAG files import this module
     from statebackend.job.load import load_job, module_root
-    from statebackend.spark.session import add_to_pythonpath
 
     ref = resolve_job_ref(job_ref, entry)
     try:
@@ -157,8 +164,7 @@ def checked_options(job, entry: str, options: Mapping[str, Any] | None) -> dict:
 
 def run_job_once(job_ref: str, config, *, entry: str | None = None, spark=None) -> dict:
     """Load the configured job, check its options and input, run one interval."""
-    from dataclasses import replace
-
+    # the job package (pyarrow, RocksDB) only when a task runs: DAG files import this module
     from statebackend.job.run import run_job
 
     entry = entry or config.job or job_ref
@@ -167,8 +173,6 @@ def run_job_once(job_ref: str, config, *, entry: str | None = None, spark=None) 
     if "://" not in config.input and not os.path.exists(config.input):
         raise UsageError(f"input {config.input} of ckpt_jobs entry {entry!r} does not exist; "
                          "check the 'input' pattern and that the interval's data landed")
-    from statebackend.progress import Progress, choose_mode
-
     stream = LogLines(log)
     mode = "off" if choose_mode(stream) == "off" else "lines"  # a log has no live bar
     with Progress("run", stream=stream, mode=mode) as progress:
@@ -195,22 +199,32 @@ class LogLines(io.TextIOBase):
         return len(text)
 
 
-def build_run_config(spec: JobSpec, *, logical_date: datetime | None, airflow_run_id: str,
-                     storage_options: Mapping[str, Any] | None = None,
-                     parallelism: int | None = None, local_dir: str | None = None,
-                     context: Mapping[str, Any] | None = None):
-    """The `RunConfig` of one interval of ``spec`` (paths rendered for that interval)."""
+def spec_run_values(spec: JobSpec) -> dict[str, Any]:
+    """The run options ``spec`` sets, by `RunConfig` field (not rendered): its declared
+    run settings, its entry name as the job's folder, ``spark.master`` as the master."""
+    values = {opt.name: getattr(spec, opt.name) for opt in SPEC_RUN_OPTIONS}
+    values.update(job=spec.name, master=spec.spark.master)
+    return values
+
+
+def make_run_config(values: Mapping[str, Any]):
+    """A `RunConfig` of ``values`` (by field name; a typo is a TypeError naming it)."""
+    # the job package (pyarrow, RocksDB) only when a run is built: DAG files import this
     from statebackend.job.config import RunConfig
 
+    return RunConfig(**values)
+
+
+def build_run_config(spec: JobSpec, *, logical_date: datetime | None, airflow_run_id: str,
+                     storage_options: Mapping[str, Any] | None = None, **overrides: Any):
+    """The `RunConfig` of one interval of ``spec``: its templated run options rendered
+    for that interval; ``overrides`` (RunConfig fields, e.g. ``parallelism``) win."""
     values = template_values(logical_date, airflow_run_id)
-    return RunConfig(
-        input=render(spec.input, values), storage=spec.storage, job=spec.name,
-        run_id=run_key(logical_date, airflow_run_id), output=render(spec.output, values),
-        parallelism=parallelism or spec.parallelism, max_parallelism=spec.max_parallelism,
-        master=spec.spark.master, max_reject_fraction=spec.max_reject_fraction,
-        quarantine=render(spec.quarantine, values), start_from=spec.start_from,
-        local_dir=local_dir, options=dict(spec.options), context=dict(context or {}),
-        storage_options=dict(storage_options or {}), engine=spec.engine)
+    templated = {opt.name for opt in run_options() if opt.templated}
+    run = {name: render(value, values) if name in templated else value
+           for name, value in spec_run_values(spec).items()}
+    return make_run_config({**run, "run_id": run_key(logical_date, airflow_run_id),
+                            "storage_options": dict(storage_options or {}), **overrides})
 
 
 def run_pipeline_job(spec: JobSpec, *, logical_date: datetime | None, airflow_run_id: str,
@@ -236,19 +250,22 @@ def _validation_dict(result) -> dict:
 
 
 def validate_store(store, *, run_id: str | None = None, ref: str | int = "latest",
-                   deep: bool = False, level: str | None = None, job_ref: str | None = None,
+                   level: str | None = None, job_ref: str | None = None,
                    report: str = "now") -> dict:
     """Validate the checkpoint committed by ``run_id`` (or ``ref``); raise if it fails.
 
-    ``level`` ("manifest", "deep" or "full"; default: "deep" if ``deep``) is
-    `validate_checkpoint`'s. ``job_ref`` (the configured job) adds the job's
-    expectations on its states.
+    ``level``: "manifest" (default), "deep" or "full" (`ValidationOptions`).
+    ``job_ref`` (the configured job) adds the job's expectations on its states.
     ``report="none"`` decides without importing Great Expectations (the scheduled
     pipeline: its verdict must not wait ~10 s for GE); maintenance renders the report.
     """
+    # checkpoint storage (fsspec) only when the task runs: DAG files import this module
+    from statebackend.validation.options import ValidationOptions
     from statebackend.validation.validate import validate_checkpoint
 
     checks = load_configured_job(job_ref, store.job).expectations if job_ref else None
+    options = ValidationOptions(level=level or "manifest", report=report,
+                                state_checks=checks or None)
     if run_id is not None:
         meta = store.find_by_run_id(run_id)
         if meta is None:
@@ -257,9 +274,7 @@ def validate_store(store, *, run_id: str | None = None, ref: str | int = "latest
                             "removed it")
     else:
         meta = store.resolve(ref)
-    result = _validation_dict(validate_checkpoint(store, meta.checkpoint_id, deep=deep,
-                                                  level=level, state_checks=checks or None,
-                                                  report=report))
+    result = _validation_dict(validate_checkpoint(store, meta.checkpoint_id, options))
     result["checkpoint"] = checkpoint_facts(meta)
     if not result["success"]:
         raise ValidationFailedError(
@@ -269,17 +284,15 @@ def validate_store(store, *, run_id: str | None = None, ref: str | int = "latest
 
 
 def validate_step(spec: JobSpec, *, run_id: str | None = None, ref: str | int = "latest",
-                  deep: bool = False, level: str | None = None,
+                  level: str | None = None,
                   storage_options: Mapping[str, Any] | None = None,
                   report: str = "now") -> dict:
     return validate_store(open_store(spec, storage_options), run_id=run_id, ref=ref,
-                          deep=deep, level=level, job_ref=spec.job, report=report)
+                          level=level, job_ref=spec.job, report=report)
 
 
 # -- lifecycle -----------------------------------------------------------------------
 def retain_store(store, *, keep: int = defaults.RETENTION_KEEP, dry_run: bool = False) -> dict:
-    from statebackend.lifecycle.retention import retain
-
     return retain(store, int(keep), dry_run=bool(dry_run)).to_json()
 
 
@@ -291,8 +304,6 @@ def retain_step(spec: JobSpec, *, keep: int | None = None, dry_run: bool = False
 
 def gc_store(store, *, grace_seconds: float = defaults.GC_GRACE_SECONDS,
              dry_run: bool = False) -> dict:
-    from statebackend.lifecycle.gc import collect_garbage
-
     return collect_garbage(store, grace_seconds=float(grace_seconds),
                            dry_run=bool(dry_run)).to_json()
 
@@ -305,8 +316,8 @@ def gc_step(spec: JobSpec, *, grace_seconds: float | None = None, dry_run: bool 
 
 def rescale_store(store, *, parallelism: int, checkpoint: str | int = "latest",
                   dry_run: bool = False, master: str | None = None, spark=None) -> dict:
-    from statebackend.rescale.executor import rescale
-    from statebackend.state.keygroups import check_parallelism
+    # Spark and RocksDB only when a rescale runs: DAG files import this module
+    from statebackend.rescale.executor import RescaleOptions, rescale
 
     max_parallelism = store.resolve(checkpoint).max_parallelism
     if not isinstance(parallelism, int) or isinstance(parallelism, bool):
@@ -314,8 +325,8 @@ def rescale_store(store, *, parallelism: int, checkpoint: str | int = "latest",
                          f"1..{max_parallelism} (the job's max parallelism)")
     check_parallelism(parallelism, max_parallelism)
     # The ref, not the id resolved above: rescale resolves it again under its lease.
-    result = rescale(store, checkpoint, parallelism, master=master, spark=spark,
-                     dry_run=bool(dry_run))
+    result = rescale(store, checkpoint, parallelism, spark=spark,
+                     options=RescaleOptions(master=master, dry_run=bool(dry_run)))
     if dry_run:
         print(result.get("plan_text", ""))
     return result
@@ -362,24 +373,12 @@ def submit_application() -> str:
 
 
 def spark_submit_args(spec: JobSpec) -> list[str]:
-    """application_args for spark-submit (Airflow renders the Jinja fields)."""
-    args = [spec.job_ref(), "--input", spec.input, "--storage", spec.storage,
-            "--job", spec.name, "--run-id", RUN_KEY_TEMPLATE, "--output", spec.output,
-            "--master", spec.spark.master,
-            "--max-parallelism", str(spec.max_parallelism),
-            "--max-reject-fraction", str(spec.max_reject_fraction),
-            # spark-submit started the application: its tasks run on the cluster
-            "--engine", "spark", "--json"]
-    if spec.parallelism:
-        args += ["--parallelism", str(spec.parallelism)]
-    if spec.quarantine:
-        args += ["--quarantine", spec.quarantine]
-    if spec.start_from:
-        args += ["--start-from", spec.start_from]
-    for name, value in sorted(spec.options.items()):
-        text = str(value).lower() if isinstance(value, bool) else str(value)
-        args += ["--" + name.replace("_", "-"), text]
-    return args
+    """application_args for spark-submit (Airflow renders the Jinja fields): ``ckpt run``'s
+    flags of the spec's run options (`statebackend.run_options.command_line`)."""
+    values = {**spec_run_values(spec), "run_id": RUN_KEY_TEMPLATE,
+              # spark-submit started the application: its tasks run on the cluster
+              "engine": "spark"}
+    return [spec.job_ref(), *command_line(values), "--json"]
 
 
 def s3_environment(options: Mapping[str, Any]) -> dict[str, str]:
@@ -428,6 +427,7 @@ def state_totals(spec: JobSpec, ref: str | int = "latest",
     max_ts), the shape of demo.sample_data.expected_totals (checks and the demo)."""
     import pandas as pd
 
+    # RocksDB only when state is read: DAG files import this module
     from statebackend.checkpoint.dump import checkpoint_rows
 
     store = open_store(spec, storage_options)

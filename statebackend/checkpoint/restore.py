@@ -33,6 +33,7 @@ from statebackend.state.backend import (
     DB_DIR,
     SNAPSHOTS_DIR,
     KeyedStateBackend,
+    StoredInstance,
     read_instance_marker,
 )
 from statebackend.state.keygroups import KeyGroupRange
@@ -96,16 +97,29 @@ class ReuseReport:
     damaged: tuple[str, ...] = ()  # "path: reason" per stored file not reused
 
 
+@dataclass(frozen=True)
+class RestoreOptions:
+    """How `restore_subtask` opens a stored subtask."""
+
+    read_only: bool = False
+    allow_local: bool = True  # reuse this machine's copy (local recovery) when it matches
+    label: str | None = None  # names the instance in scan errors
+    reuse_check: ReuseCheck | None = DEFAULT_REUSE_CHECK  # None: reused files unchecked
+
+
+FROM_STORAGE = RestoreOptions(allow_local=False)  # always download
+
+
 def restore_subtask(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
                     descriptors: Sequence[StateDescriptor], max_parallelism: int,
-                    read_only: bool = False, allow_local: bool = True,
-                    label: str | None = None,
-                    reuse_check: ReuseCheck | None = DEFAULT_REUSE_CHECK) -> KeyedStateBackend:
+                    options: RestoreOptions = RestoreOptions()) -> KeyedStateBackend:
     """Open the state of ``handle`` in ``local_dir`` (created or replaced).
 
     After a local restore (not read-only), the stored shared files are checked with
-    ``reuse_check`` (None: not checked); see `verify_reused_files`.
+    ``options.reuse_check`` (None: not checked); see `verify_reused_files`.
     """
+    read_only, allow_local, label = options.read_only, options.allow_local, options.label
+    reuse_check = options.reuse_check
     local_dir = os.path.abspath(local_dir)
     kg_range = KeyGroupRange(handle.key_group_start, handle.key_group_end)
     marker = read_instance_marker(local_dir) if allow_local else None
@@ -133,15 +147,16 @@ def restore_subtask(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
     report = ReuseReport()
     if mode != "download" and not read_only and reuse_check is not None:
         report = verify_reused_files(job_storage, handle, local_dir, reuse_check)
-    backend = KeyedStateBackend(local_dir, descriptors, max_parallelism, kg_range,
-                                backend_id=handle.backend_id, read_only=read_only, label=label)
+    backend = KeyedStateBackend(
+        local_dir, descriptors, max_parallelism, kg_range, read_only=read_only,
+        origin=StoredInstance(handle.backend_id, label, {f.local_name: f.path
+                                                          for f in handle.files}))
     bad = {d.split(": ", 1)[0] for d in report.damaged}
     # A damaged stored file is not referenced again: the next snapshot uploads the
     # (verified) local copy under a new shared name.
     backend.uploaded = {f.local_name: f for f in handle.shared_files if f.path not in bad}
     backend.reuploaded = tuple(sorted(bad))
     backend.reuse_report = report
-    backend.file_paths = {f.local_name: f.path for f in handle.files}
     backend.restore_mode = mode
     backend._last_snapshot_id = handle.snapshot_id
     return backend
@@ -235,7 +250,8 @@ def restored_readonly(job_storage: Storage, handle: SubtaskHandle,
     backend = None
     try:
         backend = restore_subtask(job_storage, handle, tmp, descriptors, max_parallelism,
-                                  read_only=True, allow_local=False, label=label)
+                                  RestoreOptions(read_only=True, allow_local=False,
+                                                 label=label))
         yield backend
     finally:
         if backend is not None:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from statebackend.checkpoint.attempt import Attempt
 from statebackend.checkpoint.layout import private_dir, shared_path
 from statebackend.checkpoint.metadata import CheckpointMetadata, FileRef, SubtaskHandle
-from statebackend.checkpoint.store import CheckpointStore, build_metadata
+from statebackend.checkpoint.store import CheckpointStore, MetadataParts, build_metadata
 from statebackend.errors import SnapshotError, UsageError
 from statebackend.state.backend import KeyedStateBackend, LocalSnapshot
 from statebackend.storage import Storage
@@ -146,8 +146,8 @@ def discard_uploads(job_storage: Storage, results: list[SnapshotResult]) -> None
 
 def checkpoint_backends(store: CheckpointStore, backends: Sequence[KeyedStateBackend], *,
                         parent: int | None | str = "latest", run_id: str | None = None,
-                        inputs: Sequence[str] = (), extra: dict | None = None,
-                        checkpoint_id: int | None = None) -> CheckpointMetadata:
+                        inputs: Sequence[str] = (), extra: dict | None = None
+                        ) -> CheckpointMetadata:
     """Checkpoint in-process backends (subtask i = backends[i]) and commit.
 
     The driver-side loop of a checkpoint for code that holds every backend in
@@ -160,7 +160,7 @@ def checkpoint_backends(store: CheckpointStore, backends: Sequence[KeyedStateBac
     if parent == "latest":
         ids = store.checkpoint_ids()
         parent = ids[-1] if ids else None
-    cid = checkpoint_id if checkpoint_id is not None else (parent or 0) + 1
+    cid = (parent or 0) + 1
     pending = [snapshot(b, store.storage, checkpoint_id=cid, subtask=i)
                for i, b in enumerate(backends)]
     results, errors = [], []
@@ -176,11 +176,11 @@ def checkpoint_backends(store: CheckpointStore, backends: Sequence[KeyedStateBac
         attempt.discard()
         raise errors[0]
     try:
-        meta = build_metadata(
+        meta = build_metadata(MetadataParts(
             job=store.job, checkpoint_id=cid, parent=parent,
             max_parallelism=first.max_parallelism,
             states=[d.to_json() for d in first.descriptors.values()],
-            handles=[r.handle for r in results], run_id=run_id, inputs=inputs, extra=extra)
+            handles=[r.handle for r in results], run_id=run_id, inputs=inputs, extra=extra))
     except BaseException:
         attempt.discard()
         raise

@@ -458,23 +458,39 @@ def wrong_files(storage: Storage, refs: Iterable[FileRef],
     return out
 
 
-def build_metadata(*, job: str, checkpoint_id: int, parent: int | None, max_parallelism: int,
-                   states: Sequence[dict], handles: Sequence[SubtaskHandle],
-                   kind: str = "checkpoint", run_id: str | None = None,
-                   inputs: Sequence[str] = (), rescaled_from: int | None = None,
-                   source: dict | None = None, extra: dict | None = None) -> CheckpointMetadata:
+@dataclass(frozen=True)
+class MetadataParts:
+    """What a writer knows of a checkpoint it commits; `build_metadata` checks the
+    handles and derives the rest (parallelism, subtask order)."""
+
+    job: str
+    checkpoint_id: int
+    parent: int | None
+    max_parallelism: int
+    states: Sequence[dict]
+    handles: Sequence[SubtaskHandle]
+    kind: str = "checkpoint"
+    run_id: str | None = None
+    inputs: Sequence[str] = ()
+    rescaled_from: int | None = None
+    source: dict | None = None
+    extra: dict | None = None
+
+
+def build_metadata(parts: MetadataParts) -> CheckpointMetadata:
     """Assemble and check a commit record from the subtask handles of one attempt."""
-    parallelism = len(handles)
-    check_parallelism(parallelism, max_parallelism)
-    ordered = sorted(handles, key=lambda h: h.index)
+    parallelism = len(parts.handles)
+    check_parallelism(parallelism, parts.max_parallelism)
+    ordered = sorted(parts.handles, key=lambda h: h.index)
     for i, h in enumerate(ordered):
-        expected = key_group_range_for_subtask(max_parallelism, parallelism, i)
+        expected = key_group_range_for_subtask(parts.max_parallelism, parallelism, i)
         if h.index != i or h.key_group_range != expected:
             raise UsageError(f"subtask handle {h.index} covers key groups "
                              f"[{h.key_group_start}, {h.key_group_end}], expected subtask {i} "
                              f"with [{expected.start}, {expected.end}]")
     return CheckpointMetadata(
-        job=job, checkpoint_id=checkpoint_id, parent=parent, parallelism=parallelism,
-        max_parallelism=max_parallelism, states=tuple(dict(s) for s in states),
-        subtasks=tuple(ordered), kind=kind, run_id=run_id, input=tuple(inputs),
-        rescaled_from=rescaled_from, source=source, extra=dict(extra or {}))
+        job=parts.job, checkpoint_id=parts.checkpoint_id, parent=parts.parent,
+        parallelism=parallelism, max_parallelism=parts.max_parallelism,
+        states=tuple(dict(s) for s in parts.states), subtasks=tuple(ordered), kind=parts.kind,
+        run_id=parts.run_id, input=tuple(parts.inputs), rescaled_from=parts.rescaled_from,
+        source=parts.source, extra=dict(parts.extra or {}))

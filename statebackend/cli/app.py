@@ -2,7 +2,8 @@
 
 Every command takes ``--storage URL`` and, except ``jobs``, ``--job NAME``
 (before or after the command name; defaults CKPT_STORAGE / CKPT_JOB), prints
-a human summary (sizes like ``1.2 MiB``, ages like ``3 min ago``) or, with
+a human summary (sizes like ``1.2 MiB``, ages like ``3 min ago``: `statebackend.formatting`,
+shared with the Checkpoints page) or, with
 ``--json``, one JSON document with exact values on stdout. Errors are one
 line on stderr; the exit code follows one table (the error classes' ``exit_code``, printed by
 ``ckpt --help``): 0 ok, 1 a check failed or an operation was refused, 2 a usage
@@ -25,7 +26,6 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 
@@ -35,6 +35,7 @@ from statebackend.errors import (
     CkptError,
     UsageError,
 )
+from statebackend.formatting import human_bytes  # noqa: F401 - cli/rescale.py imports it here
 from statebackend.storage import open_storage
 
 COMMAND_MODULES = (
@@ -87,41 +88,6 @@ def json_flag() -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
     parent.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     return parent
-
-
-def human_bytes(n: int | float) -> str:
-    """``1.2 MiB``: binary units, one decimal above bytes."""
-    if abs(n) < 1024:
-        return f"{int(n)} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024
-        if abs(value) < 1024:
-            return f"{value:.1f} {unit}"
-    return f"{value / 1024:.1f} PiB"
-
-
-def human_age(seconds: float) -> str:
-    """``3 min ago``; a time ahead of this clock (skew) reads ``just now``."""
-    if seconds < 1:
-        return "just now"
-    for limit, size, unit in ((60, 1, "s"), (3600, 60, "min"), (86400, 3600, "h")):
-        if seconds < limit:
-            return f"{int(seconds // size)} {unit} ago"
-    return f"{int(seconds // 86400)} d ago"
-
-
-def age_of(iso_time: str | None, now: datetime | None = None) -> str:
-    """The age of an ISO-8601 timestamp, or ``-`` when absent or unreadable."""
-    if not iso_time:
-        return "-"
-    try:
-        when = datetime.fromisoformat(iso_time)
-    except ValueError:
-        return iso_time
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return human_age(((now or datetime.now(UTC)) - when).total_seconds())
 
 
 def exit_code_of(exc: BaseException) -> int:

@@ -14,6 +14,10 @@ import argparse
 
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.cli.app import emit_json, json_flag
+from statebackend.job.command import importable_cwd
+from statebackend.job.load import load_job
+from statebackend.job.plan import new_lineage_plan, plan_for
+from statebackend.lifecycle.savepoint import read_start_point
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -32,12 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_check(args: argparse.Namespace, storage) -> int:
-    from statebackend.cli.run import _importable_cwd
-    from statebackend.job.load import load_job
-    from statebackend.job.run import new_lineage_plan, plan_for
-    from statebackend.lifecycle.savepoint import read_start_point
-
-    _importable_cwd()
+    importable_cwd()
     job = load_job(args.job_ref)
     job = job.configured(job.resolve_options())
     store = CheckpointStore(storage, args.job or job.name)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from datetime import UTC, datetime
 
 from statebackend.checkpoint import lineage as log
 from statebackend.checkpoint.dump import (
@@ -16,8 +15,9 @@ from statebackend.checkpoint.dump import (
 )
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.store import CheckpointStore
-from statebackend.cli.app import age_of, emit_json, human_bytes, json_flag
+from statebackend.cli.app import emit_json, json_flag
 from statebackend.errors import CheckpointNotFoundError, MetadataError
+from statebackend.formatting import age_of, epoch_ms, human_bytes
 from statebackend.progress import Progress
 from statebackend.state.schema import describe_schema
 
@@ -52,17 +52,6 @@ def describe(meta: CheckpointMetadata) -> str:
     if meta.rescaled_from is not None:
         what = f"rescaled from {meta.rescaled_from} to {meta.parallelism}"
     return what
-
-
-def epoch_ms(value: int | None) -> str:
-    """``1700000000000 (2023-11-14T22:13:20+00:00)``, or ``-`` when not set."""
-    if value is None:
-        return "-"
-    try:
-        when = datetime.fromtimestamp(value / 1000, UTC).isoformat(timespec="milliseconds")
-    except (OverflowError, OSError, ValueError):  # outside what datetime can show
-        return str(value)
-    return f"{value} ({when})"
 
 
 def cmd_list(args: argparse.Namespace, store: CheckpointStore) -> int:

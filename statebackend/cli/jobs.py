@@ -33,8 +33,9 @@ from statebackend.checkpoint.layout import (
 )
 from statebackend.checkpoint.leases import live_leases
 from statebackend.checkpoint.store import CheckpointStore, check_job_name
-from statebackend.cli.app import age_of, emit_json, human_bytes, json_flag
+from statebackend.cli.app import emit_json, json_flag
 from statebackend.errors import CkptError, StorageError, UsageError
+from statebackend.formatting import age_of, human_bytes
 from statebackend.storage import Storage
 
 LIST_THREADS = 8

@@ -11,8 +11,9 @@ import argparse
 
 from statebackend.checkpoint.layout import savepoint_dir
 from statebackend.checkpoint.store import CheckpointStore
-from statebackend.cli.app import age_of, emit_json, human_bytes, json_flag
+from statebackend.cli.app import emit_json, json_flag
 from statebackend.errors import UsageError
+from statebackend.formatting import age_of, human_bytes
 from statebackend.lifecycle.gc import DEFAULT_GRACE_SECONDS, MAX_GRACE_SECONDS, collect_garbage
 from statebackend.lifecycle.gc import summarize_text as gc_text
 from statebackend.lifecycle.registry import build_registry

@@ -6,22 +6,31 @@ import argparse
 
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.cli.app import emit_json, human_bytes, json_flag
+from statebackend.engines import ENGINES
 from statebackend.progress import Progress
-from statebackend.rescale.executor import plan_rescale, rescale
+from statebackend.rescale.executor import RescaleOptions, choose_rescale_engine, rescale
+from statebackend.rescale.plan import plan_rescale
+from statebackend.spark.session import get_spark, owned_session, quiet_console
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "rescale", parents=[json_flag()], help="rescale a checkpoint to a new parallelism",
         description="Write a new checkpoint with parallelism Q from checkpoint ID (default: "
-                    "latest), as a Spark job with one task per new subtask: each restores the "
-                    "old subtask with the largest key-group overlap, clips it with delete_range "
-                    "and ingests the other overlapping key groups as SST files. Later job runs "
-                    "continue from the new checkpoint. Holds the job's writer lease and a hold "
-                    "on the source; a failure commits nothing.")
-    p.add_argument("checkpoint", nargs="?", default="latest", help="ID, chk-ID or latest")
+                    "latest), one task per new subtask: each restores the old subtask with "
+                    "the largest key-group overlap, clips it with delete_range and ingests "
+                    "the other overlapping key groups as SST files. The tasks run in this "
+                    "process's threads or as Spark tasks (--engine; auto: Spark for a cluster "
+                    "or Connect master with a large state). Later job runs continue from the "
+                    "new checkpoint. Holds the job's writer lease and a hold on the source; a "
+                    "failure commits nothing.")
+    p.add_argument("checkpoint", nargs="?", default="latest",
+                   help="ID, chk-ID or latest (a rescale continues from the latest)")
     p.add_argument("--parallelism", "-p", type=int, required=True, metavar="Q",
                    help="new parallelism, 1..max parallelism")
+    p.add_argument("--engine", choices=ENGINES, default=None,
+                   help="where the new subtasks run: spark, local (this process's threads, "
+                        "no Spark session) or auto (default, or $CKPT_ENGINE)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--master", default=None,
                        help="Spark master URL (default local[*]); e.g. spark://127.0.0.1:7077")
@@ -35,14 +44,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_rescale(args: argparse.Namespace, store: CheckpointStore) -> int:
+    options = RescaleOptions(engine=args.engine, master=args.remote or args.master,
+                             compact=args.compact, dry_run=args.dry_run)
     if args.dry_run:
-        summary = rescale(store, args.checkpoint, args.parallelism, dry_run=True,
-                          compact=args.compact)
+        summary = rescale(store, args.checkpoint, args.parallelism, options=options)
     else:
         # Refuse bad requests before paying for a Spark session start.
-        plan = plan_rescale(store.resolve(args.checkpoint), args.parallelism)
+        meta = store.resolve(args.checkpoint)
+        plan = plan_rescale(meta, args.parallelism)
         with Progress("rescale") as progress:
-            summary = _run_rescale(args, store, progress,
+            summary = _run_rescale(args, store, options, progress,
                                    f"rescaling checkpoint {plan.source_checkpoint_id} to "
                                    f"{args.parallelism} subtasks")
     if args.json:
@@ -54,35 +65,25 @@ def cmd_rescale(args: argparse.Namespace, store: CheckpointStore) -> int:
         return 0
     print(f"checkpoint {summary['checkpoint_id']} of job {summary['job']}: rescaled from "
           f"{summary['from_parallelism']} to {summary['to_parallelism']} (source checkpoint "
-          f"{summary['source_checkpoint_id']}) in {summary['duration_seconds']:.2f} s; "
-          f"downloaded {human_bytes(summary['bytes_downloaded'])}, uploaded "
-          f"{human_bytes(summary['bytes_uploaded'])}, "
+          f"{summary['source_checkpoint_id']}) in {summary['duration_seconds']:.2f} s on the "
+          f"{summary['engine']} engine; downloaded {human_bytes(summary['bytes_downloaded'])}, "
+          f"uploaded {human_bytes(summary['bytes_uploaded'])}, "
           f"reused {summary['files_reused']} files, {summary['rows']} rows")
     for s in summary["subtasks"]:
         print(f"  subtask {s['index']:>3}: base {s['base']} imports {s['imports'] or '-'}  "
               f"{s['rows']} rows  {s['timings'].get('total', 0):.2f} s")
-    if "warning" in summary:
-        print(f"warning: {summary['warning']}")
     return 0
 
 
-def _run_rescale(args: argparse.Namespace, store: CheckpointStore, progress: Progress,
-                 label: str) -> dict:
-    created = None
-    # Only a session this command creates is stopped here (a caller's stays up).
-    progress.phase("starting Spark")
-    from pyspark.sql import SparkSession
-
-    if SparkSession.getActiveSession() is None:
-        from statebackend.spark.session import get_spark, quiet_console
-
-        created = get_spark(args.master, app_name="ckpt-rescale", remote=args.remote,
-                            conf=quiet_console(args.remote or args.master))
-    try:
+def _run_rescale(args: argparse.Namespace, store: CheckpointStore, options: RescaleOptions,
+                 progress: Progress, label: str) -> dict:
+    with owned_session():
+        spark = None
+        if choose_rescale_engine(store, store.resolve(args.checkpoint), options).engine \
+                == "spark":
+            progress.phase("starting Spark")
+            spark = get_spark(args.master, app_name="ckpt-rescale", remote=args.remote,
+                              conf=quiet_console(args.remote or args.master))
         progress.phase(label)
-        return rescale(store, args.checkpoint, args.parallelism,
-                       master=args.remote or args.master, spark=created, compact=args.compact,
-                       progress=progress)
-    finally:
-        if created is not None:
-            created.stop()
+        return rescale(store, args.checkpoint, args.parallelism, spark=spark,
+                       options=options, progress=progress)

@@ -21,7 +21,10 @@ import argparse
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.cli.app import emit_json, json_flag
 from statebackend.errors import UsageError
+from statebackend.job.load import load_job
 from statebackend.progress import Progress
+from statebackend.validation.options import ValidationOptions
+from statebackend.validation.validate import resolve_checkpoint_id, validate_checkpoint
 
 MAX_ROWS_PRINTED = 5
 
@@ -71,8 +74,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_validate(args: argparse.Namespace, store: CheckpointStore) -> int:
-    from statebackend.validation.validate import resolve_checkpoint_id, validate_checkpoint
-
     if (args.sample is not None or args.seed is not None) and not args.deep:
         raise UsageError("--sample and --seed apply to --deep only (--full checks every "
                          "entry)")
@@ -81,14 +82,13 @@ def cmd_validate(args: argparse.Namespace, store: CheckpointStore) -> int:
     cid = resolve_checkpoint_id(store, args.checkpoint)
     state_checks = None
     if args.job_def:
-        from statebackend.job.load import load_job
-
         # The job comes from the caller's argument, never from the checkpoint's metadata.
         state_checks = load_job(args.job_def).expectations
+    options = ValidationOptions(level=level, sample=args.sample, seed=args.seed,
+                                report=args.report, report_dir=args.report_dir,
+                                state_checks=state_checks)
     with Progress("validate") as progress:
-        result = validate_checkpoint(store, cid, level=level, report_dir=args.report_dir,
-                                     state_checks=state_checks, report=args.report,
-                                     progress=progress, sample=args.sample, seed=args.seed)
+        result = validate_checkpoint(store, cid, options, progress)
     summary = result.summary
     if args.json:
         emit_json(summary)

@@ -1,12 +1,22 @@
 """The public job API: declare a stateful job once, run it with the library.
 
+Everything a job module needs is importable from here (the built-in jobs and the
+examples import nothing else of the library: tests/test_public_api.py):
+
+- declaring: `Job`, `Input` and its rules, the states (`value_state` ... with their
+  codecs, `record`, `StateTtl`, `Upgrade`), `Output`, `Option`, the logic forms
+  `PerKey` and `Vectorized`;
+- the logic's view: `KeyContext` (per key), `BatchContext` (vectorized), `Timer`,
+  `group_by_key`;
+- running: `run_job(job, RunConfig(...))`, `load_job`, `format_summary`,
+  `run_dir_name`, the errors; a job module's command line: ``main =
+  entry_point("pkg.module:JOB")`` (`statebackend.job.command`); in process: `process`,
+  `open_state`, `SubtaskProcessor`.
+
 See `statebackend.job.api` (the `Job` object and its parts),
 `statebackend.job.context` (what the logic sees), `statebackend.job.core`
 (the in-process processing of one subtask), `statebackend.job.run` (the run
-protocol: `run_job(job, RunConfig(...))`), `statebackend.job.task` (one Spark
-task = one subtask), `statebackend.job.input` (listing and reading input),
-`statebackend.job.load` (`load_job("pkg.module:attr")`) and docs/write-a-job.md
-("Time": event time, timers, TTL).
+protocol), `statebackend.job.load` and docs/write-a-job.md.
 Importing this package imports neither Spark nor Great Expectations.
 """
 
@@ -31,19 +41,32 @@ from statebackend.job.api import (
     reducing_state,
     value_state,
 )
+from statebackend.job.command import entry_point
 from statebackend.job.config import RunConfig
-from statebackend.job.context import BatchContext, KeyContext, KeyTimers, Timers
-from statebackend.job.core import ProcessResult, SubtaskProcessor, process, split_rows
+from statebackend.job.context import BatchContext, KeyContext, KeyTimers, Timers, group_by_key
+from statebackend.job.core import (
+    ProcessResult,
+    SubtaskProcessor,
+    open_state,
+    process,
+    split_rows,
+)
 from statebackend.job.load import load_job
-from statebackend.job.run import format_summary, run_job
+from statebackend.job.publish import run_dir_name
+from statebackend.job.run import run_job
+from statebackend.job.summary import format_summary
+from statebackend.state.codecs import BytesCodec, JsonCodec, RecordCodec, StrCodec
+from statebackend.state.kinds import AggregateFunction, StateDescriptor
 from statebackend.state.schema import Upgrade
+from statebackend.state.timers import Timer
 from statebackend.state.ttl import StateTtl
 
 __all__ = [
-    "BatchContext", "Input", "Job", "JobRunError", "KeyContext", "KeyTimers", "Option", "Output",
-    "PerKey", "StateTtl", "Timers",
-    "ProcessResult", "RejectThresholdError", "Rule", "RunConfig", "SubtaskProcessor",
-    "Vectorized", "aggregating_state", "between", "finite", "format_summary", "list_state",
-    "load_job", "map_state", "not_empty", "not_null", "parses", "process", "record",
-    "reducing_state", "run_job", "split_rows", "Upgrade", "value_state",
+    "AggregateFunction", "BatchContext", "BytesCodec", "Input", "Job", "JobRunError", "JsonCodec",
+    "KeyContext", "KeyTimers", "Option", "Output", "PerKey", "ProcessResult", "RecordCodec",
+    "RejectThresholdError", "Rule", "RunConfig", "StateDescriptor", "StateTtl", "StrCodec",
+    "SubtaskProcessor", "Timer", "Timers", "Upgrade", "Vectorized", "aggregating_state", "between",
+    "entry_point", "finite", "format_summary", "group_by_key", "list_state", "load_job",
+    "map_state", "not_empty", "not_null", "open_state", "parses", "process", "record",
+    "reducing_state", "run_dir_name", "run_job", "split_rows", "value_state",
 ]

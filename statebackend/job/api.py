@@ -24,17 +24,20 @@ A user writes::
   ``event_time <= watermark at the start of the run`` is quarantined as ``late``
   unless ``accept_late``; see docs/write-a-job.md, "Time".
 - **states**: `statebackend.state.kinds.StateDescriptor` (value, list, map, reducing,
-  aggregating, each with its codec); `value_state` ... are thin constructors.
+  aggregating, each with its codec and an optional ``ttl=``); `value_state` ... are
+  thin constructors.
 - **outputs**: zero or more named Arrow schemas. ``last_per=<column>`` keeps
   only the last row emitted per value of that column in a run (for outputs that
   report a key's newest totals).
 - **logic**: `Vectorized` (``fn(batch, ctx)``, once per Arrow batch of many
-  keys, batch state operations on ``ctx``) or `PerKey` (``fn(key, rows, state)``,
-  once per key of the batch, per-key state handles; built on the vectorized
-  form, see `statebackend.job.context`).
+  keys, batch state operations on ``ctx``: a `BatchContext`) or `PerKey`
+  (``fn(key, rows, state)``, once per key per run with all of the key's accepted rows
+  of the run, per-key state handles on ``state``: a `KeyContext`); see
+  `statebackend.job.context`.
 - **on_timer**: the timer handler, `Vectorized` (``fn(timers, ctx)``, ``timers`` a
-  table ``key, time, tag, domain`` in time order) or `PerKey` (``fn(key, timer,
-  state)``); called at the end of each run for the due timers.
+  table ``key, time, tag, domain`` in time order) or `PerKey` (``fn(key, timers,
+  state)``, once per key per firing chunk, ``timers`` the key's due `Timer` values in
+  time order); called at the end of each run for the due timers.
 - **options**: declared job options; values reach the logic as ``ctx.options``.
   ``configure(job, options) -> Job`` (optional) derives the job a run uses from its
   options (e.g. a TTL or the allowed lateness given as an option).
@@ -63,9 +66,10 @@ import pyarrow.compute as pc
 
 from statebackend.errors import UsageError
 from statebackend.state.codecs import Codec, JsonCodec, RecordCodec
-from statebackend.state.kinds import AggregateFunction, StateDescriptor
+from statebackend.state.kinds import AggregateFunction, StateDescriptor, internal_descriptor
 from statebackend.state.schema import Upgrade
-from statebackend.state.ttl import StateTtl
+from statebackend.state.timers import with_timers
+from statebackend.state.ttl import TTL_INDEX, StateTtl
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 RAW = "raw"
@@ -163,27 +167,38 @@ def record(**fields: str | tuple[str, Any]) -> RecordCodec:
 
 def value_state(name: str, codec: Codec | None = None, ttl: StateTtl | None = None,
                 upgrades: tuple[Upgrade, ...] = ()) -> StateDescriptor:
+    """One value per key (JSON by default)."""
     return StateDescriptor(name, "value", codec or JsonCodec(), ttl=ttl, upgrades=upgrades)
 
 
 def list_state(name: str, codec: Codec | None = None, ttl: StateTtl | None = None,
                upgrades: tuple[Upgrade, ...] = ()) -> StateDescriptor:
+    """A list per key; with a TTL each element expires on its own."""
     return StateDescriptor(name, "list", codec or JsonCodec(), ttl=ttl, upgrades=upgrades)
 
 
 def map_state(name: str, codec: Codec | None = None, ttl: StateTtl | None = None,
               upgrades: tuple[Upgrade, ...] = ()) -> StateDescriptor:
+    """A map of string user keys per key; with a TTL each entry expires on its own."""
     return StateDescriptor(name, "map", codec or JsonCodec(), ttl=ttl, upgrades=upgrades)
 
 
 def reducing_state(name: str, reduce_fn: Callable[[Any, Any], Any],
-                   codec: Codec | None = None) -> StateDescriptor:
-    return StateDescriptor(name, "reducing", codec or JsonCodec(), reduce_fn=reduce_fn)
+                   codec: Codec | None = None, ttl: StateTtl | None = None,
+                   upgrades: tuple[Upgrade, ...] = ()) -> StateDescriptor:
+    """One value per key, folded with ``reduce_fn(old, new)`` on every add; with a TTL an
+    expired value counts as absent (the next add starts over)."""
+    return StateDescriptor(name, "reducing", codec or JsonCodec(), reduce_fn=reduce_fn,
+                           ttl=ttl, upgrades=upgrades)
 
 
 def aggregating_state(name: str, aggregate_fn: AggregateFunction,
-                      codec: Codec | None = None) -> StateDescriptor:
-    return StateDescriptor(name, "aggregating", codec or JsonCodec(), aggregate_fn=aggregate_fn)
+                      codec: Codec | None = None, ttl: StateTtl | None = None,
+                      upgrades: tuple[Upgrade, ...] = ()) -> StateDescriptor:
+    """An accumulator per key (``aggregate_fn``: create_accumulator, add, merge,
+    get_result); reads return the result; with a TTL as `reducing_state`."""
+    return StateDescriptor(name, "aggregating", codec or JsonCodec(),
+                           aggregate_fn=aggregate_fn, ttl=ttl, upgrades=upgrades)
 
 
 # -- outputs, logic, options ----------------------------------------------------------
@@ -198,14 +213,17 @@ class Output:
 
 @dataclass(frozen=True)
 class Vectorized:
-    """``fn(batch: pa.Table, ctx: BatchContext) -> None``, once per batch of many keys."""
+    """``fn(batch: pa.Table, ctx: BatchContext) -> None``, once per batch of many keys
+    (a key's rows may span batches); as a timer handler ``fn(timers, ctx)``."""
 
     fn: Callable[..., None]
 
 
 @dataclass(frozen=True)
 class PerKey:
-    """``fn(key: str, rows: pa.Table, state: KeyContext) -> rows | None``, once per key."""
+    """``fn(key: str, rows: pa.Table, state: KeyContext) -> rows | None``, once per key per
+    run with all of its accepted rows; as a timer handler ``fn(key, timers, state)``,
+    once per key per firing chunk."""
 
     fn: Callable[..., Any]
 
@@ -300,10 +318,6 @@ class Job:
     def descriptors(self) -> tuple[StateDescriptor, ...]:
         """What the backend opens: the states, the timer families with a timer handler
         and the TTL index when a state has a TTL (the order `KeyedStateBackend` uses)."""
-        from statebackend.state.kinds import internal_descriptor
-        from statebackend.state.timers import with_timers
-        from statebackend.state.ttl import TTL_INDEX
-
         out = with_timers(self.states) if self.on_timer is not None else list(self.states)
         if any(d.ttl is not None for d in self.states):
             out.append(internal_descriptor(TTL_INDEX))

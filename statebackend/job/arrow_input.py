@@ -1,78 +1,123 @@
-"""The executor-side input reader: pyarrow over fsspec, no Hadoop connector needed.
+"""A job's input rows, read with pyarrow over fsspec: the local engine's and Spark tasks'.
 
-The driver makes one row per input file (`files_frame`); Spark spreads the rows over
-its tasks and each task reads its files with pyarrow through fsspec (`read_files`),
-opened with the run's storage options (s3 credentials travel as options, never as
-environment variables); local files are opened without following a symlink and only
-if they are regular files (`statebackend.job.input.open_input_file`). The rows come
-out in `statebackend.job.input.read_ddl`'s columns, the same ones Spark's own reader
-gives, so routing, validation and the quarantine do not know which reader ran:
+The rows come out in `read_schema`'s columns, the same ones Spark's own reader gives
+(`statebackend.job.spark_input`), so routing, validation and the quarantine do not
+know which reader ran: each input column typed (the key as a string; a value that
+does not convert is null), ``_text_<column>`` with the text of a value that arrived
+but did not convert (so rules tell "missing" from "invalid" and the quarantine shows
+what arrived), ``_reason`` (a reason decided while reading, else null) and
+``_line`` (a JSON row's whole line: the quarantine's ``raw`` column). `raw_table`
+turns them into the raw table `statebackend.job.core.split_rows` validates.
 
-- Parquet: the job's columns, ``BATCH_ROWS`` rows at a time, typed like Spark's reader
-  does (a value that does not convert is null, its text kept in ``_text_<column>``).
-  A key column of a type keys cannot have is refused in one line
-  (`statebackend.job.input.key_type_error`; the driver checks the footers first).
+- Parquet: the job's columns, ``BATCH_ROWS`` rows at a time. Footers are read on the
+  driver before any work (`check_parquet`): a truncated or non-Parquet file is
+  refused in one line that names it; the footers stay with the listing
+  (`InputFiles.footers`) for the key check and the input weight.
 - JSON lines (gzip by extension) are read as a stream (`json_chunks`): about
   `CHUNK_BYTES` of decompressed whole lines at a time, each chunk parsed and handed
-  on before the next is read, so a task's memory follows the chunk, not the file (a
-  single line longer than `MAX_LINE_BYTES` fails the file in one line). A line of
-  only JSON whitespace gives no row; each row keeps its line. A chunk that is valid
-  UTF-8 and whose lines are all one clean JSON object of the expected types (string
-  keys) is parsed by Arrow's JSON reader in one call; any other chunk line by line
-  (``json.loads``, `BATCH_ROWS` lines at a time), where a line whose bytes are not
-  UTF-8 is ``invalid_utf8`` (its text escaped, ``\\xff``), a line that is not exactly
-  one JSON object is ``malformed``, a key that is not a JSON string, integer or
-  boolean is ``invalid_<key>``, and a value is kept as text, as Spark's all-string
-  parse does (`statebackend.job.input`, module doc).
+  on before the next is read, so memory follows the chunk, not the file (a single
+  line longer than `MAX_LINE_BYTES` fails the file in one line). A line of only JSON
+  whitespace (spaces, tabs, CR) gives no row. A chunk that is valid UTF-8 and whose
+  lines are all one clean JSON object of the expected types (string keys) is parsed
+  by Arrow's JSON reader in one call; any other chunk line by line (``json.loads``,
+  `BATCH_ROWS` lines at a time), where a line that is not exactly one JSON object is
+  ``malformed`` (unparsable, or followed by trailing garbage) and a value is kept as
+  text, as Spark's all-string parse does.
+
+Keys: one rule on both engines and both readers. A key's text is what the state,
+the key groups and the outputs see, so only types whose text is the same
+everywhere are accepted:
+
+- Parquet: the key column is a string (utf8, large utf8, dictionary of strings),
+  an integer (signed or unsigned, any width: ``5`` is ``"5"``) or a boolean
+  (``"true"``/``"false"``). Any other column type (binary, float, decimal, date,
+  timestamp, struct, list, map ...) is refused before any row is read, in one line
+  naming the file, the key column and its type (`check_key_columns`, from the kept
+  footers; `check_parquet(files, inp)` before the engine starts).
+- JSON lines: a JSON string is the key as it is; an integer (no fraction, no
+  exponent) is its digits, ``true``/``false`` their text; null or absent is a
+  missing key. Any other JSON value (a number with a fraction or an exponent, an
+  object, an array) is a row rejected as ``invalid_<key>`` (their text differs
+  between Python's and the JVM's JSON writers: ``1e7`` is ``10000000.0`` in one
+  and ``1.0E7`` in the other).
+
+Invalid UTF-8: a JSON line whose bytes are not valid UTF-8 is rejected as
+``invalid_utf8`` (`INVALID_UTF8`) with its columns null, never decoded with
+replacement characters (which would merge keys that differ only in the invalid
+bytes). Its ``_line`` shows the bytes with escapes (``\\xff``): this reader escapes
+them as it reads; Spark's text source keeps the raw bytes, which `raw_table`
+escapes.
 
 `read_file` takes an optional `ByteBudget`, the local engine's bound on the input a
 run holds: every block of decompressed JSON bytes and every decoded Parquet batch is
 charged before it is parsed or handed on, and the read stops with `BudgetExceeded`
 as soon as the total passes the limit. Spark tasks stream and pass no budget.
 
-A file that cannot be read fails its task with one line naming it (`InputError`).
+A file that cannot be read fails with one line naming it (`InputError`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from statebackend.errors import InputError
+from statebackend.errors import InputError, UsageError
 from statebackend.job.api import Input
 from statebackend.job.core import as_text, try_cast  # the validator's, shared
-from statebackend.job.input import (
-    INVALID_UTF8,
-    JSON_BLANK,
-    JSON_EXT,
-    LINE,
-    MALFORMED,
-    REASON,
-    TEXT,
-    accepted_key_type,
-    escape_invalid_utf8,
-    invalid_key_reason,
-    key_type_error,
-    open_input_file,
-    spark_type,
-)
+from statebackend.job.input import JSON_EXT, InputFiles, ParquetFooter, open_input_file
 
+FOOTER_CHECK_THREADS = 16
+REASON = "_reason"
+LINE = "_line"
+TEXT = "_text_"
+MALFORMED = "malformed"
+INVALID_UTF8 = "invalid_utf8"
+KEY_TYPES = "strings, integers or booleans"  # the accepted key column types (module doc)
+JSON_BLANK = " \t\r"  # a line of only these gives no row
 FILE_COLUMN = "file"
 BATCH_ROWS = 100_000  # rows per Arrow batch a task hands on
 CHUNK_BYTES = 32 * 2**20  # decompressed JSON-lines bytes parsed at a time
 READ_BYTES = 4 * 2**20  # bytes read (and charged) at a time
 MAX_LINE_BYTES = 256 * 2**20  # a longer line fails its file: not JSON lines
-_ARROW_TYPES = {
-    "string": pa.string(), "boolean": pa.bool_(), "tinyint": pa.int8(),
-    "smallint": pa.int16(), "int": pa.int32(), "bigint": pa.int64(), "float": pa.float32(),
-    "double": pa.float64(), "date": pa.date32(), "timestamp": pa.timestamp("us", "UTC"),
+# The Arrow type a read column has, by the job's declared type (timestamps: microseconds,
+# UTC; the key: string). Spark's reader gives the same (statebackend.job.spark_input).
+READ_TYPES = {
+    pa.string(): pa.string(), pa.large_string(): pa.string(), pa.bool_(): pa.bool_(),
+    pa.int8(): pa.int8(), pa.int16(): pa.int16(), pa.int32(): pa.int32(),
+    pa.int64(): pa.int64(), pa.float32(): pa.float32(), pa.float64(): pa.float64(),
+    pa.date32(): pa.date32(),
 }
+TIMESTAMP = pa.timestamp("us", "UTC")
+
+
+def read_type(inp: Input, name: str) -> pa.DataType:
+    """The type of input column ``name`` as the readers give it (`READ_TYPES`)."""
+    if name == inp.key:
+        return pa.string()  # keys are stored as strings
+    t = inp.schema.field(name).type
+    if pa.types.is_timestamp(t):
+        return TIMESTAMP
+    found = READ_TYPES.get(t)
+    if found is None:
+        raise UsageError(f"input column {name!r} has type {t}, which the input readers do "
+                         f"not support; use one of {sorted({str(k) for k in READ_TYPES})} "
+                         f"or a timestamp")
+    return found
+
+
+def read_schema(inp: Input) -> pa.Schema:
+    """The columns every reader gives (module doc), in order."""
+    typed = [(n, read_type(inp, n)) for n in inp.schema.names]
+    texts = [(TEXT + n, pa.string()) for n in inp.schema.names]
+    return pa.schema([*typed, *texts, (REASON, pa.string()), (LINE, pa.string())])
 
 
 class BudgetExceeded(InputError):
@@ -101,29 +146,110 @@ class ByteBudget:
             raise BudgetExceeded(path, self.limit, total)
 
 
-def files_frame(spark, paths: tuple[str, ...], tasks: int):
-    """One row per file, the files dealt round robin to ``min(tasks, files)`` partitions
-    (each slot value lands in its own partition: `dispatch.partition_values`)."""
-    from statebackend.spark.dispatch import partition_values
+# -- footers and keys (the driver, before any work) ---------------------------------
+def check_parquet(files: InputFiles, inp: Input | None = None) -> None:
+    """Read every Parquet footer (in parallel, footer bytes only) before Spark starts;
+    with ``inp``, also check the key column's type (`check_key_columns`).
 
-    n = max(1, min(tasks, len(paths)))
-    slots = partition_values(n)
-    rows = [(slots[i % n], p) for i, p in enumerate(paths)]
-    df = spark.createDataFrame(rows, f"_slot int, {FILE_COLUMN} string")
-    return df.repartition(n, "_slot").select(FILE_COLUMN)
-
-
-def output_schema(inp: Input) -> pa.Schema:
-    """Arrow schema of `read_ddl`'s columns (what Spark expects back from a task)."""
-    typed = [(n, _ARROW_TYPES[spark_type(inp, n)]) for n in inp.schema.names]
-    texts = [(TEXT + n, pa.string()) for n in inp.schema.names]
-    return pa.schema([*typed, *texts, (REASON, pa.string()), (LINE, pa.string())])
+    A truncated or foreign file would otherwise fail a Spark task with a long JVM
+    trace; here it is refused in one line naming the file. The footers stay with
+    ``files`` (`InputFiles.footers`).
+    """
+    parquet_footers(files)
+    if inp is not None:
+        check_key_columns(files, inp)
 
 
+def parquet_footers(files: InputFiles) -> dict[str, ParquetFooter]:
+    """path -> footer of every Parquet file, read once per listing (then kept in
+    ``files.footers``); InputError naming a file that is not readable Parquet."""
+    missing = [p for p in files.parquet if p not in files.footers]
+    if missing:
+        with ThreadPoolExecutor(min(FOOTER_CHECK_THREADS, len(missing))) as pool:
+            read = list(pool.map(lambda path: _read_footer(path, files.options), missing))
+        problems = [r for r in read if isinstance(r, tuple)]
+        if problems:
+            path, cause = problems[0]
+            more = f" (and {len(problems) - 1} more bad Parquet files)" \
+                if len(problems) > 1 else ""
+            raise InputError(f"input file {path} is not a readable Parquet file: {cause}"
+                             f"{more}; replace or remove it and re-run")
+        files.footers.update(zip(missing, read, strict=True))
+    return {p: files.footers[p] for p in files.parquet}
+
+
+def _read_footer(path: str, options: Mapping[str, Any]) -> ParquetFooter | tuple[str, str]:
+    import pyarrow.parquet as pq
+
+    try:
+        with open_input_file(path, options) as fh:
+            meta = pq.read_metadata(fh)
+            size = fh.seek(0, os.SEEK_END)
+        schema = meta.schema.to_arrow_schema()
+        decoded = _decoded_bytes(meta)
+    except Exception as exc:  # noqa: BLE001 - any failure is this file's problem, reported
+        cause = " ".join(str(exc).split()) or type(exc).__name__
+        return path, f"{type(exc).__name__}: {cause}"[:300]
+    return ParquetFooter(schema, decoded, int(size))
+
+
+_VALUE_BYTES = {"BOOLEAN": 0.125, "INT32": 4, "FLOAT": 4, "INT64": 8, "DOUBLE": 8,
+                "INT96": 12, "BYTE_ARRAY": 4}  # Arrow's bytes per value (strings: offsets)
+
+def _decoded_bytes(meta) -> int:
+    """`ParquetFooter.decoded_bytes` of a file's metadata."""
+    widths = []
+    for j in range(meta.num_columns):
+        column = meta.schema.column(j)
+        widths.append(column.length if column.physical_type == "FIXED_LEN_BYTE_ARRAY"
+                      else _VALUE_BYTES.get(column.physical_type, 1))
+    total = 0.0
+    for i in range(meta.num_row_groups):
+        group = meta.row_group(i)
+        for j in range(group.num_columns):
+            chunk = group.column(j)
+            total += max(chunk.total_uncompressed_size, chunk.num_values * (widths[j] or 1))
+    return int(total)
+
+
+def accepted_key_type(t: pa.DataType) -> bool:
+    """Whether a Parquet key column of Arrow type ``t`` is accepted (module doc, keys)."""
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t)
+            or pa.types.is_boolean(t))
+
+
+def key_type_error(path: str, key: str, t: pa.DataType, more: int = 0) -> InputError:
+    """The one-line refusal of a Parquet file whose key column has type ``t``."""
+    shown = str(t) if len(str(t)) <= 120 else str(t)[:117] + "..."
+    also = f" (and {more} more files with such a key column)" if more else ""
+    return InputError(f"input file {path}: key column {key!r} has type {shown}{also}; keys "
+                      f"must be {KEY_TYPES} (cast it when writing the file); nothing was "
+                      "read")
+
+
+def check_key_columns(files: InputFiles, inp: Input) -> None:
+    """Refuse, before any work and identically on both engines, a Parquet file whose
+    key column has a type other than `KEY_TYPES` (module doc); uses the kept footers."""
+    if not files.parquet:
+        return
+    bad = [(path, f.schema.field(inp.key).type) for path, f in parquet_footers(files).items()
+           if inp.key in f.schema.names and not accepted_key_type(f.schema.field(inp.key).type)]
+    if bad:
+        raise key_type_error(bad[0][0], inp.key, bad[0][1], len(bad) - 1)
+
+
+def invalid_key_reason(inp: Input) -> str:
+    """The reject reason of a JSON row whose key has a type keys cannot have."""
+    return f"invalid_{inp.key}"
+
+
+# -- reading ---------------------------------------------------------------------------
 def read_files(inp: Input, options: Mapping[str, Any], batches: Iterator[pa.RecordBatch]
                ) -> Iterator[pa.RecordBatch]:
-    """mapInArrow body: read every file named in ``batches``; yield `output_schema` rows."""
-    schema = output_schema(inp)
+    """mapInArrow body: read every file named in ``batches``; yield `read_schema` rows."""
+    schema = read_schema(inp)
     for batch in batches:
         for path in batch.column(FILE_COLUMN).to_pylist():
             yield from read_file(inp, options, path, schema)
@@ -132,9 +258,9 @@ def read_files(inp: Input, options: Mapping[str, Any], batches: Iterator[pa.Reco
 def read_file(inp: Input, options: Mapping[str, Any], path: str,
               schema: pa.Schema | None = None, budget: ByteBudget | None = None
               ) -> Iterator[pa.RecordBatch]:
-    """One file's rows as `output_schema` batches, streamed; InputError naming the file
+    """One file's rows as `read_schema` batches, streamed; InputError naming the file
     if unreadable, `BudgetExceeded` once ``budget`` is spent (module doc)."""
-    schema = schema or output_schema(inp)
+    schema = schema or read_schema(inp)
     try:
         if path.lower().endswith(JSON_EXT):
             tables = _json_tables(inp, options, path, schema, budget)
@@ -260,7 +386,7 @@ def _json_fast(inp: Input, data: bytes, lines: int) -> pa.Table | None:
     """Arrow's JSON reader on a clean chunk; None when any line needs the careful path."""
     import pyarrow.json as pj
 
-    explicit = pa.schema([(n, _ARROW_TYPES[spark_type(inp, n)]) for n in inp.schema.names])
+    explicit = pa.schema([(n, read_type(inp, n)) for n in inp.schema.names])
     if any(pa.types.is_timestamp(t) or pa.types.is_date(t) for t in explicit.types):
         return None  # Arrow's JSON text rules for these differ from Spark's
     try:
@@ -321,7 +447,7 @@ def _as_json_text(value: Any) -> str | None:
 # -- typing (Spark's `_typed`, in Arrow) -----------------------------------------------
 def _typed(inp: Input, table: pa.Table, schema: pa.Schema, reasons: pa.Array | None,
            lines: pa.Array | None) -> pa.Table:
-    """`output_schema` columns: typed values, the text of values that did not convert."""
+    """`read_schema` columns: typed values, the text of values that did not convert."""
     n = table.num_rows
     cols: dict[str, pa.Array] = {}
     texts: dict[str, pa.Array] = {}
@@ -364,3 +490,39 @@ def _exact(col: pa.Array, target: pa.DataType) -> pa.Array | None:
         return pc.cast(col, target)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         return None  # e.g. an int64 beyond int32: the careful path keeps its text
+
+
+# -- the rows the logic validates -------------------------------------------------------
+def raw_table(inp: Input, batch: pa.RecordBatch | pa.Table) -> pa.Table:
+    """The raw table `split_rows` validates, from a batch of `read_ddl` columns.
+
+    A column whose values all converted stays typed (the cast in `split_rows` is
+    then free); a column with unconverted values becomes text: the arrived text
+    where it did not convert, the typed value's text elsewhere. The ``_line`` of an
+    ``invalid_utf8`` row is escaped (`escape_invalid_utf8`): Spark's reader hands on
+    the raw bytes.
+    """
+    table = pa.Table.from_batches([batch]) if isinstance(batch, pa.RecordBatch) else batch
+    cols: dict[str, pa.Array | pa.ChunkedArray] = {}
+    for name in inp.schema.names:
+        typed, text = table[name], table[TEXT + name]
+        if text.null_count == len(text):
+            cols[name] = typed
+        else:
+            cols[name] = pc.coalesce(text, pc.cast(typed, pa.string()))
+    cols[REASON] = table[REASON]
+    cols[LINE] = _escaped_lines(table[REASON], table[LINE])
+    return pa.table(cols)
+
+
+def escape_invalid_utf8(data: bytes) -> str:
+    """A line's bytes as text: UTF-8, with each invalid byte shown as ``\\xNN``."""
+    return data.decode("utf-8", "backslashreplace")
+
+
+def _escaped_lines(reasons: pa.ChunkedArray, lines: pa.ChunkedArray) -> pa.ChunkedArray:
+    if not pc.any(pc.equal(reasons, INVALID_UTF8)).as_py():
+        return lines
+    raw = pc.cast(lines.combine_chunks(), pa.binary()).to_pylist()  # a view: no validation
+    return pa.chunked_array([pa.array(
+        [None if b is None else escape_invalid_utf8(b) for b in raw], pa.string())])

@@ -1,37 +1,40 @@
-"""What the logic sees: batch state operations (vectorized) and per-key handles.
+"""What the logic sees: state handles of one vocabulary in both logic forms.
 
-Vectorized form: ``fn(batch, ctx)`` gets a `BatchContext`. ``ctx.state(name)``
-returns a batch handle whose every call takes a column of keys (a list or an
-Arrow array) and costs one multi-get or one write batch:
+One vocabulary, Flink's names (docs/write-a-job.md, "State operations", has the table).
+The per-key form's handles (``state[name]``) act on the current key; the vectorized
+form's (``ctx.state(name)``) take a column of keys (a list or an Arrow array) first and
+cost one multi-get or one write batch per call:
 
-- value / reducing / aggregating: ``get(keys)``, ``put(keys, values)``,
-  ``delete(keys)``, ``insert_absent(keys, values) -> found`` (write only where no
-  live value is; one read per key); record codecs also ``get_columns(keys) -> (found, columns)``
-  and ``put_columns(keys, columns)`` (NumPy arrays, no per-row dicts);
-  reducing/aggregating ``add(keys, values)``;
-- list: ``get(keys) -> [list]``, ``append(keys, values)`` (one value per key
-  entry), ``put(keys, lists)``, ``delete(keys)``;
-- map: ``get(keys, user_keys)``, ``put(keys, user_keys, values)``,
-  ``delete(keys, user_keys)``, ``items(keys) -> [dict]`` (one prefix scan per key).
+- value: ``value``, ``update``, ``clear``, ``exists``; vectorized also
+  ``insert_absent(keys, values) -> found`` (write only where no live value is; one read
+  per key) and, with a record codec, ``value_columns(keys) -> (found, columns)`` and
+  ``update_columns(keys, columns)`` (NumPy arrays, no per-row dicts);
+- list: ``get``, ``add``, ``update``, ``clear``;
+- map: ``get``, ``put``, ``remove``, ``contains``, ``keys``, ``items``, ``clear``;
+- reducing / aggregating: ``get``, ``add``, ``clear``.
 
-``ctx.emit(output, table | record batch | dict of columns)`` adds rows to an output.
-The RocksDB keys of a key column are computed once (memoized on the column object),
-so a ``get`` then ``put`` of the same keys hashes the key groups once.
+Writes take ``timestamps=`` (vectorized: a TTL's write times, e.g. the rows' event
+times). The old names (vectorized ``get``/``put``/``delete``/``append``/``get_columns``/
+``put_columns``, per-key value ``get`` and list ``append``) work for one more release and
+warn (`DeprecationWarning`) naming the new one.
 
-Per-key form: ``fn(key, rows, state)`` is run by `run_per_key` on top of the
-batch handles: the batch is grouped by key once (Arrow dictionary encoding and a
-stable NumPy argsort, so each key's rows keep their input order), each state is
-read for all keys of the batch with one multi-get the first time the logic
-touches it, and the changed entries are written back with one write batch per
-state at the end of the batch. ``state[name]`` handles are valid during the
-call only. Map handles read single entries directly (an in-process RocksDB get)
-and buffer writes.
+Per-key form: ``fn(key, rows, state)`` runs once per key per run (`PerKeyFeed`): a
+subtask's rows arrive sorted by key in Arrow batches; each batch's last key is held
+back (slices, no copy) and joined with the next batch's rows of that key. The keys
+ready after a batch are grouped once (`group_by_key`), each state is read for all of
+them with one multi-get the first time the logic touches it, and the changed entries
+are written back with one write batch per state. ``state[name]`` handles are valid
+during the call only; map handles read single entries directly (an in-process RocksDB
+get) and buffer writes. The per-key timer handler, ``fn(key, timers, state)``, runs
+once per key per firing chunk with that key's due timers (time order).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -49,14 +52,40 @@ from statebackend.state.kinds import (
     ValueState,
     _State,
 )
+from statebackend.state.timers import (
+    Timer,
+    delete_timer,
+    delete_timers,
+    register_timer,
+    register_timers,
+    timers_of,
+)
 
 Keys = Sequence[str] | pa.Array | pa.ChunkedArray
+_UNSET = object()
 
 
 def _key_list(keys: Keys) -> list[str]:
     if isinstance(keys, pa.Array | pa.ChunkedArray):
         return keys.to_pylist()
     return keys if isinstance(keys, list) else list(keys)
+
+
+def _renamed(old: str, new: str) -> Callable[..., Any]:
+    """A deprecated name of a handle method: warns naming ``new``, then calls it."""
+
+    def alias(self, *args: Any, **kwargs: Any) -> Any:
+        _warn(self, old, f"{new}()")
+        return getattr(self, new)(*args, **kwargs)
+
+    alias.__name__ = old
+    alias.__doc__ = f"Deprecated (one release): use `{new}`."
+    return alias
+
+
+def _warn(handle: Any, old: str, instead: str) -> None:
+    warnings.warn(f"state {handle.name!r}: {old}() is deprecated and goes in the next "
+                  f"release; use {instead}", DeprecationWarning, stacklevel=3)
 
 
 class _KeyCache:
@@ -89,18 +118,32 @@ class _BatchHandle:
         self.codec = state.codec
         self._keys = keys
 
-    def delete(self, keys: Keys) -> None:
+    def clear(self, keys: Keys) -> None:
+        """Delete the keys' entries."""
         _, rks = self._keys.encode(keys)
         self.state.write_raw((), rks)
 
-
-class ValueBatch(_BatchHandle):
-    def get(self, keys: Keys) -> list[Any]:
+    def _read(self, keys: Keys) -> list[Any]:
         _, rks = self._keys.encode(keys)
         decode = self.codec.decode
         return [None if r is None else decode(r) for r in self.state.read_raw(rks)]
 
-    def put(self, keys: Keys, values: Sequence[Any], timestamps: Any = None) -> None:
+    delete = _renamed("delete", "clear")
+
+
+class ValueBatch(_BatchHandle):
+    def value(self, keys: Keys) -> list[Any]:
+        """The keys' values (None where absent or expired)."""
+        return self._read(keys)
+
+    def exists(self, keys: Keys) -> np.ndarray:
+        """True where a key holds a (live) value."""
+        _, rks = self._keys.encode(keys)
+        raws = self.state.read_raw(rks)
+        return np.fromiter((r is not None for r in raws), dtype=bool, count=len(raws))
+
+    def update(self, keys: Keys, values: Sequence[Any], timestamps: Any = None) -> None:
+        """Set each key's value (one value per key entry)."""
         _, rks = self._keys.encode(keys)
         encode = self.codec.encode
         _same_length(self.name, rks, values)
@@ -118,52 +161,75 @@ class ValueBatch(_BatchHandle):
         return self.state.insert_absent_raw(rks, _encode_runs(self.codec.encode, values),
                                             timestamps=_times(timestamps))
 
-    def get_columns(self, keys: Keys) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def value_columns(self, keys: Keys) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Record codec: (found mask, one NumPy array per field; zeros where not found)."""
         _, rks = self._keys.encode(keys)
         return self.state._record_codec().decode_columns(self.state.read_raw(rks))
 
-    def put_columns(self, keys: Keys, columns: Mapping[str, Any],
-                    timestamps: Any = None) -> None:
+    def update_columns(self, keys: Keys, columns: Mapping[str, Any],
+                       timestamps: Any = None) -> None:
+        """Record codec: set each key's record from one array per field."""
         _, rks = self._keys.encode(keys)
         encoded = self.state._record_codec().encode_columns(dict(columns))
         _same_length(self.name, rks, encoded)
         self.state.write_raw(zip(rks, encoded, strict=True), timestamps=_times(timestamps))
 
+    get = _renamed("get", "value")
+    put = _renamed("put", "update")
+    get_columns = _renamed("get_columns", "value_columns")
+    put_columns = _renamed("put_columns", "update_columns")
 
-class ReducingBatch(ValueBatch):
+
+class ReducingBatch(_BatchHandle):
+    """Reducing and aggregating states: ``get`` returns the reduced value (aggregating:
+    the aggregate's result), ``add`` folds values in."""
+
+    def get(self, keys: Keys) -> list[Any]:
+        return self._read(keys)
+
     def add(self, keys: Keys, values: Sequence[Any]) -> None:
         self.state.add_many(self._keys.encode(keys)[0], values)
 
+    def put(self, keys: Keys, values: Sequence[Any]) -> None:
+        """Deprecated (one release): overwrite the stored value (aggregating: accumulator)."""
+        _warn(self, "put", "clear(keys) then add(keys, values)")
+        _, rks = self._keys.encode(keys)
+        encode = self.codec.encode
+        self.state.write_raw(zip(rks, (encode(v) for v in values), strict=True))
 
-class AggregatingBatch(ValueBatch):
+
+class AggregatingBatch(ReducingBatch):
     def get(self, keys: Keys) -> list[Any]:
         result = self.state.descriptor.aggregate_fn.get_result
-        return [None if a is None else result(a) for a in super().get(keys)]
-
-    def add(self, keys: Keys, values: Sequence[Any]) -> None:
-        self.state.add_many(self._keys.encode(keys)[0], values)
+        return [None if a is None else result(a) for a in self._read(keys)]
 
 
 class ListBatch(_BatchHandle):
     def get(self, keys: Keys) -> list[list]:
+        """Each key's list ([] where absent)."""
         _, rks = self._keys.encode(keys)
         decode = self.codec.decode
         return [[] if r is None else [decode(e) for e in decode_list(r)]
                 for r in self.state.read_raw(rks)]
 
-    def append(self, keys: Keys, values: Sequence[Any], timestamps: Any = None) -> None:
+    def add(self, keys: Keys, values: Sequence[Any], timestamps: Any = None) -> None:
+        """Append each value to its key's list (one value per key entry)."""
         # add_many keeps every stored element's own expiry (a TTL list state)
         if timestamps is None:
             self.state.add_many(self._keys.encode(keys)[0], values)
         else:
             self.state.add_many(self._keys.encode(keys)[0], values, timestamps=_times(timestamps))
 
-    def put(self, keys: Keys, lists: Sequence[Sequence[Any]]) -> None:
+    def update(self, keys: Keys, lists: Sequence[Sequence[Any]]) -> None:
+        """Replace each key's list."""
         _, rks = self._keys.encode(keys)
         _same_length(self.name, rks, lists)
         encode = self.codec.encode
         self.state.write_raw((rk, encode_list(encode(v) for v in vs))
                              for rk, vs in zip(rks, lists, strict=True))
+
+    append = _renamed("append", "add")
+    put = _renamed("put", "update")
 
 
 class MapBatch(_BatchHandle):
@@ -171,9 +237,14 @@ class MapBatch(_BatchHandle):
         return self.state.rocks_keys(_key_list(keys), _key_list(user_keys))
 
     def get(self, keys: Keys, user_keys: Keys) -> list[Any]:
+        """The entry of each (key, user key) pair (None where absent)."""
         decode = self.codec.decode
         return [None if r is None else decode(r)
                 for r in self.state.read_raw(self._rkeys(keys, user_keys))]
+
+    def contains(self, keys: Keys, user_keys: Keys) -> np.ndarray:
+        raws = self.state.read_raw(self._rkeys(keys, user_keys))
+        return np.fromiter((r is not None for r in raws), dtype=bool, count=len(raws))
 
     def put(self, keys: Keys, user_keys: Keys, values: Sequence[Any],
             timestamps: Any = None) -> None:
@@ -183,11 +254,28 @@ class MapBatch(_BatchHandle):
         self.state.write_raw(zip(rks, (encode(v) for v in values), strict=True),
                              timestamps=_times(timestamps))
 
-    def delete(self, keys: Keys, user_keys: Keys) -> None:  # type: ignore[override]
+    def remove(self, keys: Keys, user_keys: Keys) -> None:
         self.state.remove_many(_key_list(keys), _key_list(user_keys))
 
     def items(self, keys: Keys) -> list[dict[str, Any]]:
+        """Each key's entries as a dict (one prefix scan per key)."""
         return [dict(self.state.items(k)) for k in _key_list(keys)]
+
+    def keys(self, keys: Keys) -> list[list[str]]:
+        """Each key's user keys, sorted (one prefix scan per key)."""
+        return [self.state.keys(k) for k in _key_list(keys)]
+
+    def clear(self, keys: Keys) -> None:
+        """Remove every entry of each key."""
+        owners, user_keys = [], []
+        for k in _key_list(keys):
+            found = self.state.keys(k)
+            owners += [k] * len(found)
+            user_keys += found
+        if owners:
+            self.state.remove_many(owners, user_keys)
+
+    delete = _renamed("delete", "remove")
 
 
 _BATCH_HANDLES: dict[type, type[_BatchHandle]] = {
@@ -239,23 +327,17 @@ class Timers:
         self.backend = backend
 
     def register(self, keys: Keys, times: Any, tags: Any = None, domain: str = "event") -> None:
-        from statebackend.state.timers import register_timers
-
         ks = _key_list(keys)
         register_timers(self.backend, ks, _int_list(times, len(ks)), domain,
                         None if tags is None else _key_list(tags))
 
     def delete(self, keys: Keys, times: Any, tags: Any = None, domain: str = "event") -> None:
-        from statebackend.state.timers import delete_timers
-
         ks = _key_list(keys)
         delete_timers(self.backend, ks, _int_list(times, len(ks)), domain,
                       None if tags is None else _key_list(tags))
 
-    def list(self, key: str, domain: str | None = None) -> list:
-        """The timers of ``key`` (`statebackend.state.timers.Timer`), time order per domain."""
-        from statebackend.state.timers import timers_of
-
+    def list(self, key: str, domain: str | None = None) -> list[Timer]:
+        """The timers of ``key``, time order per domain."""
         return timers_of(self.backend, key, domain)
 
 
@@ -267,28 +349,38 @@ def _int_list(times: Any, n: int) -> list[int]:
     return [int(t) for t in times]
 
 
-class BatchContext:
-    """The vectorized logic's view of one subtask: states, timers, emit, options, time.
+@dataclass(frozen=True)
+class RunInfo:
+    """Where one subtask's processing sits in its run (all None in process by default).
 
     ``watermark``: the watermark at the start of the run (None before any row);
     ``new_watermark``: the one the run ends with (timers fire up to it);
     ``processing_time``: the run's logical time (epoch ms).
     """
 
+    run_id: str | None = None
+    checkpoint_id: int | None = None
+    subtask: int | None = None
+    watermark: int | None = None
+    new_watermark: int | None = None
+    processing_time: int | None = None
+
+
+class BatchContext:
+    """The vectorized logic's view of one subtask: states, timers, emit, options, and the
+    run (`RunInfo`'s fields as attributes: ``ctx.run_id``, ``ctx.watermark`` ...)."""
+
     def __init__(self, job: Job, backend, options: Mapping[str, Any],
-                 run_id: str | None = None, checkpoint_id: int | None = None,
-                 subtask: int | None = None, watermark: int | None = None,
-                 new_watermark: int | None = None,
-                 processing_time: int | None = None) -> None:
+                 run: RunInfo = RunInfo()) -> None:
         self.job = job
         self.backend = backend
         self.options = options
-        self.run_id = run_id
-        self.checkpoint_id = checkpoint_id
-        self.subtask = subtask
-        self.watermark = watermark
-        self.new_watermark = new_watermark
-        self.processing_time = processing_time
+        self.run_id = run.run_id
+        self.checkpoint_id = run.checkpoint_id
+        self.subtask = run.subtask
+        self.watermark = run.watermark
+        self.new_watermark = run.new_watermark
+        self.processing_time = run.processing_time
         self.keys = _KeyCache(backend)
         self.timers = Timers(backend)
         self.counters: dict[str, int] = {}
@@ -300,6 +392,8 @@ class BatchContext:
         self.counters[name] = self.counters.get(name, 0) + int(n)
 
     def state(self, name: str) -> Any:
+        """The batch handle of state ``name`` (`ValueBatch`, `ListBatch`, `MapBatch`,
+        `ReducingBatch` or `AggregatingBatch`)."""
         handle = self._handles.get(name)
         if handle is None:
             self.job.state(name)  # one-line error for an undeclared state
@@ -319,19 +413,17 @@ class BatchContext:
         return out
 
 
-# -- per-key form ----------------------------------------------------------------------
-_UNSET = object()
-
-
+# -- per-key handles -------------------------------------------------------------------
 class _KeyHandle:
-    """Per-key view of one state for the keys of one batch; ``i`` is the current key."""
+    """Per-key view of one state for the keys of one group; ``i`` is the current key."""
 
     def __init__(self, state: _State, run: _PerKeyBatch) -> None:
         self.state = state
+        self.name = state.descriptor.name
         self.codec = state.codec
         self.run = run
         self.i = 0
-        self._values: list | None = None  # decoded, one per key of the batch (lazy)
+        self._values: list | None = None  # decoded, one per key of the group (lazy)
         self._changed: dict[int, Any] = {}  # key index -> new value, None = delete
 
     def _loaded(self) -> list:
@@ -365,7 +457,7 @@ class _KeyHandle:
 
 
 class ValueHandle(_KeyHandle):
-    def get(self, default: Any = None) -> Any:
+    def value(self, default: Any = None) -> Any:
         v = self._loaded()[self.i]
         return default if v is None else v
 
@@ -374,15 +466,31 @@ class ValueHandle(_KeyHandle):
 
     def update(self, value: Any) -> None:
         if value is None:
-            raise UsageError(f"state {self.state.descriptor.name!r}: update(None) is not "
-                             "allowed; call clear() to delete the value")
+            raise UsageError(f"state {self.name!r}: update(None) is not allowed; call "
+                             "clear() to delete the value")
         self._set(value)
 
+    get = _renamed("get", "value")
 
-class ReducingHandle(ValueHandle):
+
+class ReducingHandle(_KeyHandle):
+    def get(self, default: Any = None) -> Any:
+        v = self._loaded()[self.i]
+        return default if v is None else v
+
     def add(self, value: Any) -> None:
         cur = self._loaded()[self.i]
         self._set(value if cur is None else self.state.descriptor.reduce_fn(cur, value))
+
+    def update(self, value: Any) -> None:
+        """Deprecated (one release): overwrite the reduced value."""
+        _warn(self, "update", "clear() then add(value)")
+        self._set(value)
+
+    def exists(self) -> bool:
+        """Deprecated (one release)."""
+        _warn(self, "exists", "get() is not None")
+        return self._loaded()[self.i] is not None
 
 
 class AggregatingHandle(_KeyHandle):
@@ -410,11 +518,13 @@ class ListHandle(_KeyHandle):
     def get(self) -> list:
         return list(self._loaded()[self.i] or ())
 
-    def append(self, value: Any) -> None:
+    def add(self, value: Any) -> None:
         self._set([*(self._loaded()[self.i] or ()), value])
 
     def update(self, values: Sequence[Any]) -> None:
         self._set(list(values) or None)
+
+    append = _renamed("append", "add")
 
 
 class MapHandle:
@@ -422,6 +532,7 @@ class MapHandle:
 
     def __init__(self, state: MapState, run: _PerKeyBatch) -> None:
         self.state = state
+        self.name = state.descriptor.name
         self.codec = state.codec
         self.run = run
         self.i = 0
@@ -438,8 +549,8 @@ class MapHandle:
 
     def put(self, user_key: str, value: Any) -> None:
         if value is None:
-            raise UsageError(f"state {self.state.descriptor.name!r}: put(uk, None) is not "
-                             "allowed; call remove(uk) to delete the entry")
+            raise UsageError(f"state {self.name!r}: put(uk, None) is not allowed; call "
+                             "remove(uk) to delete the entry")
         self._changed[(self.i, user_key)] = value
 
     def remove(self, user_key: str) -> None:
@@ -482,16 +593,20 @@ _KEY_HANDLES: dict[type, type] = {
 
 
 class KeyContext:
-    """The per-key logic's ``state``: ``state[name]`` handles, emit, options, run info."""
+    """The per-key logic's ``state``: ``state[name]`` handles of the current key, emit,
+    count, options and run info (``run_id``, ``checkpoint_id``, ``subtask``, the
+    watermarks and ``processing_time``, as on `BatchContext`)."""
 
     def __init__(self, run: _PerKeyBatch) -> None:
+        ctx = run.ctx
         self._run = run
-        self.options = run.ctx.options
-        self.run_id = run.ctx.run_id
-        self.checkpoint_id = run.ctx.checkpoint_id
-        self.watermark = run.ctx.watermark
-        self.new_watermark = run.ctx.new_watermark
-        self.processing_time = run.ctx.processing_time
+        self.options = ctx.options
+        self.run_id = ctx.run_id
+        self.checkpoint_id = ctx.checkpoint_id
+        self.subtask = ctx.subtask
+        self.watermark = ctx.watermark
+        self.new_watermark = ctx.new_watermark
+        self.processing_time = ctx.processing_time
         self.key: str | None = None
         self.timers = KeyTimers(self)
 
@@ -512,31 +627,18 @@ class KeyTimers:
         self._state = state
 
     def register(self, time: int, tag: str = "", domain: str = "event") -> None:
-        from statebackend.state.timers import register_timer
-
         register_timer(self._state._run.ctx.backend, self._state.key, int(time), domain, tag)
 
     def delete(self, time: int, tag: str = "", domain: str = "event") -> None:
-        from statebackend.state.timers import delete_timer
+        delete_timer(self._state._run.ctx.backend, self._state.key, int(time), domain, tag)
 
-        run = self._state._run
-        delete_timer(run.ctx.backend, self._state.key, int(time), domain, tag)
-        run.deleted_timers.add((self._state.key, int(time), tag, domain))
-
-    def list(self, domain: str | None = None) -> list:
-        """The key's timers, including those of the current firing chunk not yet handled."""
-        from statebackend.state.timers import timers_of
-
-        run = self._state._run
-        found = timers_of(run.ctx.backend, self._state.key, domain)
-        found += [t for t in run.pending_timers.get(self._state.key, ())
-                  if (domain is None or t.domain == domain)
-                  and (t.key, t.time, t.tag, t.domain) not in run.deleted_timers]
-        return sorted(found, key=lambda t: (t.domain, t.time, t.tag))
+    def list(self, domain: str | None = None) -> list[Timer]:
+        """The key's stored timers (not those the handler is being called with)."""
+        return timers_of(self._state._run.ctx.backend, self._state.key, domain)
 
 
 class _PerKeyBatch:
-    """State of one batch of the per-key form: its keys, their RocksDB keys, handles."""
+    """The keys of one group of calls, their RocksDB keys and the handles of their states."""
 
     def __init__(self, ctx: BatchContext, keys: list[str], timings: dict[str, float]) -> None:
         self.ctx = ctx
@@ -545,10 +647,6 @@ class _PerKeyBatch:
         self._rocks_keys: list[bytes] | None = None
         self._handles: dict[str, Any] = {}
         self.current = 0
-        # Timer handler only: the chunk's timers not yet handled (already out of the
-        # queue) and the ones the handler deleted meanwhile (they must not fire).
-        self.pending_timers: dict[str, list] = {}
-        self.deleted_timers: set[tuple] = set()
 
     @property
     def rocks_keys(self) -> list[bytes]:
@@ -575,84 +673,144 @@ class _PerKeyBatch:
         for h in self._handles.values():
             h.flush()
         # Handles point back at this object: drop them so no state (and no RocksDB
-        # column family) outlives the batch, or closing the backend keeps its lock.
+        # column family) outlives the group, or closing the backend keeps its lock.
         self._handles.clear()
 
 
 def group_by_key(table: pa.Table, key: str) -> tuple[list[str], pa.Table, np.ndarray]:
-    """(keys in first-seen order, rows sorted by key stably, row offsets per key + end)."""
+    """(keys in first-seen order, rows grouped by key stably, row offsets per key + end).
+
+    Key ``keys[i]``'s rows are ``rows.slice(offsets[i], offsets[i + 1] - offsets[i])``, in
+    their order in ``table``. Rows already grouped (e.g. sorted by key) are not copied.
+    """
     enc = pc.dictionary_encode(table[key]).combine_chunks()
     codes = enc.indices.to_numpy(zero_copy_only=False)
-    order = np.argsort(codes, kind="stable")
     counts = np.bincount(codes, minlength=len(enc.dictionary))
     offsets = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
-    return enc.dictionary.to_pylist(), table.take(order), offsets
+    # Codes number keys in first-seen order: grouped rows have non-decreasing codes.
+    if len(codes) > 1 and (np.diff(codes) < 0).any():
+        table = table.take(np.argsort(codes, kind="stable"))
+    return enc.dictionary.to_pylist(), table, offsets
 
 
-def run_per_key(fn, batch: pa.Table, ctx: BatchContext, timings: dict[str, float]) -> None:
-    """Call ``fn(key, rows, state)`` once per key of ``batch``; emit what it returns."""
-    started = time.perf_counter()
-    keys, rows, offsets = group_by_key(batch, ctx.job.key)
+def _call_each(fn: Callable[..., Any], ctx: BatchContext, keys: list[str],
+               args: Callable[[int], Any], timings: dict[str, float], what: str) -> None:
+    """``fn(keys[i], args(i), state)`` for each key, sharing one `_PerKeyBatch` (states
+    read once for all keys, written back once); what the calls return is emitted."""
     run = _PerKeyBatch(ctx, keys, timings)
     state = KeyContext(run)
-    single = ctx.job.outputs[0].name if len(ctx.job.outputs) == 1 else None
-    timings["grouping"] += time.perf_counter() - started
     emitted: list = []
     for i, k in enumerate(keys):
         run.at(i)
         state.key = k
-        lo = offsets[i]
-        out = fn(k, rows.slice(lo, offsets[i + 1] - lo), state)
+        out = fn(k, args(i), state)
         if out is not None:
             emitted.append(out)
     started = time.perf_counter()
     run.flush()
     timings["write_back"] += time.perf_counter() - started
-    if emitted:
-        if single is None:
-            raise UsageError(f"job {ctx.job.name!r}: the per-key logic returned rows but the "
-                             f"job has {len(ctx.job.outputs)} outputs; call "
-                             "state.emit(output, rows) instead")
-        for out in emitted:
-            ctx.emit(single, out)
+    if not emitted:
+        return
+    if len(ctx.job.outputs) != 1:
+        raise UsageError(f"job {ctx.job.name!r}: the per-key {what} returned rows but the "
+                         f"job has {len(ctx.job.outputs)} outputs; call "
+                         "state.emit(output, rows) instead")
+    for out in emitted:
+        ctx.emit(ctx.job.outputs[0].name, out)
 
 
-def run_per_key_timers(fn, timers: pa.Table, ctx: BatchContext,
+def run_per_key(fn: Callable[..., Any], rows: pa.Table, ctx: BatchContext,
+                timings: dict[str, float]) -> int:
+    """Call ``fn(key, rows, state)`` once per key of ``rows`` (each key's rows complete);
+    emit what it returns. Returns the number of calls."""
+    started = time.perf_counter()
+    keys, grouped, offsets = group_by_key(rows, ctx.job.key)
+    timings["grouping"] += time.perf_counter() - started
+    _call_each(fn, ctx, keys,
+               lambda i: grouped.slice(offsets[i], offsets[i + 1] - offsets[i]),
+               timings, "logic")
+    return len(keys)
+
+
+def run_per_key_timers(fn: Callable[..., Any], timers: pa.Table, ctx: BatchContext,
                        timings: dict[str, float]) -> None:
-    """Call ``fn(key, timer, state)`` once per row of ``timers`` (time order), emit its rows.
+    """Call ``fn(key, timers, state)`` once per key of the chunk ``timers`` (columns
+    `statebackend.job.core.TIMER_SCHEMA`, time order) with that key's due timers, a list
+    of `Timer` in time order; keys in the order of their first due timer."""
+    keys, grouped, offsets = group_by_key(timers, "key")
+    cols = [grouped[c].to_pylist() for c in ("time", "key_group", "key", "tag", "domain")]
+    fired = [Timer(*timer) for timer in zip(*cols, strict=True)]
+    _call_each(fn, ctx, keys, lambda i: fired[offsets[i]:offsets[i + 1]], timings,
+               "timer handler")
 
-    The keys of the batch share one `_PerKeyBatch`: a key with several timers sees
-    the state its earlier calls left (handles keep the changed values), and the
-    changes are written back once at the end, like `run_per_key`.
+
+class PerKeyFeed:
+    """Calls the per-key function once per key of a run over a subtask's accepted rows.
+
+    `add` takes the next accepted rows. A subtask's rows arrive sorted by key (the
+    engines sort them by `statebackend.job.task.row_order`) in Arrow batches, so a key's
+    rows may span batches: each batch's last key is held back (slices of the batch, not
+    copies) and joined with the next batch's rows of that key; `flush` calls it at the
+    end of the rows. ``calls`` counts the calls: one per key unless the rows came
+    unsorted (the processor then refuses the run). ``any_order``: hold every row until
+    `flush` and group them there (in process, rows in any order; all held in memory).
     """
-    from statebackend.state.timers import Timer
 
-    keys = pc.unique(timers["key"]).to_pylist()
-    index = {k: i for i, k in enumerate(keys)}
-    run = _PerKeyBatch(ctx, keys, timings)
-    state = KeyContext(run)
-    single = ctx.job.outputs[0].name if len(ctx.job.outputs) == 1 else None
-    emitted: list = []
-    cols = [timers[c].to_pylist() for c in ("key", "time", "tag", "domain", "key_group")]
-    chunk = [Timer(t, kg, k, tag, dom) for k, t, tag, dom, kg in zip(*cols, strict=True)]
-    for timer in chunk:
-        run.pending_timers.setdefault(timer.key, []).append(timer)
-    for timer in chunk:
-        k = timer.key
-        run.pending_timers[k].remove(timer)
-        if (k, timer.time, timer.tag, timer.domain) in run.deleted_timers:
-            continue  # deleted by an earlier call: a deleted timer never fires
-        run.at(index[k])
-        state.key = k
-        out = fn(k, timer, state)
-        if out is not None:
-            emitted.append(out)
-    run.flush()
-    if emitted:
-        if single is None:
-            raise UsageError(f"job {ctx.job.name!r}: the per-key timer handler returned rows "
-                             f"but the job has {len(ctx.job.outputs)} outputs; call "
-                             "state.emit(output, rows) instead")
-        for out in emitted:
-            ctx.emit(single, out)
+    def __init__(self, fn: Callable[..., Any], ctx: BatchContext, timings: dict[str, float],
+                 any_order: bool = False) -> None:
+        self.fn = fn
+        self.ctx = ctx
+        self.timings = timings
+        self.any_order = any_order
+        self.calls = 0
+        self._held: list[pa.Table] = []
+        self._held_key: str | None = None
+
+    def add(self, rows: pa.Table) -> None:
+        if not rows.num_rows:
+            return
+        if self.any_order:
+            self._held.append(rows)
+            return
+        key = self.ctx.job.key
+        ready: list[pa.Table] = []
+        if self._held:
+            same, rows = split_key(rows, key, self._held_key)
+            if same is not None:
+                self._held.append(same)
+            if not rows.num_rows:
+                return  # every row of the batch continues the held key
+            ready, self._held = self._held, []
+        last = rows[key][-1].as_py()
+        tail, rest = split_key(rows, key, last)
+        ready.append(rest)
+        self._call(ready)
+        self._held, self._held_key = [tail], last
+
+    def flush(self) -> None:
+        """Call the held rows' keys (the end of the subtask's rows)."""
+        held, self._held, self._held_key = self._held, [], None
+        self._call(held)
+
+    def _call(self, tables: list[pa.Table]) -> None:
+        tables = [t for t in tables if t.num_rows]
+        if tables:
+            rows = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+            self.calls += run_per_key(self.fn, rows, self.ctx, self.timings)
+
+
+def split_key(table: pa.Table, column: str, key: str) -> tuple[pa.Table | None, pa.Table]:
+    """(``table``'s rows whose ``column`` is ``key`` or None, the other rows), both in
+    order: slices when the key's rows are one run at either end (sorted rows), else
+    filtered copies."""
+    eq = pc.fill_null(pc.equal(table[column], key), False).to_numpy(zero_copy_only=False)
+    n, k = len(eq), int(eq.sum())
+    if not k:
+        return None, table
+    if eq[:k].all():
+        return table.slice(0, k), table.slice(k)
+    if eq[n - k:].all():
+        return table.slice(n - k), table.slice(0, n - k)
+    mask = pa.array(eq)
+    return table.filter(mask), table.filter(pc.invert(mask))

@@ -10,11 +10,15 @@ subtask's key groups, and Arrow batches of raw input rows; per batch it:
    pass ``_reason`` (a reason it already decided, e.g. ``malformed``), which wins
    over every rule; other raw columns starting with ``_`` (e.g. ``_line``) are
    kept, as text, on rejected rows only;
-2. **calls the logic** on the accepted rows (`Vectorized` once per batch,
-   `PerKey` through `statebackend.job.context.run_per_key`);
+2. **calls the logic** on the accepted rows: `Vectorized` once per batch, `PerKey`
+   once per key of the run (`statebackend.job.context.PerKeyFeed`: a key's rows may
+   span batches, so each batch's last key waits for the next batch; the rows must
+   arrive sorted by key, as the engines deliver them, or the processor refuses them at
+   `finish` rather than call a key twice; `process` takes rows in any order);
 3. **collects** what the logic emitted per output.
 
-`finish()` returns a `ProcessResult`: one schema-checked table per output
+`finish()` calls the held keys, fires the due timers, purges expired TTL entries and
+returns a `ProcessResult`: one schema-checked table per output
 (a missing column or a wrong type is a one-line `UsageError` naming the job,
 the output and the column), the rejected rows (raw values as strings plus
 ``reason``), counts and per-phase timings. Routing, restore, snapshot, commit
@@ -32,9 +36,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from statebackend import defaults
 from statebackend.errors import UsageError
 from statebackend.job.api import RAW, Job, Output, PerKey
-from statebackend.job.context import BatchContext, run_per_key, run_per_key_timers
+from statebackend.job.context import BatchContext, PerKeyFeed, RunInfo, run_per_key_timers
+from statebackend.state.backend import KeyedStateBackend
+from statebackend.state.keygroups import KeyGroupRange
+from statebackend.state.timers import fire_due, next_timer_time
+from statebackend.state.ttl import next_expiry, purge_expired
 
 REASON_COLUMN = "_reason"
 REASON = "reason"
@@ -135,33 +144,6 @@ def max_accepted_time(job: Job, raw: pa.Table, watermark: int | None) -> int | N
     if not accepted.num_rows:
         return None
     return pc.max(event_times(accepted, job.input.event_time)).as_py()
-
-
-def max_accepted_time_of_latest(job: Job, latest: pa.Table, limit: int,
-                                watermark: int | None) -> tuple[bool, int | None]:
-    """(settled, max accepted event time) judged from the input rows with the latest times.
-
-    ``latest``: at most ``limit`` rows of `statebackend.job.input.read_ddl`, those whose
-    event time arrived but did not type first, then by typed event time, latest first
-    (nulls last). Every row left out has a typed event time no later than the last
-    row's, or none (rejected). So the answer is settled when ``latest`` holds every row,
-    or its last row is typed and no later than the best accepted time, or late (at or
-    before ``watermark``); otherwise (False, None): validate every row instead.
-    """
-    from statebackend.job.input import TEXT, raw_table
-
-    et = job.input.event_time
-    best = max_accepted_time(job, raw_table(job.input, latest), watermark) \
-        if latest.num_rows else None
-    if latest.num_rows < limit:
-        return True, best
-    if latest[TEXT + et][-1].is_valid:
-        return False, None  # as many untyped event times as the limit: maybe more
-    last = event_times(latest.slice(latest.num_rows - 1), et)[0].as_py()
-    if last is None or (best is not None and best >= last) or \
-            (watermark is not None and last <= watermark):
-        return True, best
-    return False, None
 
 
 def _target(job: Job, f: pa.Field) -> pa.DataType:
@@ -368,22 +350,19 @@ def _last_per(table: pa.Table, column: str) -> pa.Table:
 class SubtaskProcessor:
     """Validates and processes the batches of one subtask against an open backend."""
 
-    def __init__(self, job: Job, backend, options: Mapping[str, Any] | None = None, *,
-                 run_id: str | None = None, checkpoint_id: int | None = None,
-                 subtask: int | None = None, watermark: int | None = None,
-                 new_watermark: int | None = None,
-                 processing_time: int | None = None) -> None:
+    def __init__(self, job: Job, backend, options: Mapping[str, Any] | None = None,
+                 **run: Any) -> None:
+        """``run``: the fields of `RunInfo` (``run_id``, ``watermark``, ``processing_time``
+        ...); a name that is not one is a TypeError."""
+        info = RunInfo(**run)
         missing = [d.name for d in job.descriptors if d.name not in backend.descriptors]
         if missing:
             raise UsageError(f"job {job.name!r}: the backend does not declare state "
                              f"{missing[0]!r}; open it with job.descriptors")
         self.job = job
-        self.ctx = BatchContext(job, backend, job.resolve_options(options), run_id=run_id,
-                                checkpoint_id=checkpoint_id, subtask=subtask,
-                                watermark=watermark, new_watermark=new_watermark,
-                                processing_time=processing_time)
+        self.ctx = BatchContext(job, backend, job.resolve_options(options), info)
         # TTL reads and writes during the logic use the clocks at the start of the run.
-        backend.set_time(event_time=watermark, processing_time=processing_time)
+        backend.set_time(event_time=info.watermark, processing_time=info.processing_time)
         self.backend = backend
         self.timers_fired = 0
         self.ttl_purged = 0
@@ -396,6 +375,15 @@ class SubtaskProcessor:
         self._rejected: list[pa.Table] = []
         self._emitted: dict[str, list] = {o.name: [] for o in job.outputs}
         self._rejected_empty: pa.Table | None = None
+        logic = job.logic
+        self._per_key = PerKeyFeed(logic.fn, self.ctx, self.timings) \
+            if isinstance(logic, PerKey) else None
+
+    def any_key_order(self) -> None:
+        """Take the rows in any order (in process): the per-key form then holds every
+        accepted row until `finish` and groups them there (one call per key still)."""
+        if self._per_key is not None:
+            self._per_key.any_order = True
 
     def process(self, batch: pa.RecordBatch | pa.Table) -> None:
         raw = pa.Table.from_batches([batch]) if isinstance(batch, pa.RecordBatch) else batch
@@ -413,15 +401,33 @@ class SubtaskProcessor:
         started = time.perf_counter()
         self.events += accepted.num_rows
         self._keys.append(pc.unique(accepted[self.job.key]))
-        logic = self.job.logic
-        if isinstance(logic, PerKey):
-            run_per_key(logic.fn, accepted, self.ctx, self.timings)
+        if self._per_key is not None:
+            self._per_key.add(accepted)
         else:
-            logic.fn(accepted, self.ctx)
+            self.job.logic.fn(accepted, self.ctx)
+        self._collect()
+        self.timings["processing"] += time.perf_counter() - started
+
+    def _collect(self) -> None:
         self.ctx.keys.clear()
         for name, items in self.ctx.take_emitted().items():
             self._emitted[name].extend(items)
+
+    def _end_rows(self) -> None:
+        """Call the per-key logic for the keys still held; check one call per key."""
+        if self._per_key is None:
+            return
+        started = time.perf_counter()
+        self._per_key.flush()
+        self._collect()
         self.timings["processing"] += time.perf_counter() - started
+        keys = self._distinct_keys()
+        if self._per_key.calls > keys:
+            raise UsageError(
+                f"job {self.job.name!r}: the per-key logic ran {self._per_key.calls} times "
+                f"for {keys} keys: a subtask's rows must arrive sorted by key "
+                "(statebackend.job.task.row_order); in process use statebackend.job.process, "
+                "which takes rows in any order")
 
     def end_of_run(self) -> None:
         """Fire the due timers (event: up to the new watermark, processing: up to the
@@ -429,6 +435,7 @@ class SubtaskProcessor:
         if self._ended:
             return
         self._ended = True
+        self._end_rows()
         ctx, be = self.ctx, self.backend
         be.set_time(event_time=ctx.new_watermark, processing_time=ctx.processing_time)
         started = time.perf_counter()
@@ -439,8 +446,6 @@ class SubtaskProcessor:
                     self._fire(domain, up_to)
         self.timings["timers"] += time.perf_counter() - started
         started = time.perf_counter()
-        from statebackend.state.ttl import purge_expired
-
         for domain, now in (("event", ctx.new_watermark), ("processing", ctx.processing_time)):
             if now is not None:
                 stats = purge_expired(be, domain, now, compact_ratio=COMPACT_RATIO)
@@ -455,8 +460,6 @@ class SubtaskProcessor:
         the handler registers at or below ``up_to`` then fire in a new pass; in a pass
         still running they join it (`statebackend.state.timers.fire_due`).
         """
-        from statebackend.state.timers import fire_due
-
         while True:
             firing = fire_due(self.backend, domain, up_to)
             fired = 0
@@ -485,9 +488,7 @@ class SubtaskProcessor:
             run_per_key_timers(handler.fn, table, self.ctx, self.timings)
         else:
             handler.fn(table.drop_columns(["key_group"]), self.ctx)
-        self.ctx.keys.clear()
-        for name, items in self.ctx.take_emitted().items():
-            self._emitted[name].extend(items)
+        self._collect()
 
     def _distinct_keys(self) -> int:
         if len(self._keys) < 2:
@@ -496,9 +497,6 @@ class SubtaskProcessor:
 
     def next_times(self) -> dict[str, int | None]:
         """Earliest timer and expiry per domain: when this subtask has work without rows."""
-        from statebackend.state.timers import next_timer_time
-        from statebackend.state.ttl import next_expiry
-
         out: dict[str, int | None] = {}
         for domain in ("event", "processing"):
             times = [t for t in (
@@ -527,8 +525,22 @@ class SubtaskProcessor:
 
 def process(job: Job, backend, batches: Iterable[pa.RecordBatch | pa.Table],
             options: Mapping[str, Any] | None = None, **run: Any) -> ProcessResult:
-    """Process every batch with a fresh `SubtaskProcessor`; see the module docstring."""
+    """Process every batch with a fresh `SubtaskProcessor` (see the module docstring), in
+    process: the rows may come in any order; the per-key form still calls each key once,
+    with its rows in their order in ``batches``. ``run``: the processor's keyword
+    arguments (``run_id``, ``watermark``, ``new_watermark``, ``processing_time`` ...)."""
     proc = SubtaskProcessor(job, backend, options, **run)
+    proc.any_key_order()
     for batch in batches:
         proc.process(batch)
     return proc.finish()
+
+
+def open_state(job: Job, path: str,
+               max_parallelism: int = defaults.MAX_PARALLELISM) -> KeyedStateBackend:
+    """The state of ``job`` in the local folder ``path``, every key group in one instance,
+    for `process` (in process: tests, notebooks). It opens `Job.descriptors`: the states
+    and what the job needs beside them (timer families, the TTL index). Close it (or use
+    ``with``) before opening the folder again."""
+    return KeyedStateBackend(path, job.descriptors, max_parallelism,
+                             KeyGroupRange(0, max_parallelism - 1))

@@ -1,4 +1,4 @@
-"""A job's input: find the files, read them with Spark, hand raw rows to the tasks.
+"""A job's input files: find them, safely, and weigh them.
 
 An input folder holds Parquet files (``*.parquet``) and/or JSON-lines files
 (``*.json``, ``*.jsonl``, ``*.ndjson``, each also gzip-compressed as ``*.gz``);
@@ -15,61 +15,27 @@ Containment (local folders; `list_input` only stats, it never opens an entry):
   root and is a regular file; the reader then gets the resolved path. Any other
   symlink is skipped and reported (``name (symlink outside the input root)``), so
   no byte outside the root reaches a row, an output or the quarantine;
-- the Arrow reader opens local files with ``O_NOFOLLOW | O_NONBLOCK`` and refuses
-  anything but a regular file (`open_input_file`): a link or FIFO swapped in after
-  the listing fails that file in one line instead of being followed or waited on.
+- readers open local files with ``O_NOFOLLOW | O_NONBLOCK`` and refuse anything but
+  a regular file (`open_input_file`): a link or FIFO swapped in after the listing
+  fails that file in one line instead of being followed or waited on.
 
-Reading is generic over the job's `Input` schema (`read_input`): each schema
-column is read and typed by Spark (the key as a string; a value that does not
-convert becomes null), and where a value arrived but did not convert its text
-travels along as ``_text_<column>`` so that rules tell "missing" from "invalid"
-and the quarantine shows what arrived. JSON lines are read as text and parsed
-with an all-string schema, so a non-numeric value is a rejected row, not a
-failed read; a line that is not exactly one JSON object (unparsable, or followed
-by trailing garbage) gets ``_reason = "malformed"`` (Spark's JSON reader silently
-drops trailing text). A line that is only JSON whitespace (spaces, tabs, CR) gives
-no row. Every JSON row keeps its whole line in ``_line`` (the quarantine's ``raw``
-column). On the executor, `raw_table` turns those columns back into the raw table
-`statebackend.job.core.split_rows` validates.
+The input is opened with the run's storage options (fsspec's); without options,
+s3 credentials of the driver's ``AWS_*`` variables are captured as options (they
+reach executors as task parameters, never as environment variables).
 
-Keys: one rule on both engines and both readers. A key's text is what the state,
-the key groups and the outputs see, so only types whose text is the same
-everywhere are accepted:
+Two readers give the same rows (`choose_readers` picks one per format; the run
+summary's ``input_reader`` says which ran): ``arrow`` (`statebackend.job.arrow_input`:
+pyarrow over fsspec, in the local engine or in Spark tasks), for local JSON lines
+(faster than Spark's) and for every URL other than a local path (``s3://`` ...
+without a Hadoop connector); ``spark`` (`statebackend.job.spark_input`: Spark's own
+file sources), for local Parquet.
 
-- Parquet: the key column is a string (utf8, large utf8, dictionary of strings),
-  an integer (signed or unsigned, any width: ``5`` is ``"5"``) or a boolean
-  (``"true"``/``"false"``). Any other column type (binary, float, decimal, date,
-  timestamp, struct, list, map ...) is refused before any row is read, in one line
-  naming the file, the key column and its type (`check_key_columns`, from the footers
-  `check_parquet` reads once per listing; `check_parquet(files, inp)` does it before
-  the engine starts, and both engines call it on the driver before reading).
-- JSON lines: a JSON string is the key as it is; an integer (no fraction, no
-  exponent) is its digits, ``true``/``false`` their text; null or absent is a
-  missing key. Any other JSON value (a number with a fraction or an exponent, an
-  object, an array) is a row rejected as ``invalid_<key>`` (their text differs
-  between Python's and the JVM's JSON writers: ``1e7`` is ``10000000.0`` in one
-  and ``1.0E7`` in the other).
-
-Invalid UTF-8: a JSON line whose bytes are not valid UTF-8 is rejected as
-``invalid_utf8`` (`INVALID_UTF8`) with its columns null, never decoded with
-replacement characters (which would merge keys that differ only in the invalid
-bytes). Its ``_line`` shows the bytes with escapes (``\\xff``): the Arrow reader
-escapes them as it reads; Spark's text source keeps the raw bytes, which Spark
-checks (``is_valid_utf8``) and `raw_table` escapes on the executor.
-
-Parquet footers are read on the driver before any Spark work (`check_parquet`):
-a truncated or non-Parquet file is refused in one line that names it, instead of
-a failed Spark task. The footers are kept with the listing (`InputFiles.footers`):
-the key check and the engine choice's input weight use them without reading again.
-
-Two readers give the same columns (`choose_readers` picks one per format; the run
-summary's ``input_reader`` says which ran): ``spark``, Spark's own file sources, for
-local Parquet; ``arrow`` (`statebackend.job.arrow_input`), executors reading their
-share of the files with pyarrow over fsspec, for local JSON lines (faster than
-Spark's) and for every other URL (``s3://`` ... without a Hadoop connector).
-The input is opened with the run's storage options; without
-options, s3 credentials of the driver's ``AWS_*`` variables are captured as options
-(they reach executors as task parameters, never as environment variables).
+`input_weight` measures the input as the local engine would hold it, for the engine
+choice (`statebackend.engines`): plain files by their size, Parquet by the decoded
+size its footers prove at least (when `statebackend.job.arrow_input.check_parquet`
+kept them), gzip files by decompressing them as a stream, only until the running
+total passes the ``auto`` limit: a gzip bomb costs the driver at most that limit of
+decompression and goes to Spark.
 """
 
 from __future__ import annotations
@@ -79,38 +45,21 @@ import os
 import posixpath
 import stat
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from statebackend.engines import auto_limit
 from statebackend.errors import InputError, UsageError
-from statebackend.job.api import Input
 from statebackend.storage import StorageOptions
 from statebackend.storage.s3 import environment_s3_options, s3_storage_options
 
 PARQUET_EXT = (".parquet",)
 JSON_EXT = (".json", ".jsonl", ".ndjson", ".json.gz", ".jsonl.gz", ".ndjson.gz")
 SKIPPED_NAMES_SHOWN = 10  # the summary lists this many skipped files, then counts
-FOOTER_CHECK_THREADS = 16
-REASON = "_reason"
-LINE = "_line"
-TEXT = "_text_"
-MALFORMED = "malformed"
-INVALID_UTF8 = "invalid_utf8"
 READERS = ("auto", "spark", "arrow")
-KEY_TYPES = "strings, integers or booleans"  # the accepted key column types (module doc)
-JSON_BLANK = " \t\r"  # a line of only these gives no row
 COUNT_BLOCK_BYTES = 1 << 20  # gzip bytes decompressed at a time when only counting
-
-# Arrow type -> Spark SQL type of the typed column.
-_SPARK_TYPES = {
-    pa.string(): "string", pa.large_string(): "string", pa.bool_(): "boolean",
-    pa.int8(): "tinyint", pa.int16(): "smallint", pa.int32(): "int", pa.int64(): "bigint",
-    pa.float32(): "float", pa.float64(): "double", pa.date32(): "date",
-}
 
 
 @dataclass(frozen=True)
@@ -292,6 +241,13 @@ def _scheme(url: str) -> str:
     return url.split("://", 1)[0].lower() if "://" in url else "file"
 
 
+def _spark_path(url: str, fs, path: str) -> str:
+    if _is_local(fs):
+        return os.path.abspath(path)
+    scheme = url.split("://", 1)[0]
+    return f"{scheme}://{path}"
+
+
 def choose_readers(files: InputFiles, requested: str = "auto") -> dict[str, str]:
     """{format: ``spark`` | ``arrow``} for the formats present (module doc). ``auto``:
     local Parquet by Spark (faster there), local JSON lines by Arrow (2.5x faster than
@@ -315,100 +271,6 @@ def choose_reader(files: InputFiles, requested: str = "auto") -> str:
     return "+".join(r for r in ("spark", "arrow") if r in used) or "none"
 
 
-def check_parquet(files: InputFiles, inp: Input | None = None) -> None:
-    """Read every Parquet footer (in parallel, footer bytes only) before Spark starts;
-    with ``inp``, also check the key column's type (`check_key_columns`).
-
-    A truncated or foreign file would otherwise fail a Spark task with a long JVM
-    trace; here it is refused in one line naming the file. The footers stay with
-    ``files`` (`InputFiles.footers`).
-    """
-    parquet_footers(files)
-    if inp is not None:
-        check_key_columns(files, inp)
-
-
-def parquet_footers(files: InputFiles) -> dict[str, ParquetFooter]:
-    """path -> footer of every Parquet file, read once per listing (then kept in
-    ``files.footers``); InputError naming a file that is not readable Parquet."""
-    missing = [p for p in files.parquet if p not in files.footers]
-    if missing:
-        with ThreadPoolExecutor(min(FOOTER_CHECK_THREADS, len(missing))) as pool:
-            read = list(pool.map(lambda path: _read_footer(path, files.options), missing))
-        problems = [r for r in read if isinstance(r, tuple)]
-        if problems:
-            path, cause = problems[0]
-            more = f" (and {len(problems) - 1} more bad Parquet files)" \
-                if len(problems) > 1 else ""
-            raise InputError(f"input file {path} is not a readable Parquet file: {cause}"
-                             f"{more}; replace or remove it and re-run")
-        files.footers.update(zip(missing, read, strict=True))
-    return {p: files.footers[p] for p in files.parquet}
-
-
-def _read_footer(path: str, options: Mapping[str, Any]) -> ParquetFooter | tuple[str, str]:
-    import pyarrow.parquet as pq
-
-    try:
-        with open_input_file(path, options) as fh:
-            meta = pq.read_metadata(fh)
-            size = fh.seek(0, os.SEEK_END)
-        schema = meta.schema.to_arrow_schema()
-        decoded = _decoded_bytes(meta)
-    except Exception as exc:  # noqa: BLE001 - any failure is this file's problem, reported
-        cause = " ".join(str(exc).split()) or type(exc).__name__
-        return path, f"{type(exc).__name__}: {cause}"[:300]
-    return ParquetFooter(schema, decoded, int(size))
-
-
-_VALUE_BYTES = {"BOOLEAN": 0.125, "INT32": 4, "FLOAT": 4, "INT64": 8, "DOUBLE": 8,
-                "INT96": 12, "BYTE_ARRAY": 4}  # Arrow's bytes per value (strings: offsets)
-
-
-def _decoded_bytes(meta) -> int:
-    """`ParquetFooter.decoded_bytes` of a file's metadata."""
-    widths = []
-    for j in range(meta.num_columns):
-        column = meta.schema.column(j)
-        widths.append(column.length if column.physical_type == "FIXED_LEN_BYTE_ARRAY"
-                      else _VALUE_BYTES.get(column.physical_type, 1))
-    total = 0.0
-    for i in range(meta.num_row_groups):
-        group = meta.row_group(i)
-        for j in range(group.num_columns):
-            chunk = group.column(j)
-            total += max(chunk.total_uncompressed_size, chunk.num_values * (widths[j] or 1))
-    return int(total)
-
-
-def accepted_key_type(t: pa.DataType) -> bool:
-    """Whether a Parquet key column of Arrow type ``t`` is accepted (module doc, keys)."""
-    if pa.types.is_dictionary(t):
-        t = t.value_type
-    return (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t)
-            or pa.types.is_boolean(t))
-
-
-def key_type_error(path: str, key: str, t: pa.DataType, more: int = 0) -> InputError:
-    """The one-line refusal of a Parquet file whose key column has type ``t``."""
-    shown = str(t) if len(str(t)) <= 120 else str(t)[:117] + "..."
-    also = f" (and {more} more files with such a key column)" if more else ""
-    return InputError(f"input file {path}: key column {key!r} has type {shown}{also}; keys "
-                      f"must be {KEY_TYPES} (cast it when writing the file); nothing was "
-                      "read")
-
-
-def check_key_columns(files: InputFiles, inp: Input) -> None:
-    """Refuse, before any work and identically on both engines, a Parquet file whose
-    key column has a type other than `KEY_TYPES` (module doc); uses the kept footers."""
-    if not files.parquet:
-        return
-    bad = [(path, f.schema.field(inp.key).type) for path, f in parquet_footers(files).items()
-           if inp.key in f.schema.names and not accepted_key_type(f.schema.field(inp.key).type)]
-    if bad:
-        raise key_type_error(bad[0][0], inp.key, bad[0][1], len(bad) - 1)
-
-
 def decompressed_bytes(path: str, options: Mapping[str, Any], stop_after: int) -> int:
     """Decompressed size of gzip file ``path``, streamed: counting stops once it passes
     ``stop_after`` (the result is then just above it), so a bomb costs no more."""
@@ -428,227 +290,16 @@ def decompressed_bytes(path: str, options: Mapping[str, Any], stop_after: int) -
     return total
 
 
-def _spark_path(url: str, fs, path: str) -> str:
-    if _is_local(fs):
-        return os.path.abspath(path)
-    scheme = url.split("://", 1)[0]
-    return f"{scheme}://{path}"
-
-
-# -- the Spark side --------------------------------------------------------------------
-def spark_type(inp: Input, name: str) -> str:
-    """The Spark SQL type of column ``name`` as the tasks receive it."""
-    if name == inp.key:
-        return "string"  # keys are stored as strings
-    t = inp.schema.field(name).type
-    if pa.types.is_timestamp(t):
-        return "timestamp"
-    found = _SPARK_TYPES.get(t)
-    if found is None:
-        raise UsageError(f"input column {name!r} has type {t}, which the Spark reader does not "
-                         f"support; use one of {sorted({str(k) for k in _SPARK_TYPES})}")
-    return found
-
-
-def spark_ddl(schema: pa.Schema) -> str:
-    """The Spark DDL of an Arrow schema of plain column types (e.g. a task's result row)."""
-    return ", ".join(f"`{f.name}` {_SPARK_TYPES[f.type]}" for f in schema)
-
-
-def read_ddl(inp: Input) -> str:
-    """Columns of `read_input`'s DataFrame, in order."""
-    typed = [f"`{n}` {spark_type(inp, n)}" for n in inp.schema.names]
-    texts = [f"`{TEXT}{n}` string" for n in inp.schema.names]
-    return ", ".join([*typed, *texts, f"{REASON} string", f"{LINE} string"])
-
-
-def marker_row(inp: Input, reason: str) -> tuple:
-    """A row of `read_ddl` with only ``_reason`` set (the dispatch marker)."""
-    n = len(inp.schema.names)
-    return (*([None] * (2 * n)), reason, None)
-
-
-def read_input(spark, files: InputFiles, inp: Input, reader: str = "auto"):
-    """One DataFrame (`read_ddl`) over every input file, read by ``reader`` (`choose_reader`)."""
-    from pyspark.sql import functions as F
-
-    if not files.count:
-        return spark.createDataFrame([], read_ddl(inp))
-    check_key_columns(files, inp)  # on the driver, from the kept footers
-    readers = choose_readers(files, reader)
-    frames = []
-    arrow_paths = tuple(p for fmt, paths in (("parquet", files.parquet), ("json", files.json))
-                        if readers.get(fmt) == "arrow" for p in paths)
-    if arrow_paths:
-        frames.append(_arrow_frame(spark, arrow_paths, files, inp))
-    if files.parquet and readers["parquet"] == "spark":
-        reader = spark.read
-        known = parquet_read_schema(inp, files.parquet[0], files.options, files.footers)
-        if known is not None:  # no schema-inference job (one Spark stage less per run)
-            reader = reader.schema(known)
-        frames.append(_typed(reader.parquet(*files.parquet), inp, files.url)
-                      .withColumn(REASON, F.lit(None).cast("string"))
-                      .withColumn(LINE, F.lit(None).cast("string")))
-    if files.json and readers["json"] == "spark":
-        frames.append(_json_lines(spark, files.json, inp, files.url))
-    if not frames:
-        return spark.createDataFrame([], read_ddl(inp))
-    df = frames[0]
-    for other in frames[1:]:
-        df = df.unionByName(other)
-    return df
-
-
-def _arrow_frame(spark, paths: tuple[str, ...], files: InputFiles, inp: Input):
-    """Executors read ``paths`` with pyarrow over fsspec (`statebackend.job.arrow_input`)."""
-    import functools
-
-    from statebackend.job import arrow_input
-    from statebackend.spark.session import default_parallelism
-
-    return arrow_input.files_frame(spark, paths, default_parallelism(spark)).mapInArrow(
-        functools.partial(arrow_input.read_files, inp, files.options), read_ddl(inp))
-
-
-def parquet_read_schema(inp: Input, path: str, options: Mapping[str, Any] | None = None,
-                        footers: Mapping[str, ParquetFooter] | None = None) -> str | None:
-    """The Spark schema of the job's columns in Parquet file ``path``, from its footer
-    (``footers``' if kept there, else read now).
-
-    Spark would infer the same from one file's footer, but with a job of its own;
-    reading just the job's columns is also what `_typed` keeps. None (Spark infers)
-    when a column's type has no plain Spark name here (timestamps, decimals ...).
-    """
-    import pyarrow.parquet as pq
-
-    if footers and path in footers:
-        arrow = footers[path].schema
-    else:
-        with open_input_file(path, options) as fh:
-            arrow = pq.read_schema(fh)
-    if inp.key not in arrow.names:
-        return None  # Spark's schema then names the file's columns in the error
-    columns = []
-    for name in inp.schema.names:
-        if name not in arrow.names:
-            continue  # absent: `_typed` fills nulls, as with an inferred schema
-        spark_name = _SPARK_TYPES.get(arrow.field(name).type)
-        if spark_name is None:
-            return None
-        columns.append(f"`{name}` {spark_name}")
-    return ", ".join(columns) if columns else None
-
-
-def _json_lines(spark, paths: tuple[str, ...], inp: Input, url: str):
-    """JSON lines read as text (gzip by extension) and parsed; each row keeps its line.
-
-    Reasons, first match wins, each with every parsed column null except as said:
-
-    - ``invalid_utf8``: the line's bytes are not UTF-8. Spark's text source keeps the
-      raw bytes (``is_valid_utf8`` tells); `raw_table` escapes them on the executor.
-    - ``malformed``: the line is not exactly one JSON object. Spark's parser stops
-      after the first value, so ``{...} xyz`` would pass; wrapping the line in ``[...]``
-      and asking for an array of length 1 rejects trailing text and a second object
-      alike (``{...}{...}``, ``{...},{...}``).
-    - ``invalid_<key>`` (the key null, the other columns kept): the key is a JSON value
-      other than a string, an integer or a boolean (module doc). The all-string parse
-      gives a number's or an object's text, not its JSON type; for the rare key whose
-      text could come from one (a digit, ``-``, ``{``, ``[`` or ``"`` first, not only
-      digits), the key is parsed again as a variant to learn its type.
-    """
-    from pyspark.sql import functions as F
-
-    line, key = F.col("value"), inp.key
-    lines = spark.read.text(list(paths)).where(  # blank lines: no row
-        F.trim(line, F.lit(JSON_BLANK)) != "")
-    ddl = ", ".join([f"`{n}` string" for n in inp.schema.names] + ["_corrupt string"])
-    parsed = F.from_json(line, ddl, {"mode": "PERMISSIVE",
-                                     "columnNameOfCorruptRecord": "_corrupt"})
-    single = F.json_array_length(F.concat(F.lit("["), line, F.lit("]"))) == 1
-    utf8 = F.is_valid_utf8(line)
-    bad = ~utf8 | parsed["_corrupt"].isNotNull() | ~F.coalesce(single, F.lit(False))
-    text = parsed.getField(key)
-    maybe_typed = text.rlike(r'^(-?[0-9]|[{\["])') & ~text.rlike(r"^-?[0-9]+$")
-    json_type = F.schema_of_variant(F.from_json(line, f"`{key}` variant").getField(key))
-    bad_key = F.coalesce(maybe_typed & (json_type != "STRING"), F.lit(False))
-    df = lines.select(line.alias(LINE), utf8.alias("_utf8"), bad.alias("_malformed"),
-                      parsed.alias("_j"), bad_key.alias("_bad_key"))
-    kept = df.select(*[F.when(~F.col("_malformed") & ~F.col("_bad_key") if n == key
-                              else ~F.col("_malformed"), F.col("_j").getField(n)).alias(n)
-                       for n in inp.schema.names],
-                     F.when(~F.col("_utf8"), F.lit(INVALID_UTF8))
-                     .when(F.col("_malformed"), F.lit(MALFORMED))
-                     .when(F.col("_bad_key"), F.lit(invalid_key_reason(inp))).alias(REASON),
-                     LINE)
-    return _typed(kept, inp, url, keep=(REASON, LINE))
-
-
-def invalid_key_reason(inp: Input) -> str:
-    """The reject reason of a JSON row whose key has a type keys cannot have."""
-    return f"invalid_{inp.key}"
-
-
-def _typed(df, inp: Input, url: str, keep: tuple[str, ...] = ()):
-    """Typed schema columns plus the text of values that did not convert."""
-    from pyspark.sql import functions as F
-    from pyspark.sql.types import IntegralType, NumericType, StringType
-
-    if inp.key not in df.columns:
-        raise UsageError(f"input {url} has no {inp.key!r} column (columns: {df.columns})")
-    types = {f.name: f.dataType for f in df.schema.fields}
-    typed, texts = [], []
-    for name in inp.schema.names:
-        target = spark_type(inp, name)
-        if name not in types:
-            typed.append(F.lit(None).cast(target).alias(name))
-            texts.append(F.lit(None).cast("string").alias(TEXT + name))
-            continue
-        col, source = F.col(f"`{name}`"), types[name]
-        exact = (target == "string"
-                 or (target in ("tinyint", "smallint", "int", "bigint")
-                     and isinstance(source, IntegralType))
-                 or (target in ("float", "double") and isinstance(source, NumericType))
-                 or source.simpleString() == target)
-        value = col.cast(target) if exact else \
-            (col if isinstance(source, StringType) else col.cast("string")).try_cast(target)
-        typed.append(value.alias(name))
-        # The text only where a value arrived but did not convert (rare): cheap to shuffle.
-        texts.append(F.when(col.isNotNull() & value.isNull(), col.cast("string"))
-                     .alias(TEXT + name))
-    return df.select(*typed, *texts, *keep)
-
-
-# -- the executor side -----------------------------------------------------------------
-def raw_table(inp: Input, batch: pa.RecordBatch | pa.Table) -> pa.Table:
-    """The raw table `split_rows` validates, from a batch of `read_ddl` columns.
-
-    A column whose values all converted stays typed (the cast in `split_rows` is
-    then free); a column with unconverted values becomes text: the arrived text
-    where it did not convert, the typed value's text elsewhere. The ``_line`` of an
-    ``invalid_utf8`` row is escaped (`escape_invalid_utf8`): Spark's reader hands on
-    the raw bytes.
-    """
-    table = pa.Table.from_batches([batch]) if isinstance(batch, pa.RecordBatch) else batch
-    cols: dict[str, pa.Array | pa.ChunkedArray] = {}
-    for name in inp.schema.names:
-        typed, text = table[name], table[TEXT + name]
-        if text.null_count == len(text):
-            cols[name] = typed
-        else:
-            cols[name] = pc.coalesce(text, pc.cast(typed, pa.string()))
-    cols[REASON] = table[REASON]
-    cols[LINE] = _escaped_lines(table[REASON], table[LINE])
-    return pa.table(cols)
-
-
-def escape_invalid_utf8(data: bytes) -> str:
-    """A line's bytes as text: UTF-8, with each invalid byte shown as ``\\xNN``."""
-    return data.decode("utf-8", "backslashreplace")
-
-
-def _escaped_lines(reasons: pa.ChunkedArray, lines: pa.ChunkedArray) -> pa.ChunkedArray:
-    if not pc.any(pc.equal(reasons, INVALID_UTF8)).as_py():
-        return lines
-    raw = pc.cast(lines.combine_chunks(), pa.binary()).to_pylist()  # a view: no validation
-    return pa.chunked_array([pa.array(
-        [None if b is None else escape_invalid_utf8(b) for b in raw], pa.string())])
+def input_weight(files, limit: int | None = None) -> int:
+    """Bytes the input takes decompressed (module doc), counted only until the total
+    passes ``limit`` (default `auto_limit`): a larger result is then a lower bound."""
+    limit = auto_limit() if limit is None else limit
+    footers = [files.footers[p] for p in files.parquet if p in files.footers]
+    total = (files.total_bytes - files.gz_bytes - sum(f.file_bytes for f in footers)
+             + sum(f.decoded_bytes for f in footers))
+    for path in files.json:
+        if total > limit:
+            break
+        if path.lower().endswith(".gz"):
+            total += decompressed_bytes(path, files.options, limit - total)
+    return total

@@ -23,9 +23,10 @@ code or the same rule:
   order columns are sorted, then the rows taken from the input table whole batches at
   a time, never a copy of the whole table) and handed to `SubtaskRun` in batches of
   ``batch_rows`` rows, as Arrow batches reach a Spark task;
-- tasks: `SubtaskRun` (restore, logic, snapshot, upload, outputs), in a pool of
-  min(P, cores) threads. The local recovery folder is the one a ``local[...]`` Spark
-  executor on this machine uses, so the engines can alternate without downloads.
+- tasks: `statebackend.job.task.run_one_subtask` (restore, logic, snapshot, upload,
+  outputs) in min(P, cores) threads (`statebackend.subtasks.run_in_threads`, the
+  runner rescale uses too). The local recovery folder is the one a ``local[...]``
+  Spark executor on this machine uses, so the engines can alternate without downloads.
 
 A failed subtask removes its own uploads (as a failed Spark task does); the run waits
 for the others before raising one `TaskFailedError` line, so the driver's discard never
@@ -36,22 +37,32 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from statebackend import settings
-from statebackend.errors import CkptError, InputError, TaskFailedError
+from statebackend.engines import MAX_MEMORY_ENV, mib
+from statebackend.errors import InputError
 from statebackend.job.api import Job
-from statebackend.job.arrow_input import BudgetExceeded, ByteBudget, output_schema, read_file
+from statebackend.job.arrow_input import (
+    BudgetExceeded,
+    ByteBudget,
+    check_key_columns,
+    raw_table,
+    read_file,
+    read_schema,
+)
 from statebackend.job.core import max_accepted_time
-from statebackend.job.engine import MAX_MEMORY_ENV, mib
-from statebackend.job.input import InputFiles, check_key_columns, raw_table
-from statebackend.job.task import PARTITION_COLUMN, TaskParams, row_order, run_one_subtask
+from statebackend.job.engine import reading_label, tasks_label
+from statebackend.job.input import InputFiles
+from statebackend.job.results import TaskResult
+from statebackend.job.task import TaskParams, row_order, run_one_subtask
 from statebackend.progress import ProgressSink
 from statebackend.state.keygroups_bulk import key_groups
+from statebackend.subtasks import run_in_threads
 
 READ_THREADS = 8  # input files read at once (I/O bound: fsspec, gzip, Arrow's parsers)
 TAKE_ROWS = 1_000_000  # a subtask takes its sorted rows this many at a time (fewer is slower)
@@ -75,11 +86,11 @@ class LocalEngine:
 
     # -- input --------------------------------------------------------------------------
     def table(self) -> pa.Table:
-        """Every input row in `output_schema` columns, files in listing order."""
+        """Every input row in `read_schema` columns, files in listing order."""
         if self._table is None:
             inp, options = self.job.input, self.files.options
             check_key_columns(self.files, inp)
-            schema = output_schema(inp)
+            schema = read_schema(inp)
             paths = (*self.files.parquet, *self.files.json)
             limit = int(settings.value(MAX_MEMORY_ENV))
             budget = ByteBudget(limit)
@@ -106,39 +117,19 @@ class LocalEngine:
         return max_accepted_time(job, raw_table(job.input, table), watermark)
 
     # -- tasks --------------------------------------------------------------------------
-    def run_tasks(self, params: TaskParams, progress: ProgressSink, *, label: str,
-                  upstream: str, description: str, group_prefix: str,
-                  batch_rows: int) -> list[dict]:
-        """One result row per subtask; `TaskFailedError` (one line) when a subtask fails."""
-        progress.phase(upstream)
+    def run_tasks(self, params: TaskParams, progress: ProgressSink) -> list[TaskResult]:
+        progress.phase(reading_label(params))
         table = self.table()
         self._table = None  # held by the subtasks until the last one ends
         rows = subtask_rows(table, params)
-        progress.phase(label, total=params.parallelism, unit="subtasks")
-        with ThreadPoolExecutor(min(params.parallelism, self.cores),
-                                thread_name_prefix="ckpt-subtask") as pool:
-            futures = {pool.submit(_run_one, params, i, table, rows[i], batch_rows): i
-                       for i in range(params.parallelism)}
-            del table, rows
-            results, failed = [], None
-            pending: set[Future] = set(futures)
-            while pending:
-                done, pending = wait(pending, return_when=FIRST_EXCEPTION)
-                for f in done:
-                    if f.cancelled():
-                        continue
-                    if f.exception() is None:
-                        results.append(f.result())
-                        progress.advance()
-                    elif failed is None or futures[f] < futures[failed]:
-                        failed = f
-                if failed is not None:
-                    # not started: nothing to undo; the started ones finish first
-                    pending = {f for f in pending if not f.cancel()}
-        if failed is not None:
-            raise TaskFailedError(f"subtask {futures[failed]}: "
-                                  f"{_one_line(failed.exception())}") from failed.exception()
-        return results
+        progress.phase(tasks_label(params), total=params.parallelism, unit="subtasks")
+
+        def run_one(i: int) -> TaskResult:
+            # sorted here, in the subtask's thread: Arrow's sort and take release the GIL
+            return run_one_subtask(params, i, 0, subtask_batches(table, rows[i], params))
+
+        return run_in_threads(params.parallelism, run_one,
+                              workers=min(params.parallelism, self.cores), progress=progress)
 
 
 def subtask_rows(table: pa.Table, params: TaskParams) -> list[np.ndarray]:
@@ -151,11 +142,11 @@ def subtask_rows(table: pa.Table, params: TaskParams) -> list[np.ndarray]:
     return np.split(order, np.cumsum(np.bincount(subtask, minlength=p))[:-1])
 
 
-def subtask_batches(table: pa.Table, rows: np.ndarray, params: TaskParams, subtask: int,
-                    batch_rows: int) -> Iterator[pa.RecordBatch]:
-    """Subtask ``subtask``'s rows (``rows`` of ``table``) with ``_p``, in Spark's order
-    (``sortWithinPartitions`` by `row_order`, nulls first; a stable sort of the rows in
-    input order), in batches of ``batch_rows`` as Arrow batches reach a Spark task.
+def subtask_batches(table: pa.Table, rows: np.ndarray, params: TaskParams
+                    ) -> Iterator[pa.RecordBatch]:
+    """A subtask's rows (``rows`` of ``table``) in Spark's order (``sortWithinPartitions``
+    by `row_order`, nulls first; a stable sort of the rows in input order), in batches of
+    ``params.batch_rows`` as Arrow batches reach a Spark task.
     The sort reads only the order columns; the rows are taken as the batches are asked
     for, whole batches at a time (up to `TAKE_ROWS` rows, about `TAKE_BYTES`), so the
     input is never held twice."""
@@ -164,14 +155,12 @@ def subtask_batches(table: pa.Table, rows: np.ndarray, params: TaskParams, subta
     names = row_order(params.job)
     indices = pa.array(rows)
     order = indices.take(_nulls_first_order(table.select(list(names)).take(indices), names))
-    value = params.part_values[subtask]
+    batch_rows = params.batch_rows
     row_bytes = max(1, table.nbytes // max(1, table.num_rows))
     step = batch_rows * max(1, min(TAKE_ROWS, TAKE_BYTES // row_bytes) // batch_rows)
     for start in range(0, len(order), step):
         rows_taken = table.take(order.slice(start, step)).combine_chunks()
-        part = pa.array(np.full(rows_taken.num_rows, value, np.int32))
-        yield from rows_taken.append_column(PARTITION_COLUMN, part).to_batches(
-            max_chunksize=batch_rows)
+        yield from rows_taken.to_batches(max_chunksize=batch_rows)
 
 
 def _nulls_first_order(table: pa.Table, names: tuple[str, ...]) -> pa.Array:
@@ -181,17 +170,3 @@ def _nulls_first_order(table: pa.Table, names: tuple[str, ...]) -> pa.Array:
     except (TypeError, ValueError, pa.ArrowInvalid):  # pyarrow < 22: one placement for all
         return pc.sort_indices(table, sort_keys=[(n, "ascending") for n in names],
                                null_placement="at_start")
-
-
-def _run_one(params: TaskParams, subtask: int, table: pa.Table, rows: np.ndarray,
-             batch_rows: int) -> dict:
-    # sorted here, in the subtask's thread: Arrow's sort and take release the GIL
-    return run_one_subtask(params, subtask, 0,
-                           subtask_batches(table, rows, params, subtask, batch_rows))
-
-
-def _one_line(exc: BaseException | None) -> str:
-    if isinstance(exc, CkptError):
-        return str(exc)
-    text = " ".join(str(exc).split()) if exc is not None else ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

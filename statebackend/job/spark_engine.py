@@ -1,17 +1,21 @@
 """The Spark engine of a job run: the input read, routed and processed by Spark tasks.
 
 Driver side of the run protocol's Spark work (`statebackend.job.run` decides, the
-tasks are `statebackend.job.task`):
+subtasks are `statebackend.job.task`):
 
 - `SparkEngine.max_event_time`: the new watermark's input. Usually the
   `WATERMARK_CANDIDATES` rows with the latest event times settle it: a top-k the JVM
-  computes (no Python worker), validated on the driver; otherwise one pass validates
-  every row.
-- `SparkEngine.run_tasks`: read (`statebackend.job.input.read_input`), route each row
-  to its subtask (`statebackend.spark.dispatch.route`), one marker row per subtask,
-  shuffle, sort each partition by key, event time and the other columns, then one
-  ``mapInArrow`` task per subtask (`statebackend.job.task.run_subtask`) returning its
-  result row. A failed task is one `TaskFailedError` line.
+  computes (no Python worker), validated on the driver
+  (`max_accepted_time_of_latest`); otherwise one pass validates every row.
+- `SparkEngine.run_tasks`: read (`statebackend.job.spark_input.read_input`), route
+  each row to its subtask (`statebackend.spark.dispatch.route`: Spark places rows by
+  hashing a column, so each row gets ``_p``, a value Spark's partitioner sends to
+  partition i), one marker row per subtask (so every subtask's task runs, also
+  without rows), shuffle, sort each partition by `row_order`, then one
+  ``mapInArrow`` task per subtask (`run_subtask_task`: it checks ``_p``, drops the
+  marker and runs `statebackend.job.task.run_one_subtask`) returning its result row
+  (`statebackend.job.results.TaskResult.to_row`). A failed task is one
+  `TaskFailedError` line.
 
 Classic sessions and Spark Connect alike: no SparkContext or RDD call on this path.
 """
@@ -19,15 +23,29 @@ Classic sessions and Spark Connect alike: no SparkContext or RDD call on this pa
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from statebackend.job.api import Job
-from statebackend.job.core import max_accepted_time, max_accepted_time_of_latest
-from statebackend.job.input import TEXT, InputFiles, marker_row, raw_table, read_ddl, read_input
-from statebackend.job.task import MARKER, RESULT_DDL, TaskParams, row_order, run_subtask
+from statebackend.job.arrow_input import REASON, TEXT, raw_table
+from statebackend.job.core import event_times, max_accepted_time
+from statebackend.job.engine import reading_label, tasks_label
+from statebackend.job.input import InputFiles
+from statebackend.job.results import RESULT_SCHEMA, TaskResult
+from statebackend.job.spark_input import marker_row, read_ddl, read_input, spark_ddl
+from statebackend.job.task import TaskParams, row_order, run_one_subtask
 from statebackend.progress import ProgressSink
+from statebackend.spark import dispatch
+from statebackend.spark.progress import TaskStages, report_tasks
+from statebackend.spark.session import default_parallelism
+from statebackend.subtasks import named_failure
 
 # Rows with the latest event times the driver validates to find the new watermark.
 WATERMARK_CANDIDATES = 1000
+MARKER = "__subtask_marker__"  # `_reason` of the one synthetic row each subtask receives
+RESULT_DDL = spark_ddl(RESULT_SCHEMA)  # what mapInArrow is told the rows are
 
 
 class SparkEngine:
@@ -42,38 +60,66 @@ class SparkEngine:
         self.reader = reader
 
     def default_parallelism(self) -> int:
-        from statebackend.spark.session import default_parallelism  # classic and Connect
-
-        return default_parallelism(self.spark)
+        return default_parallelism(self.spark)  # classic and Connect
 
     def max_event_time(self, job: Job, watermark: int | None, progress: ProgressSink,
                        label: str) -> int | None:
-        from statebackend.spark.progress import report_tasks
-
-        with report_tasks(self.spark, progress, "event times", total=None, upstream=label):
+        with report_tasks(self.spark, progress, TaskStages("event times", total=None,
+                                                           upstream=label)):
             return max_event_time(self.spark, job, self.files, watermark, self.reader)
 
-    def run_tasks(self, params: TaskParams, progress: ProgressSink, *, label: str,
-                  upstream: str, description: str, group_prefix: str,
-                  batch_rows: int) -> list[dict]:
-        """One result row per subtask; `TaskFailedError` (one line) when a task fails."""
-        from statebackend.spark import dispatch
-        from statebackend.spark.progress import report_tasks
-
+    def run_tasks(self, params: TaskParams, progress: ProgressSink) -> list[TaskResult]:
         job, inp = params.job, params.job.input
         ddl = read_ddl(inp)
+        values = tuple(dispatch.partition_values(params.parallelism))
         routed = dispatch.route(
             read_input(self.spark, self.files, inp, self.reader),
-            dispatch.Routing(inp.key, params.max_parallelism, params.parallelism,
-                             params.part_values), ddl)
+            dispatch.Routing(inp.key, params.max_parallelism, params.parallelism, values), ddl)
         tasks = dispatch.with_markers(self.spark, routed, ddl, lambda _v: marker_row(inp, MARKER),
                                       params.parallelism, row_order(job)).mapInArrow(
-            functools.partial(run_subtask, params), RESULT_DDL)
+            functools.partial(run_subtask_task, params, values), RESULT_DDL)
         # The subtasks' tasks follow the routing shuffle: their job has 2 stages.
-        with report_tasks(self.spark, progress, label, total=params.parallelism, stages=2,
-                          upstream=upstream):
-            return dispatch.run_tasks(self.spark, tasks, description,
-                                      group_prefix=group_prefix, batch_rows=batch_rows)
+        with report_tasks(self.spark, progress, TaskStages(
+                tasks_label(params), total=params.parallelism, stages=2,
+                upstream=reading_label(params))):
+            rows = dispatch.run_tasks(
+                self.spark, tasks, f"{job.name} {params.job_dir} run {params.run_id}",
+                group_prefix=f"{job.name}-{params.job_dir}-{params.checkpoint_id}",
+                batch_rows=params.batch_rows)
+        return sorted((TaskResult.from_row(r) for r in rows), key=lambda r: r.subtask)
+
+
+def run_subtask_task(params: TaskParams, part_values: tuple[int, ...],
+                     batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """The ``mapInArrow`` function: one result row for this partition's subtask."""
+    from pyspark import TaskContext  # on an executor: Spark is there
+
+    ctx = TaskContext.get()
+    subtask = ctx.partitionId()
+    with named_failure("subtask", subtask):
+        rows = _subtask_rows(batches, subtask, part_values[subtask])
+        result = run_one_subtask(params, subtask, ctx.attemptNumber(), rows)
+    yield pa.RecordBatch.from_pylist([result.to_row()], schema=RESULT_SCHEMA)
+
+
+def _subtask_rows(batches: Iterator[pa.RecordBatch], subtask: int, value: int
+                  ) -> Iterator[pa.RecordBatch]:
+    """Partition ``subtask``'s batches without ``_p`` and the marker row; a row routed
+    elsewhere (Spark's hash partitioning changed under us) fails the task."""
+    for batch in batches:
+        if not len(batch):
+            continue
+        part = batch.column(dispatch.PARTITION_COLUMN)
+        if not pc.all(pc.equal(part, value)).as_py():
+            raise RuntimeError(
+                f"partition {subtask} received rows of another subtask: Spark's hash "
+                "partitioning no longer matches statebackend.spark.dispatch.partition_values")
+        batch = batch.drop_columns([dispatch.PARTITION_COLUMN])
+        marker = pc.fill_null(pc.equal(batch.column(REASON), MARKER), False)
+        if pc.any(marker).as_py():
+            batch = batch.filter(pc.invert(marker))
+        if len(batch):
+            yield batch
 
 
 def max_event_time(spark, job: Job, files: InputFiles, watermark: int | None,
@@ -98,9 +144,32 @@ def max_event_time(spark, job: Job, files: InputFiles, watermark: int | None,
     return max(found) if found else None
 
 
-def _max_times(job: Job, watermark: int | None, batches):
-    import pyarrow as pa
+def max_accepted_time_of_latest(job: Job, latest: pa.Table, limit: int,
+                                watermark: int | None) -> tuple[bool, int | None]:
+    """(settled, max accepted event time) judged from the input rows with the latest times.
 
+    ``latest``: at most ``limit`` rows of `statebackend.job.spark_input.read_ddl`, those whose
+    event time arrived but did not type first, then by typed event time, latest first
+    (nulls last). Every row left out has a typed event time no later than the last
+    row's, or none (rejected). So the answer is settled when ``latest`` holds every row,
+    or its last row is typed and no later than the best accepted time, or late (at or
+    before ``watermark``); otherwise (False, None): validate every row instead.
+    """
+    et = job.input.event_time
+    best = max_accepted_time(job, raw_table(job.input, latest), watermark) \
+        if latest.num_rows else None
+    if latest.num_rows < limit:
+        return True, best
+    if latest[TEXT + et][-1].is_valid:
+        return False, None  # as many untyped event times as the limit: maybe more
+    last = event_times(latest.slice(latest.num_rows - 1), et)[0].as_py()
+    if last is None or (best is not None and best >= last) or \
+            (watermark is not None and last <= watermark):
+        return True, best
+    return False, None
+
+
+def _max_times(job: Job, watermark: int | None, batches):
     best = None
     for batch in batches:
         if len(batch):

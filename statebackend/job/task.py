@@ -1,7 +1,9 @@
-"""Executor side of the run protocol: one Spark task = one subtask of a job.
+"""One subtask of a job run, on either engine: restore, process, write, snapshot.
 
-`run_subtask` runs inside ``mapInArrow`` on partition i, which holds exactly
-subtask i's rows (`statebackend.spark.dispatch`) plus one marker row:
+`run_one_subtask` runs subtask i over its rows (Arrow batches of the read columns,
+`statebackend.job.arrow_input.read_schema`, already in `row_order`: one key's rows
+are consecutive), in a Spark task (`statebackend.job.spark_engine`) or a thread of
+the local engine (`statebackend.job.local_engine`):
 
 1. restore subtask i's state from the parent handle (local recovery when this
    executor still has the instance), lazily: a subtask without rows never opens it;
@@ -12,7 +14,7 @@ subtask i's rows (`statebackend.spark.dispatch`) plus one marker row:
 3. snapshot (synchronous part), then write the outputs and the quarantined rows
    while the upload runs in the background;
 4. record what this task attempt uploaded (`statebackend.checkpoint.attempt.record_uploads`)
-   and return one result row: the new handle as JSON, counts, timings.
+   and return its `TaskResult`: the new handle, counts, timings.
 
 A subtask that accepted no row returns no handle (the driver carries the parent's
 handle forward) unless the lineage has no parent yet (then it checkpoints an
@@ -29,7 +31,6 @@ Outputs: ``<output>/run=<id>/part-<subtask>.parquet`` for a job with one output,
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import tempfile
@@ -39,35 +40,23 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from statebackend.checkpoint.attempt import record_uploads
 from statebackend.checkpoint.metadata import SubtaskHandle
 from statebackend.checkpoint.restore import restore_subtask
 from statebackend.checkpoint.snapshot import snapshot
 from statebackend.job.api import Job
+from statebackend.job.arrow_input import LINE, raw_table
 from statebackend.job.core import REASON, ProcessResult, SubtaskProcessor
-from statebackend.job.input import LINE, raw_table, spark_ddl
-from statebackend.job.input import REASON as READ_REASON
+from statebackend.job.results import PHASES, TaskResult
 from statebackend.state.backend import KeyedStateBackend
 from statebackend.state.keygroups import key_group_range_for_subtask
 from statebackend.state.migrate import migrate_backend
 from statebackend.state.schema import EvolutionPlan
 from statebackend.storage import Storage, StorageOptions, child_storage, open_storage
 
-MARKER = "__subtask_marker__"  # `_reason` of the one synthetic row each subtask receives
-PARTITION_COLUMN = "_p"
 RAW = "raw"
-PHASES = ("restoring", "processing", "snapshotting", "uploading")
-RESULT_SCHEMA = pa.schema([
-    ("subtask", pa.int32()), ("attempt", pa.int32()), ("handle", pa.string()),
-    ("uploaded", pa.string()), ("events", pa.int64()), ("rejected", pa.int64()),
-    ("reasons", pa.string()), ("keys_touched", pa.int64()), ("restore_mode", pa.string()),
-    ("reuploaded", pa.string()), ("outputs", pa.string()), ("bytes_uploaded", pa.int64()),
-    *[(f"t_{p}", pa.float64()) for p in PHASES], ("t_detail", pa.string()),
-    ("timers_fired", pa.int64()), ("ttl_purged", pa.int64()), ("counters", pa.string()),
-    ("next_times", pa.string())])
-RESULT_DDL = spark_ddl(RESULT_SCHEMA)  # what mapInArrow is told the rows are
+BATCH_ROWS = 100_000  # rows per Arrow batch handed to the logic
 COMPRESSION = {"zstd": "kZSTD", "lz4": "kLZ4Compression", "snappy": "kSnappyCompression",
                "none": "kNoCompression"}
 
@@ -105,13 +94,13 @@ class TaskParams:
     checkpoint_id: int
     parallelism: int
     max_parallelism: int
-    parent_handles: tuple[str, ...]  # JSON per subtask; empty on the first run
+    parent_handles: tuple[SubtaskHandle, ...]  # per subtask; empty on the first run
     output_url: str | None
     quarantine_url: str
     run_dir: str  # folder name of this run under output and quarantine
     run_id: str
-    part_values: tuple[int, ...]
     local_dir: str | None = None
+    batch_rows: int = BATCH_ROWS  # rows per Arrow batch a subtask receives
     fail_subtask: int | None = None
     storage_options: StorageOptions = field(default_factory=StorageOptions, hash=False)
     # Time (issue 12): the watermark at the start of the run and the one the driver
@@ -139,20 +128,11 @@ def local_instance_dir(params: TaskParams, subtask: int) -> str:
     return os.path.join(root, f"{params.job_dir}-{tag}", str(subtask))
 
 
-def run_subtask(params: TaskParams, batches: Iterator[pa.RecordBatch]
-                ) -> Iterator[pa.RecordBatch]:
-    """The ``mapInArrow`` function: one result row for this partition's subtask."""
-    from pyspark import TaskContext
-
-    ctx = TaskContext.get()
-    result = run_one_subtask(params, ctx.partitionId(), ctx.attemptNumber(), batches)
-    yield pa.RecordBatch.from_pylist([result], schema=RESULT_SCHEMA)
-
-
 def run_one_subtask(params: TaskParams, subtask: int, attempt: int,
-                    batches: Iterator[pa.RecordBatch]) -> dict:
-    """One attempt of ``subtask`` over ``batches``: its result row; on failure its uploads
-    are removed and its instance closed before the exception goes on."""
+                    batches: Iterator[pa.RecordBatch]) -> TaskResult:
+    """Attempt ``attempt`` of ``subtask`` over its rows (`read_schema` batches in
+    `row_order`); on failure its uploads are removed and its instance closed before the
+    exception goes on."""
     runner = SubtaskRun(params, subtask, attempt)
     try:
         return runner.run(batches)
@@ -176,9 +156,7 @@ class SubtaskRun:
         self.subtask = subtask
         self.attempt = attempt
         self.job_storage = child_storage(params.open(params.storage_url), params.job_dir)
-        self.parent = (SubtaskHandle.from_json(json.loads(params.parent_handles[subtask]),
-                                               f"parent handle {subtask}")
-                       if params.parent_handles else None)
+        self.parent = params.parent_handles[subtask] if params.parent_handles else None
         self.backend: KeyedStateBackend | None = None
         self.processor: SubtaskProcessor | None = None
         self.uploaded: tuple[str, ...] = ()
@@ -218,17 +196,8 @@ class SubtaskRun:
         self.t["restoring"] += time.perf_counter() - started
         return self.processor
 
-    def run(self, batches: Iterator[pa.RecordBatch]) -> dict:
-        expected = self.params.part_values[self.subtask]
+    def run(self, batches: Iterator[pa.RecordBatch]) -> TaskResult:
         for batch in batches:
-            if not len(batch):
-                continue
-            if not pc.all(pc.equal(batch.column(PARTITION_COLUMN), expected)).as_py():
-                raise RuntimeError(
-                    f"partition {self.subtask} received rows of another subtask: Spark's hash "
-                    "partitioning no longer matches statebackend.spark.dispatch.partition_values")
-            reason = batch.column(READ_REASON)
-            batch = batch.filter(pc.invert(pc.fill_null(pc.equal(reason, MARKER), False)))
             if not len(batch):
                 continue
             processor = self.processor or self.open_state()
@@ -251,7 +220,7 @@ class SubtaskRun:
             return self._result(None, result, {})  # nothing changed the state: carry forward
         return self._checkpoint(result)
 
-    def _checkpoint(self, result: ProcessResult) -> dict:
+    def _checkpoint(self, result: ProcessResult) -> TaskResult:
         p = self.params
         started = time.perf_counter()
         pending = snapshot(self.backend, self.job_storage, checkpoint_id=p.checkpoint_id,
@@ -272,29 +241,20 @@ class SubtaskRun:
         return self._result(done.handle, result, written)
 
     def _result(self, handle: SubtaskHandle | None, result: ProcessResult | None,
-                written: dict[str, int]) -> dict:
-        return {
-            "subtask": self.subtask, "attempt": self.attempt,
-            "handle": json.dumps(handle.to_json()) if handle is not None else None,
-            "uploaded": json.dumps(list(self.uploaded)),
-            "events": result.events if result else 0,
-            "rejected": result.rejected_count if result else 0,
-            "reasons": json.dumps(result.reasons if result else {}, sort_keys=True),
-            "keys_touched": result.keys_touched if result else 0,
-            "restore_mode": self.restore_mode,
-            "reuploaded": json.dumps(list(self.reuploaded)),
-            "outputs": json.dumps(written, sort_keys=True),
-            "bytes_uploaded": handle.bytes_uploaded if handle is not None else 0,
-            **{f"t_{k}": v for k, v in self.t.items()},
-            "t_detail": json.dumps({k: round(v, 4) for k, v in
-                                    (result.timings if result else {}).items()}),
-            "timers_fired": result.timers_fired if result else 0,
-            "ttl_purged": result.ttl_purged if result else 0,
-            "counters": json.dumps(result.counters if result else {}, sort_keys=True),
+                written: dict[str, int]) -> TaskResult:
+        common = {"subtask": self.subtask, "attempt": self.attempt, "handle": handle,
+                  "restore_mode": self.restore_mode, "uploaded": self.uploaded,
+                  "reuploaded": self.reuploaded, "outputs": written, "phases": dict(self.t)}
+        if result is None:
+            return TaskResult(**common)
+        return TaskResult(
+            **common, events=result.events, rejected=result.rejected_count,
+            reasons=result.reasons, keys_touched=result.keys_touched,
+            logic_timings={k: round(v, 4) for k, v in result.timings.items()},
+            timers_fired=result.timers_fired, ttl_purged=result.ttl_purged,
+            counters=result.counters,
             # None: the state was not opened (the driver keeps the parent's record)
-            "next_times": json.dumps(result.next_times) if result and result.next_times
-            else None,
-        }
+            next_times=result.next_times or None)
 
     # -- outputs -----------------------------------------------------------------------
     def _write_outputs(self, result: ProcessResult) -> dict[str, int]:

@@ -74,20 +74,23 @@ Failure scenarios this design handles (numbered; tests name them):
     (`registry.referenced_by_records`) and spares every file they list.
 
 `plan_gc` is pure; `execute_gc` deletes best effort (batched on S3) after the
-re-checks of scenarios 3 and 10; `collect_garbage` = registry + plan + execute.
+re-checks of scenarios 3 and 10; `collect_garbage` = registry + plan + execute. Its
+result is a `GcReport`, the `DeletionReport` retention returns too (deletion.py).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 from datetime import datetime
+from typing import Any, ClassVar
 
 from statebackend.checkpoint.layout import GC_SCOPE_PREFIXES
 from statebackend.checkpoint.leases import WRITER_LEASE, Lease, live_leases
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import CheckpointNotFoundError
+from statebackend.lifecycle.deletion import DeletionReport, delete_counted, prune_empty_dirs
 from statebackend.lifecycle.registry import (
     Registry,
     as_datetime,
@@ -97,14 +100,12 @@ from statebackend.lifecycle.registry import (
     is_commit_record,
     referenced_by_records,
 )
-from statebackend.lifecycle.retention import delete_counted, prune_empty_dirs
 from statebackend.progress import NO_PROGRESS, ProgressSink
 from statebackend.settings import number
 
 DEFAULT_GRACE_SECONDS = 3600.0
 MAX_GRACE_SECONDS = 10 * 365 * 86400.0  # longer is a typo (or `inf`)
 WRITER_SKEW_SECONDS = 300.0
-LIST_CAP = 50
 
 KEEP_REFERENCED = "referenced"
 KEEP_COMMIT_RECORD = "commit-record"
@@ -136,6 +137,7 @@ class GcPlan:
     """Deletions and pending orphans file by file; kept referenced files by path only
     (there are as many as the job has live files)."""
 
+    operation: ClassVar[str] = "gc"
     job: str
     grace_seconds: float
     deletions: tuple[GcFile, ...]
@@ -176,6 +178,18 @@ class GcPlan:
                 slot["bytes"] += f.size
         return out
 
+    def report_fields(self, done: Sequence[GcFile] | None) -> dict[str, Any]:
+        """gc's keys of its `DeletionReport` (``done``: deleted files; None: dry run)."""
+        pending = self.pending
+        return {
+            "grace_seconds": self.grace_seconds,
+            "files_kept": self.files_kept, "bytes_kept": self.bytes_kept,
+            "orphans_pending": len(pending), "orphan_bytes_pending": sum(f.size for f in pending),
+            "by_reason": self.by_reason(None if done is None else {f.path for f in done}),
+            "deletions": [f.to_json() for f in (self.deletions if done is None else done)],
+            "pending": [f.to_json() for f in pending],
+        }
+
     def to_json(self) -> dict:
         return {
             "job": self.job, "grace_seconds": self.grace_seconds,
@@ -188,42 +202,7 @@ class GcPlan:
         }
 
 
-@dataclass(frozen=True)
-class GcReport:
-    job: str
-    dry_run: bool
-    plan: GcPlan
-    deleted: tuple[GcFile, ...]
-    failures: tuple[tuple[str, str], ...] = ()
-    spared: tuple[str, ...] = ()
-    seconds: float = 0.0
-
-    @property
-    def files_deleted(self) -> int:
-        return len(self.deleted)
-
-    @property
-    def bytes_deleted(self) -> int:
-        return sum(f.size for f in self.deleted)
-
-    def to_json(self) -> dict:
-        plan = self.plan
-        pending = plan.pending
-        return {
-            "operation": "gc", "job": self.job, "dry_run": self.dry_run,
-            "grace_seconds": plan.grace_seconds,
-            "files_planned": len(plan.deletions), "bytes_planned": plan.bytes_to_delete,
-            "files_deleted": self.files_deleted, "bytes_deleted": self.bytes_deleted,
-            "files_kept": plan.files_kept, "bytes_kept": plan.bytes_kept,
-            "orphans_pending": len(pending), "orphan_bytes_pending": sum(f.size for f in pending),
-            "by_reason": plan.by_reason(None if self.dry_run else {
-                f.path for f in self.deleted}),
-            "deletions": [f.to_json() for f in (plan.deletions if self.dry_run else self.deleted)],
-            "pending": [f.to_json() for f in pending],
-            "spared": list(self.spared),
-            "failures": [{"path": p, "error": e} for p, e in self.failures],
-            "seconds": round(self.seconds, 3),
-        }
+GcReport = DeletionReport[GcPlan, GcFile]
 
 
 @dataclass(frozen=True)
@@ -345,7 +324,7 @@ def execute_gc(store: CheckpointStore, plan: GcPlan, known_ids: set[int] | None 
     deleted = tuple(f for f in todo if f.path not in failed)
     prune_empty_dirs(store.storage, [f.path for f in deleted])
     spared = tuple(sorted(f.path for f in plan.deletions if f.path in spare))
-    return GcReport(store.job, False, plan, deleted, tuple(failures), spared,
+    return GcReport(plan, False, deleted, tuple(failures), spared,
                     time.perf_counter() - started)
 
 
@@ -358,30 +337,23 @@ def collect_garbage(store: CheckpointStore, *, grace_seconds: float = DEFAULT_GR
     registry = build_registry(store, now=now, update_index=not dry_run)
     plan = plan_gc(registry, grace_seconds=grace_seconds)
     if dry_run:
-        return GcReport(store.job, True, plan, (), seconds=time.perf_counter() - started)
+        return GcReport(plan, True, seconds=time.perf_counter() - started)
     report = execute_gc(store, plan, known_ids=set(registry.checkpoints), now=registry.now,
                         progress=progress)
-    return GcReport(report.job, False, plan, report.deleted, report.failures, report.spared,
-                    time.perf_counter() - started)
+    return replace(report, seconds=time.perf_counter() - started)
 
 
 def summarize_text(report: GcReport) -> list[str]:
+    """Human lines for the CLI (lists capped)."""
     plan = report.plan
-    verb = "would delete" if report.dry_run else "deleted"
-    files = plan.deletions if report.dry_run else report.deleted
+    files = report.files
     pending = plan.pending
     lines = [
-        f"gc job {report.job} (grace {plan.grace_seconds:g} s): {verb} {len(files)} files, "
-        f"{sum(f.size for f in files)} bytes; kept {plan.files_kept} files; "
+        f"gc job {report.job} (grace {plan.grace_seconds:g} s): {report.verb} {len(files)} "
+        f"files, {sum(f.size for f in files)} bytes; kept {plan.files_kept} files; "
         f"{len(pending)} orphans pending ({sum(f.size for f in pending)} bytes)",
     ]
     for reason, slot in sorted(plan.by_reason().items()):
         lines.append(f"  {slot['action']:6} {reason:22} {slot['files']:>7} files "
                      f"{slot['bytes']:>14} bytes")
-    for f in files[:LIST_CAP]:
-        lines.append(f"  {verb} {f.path} ({f.size} bytes, {f.reason})")
-    if len(files) > LIST_CAP:
-        lines.append(f"  ... and {len(files) - LIST_CAP} more (use --json for the full list)")
-    for p, e in report.failures[:LIST_CAP]:
-        lines.append(f"  FAILED {p}: {e}")
-    return lines
+    return lines + report.file_lines()

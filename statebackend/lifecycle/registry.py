@@ -662,22 +662,24 @@ def referenced_by_records(store: CheckpointStore, ids: Iterable[int],
 def make_registry(*, job: str, now: datetime | float | None,
                   files: Iterable[FileInfo] | Mapping[str, FileInfo],
                   checkpoints: Iterable[CheckpointMetadata],
-                  savepoints: Mapping[str, CheckpointMetadata] | None = None,
-                  leases: Iterable[Lease] = (),
-                  incomplete_savepoints: Iterable[str] = ()) -> Registry:
-    """Pure: index who references which file (no I/O; tests build registries with it)."""
+                  savepoints: Mapping[str, CheckpointMetadata | None] | None = None,
+                  leases: Iterable[Lease] = ()) -> Registry:
+    """Pure: index who references which file (no I/O; tests build registries with it).
+
+    ``savepoints``: name -> its `_metadata`, or None for a folder without one (incomplete).
+    """
     metas = sorted(checkpoints, key=lambda m: m.checkpoint_id)
-    savepoints = dict(sorted((savepoints or {}).items()))
+    named = {name: m for name, m in sorted((savepoints or {}).items()) if m is not None}
     owners: dict[str, array | CheckpointMetadata] = {
         checkpoint_label(m.checkpoint_id): m for m in metas}
-    owners.update((savepoint_label(name), m) for name, m in savepoints.items())
+    owners.update((savepoint_label(name), m) for name, m in named.items())
     return Registry(
         job=job,
         now=as_datetime(now),
         files=files_by_path(files),
         checkpoints={m.checkpoint_id: m for m in metas},
-        savepoints=savepoints,
-        incomplete_savepoints=tuple(sorted(incomplete_savepoints)),
+        savepoints=named,
+        incomplete_savepoints=tuple(sorted(set(savepoints or {}) - set(named))),
         leases=tuple(leases),
         refs=build_references(owners),
     )

@@ -45,7 +45,8 @@ is re-checked against the real records: a file is deleted only if the real
 `_metadata` of a retired checkpoint lists it and no kept checkpoint's real
 `_metadata` does, so a tampered index never deletes anything. A metadata
 deletion that fails leaves that checkpoint's files alone. `retain` = registry +
-plan + execute (or dry run).
+plan + execute (or dry run); its result is a `RetentionReport`, the `DeletionReport`
+gc returns too (deletion.py, with the delete helpers both use).
 """
 
 from __future__ import annotations
@@ -53,13 +54,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 from datetime import datetime
+from typing import Any, ClassVar
 
 from statebackend.checkpoint.layout import (
     CHK_PREFIX,
-    PERMANENT_DIRS,
     chk_id_of,
     metadata_path,
     report_dir,
@@ -71,6 +72,7 @@ from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.runs import HISTORY_KEPT, history_beyond
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import CheckpointNotFoundError, CkptError, UsageError
+from statebackend.lifecycle.deletion import DeletionReport, delete_counted, prune_empty_dirs
 from statebackend.lifecycle.registry import (
     Registry,
     as_datetime,
@@ -79,7 +81,6 @@ from statebackend.lifecycle.registry import (
     referenced_by_records,
 )
 from statebackend.progress import NO_PROGRESS, ProgressSink
-from statebackend.storage import Storage
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +95,6 @@ DEL_METADATA = "retired-metadata"
 DEL_PRIVATE = "retired-private"
 DEL_RELEASED_SHARED = "released-shared"
 DEL_OLD_HISTORY = "old-run-history"
-LIST_CAP = 50
-DELETE_BATCH = 1000  # files per delete call: S3's batch limit, and one progress step
 
 
 @dataclass(frozen=True)
@@ -125,6 +124,7 @@ class FileAction:
 
 @dataclass(frozen=True)
 class RetentionPlan:
+    operation: ClassVar[str] = "retain"
     job: str
     keep: int
     decisions: tuple[CheckpointDecision, ...]
@@ -145,6 +145,16 @@ class RetentionPlan:
     def bytes_to_delete(self) -> int:
         return sum(a.size for a in self.deletions)
 
+    def report_fields(self, done: Sequence[FileAction] | None) -> dict[str, Any]:
+        """retain's keys of its `DeletionReport` (``done``: deleted files; None: dry run)."""
+        return {
+            "keep": self.keep, "retained": list(self.retained), "retired": list(self.retired),
+            "savepoints": list(self.savepoints),
+            "checkpoints": [d.to_json() for d in self.decisions],
+            "bytes_kept": self.bytes_kept,
+            "by_reason": _by_reason(self.deletions if done is None else done),
+        }
+
     def to_json(self) -> dict:
         return {
             "job": self.job, "keep": self.keep,
@@ -158,40 +168,7 @@ class RetentionPlan:
         }
 
 
-@dataclass(frozen=True)
-class RetentionReport:
-    job: str
-    dry_run: bool
-    plan: RetentionPlan
-    deleted: tuple[FileAction, ...]
-    failures: tuple[tuple[str, str], ...] = ()
-    spared: tuple[str, ...] = ()     # planned deletions skipped by the last-moment re-check
-    seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def files_deleted(self) -> int:
-        return len(self.deleted)
-
-    @property
-    def bytes_deleted(self) -> int:
-        return sum(a.size for a in self.deleted)
-
-    def to_json(self) -> dict:
-        return {
-            "operation": "retain", "job": self.job, "dry_run": self.dry_run,
-            "keep": self.plan.keep,
-            "retained": list(self.plan.retained), "retired": list(self.plan.retired),
-            "savepoints": list(self.plan.savepoints),
-            "checkpoints": [d.to_json() for d in self.plan.decisions],
-            "files_planned": len(self.plan.deletions), "bytes_planned": self.plan.bytes_to_delete,
-            "files_deleted": self.files_deleted, "bytes_deleted": self.bytes_deleted,
-            "bytes_kept": self.plan.bytes_kept,
-            "by_reason": _by_reason(self.plan.deletions if self.dry_run else self.deleted),
-            "spared": list(self.spared), "failures": [
-                {"path": p, "error": e} for p, e in self.failures],
-            "seconds": round(self.seconds, 3),
-        }
+RetentionReport = DeletionReport[RetentionPlan, FileAction]
 
 
 def plan_retention(registry: Registry, keep: int,
@@ -353,7 +330,7 @@ def execute_retention(store: CheckpointStore, plan: RetentionPlan, *,
     prune_empty_dirs(storage, [a.path for a in deleted])
     spared = tuple(sorted({a.path for a in plan.deletions} - {a.path for a in deleted}
                           - failed))
-    return RetentionReport(store.job, False, plan, deleted, tuple(failures), spared,
+    return RetentionReport(plan, False, deleted, tuple(failures), spared,
                            time.perf_counter() - started)
 
 
@@ -366,10 +343,9 @@ def retain(store: CheckpointStore, keep: int, *, dry_run: bool = False,
     registry = build_registry(store, now=now, update_index=not dry_run)
     plan = plan_retention(registry, keep, damaged=read_damaged(store, registry))
     if dry_run:
-        return RetentionReport(store.job, True, plan, (), seconds=time.perf_counter() - started)
+        return RetentionReport(plan, True, seconds=time.perf_counter() - started)
     report = execute_retention(store, plan, now=now, progress=progress)
-    return RetentionReport(report.job, False, plan, report.deleted, report.failures,
-                           report.spared, time.perf_counter() - started)
+    return replace(report, seconds=time.perf_counter() - started)
 
 
 # -- helpers ------------------------------------------------------------------
@@ -420,37 +396,13 @@ def _load_or_none(store: CheckpointStore, cid: int) -> CheckpointMetadata | None
         return None
 
 
-def _by_reason(actions) -> dict[str, dict[str, int]]:
+def _by_reason(actions: Iterable[FileAction]) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     for a in actions:
         slot = out.setdefault(a.reason, {"files": 0, "bytes": 0})
         slot["files"] += 1
         slot["bytes"] += a.size
     return out
-
-
-def delete_counted(storage: Storage, paths: list[str], progress: ProgressSink,
-                   label: str) -> list[tuple[str, str]]:
-    """`Storage.delete_many` in batches, counting the files in phase ``label`` of
-    ``progress``; returns the failures (gc and retention delete through this)."""
-    progress.phase(label, total=len(paths), unit="files")
-    failures: list[tuple[str, str]] = []
-    for i in range(0, len(paths), DELETE_BATCH):
-        batch = paths[i:i + DELETE_BATCH]
-        failures += storage.delete_many(batch)
-        progress.advance(len(batch))
-    return failures
-
-
-def prune_empty_dirs(storage: Storage, deleted_paths: list[str]) -> None:
-    """Remove folders left empty by deletions (where the storage has folders)."""
-    dirs: set[str] = set()
-    for p in deleted_paths:
-        parts = p.split("/")[:-1]
-        while parts:
-            dirs.add("/".join(parts))
-            parts.pop()
-    storage.remove_empty_dirs(dirs - PERMANENT_DIRS)
 
 
 _SAFETY_NOTES = {
@@ -465,12 +417,11 @@ _SAFETY_NOTES = {
 def summarize_text(report: RetentionReport) -> list[str]:
     """Human lines for the CLI (lists capped)."""
     plan = report.plan
-    verb = "would delete" if report.dry_run else "deleted"
-    files = plan.deletions if report.dry_run else report.deleted
+    files = report.files
     lines = [
         f"retain job {report.job}: keep newest {plan.keep}; retained {list(plan.retained)}; "
         f"retired {list(plan.retired)}; savepoints {len(plan.savepoints)}",
-        f"{verb} {len(files)} files, {sum(a.size for a in files)} bytes; "
+        f"{report.verb} {len(files)} files, {sum(a.size for a in files)} bytes; "
         f"{plan.bytes_kept} bytes still referenced",
     ]
     for d in plan.decisions:
@@ -478,10 +429,4 @@ def summarize_text(report: RetentionReport) -> list[str]:
             lines.append(f"  keep chk-{d.checkpoint_id}: held by lease {', '.join(d.leases)}")
         elif d.reason in _SAFETY_NOTES:
             lines.append(f"  keep chk-{d.checkpoint_id}: {_SAFETY_NOTES[d.reason]}")
-    for a in files[:LIST_CAP]:
-        lines.append(f"  {verb} {a.path} ({a.size} bytes, {a.reason})")
-    if len(files) > LIST_CAP:
-        lines.append(f"  ... and {len(files) - LIST_CAP} more (use --json for the full list)")
-    for p, e in report.failures[:LIST_CAP]:
-        lines.append(f"  FAILED {p}: {e}")
-    return lines
+    return lines + report.file_lines()

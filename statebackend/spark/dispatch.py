@@ -17,6 +17,7 @@ them, so the caller's discard never races a task still uploading).
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import struct
@@ -30,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 
 from statebackend.errors import TaskFailedError
+from statebackend.spark.session import is_connect
 from statebackend.state.keygroups_bulk import key_groups
 
 SPARK_HASH_SEED = 42
@@ -79,8 +81,6 @@ def assign_partition(routing: Routing, batches: Iterator[pa.RecordBatch]
 
 def route(df, routing: Routing, ddl: str):
     """``df`` (schema ``ddl``) plus ``_p``, computed on the executors."""
-    import functools
-
     return df.mapInArrow(functools.partial(assign_partition, routing),
                          f"{ddl}, {PARTITION_COLUMN} int")
 
@@ -119,8 +119,6 @@ def run_tasks(spark, df, description: str, *, group_prefix: str,
 @contextmanager
 def job_tag(spark, prefix: str, description: str | None = None) -> Iterator[str]:
     """Tag the jobs started inside (and describe them on classic, where the UI shows it)."""
-    from statebackend.spark.session import is_connect
-
     tag = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{prefix}-{time.time_ns()}")  # no ',' in a tag
     classic = not is_connect(spark)
     if classic and description:
@@ -158,8 +156,6 @@ def stop_tasks(spark, tag: str, first_job: int | None) -> None:
     the caller's discard removes what the finished ones recorded (attempt records);
     an upload cut short by the cancel is an orphan for ``ckpt gc``.
     """
-    from statebackend.spark.session import is_connect
-
     try:
         spark.interruptTag(tag)
     except Exception as exc:  # noqa: BLE001 - best effort: the failure is reported anyway
@@ -170,8 +166,6 @@ def stop_tasks(spark, tag: str, first_job: int | None) -> None:
 
 def _next_job_id(spark) -> int | None:
     """Classic only: jobs started from here on have ids >= this (ids only grow)."""
-    from statebackend.spark.session import is_connect
-
     if is_connect(spark):
         return None
     known = spark.sparkContext.statusTracker().getJobIdsForGroup()  # jobs without a group
@@ -199,6 +193,9 @@ _FAILED_FILE = re.compile(r"Encountered error while reading file (\S+?)\.?(?:\s|
 _CAUSED_BY = re.compile(r"^Caused by: ([A-Za-z_.$]*(?:Error|Exception)\b.*)")
 
 
+_NAMED_FAILURE = f"{TaskFailedError.__module__}.{TaskFailedError.__name__}: "
+
+
 def task_failure(exc: BaseException) -> str:
     """One line: the input file Spark names (if any) and the deepest cause."""
     text = str(exc)
@@ -218,6 +215,8 @@ def root_cause(exc: BaseException) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     for ln in reversed(lines):
         ln = ln.removeprefix("Caused by: ")
+        if ln.startswith(_NAMED_FAILURE):  # the task named itself (subtasks.named_failure)
+            return ln.removeprefix(_NAMED_FAILURE)[:500]
         if re.match(r"^[A-Za-z_.$]*(Error|Exception)\b.*:", ln) and "Py4J" not in ln:
             return ln[:500]
     # Spark Connect's text of a JVM failure ends in frames ("at ...", "... 12 more").

@@ -1,6 +1,7 @@
 """Driver-side progress of the Spark tasks that run subtasks: done/total as tasks finish.
 
-``with report_tasks(spark, progress, "subtasks", total=P, stages=2): df.collect()``
+``with report_tasks(spark, progress, TaskStages("subtasks", total=P, stages=2)):
+df.collect()``
 reports to a `statebackend.progress.ProgressSink` while the action runs:
 
 - the *final stage*: the last stage of the newest job started inside, once it runs,
@@ -25,8 +26,10 @@ import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from statebackend.progress import ProgressSink, reports
+from statebackend.spark.session import is_connect
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.5
@@ -35,10 +38,9 @@ POLL_SECONDS = 0.5
 class _StageReporter:
     """Turns (stage id, tasks, done) observations into phase/advance calls."""
 
-    def __init__(self, progress: ProgressSink, label: str, total: int | None, unit: str,
-                 upstream: str | None) -> None:
-        self.progress, self.label, self.total, self.unit = progress, label, total, unit
-        self.upstream = upstream
+    def __init__(self, progress: ProgressSink, watched: TaskStages) -> None:
+        self.progress, self.label, self.total = progress, watched.label, watched.total
+        self.unit, self.upstream = watched.unit, watched.upstream
         self.stage: object = None  # stage id shown, or "final"
         self.done = 0
         self.lock = threading.Lock()
@@ -67,24 +69,32 @@ class _StageReporter:
             self.done = completed
 
 
-@contextmanager
-def report_tasks(spark, progress: ProgressSink, label: str, *, total: int | None,
-                 unit: str = "subtasks", stages: int = 1, upstream: str | None = None,
-                 interval: float = POLL_SECONDS) -> Iterator[None]:
-    """Report the Spark tasks of the action run inside (see the module docstring).
+@dataclass(frozen=True)
+class TaskStages:
+    """What `report_tasks` shows: the final stage's ``label`` and its ``total`` tasks
+    (None: no final stage is known; only ``upstream`` stages are shown), the stages its
+    job has at least, the phase of the stages before it."""
 
-    ``total`` None: no final stage is known; only ``upstream`` stages are shown."""
+    label: str
+    total: int | None
+    stages: int = 1
+    upstream: str | None = None
+    unit: str = "subtasks"
+
+
+@contextmanager
+def report_tasks(spark, progress: ProgressSink, watched: TaskStages,
+                 interval: float = POLL_SECONDS) -> Iterator[None]:
+    """Report the Spark tasks of the action run inside (see the module docstring)."""
     if not reports(progress):
         yield
         return
-    from statebackend.spark.session import is_connect
-
-    reporter = _StageReporter(progress, label, total, unit, upstream)
+    reporter = _StageReporter(progress, watched)
     watch = _watch_connect if is_connect(spark) else _watch_classic
-    with watch(spark, reporter, total, stages, interval):
+    with watch(spark, reporter, watched.total, watched.stages, interval):
         yield
-    if total is not None:
-        reporter.final(total)  # the action returned: every task finished
+    if watched.total is not None:
+        reporter.final(watched.total)  # the action returned: every task finished
 
 
 @contextmanager

@@ -19,6 +19,10 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from statebackend.errors import UsageError
 
 DEFAULT_MASTER = "local[*]"
 CONNECT_SCHEME = "sc://"
@@ -89,8 +93,6 @@ def get_connect(url: str, app_name: str = "ckpt-job", conf: dict | None = None):
     """A Spark Connect client session on ``url`` (``sc://host:port``) with our session settings."""
     from pyspark.sql import SparkSession
 
-    from statebackend.errors import UsageError
-
     if not is_remote_url(url):
         raise UsageError(f"--remote {url!r} is not a Spark Connect URL: use sc://host:port")
     classic = SparkSession.getActiveSession()
@@ -106,6 +108,13 @@ def get_connect(url: str, app_name: str = "ckpt-job", conf: dict | None = None):
         raise UsageError(f"cannot use Spark Connect server {url}: {first}; start it "
                          "(docker compose up spark-connect) or check --remote") from exc
     return spark
+
+
+def master_of(spark) -> str:
+    """The master a session's work runs on: a classic session's master URL (``local[2]``,
+    ``spark://...``), or ``sc://`` for a Connect client (its executors are the server's,
+    never this process)."""
+    return CONNECT_SCHEME if is_connect(spark) else spark.sparkContext.master
 
 
 def default_parallelism(spark) -> int:
@@ -141,14 +150,26 @@ def default_master() -> str:
     return DEFAULT_MASTER
 
 
-def stop_active_session() -> None:
-    """Stop the active session, if pyspark was imported at all."""
-    if "pyspark" in sys.modules:
-        from pyspark.sql import SparkSession
+def active_session():
+    """This thread's active session, or None (also when pyspark was never imported)."""
+    if "pyspark" not in sys.modules:
+        return None
+    from pyspark.sql import SparkSession
 
-        active = SparkSession.getActiveSession()
-        if active is not None:
-            active.stop()
+    return SparkSession.getActiveSession()
+
+
+@contextmanager
+def owned_session() -> Iterator[None]:
+    """Work that may start a Spark session (`get_spark`): a session it started is stopped
+    on exit; one already running (a caller's, a test's) stays up."""
+    running = active_session()
+    try:
+        yield
+    finally:
+        started = active_session() if running is None else None
+        if started is not None:
+            started.stop()
 
 
 def add_to_pythonpath(*roots: str) -> None:

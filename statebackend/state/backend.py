@@ -26,8 +26,8 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import mmh3
 import numpy as np
@@ -38,19 +38,17 @@ from rocksdict import (
     DBCompactionStyle,
     Options,
     Rdict,
-    RdictIter,
-    ReadOptions,
     UniversalCompactOptions,
     WriteBatch,
     WriteOptions,
 )
 
-from statebackend.errors import CorruptStateError, UsageError
+from statebackend.errors import UsageError
 from statebackend.state.codecs import as_time, serialize_key, serialize_keys
+from statebackend.state.families import INTERNAL_STATES, TTL_INDEX
 from statebackend.state.keygroups import KeyGroupRange, check_max_parallelism, key_group_prefix
 from statebackend.state.keygroups_bulk import key_groups, prefixed_keys
 from statebackend.state.kinds import (
-    INTERNAL_STATES,
     STATE_CLASSES,
     AggregatingState,
     ListState,
@@ -60,117 +58,13 @@ from statebackend.state.kinds import (
     ValueState,
     internal_descriptor,
 )
-from statebackend.state.ttl import TTL_INDEX
+from statebackend.state.scan import checked_count, checked_entries, checked_scan
 
 DB_DIR = "db"
 SNAPSHOTS_DIR = "snapshots"
 INSTANCE_FILE = "instance.json"
 LOCAL_SNAPSHOTS_KEPT = 2
 _PREFIXES = [key_group_prefix(i) for i in range(1 << 15)]
-
-
-# -- checked full scans --------------------------------------------------------------
-# rocksdict's iterators (``Rdict.items/keys/values`` and a loop that stops at
-# ``not it.valid()``) end *silently* when RocksDB hits a damaged block: the iterator
-# turns invalid and only ``RdictIter.status()`` (raises ``Exception("Corruption: ...")``)
-# tells an error from the end of the data. Every scan goes through these two
-# functions, which check the status once at the end (cheap: no per-entry cost).
-
-def _scan_iter(cf: Rdict, lower: bytes | None, upper: bytes | None) -> RdictIter:
-    ro = ReadOptions()
-    ro.set_verify_checksums(True)  # the default, made explicit: scans must verify blocks
-    if upper is not None:
-        ro.set_iterate_upper_bound(upper)
-    it = cf.iter(ro)
-    if lower:
-        it.seek(lower)
-    else:
-        it.seek_to_first()
-    return it
-
-
-def _check_scan_status(it: RdictIter, where: str, file_paths: dict[str, str] | None) -> None:
-    try:
-        it.status()
-    except Exception as exc:  # noqa: BLE001 - rocksdict raises a bare Exception
-        cause = " ".join(str(exc).split())
-        stored = [f"{name} is stored as {path}" for name, path in sorted((file_paths or {}).items())
-                  if name in cause]
-        raise CorruptStateError(
-            f"RocksDB stopped a full scan of {where} early: {cause}"
-            + (f" ({'; '.join(stored)})" if stored else "")
-            + "; the state is damaged: restore from an earlier checkpoint or savepoint "
-              "(`ckpt list`)") from exc
-
-
-def checked_scan(cf: Rdict, where: str, lower: bytes | None = None,
-                 upper: bytes | None = None, *, values: bool = True,
-                 file_paths: dict[str, str] | None = None) -> Iterator:
-    """Every entry of ``cf`` in [lower, upper): (key, value) pairs, or keys if not ``values``.
-
-    Raises `CorruptStateError` naming ``where`` (column family, subtask, checkpoint) and
-    RocksDB's message when the scan ends on an error instead of at the end of the data.
-    """
-    it = _scan_iter(cf, lower, upper)
-    valid, key, nxt = it.valid, it.key, it.next
-    if values:
-        value = it.value
-        while valid():
-            yield key(), value()
-            nxt()
-    else:
-        while valid():
-            yield key()
-            nxt()
-    _check_scan_status(it, where, file_paths)
-
-
-def checked_count(cf: Rdict, where: str, lower: bytes | None = None,
-                  upper: bytes | None = None, *,
-                  file_paths: dict[str, str] | None = None) -> int:
-    """Number of live entries of ``cf`` in [lower, upper); same checks as `checked_scan`."""
-    it = _scan_iter(cf, lower, upper)
-    valid, nxt = it.valid, it.next
-    n = 0
-    while valid():
-        n += 1
-        nxt()
-    _check_scan_status(it, where, file_paths)
-    return n
-
-
-def checked_entries(cf: Rdict, where: str, lower: bytes | None = None,
-                    upper: bytes | None = None, *, values: bool = True,
-                    file_paths: dict[str, str] | None = None
-                    ) -> tuple[list[bytes], list[bytes] | None]:
-    """Every key of ``cf`` in [lower, upper) as a list (and the values, or None if not
-    ``values``): `checked_scan` in bulk, for scans that need every entry.
-
-    ``Rdict.keys/values`` cost a fraction of a checked scan's per-entry calls but end
-    silently on a damaged block, so a checked scan then re-reads from the last key they
-    returned: on intact data it yields that key alone; on a damaged block it meets the
-    same error and raises `CorruptStateError`. Any other disagreement falls back to the
-    checked scan.
-    """
-    def options() -> ReadOptions:
-        ro = ReadOptions()
-        ro.set_verify_checksums(True)
-        if upper is not None:
-            ro.set_iterate_upper_bound(upper)
-        return ro
-
-    try:
-        keys = list(cf.keys(from_key=lower, read_opt=options()))
-        vals = list(cf.values(from_key=lower, read_opt=options())) if values else None
-    except Exception:  # noqa: BLE001 - the checked scan below names the damage
-        keys, vals = None, None
-    if keys is not None and (vals is None or len(vals) == len(keys)):
-        tail = list(checked_scan(cf, where, keys[-1] if keys else lower, upper, values=False,
-                                 file_paths=file_paths))
-        if tail == keys[-1:]:
-            return keys, vals
-    pairs = list(checked_scan(cf, where, lower, upper, file_paths=file_paths))
-    return [k for k, _ in pairs], [v for _, v in pairs] if values else None
 
 
 def rocks_options(write_buffer_mb: int = 64) -> Options:
@@ -213,13 +107,34 @@ class LocalSnapshot:
     row_counts: dict[str, int]
 
 
+@dataclass(frozen=True)
+class StoredInstance:
+    """What an instance opened from stored files knows of them (restore, rescale,
+    validation, dump); a new instance has none of it.
+
+    ``backend_id``: the stored instance's id, kept so local recovery and the next
+    snapshot know it (None: an instance built from stored files gets a new id);
+    ``label`` names it in scan errors ("subtask 1 of checkpoint 7"); ``file_paths``:
+    each local file's stored path (local name -> path under the job root), named when
+    a scan meets a damaged block.
+    """
+
+    backend_id: str | None = None
+    label: str | None = None
+    file_paths: Mapping[str, str] = field(default_factory=dict)
+
+
 class KeyedStateBackend:
-    """Keyed state of one subtask: key groups ``key_group_range`` of ``max_parallelism``."""
+    """Keyed state of one subtask: key groups ``key_group_range`` of ``max_parallelism``.
+
+    ``origin``: the stored instance it opens (`StoredInstance`); ``read_only`` opens
+    RocksDB read-only and never marks the instance clean.
+    """
 
     def __init__(self, local_dir: str, descriptors: Sequence[StateDescriptor],
-                 max_parallelism: int, key_group_range: KeyGroupRange,
-                 backend_id: str | None = None, read_only: bool = False,
-                 label: str | None = None) -> None:
+                 max_parallelism: int, key_group_range: KeyGroupRange, *,
+                 read_only: bool = False, origin: StoredInstance | None = None) -> None:
+        origin = origin or StoredInstance()
         check_max_parallelism(max_parallelism)
         self.local_dir = os.path.abspath(local_dir)
         self.max_parallelism = max_parallelism
@@ -233,7 +148,7 @@ class KeyedStateBackend:
         # Running `timers.fire_due` passes per domain (timers registered meanwhile join).
         self.timer_firings: dict[str, object] = {}
         self.read_only = read_only
-        self.backend_id = backend_id or uuid.uuid4().hex
+        self.backend_id = origin.backend_id or uuid.uuid4().hex
         # SSTs confirmed in committed checkpoints of this lineage: local name -> FileRef.
         self.uploaded: dict = {}
         # Remote shared files local recovery found damaged (missing, wrong size or
@@ -242,9 +157,9 @@ class KeyedStateBackend:
         self.restore_mode = "new"
         # Names this instance in scan errors ("subtask 1 of checkpoint 7"); stored paths
         # of its files (local name -> path under the job root) when restored from storage.
-        self.label = label or (f"the instance at {self.local_dir} (key groups "
-                               f"[{key_group_range.start}, {key_group_range.end}])")
-        self.file_paths: dict[str, str] = {}
+        self.label = origin.label or (f"the instance at {self.local_dir} (key groups "
+                                      f"[{key_group_range.start}, {key_group_range.end}])")
+        self.file_paths: dict[str, str] = dict(origin.file_paths)
         self._dirty = False
         self._states: dict[str, object] = {}
         os.makedirs(self.db_path, exist_ok=True)

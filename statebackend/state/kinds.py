@@ -39,18 +39,17 @@ from statebackend.state.codecs import (
     map_key_suffix,
     split_map_key,
 )
+from statebackend.state.families import INTERNAL_STATES
 from statebackend.state.keygroups import key_group_prefix
+from statebackend.state.scan import prefix_upper_bound
 from statebackend.state.schema import Upgrade, check_upgrades
-from statebackend.state.ttl import TTL_INDEX, StateTtl, TtlAccess
+from statebackend.state.ttl import StateTtl, TtlAccess
 
 if TYPE_CHECKING:
     from statebackend.state.backend import KeyedStateBackend
 
 STATE_KINDS = ("value", "list", "map", "reducing", "aggregating")
-# Internal column families: reserved name -> kind (created by the backend, recorded
-# in `_metadata` like states so restore, rescale, dump and validation carry them).
-INTERNAL_STATES = {"_timers": "timers", "_timer_keys": "timer_keys", TTL_INDEX: "ttl_index"}
-INTERNAL_KINDS = tuple(INTERNAL_STATES.values())
+# Internal column families (reserved name -> kind): `statebackend.state.families`.
 
 
 class AggregateFunction(Protocol):
@@ -272,12 +271,21 @@ class ValueState(_State):
 
 
 class ReducingState(ValueState):
-    """Value combined with ``reduce_fn`` on every add."""
+    """Value combined with ``reduce_fn`` on every add.
 
-    def add(self, key: str, value: Any) -> None:
-        self.add_many([key], [value])
+    With a TTL, an add is a write: the key's value expires ``duration_ms`` after the
+    add's ``timestamp`` (default: the backend's clock); an expired value is not
+    combined with (the add starts from the new value). The values of one `add_many`
+    call are combined per key first and written once, with the timestamp of the
+    key's last value in the call.
+    """
 
-    def add_many(self, keys: Sequence[str], values: Sequence[Any]) -> None:
+    def add(self, key: str, value: Any, timestamp: int | None = None) -> None:
+        self.add_many([key], [value], timestamp)
+
+    def add_many(self, keys: Sequence[str], values: Sequence[Any],
+                 timestamps: Sequence[int] | int | None = None) -> None:
+        """``timestamps`` (TTL states only): one per value, or one for all."""
         reduce_fn = self.descriptor.reduce_fn
         combined: dict[str, Any] = {}
         for k, v in zip(keys, values, strict=True):
@@ -286,11 +294,25 @@ class ReducingState(ValueState):
         current = self.get_many(uniq)
         new = [v if c is None else reduce_fn(c, v)
                for c, v in zip(current, combined.values(), strict=True)]
-        self.put_many(uniq, new)
+        self.put_many(uniq, new, _last_timestamps(self.descriptor.name, keys, timestamps))
+
+
+def _last_timestamps(state: str, keys: Sequence[str], timestamps: Sequence[int] | int | None
+                     ) -> Sequence[int] | int | None:
+    """Per distinct key (in first-seen order), the timestamp of its last value; one
+    timestamp for all, or None, as given."""
+    if timestamps is None or not isinstance(timestamps, Iterable):
+        return timestamps
+    ts = list(timestamps)
+    if len(ts) != len(keys):
+        raise UsageError(f"state {state!r}: {len(ts)} timestamps for {len(keys)} values; "
+                         "pass one timestamp per value")
+    return list(dict(zip(keys, ts, strict=True)).values())
 
 
 class AggregatingState(ValueState):
-    """Stores the accumulator; ``get`` returns the aggregate's result."""
+    """Stores the accumulator; ``get`` returns the aggregate's result. A TTL applies as
+    for `ReducingState`."""
 
     def get(self, key: str, default: Any = None) -> Any:
         acc = super().get(key)
@@ -303,10 +325,12 @@ class AggregatingState(ValueState):
         result = self.descriptor.aggregate_fn.get_result
         return [None if a is None else result(a) for a in super().get_many(keys)]
 
-    def add(self, key: str, value: Any) -> None:
-        self.add_many([key], [value])
+    def add(self, key: str, value: Any, timestamp: int | None = None) -> None:
+        self.add_many([key], [value], timestamp)
 
-    def add_many(self, keys: Sequence[str], values: Sequence[Any]) -> None:
+    def add_many(self, keys: Sequence[str], values: Sequence[Any],
+                 timestamps: Sequence[int] | int | None = None) -> None:
+        """``timestamps`` (TTL states only): one per value, or one for all."""
         fn = self.descriptor.aggregate_fn
         batch: dict[str, Any] = {}
         for k, v in zip(keys, values, strict=True):
@@ -315,7 +339,7 @@ class AggregatingState(ValueState):
         current = ValueState.get_many(self, uniq)
         new = [b if c is None else fn.merge(c, b)
                for c, b in zip(current, batch.values(), strict=True)]
-        self.put_many(uniq, new)
+        self.put_many(uniq, new, _last_timestamps(self.descriptor.name, keys, timestamps))
 
 
 class ListState(_State):
@@ -439,17 +463,6 @@ class MapState(_State):
 
     def keys(self, key: str) -> list[str]:
         return [k for k, _ in self.items(key)]
-
-
-def prefix_upper_bound(prefix: bytes) -> bytes:
-    """The smallest key above every key starting with ``prefix`` (an iterator's upper bound)."""
-    b = bytearray(prefix)
-    while b and b[-1] == 0xFF:
-        b.pop()
-    if not b:
-        return b"\xff" * (len(prefix) + 1)
-    b[-1] += 1
-    return bytes(b)
 
 
 STATE_CLASSES: dict[str, type[_State]] = {

@@ -41,7 +41,8 @@ from statebackend.state.codecs import (
     encode_list,
     encode_time,
 )
-from statebackend.state.ttl import TTL_INDEX, StateTtl, index_key_at, parse_index_key, state_tag
+from statebackend.state.families import TTL_INDEX
+from statebackend.state.ttl import StateTtl, index_key_at, parse_index_key, state_tag
 
 if TYPE_CHECKING:
     from statebackend.state.backend import KeyedStateBackend

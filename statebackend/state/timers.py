@@ -47,14 +47,14 @@ from statebackend.state.codecs import (
     encode_time,
     time_upper_bound,
 )
+from statebackend.state.families import TIMER_KEYS, TIMERS
 from statebackend.state.keygroups import key_group_prefix
-from statebackend.state.kinds import StateDescriptor, internal_descriptor, prefix_upper_bound
+from statebackend.state.kinds import StateDescriptor, internal_descriptor
+from statebackend.state.scan import checked_scan, earliest_time, prefix_upper_bound
 
 if TYPE_CHECKING:
     from statebackend.state.backend import KeyedStateBackend
 
-TIMERS = "_timers"
-TIMER_KEYS = "_timer_keys"
 TIMER_DESCRIPTORS: tuple[StateDescriptor, ...] = (internal_descriptor(TIMERS),
                                                   internal_descriptor(TIMER_KEYS))
 _U32 = struct.Struct(">I")
@@ -243,20 +243,6 @@ def next_timer_time(backend: KeyedStateBackend, domain: str = "event") -> int | 
     return earliest_time(backend, TIMERS, domain_byte(domain))
 
 
-def earliest_time(backend: KeyedStateBackend, cf_name: str, dom: bytes) -> int | None:
-    """Smallest time in a ``kg + domain + time ...`` family (timers, TTL index)."""
-    best = None
-    r = backend.key_group_range
-    for kg in range(r.start, r.end + 1):
-        lower = key_group_prefix(kg) + dom
-        for k in backend.iter_raw(cf_name, lower=lower, upper=prefix_upper_bound(lower),
-                                  values=False):
-            t = decode_time(k, 3)
-            best = t if best is None else min(best, t)
-            break
-    return best
-
-
 # -- firing ----------------------------------------------------------------------------
 
 @dataclass
@@ -290,8 +276,6 @@ class TimerFiring:
         backend.timer_firings[domain] = self
 
     def _start(self) -> None:
-        from statebackend.state.backend import checked_scan
-
         self._started = True
         upper_time = time_upper_bound(self.up_to)
         r = self.backend.key_group_range

@@ -56,6 +56,7 @@ from rocksdict import WriteBatch
 
 from statebackend.errors import SerializationError, UsageError
 from statebackend.state.codecs import (
+    DOMAIN_NAMES,
     TIME_BYTES,
     TIME_DOMAINS,
     as_time,
@@ -65,12 +66,13 @@ from statebackend.state.codecs import (
     encode_time,
     time_upper_bound,
 )
+from statebackend.state.families import TTL_INDEX
 from statebackend.state.keygroups import key_group_prefix
+from statebackend.state.scan import checked_entries, earliest_time
 
 if TYPE_CHECKING:
     from statebackend.state.backend import KeyedStateBackend
 
-TTL_INDEX = "_ttl"
 TTL_UPDATE_MODES = ("write",)
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
@@ -141,8 +143,6 @@ class IndexEntry:
 
 def parse_index_key(ik: bytes) -> IndexEntry:
     """Inverse of `index_key`; SerializationError if the bytes do not fit the layout."""
-    from statebackend.state.codecs import DOMAIN_NAMES
-
     if len(ik) < 2 + 1 + TIME_BYTES + 2 or ik[2] not in DOMAIN_NAMES:
         raise SerializationError(f"TTL index key {ik[:32].hex()} is truncated or has an "
                                  "unknown time domain")
@@ -419,8 +419,6 @@ def purge_expired(backend: KeyedStateBackend, domain: str, now: int,
     seeks = read = deleted = dropped = 0
     per_state: dict[str, int] = {}
     pending: list[bytes] = []
-    from statebackend.state.backend import checked_entries
-
     r = backend.key_group_range
     due_ranges: list[tuple[bytes, bytes]] = []  # index ranges that held due entries
     for kg in range(r.start, r.end + 1):
@@ -515,8 +513,6 @@ def next_expiry(backend: KeyedStateBackend, domain: str) -> int | None:
     """Earliest expiry of ``domain``-time TTL entries (None: none): one seek per key group."""
     if TTL_INDEX not in backend.column_families:
         return None
-    from statebackend.state.timers import earliest_time
-
     return earliest_time(backend, TTL_INDEX, domain_byte(domain))
 
 

@@ -36,7 +36,10 @@ from statebackend.storage.checksums import (
     crc32_hex,
     format_checksum,
 )
+from statebackend.storage.local import open_local
+from statebackend.storage.memory import open_memory
 from statebackend.storage.options import SECRET_OPTIONS, StorageOptions
+from statebackend.storage.s3 import open_s3
 
 __all__ = [
     "CHECKSUM_ALGORITHM", "CHUNK", "SECRET_OPTIONS", "FileInfo", "Listing", "Storage",
@@ -58,17 +61,11 @@ def open_storage(url: str, **options: Any) -> Storage:
     parts = urlsplit(url)
     scheme = parts.scheme or "file"
     if scheme == "file" or (len(scheme) == 1 and url[1:3] in (":\\", ":/")):
-        from statebackend.storage.local import open_local
-
         return open_local(url, parts.path if parts.scheme else url)
     if scheme == "memory":
-        from statebackend.storage.memory import open_memory
-
         return open_memory(url, parts.netloc, parts.path,
                            parse_qs(parts.query, keep_blank_values=True))
     if scheme in ("s3", "s3a"):
-        from statebackend.storage.s3 import open_s3
-
         return open_s3(url, parts.netloc, parts.path, options)
     raise UsageError(f"storage URL {url!r} has unsupported scheme {scheme!r}; "
                      "use file://, memory:// or s3://")

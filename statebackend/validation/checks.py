@@ -15,8 +15,9 @@ what the summary reports (default: the expectation type), and ``critical``
 (default True) decides whether a failure fails the validation.
 
 A job declares its checks as `statebackend.job.Job.expectations`; the caller
-that knows which job owns a checkpoint passes them (``validate_checkpoint(...,
-state_checks=job.expectations)``, ``ckpt validate --job-def MODULE:ATTR``).
+that knows which job owns a checkpoint passes them (``validate_checkpoint(store, ref,
+ValidationOptions(level="deep", state_checks=job.expectations))``, ``ckpt validate
+--job-def MODULE:ATTR``).
 Validation picks up checks from two places, later ones winning per state name:
 `register_state_checks` calls and the ``state_checks`` argument. Nothing is
 imported by name: which code runs never depends on what storage says.
@@ -25,11 +26,14 @@ imported by name: which code runs never depends on what storage says.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from statebackend.state.kinds import StateDescriptor
+if TYPE_CHECKING:
+    from statebackend.state.kinds import StateDescriptor
 
-StateCheck = Callable[[StateDescriptor], "list[Any] | None"]
+# the descriptor's type by name: this module stays light (no RocksDB) for job modules
+# and the validation entry point
+StateCheck = Callable[["StateDescriptor"], "list[Any] | None"]
 
 _REGISTRY: dict[str, StateCheck] = {}
 

@@ -1,7 +1,7 @@
 """Content-level tables (``--deep``, ``--full``): restore each subtask read-only and read it.
 
-``build_content(..., sample=None)`` (the ``full`` level) reads every entry;
-``sample=N`` (the ``deep`` level) reads N entries per column family and subtask
+``build_content(storage, meta, ContentOptions(sample=None))`` (the ``full`` level) reads
+every entry; ``sample=N`` (the ``deep`` level) reads N entries per column family and subtask
 (`statebackend.validation.sampling`) and takes the row counts and the key range of
 every entry from RocksDB's own facts (the ``families`` table).
 
@@ -48,7 +48,7 @@ import os
 import random
 import shutil
 import tempfile
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -61,7 +61,7 @@ import pyarrow as pa
 from statebackend.checkpoint.metadata import CheckpointMetadata, FileRef, SubtaskHandle
 from statebackend.errors import CkptError, StorageError
 from statebackend.progress import NO_PROGRESS, ProgressSink
-from statebackend.state.backend import DB_DIR, KeyedStateBackend
+from statebackend.state.backend import DB_DIR, KeyedStateBackend, StoredInstance
 from statebackend.state.codecs import (
     RECORD_FORMAT,
     TIME_BYTES,
@@ -351,9 +351,74 @@ def _bulk_keys(rks: list[bytes]) -> tuple[np.ndarray, pa.Array] | None:
     return stored, keys
 
 
+@dataclass
+class _StoredKeys:
+    """The keys of one column family's entries, decoded (`_stored_keys`)."""
+
+    stored: np.ndarray  # the stored 2-byte key-group prefixes
+    keys: pa.Array  # the keys as strings (a hex dump where one does not decode)
+    hashed: list[bytes]  # the bytes murmur3 hashes: the serialized key
+    user_keys: list | None = None  # map and timer entries: the user key / tag
+    errors: list | None = None  # per entry: why its key does not decode, or None
+    short: list[int] = field(default_factory=list)  # entries without a 2-byte prefix
+
+
+def _stored_keys(backend: KeyedStateBackend, desc: StateDescriptor,
+                 rks: list[bytes]) -> _StoredKeys:
+    """Decode the stored keys of ``desc``'s entries: in bulk for a plain state's keys,
+    else entry by entry (map and internal keys, malformed entries)."""
+    bulk = None if desc.internal or desc.kind == "map" else _bulk_keys(rks)
+    if bulk is not None:
+        stored, key_array = bulk
+        return _StoredKeys(stored, key_array, list(map(_BODY, rks)))
+    short: list[int] = []
+    if rks and min(map(len, rks)) < 2:
+        short = [i for i, k in enumerate(rks) if len(k) < 2]
+        rks = [k if len(k) >= 2 else k.rjust(2, b"\x00") for k in rks]
+    stored = np.frombuffer(b"".join(map(_PREFIX, rks)), dtype=">u2").astype(np.int32)
+    if desc.internal:
+        kinds = {name: d.kind for name, d in backend.descriptors.items()}
+        hashed, keys, user_keys, key_errors = _decode_internal_keys(rks, desc.kind, kinds)
+    else:
+        hashed, keys, user_keys, key_errors = _decode_keys(list(map(_BODY, rks)),
+                                                           desc.kind == "map")
+    return _StoredKeys(stored, pa.array(keys, type=pa.large_string()), hashed, user_keys,
+                       key_errors, short)
+
+
+def _value_errors(desc: StateDescriptor, values: list[bytes]
+                  ) -> tuple[list[bytes], list, dict | None]:
+    """(the values as the codec reads them, error or None per value, record columns)."""
+    if desc.internal:  # internal entries hold no value
+        return values, [None if not v else f"internal {desc.kind} entry holds a value "
+                        f"({len(v)} bytes)" for v in values], None
+    strip_errors = None
+    if desc.ttl is not None:
+        values, strip_errors = _strip_ttl(desc, values)
+    errors, record_cols = _decode_values(desc, values)
+    if strip_errors is not None:
+        errors = [se or ve for se, ve in zip(strip_errors, errors, strict=True)]
+    return values, errors, record_cols
+
+
+def _first_errors(n: int, short: list[int], error_columns: list[list]
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """(decode_error, decodes) per entry: the first error of an entry wins (key, value,
+    TTL), then a key too short for its prefix."""
+    errors = np.full(n, None, dtype=object)
+    if not short and not any(any(e) for e in error_columns):
+        return errors, np.ones(n, dtype=bool)
+    for column in error_columns:
+        for i, e in enumerate(column):
+            if e and errors[i] is None:
+                errors[i] = e
+    for i in short:
+        errors[i] = errors[i] or "stored key is shorter than its 2-byte key-group prefix"
+    return errors, np.fromiter((e is None for e in errors), dtype=bool, count=n)
+
+
 def state_rows(backend: KeyedStateBackend, desc: StateDescriptor, subtask: int,
-               max_parallelism: int, keep_frame: bool,
-               findings: dict[tuple[str, bytes], str] | None = None,
+               keep_frame: bool, findings: dict[tuple[str, bytes], str] | None = None,
                entries: tuple[list[bytes], list[bytes]] | None = None,
                ) -> tuple[dict[str, object], pd.DataFrame | None]:
     """The state-table columns of one column family (and the job-check frame if asked).
@@ -365,69 +430,32 @@ def state_rows(backend: KeyedStateBackend, desc: StateDescriptor, subtask: int,
     # One checked pass (raises CorruptStateError if RocksDB stops the scan on an error).
     rks, values = entries if entries is not None else backend.read_raw(desc.name)
     n = len(rks)
-    bulk = None if desc.internal or desc.kind == "map" else _bulk_keys(rks)
-    short: list[int] = []
-    if bulk is not None:
-        stored, key_array = bulk
-        hashed = list(map(_BODY, rks))
-        user_keys = key_errors = None
-    else:
-        if n and min(map(len, rks)) < 2:
-            short = [i for i, k in enumerate(rks) if len(k) < 2]
-            rks = [k if len(k) >= 2 else k.rjust(2, b"\x00") for k in rks]
-        stored = np.frombuffer(b"".join(map(_PREFIX, rks)), dtype=">u2").astype(np.int32)
-        if desc.internal:
-            kinds = {name: d.kind for name, d in backend.descriptors.items()}
-            hashed, keys, user_keys, key_errors = _decode_internal_keys(rks, desc.kind, kinds)
-        else:
-            hashed, keys, user_keys, key_errors = _decode_keys(list(map(_BODY, rks)),
-                                                               desc.kind == "map")
-        key_array = pa.array(keys, type=pa.large_string())
+    keys = _stored_keys(backend, desc, rks)
     ttl_rows = desc.ttl is not None or desc.kind == "ttl_index"
     ttl_errors = [findings.get((desc.name, k)) for k in rks] if ttl_rows and findings \
         else None
     del rks
-    hashes = np.fromiter(map(mmh3.hash, hashed, repeat(0, n), repeat(False, n)),
+    hashes = np.fromiter(map(mmh3.hash, keys.hashed, repeat(0, n), repeat(False, n)),
                          dtype=np.uint32, count=n)
-    del hashed
-    computed = (hashes % np.uint32(max_parallelism)).astype(np.int32)
+    keys.hashed = []
+    computed = (hashes % np.uint32(backend.max_parallelism)).astype(np.int32)
     r: KeyGroupRange = backend.key_group_range
-    strip_errors: list | None = None
-    if desc.internal:  # internal entries hold no value
-        value_errors = [None if not v else f"internal {desc.kind} entry holds a value "
-                        f"({len(v)} bytes)" for v in values]
-        record_cols = None
-    else:
-        if desc.ttl is not None:
-            values, strip_errors = _strip_ttl(desc, values)
-        value_errors, record_cols = _decode_values(desc, values)
-        if strip_errors is not None:
-            value_errors = [se or ve for se, ve in zip(strip_errors, value_errors, strict=True)]
-    columns_of_errors = [e for e in (key_errors, value_errors, ttl_errors) if e is not None]
-    if not short and not any(any(e) for e in columns_of_errors):
-        errors = np.full(n, None, dtype=object)
-        decodes = np.ones(n, dtype=bool)
-    else:
-        errors = np.full(n, None, dtype=object)
-        for column in columns_of_errors:  # the first error of an entry wins: key, value, TTL
-            for i, e in enumerate(column):
-                if e and errors[i] is None:
-                    errors[i] = e
-        for i in short:
-            errors[i] = errors[i] or "stored key is shorter than its 2-byte key-group prefix"
-        decodes = np.fromiter((e is None for e in errors), dtype=bool, count=n)
+    values, value_errors, record_cols = _value_errors(desc, values)
+    errors, decodes = _first_errors(n, keys.short, [e for e in (
+        keys.errors, value_errors, ttl_errors) if e is not None])
     if ttl_rows:  # None (not checked) outside TTL states and the TTL index
         ttl_ok = np.ones(n, dtype=bool).astype(object) if ttl_errors is None else \
             np.fromiter((te is None for te in ttl_errors), dtype=bool, count=n).astype(object)
     else:
         ttl_ok = np.full(n, None, dtype=object)
     user_key_column = np.full(n, None, dtype=object)
-    if user_keys is not None and any(uk is not None for uk in user_keys):
-        user_key_column[:] = user_keys
+    if keys.user_keys is not None and any(uk is not None for uk in keys.user_keys):
+        user_key_column[:] = keys.user_keys
+    stored = keys.stored
     columns = {
         "subtask": np.full(n, subtask, dtype=np.int32),
         "state": np.full(n, desc.name, dtype=object),
-        "key": key_array,
+        "key": keys.keys,
         "user_key": user_key_column,
         "key_group": stored,
         "computed_key_group": computed,
@@ -440,20 +468,24 @@ def state_rows(backend: KeyedStateBackend, desc: StateDescriptor, subtask: int,
         "decode_error": errors,
         "ttl_ok": ttl_ok,
     }
-    frame = None
-    if keep_frame:
-        base = {"subtask": columns["subtask"], "key": _string_series(key_array),
-                "user_key": pd.Series(user_key_column, dtype=object),
-                "key_group": stored}
-        if record_cols is not None:
-            base.update(record_cols)
-        else:
-            decoded = []
-            for v, ok in zip(values, decodes, strict=True):
-                decoded.append(_decode_one(desc, v) if ok else None)
-            base["value"] = pd.Series(decoded, dtype=object)
-        frame = pd.DataFrame(base)[decodes].reset_index(drop=True)
+    frame = _job_frame(desc, columns, values, record_cols) if keep_frame else None
     return columns, frame
+
+
+def _job_frame(desc: StateDescriptor, columns: dict[str, object], values: list[bytes],
+               record_cols: dict | None) -> pd.DataFrame:
+    """The decoded entries of one state for the job's own checks (module doc)."""
+    decodes = columns["decodes"]
+    base = {"subtask": columns["subtask"], "key": _string_series(columns["key"]),
+            "user_key": pd.Series(columns["user_key"], dtype=object),
+            "key_group": columns["key_group"]}
+    if record_cols is not None:
+        base.update(record_cols)
+    else:
+        base["value"] = pd.Series([_decode_one(desc, v) if ok else None
+                                   for v, ok in zip(values, decodes, strict=True)],
+                                  dtype=object)
+    return pd.DataFrame(base)[decodes].reset_index(drop=True)
 
 
 def _string_series(array: pa.Array | pa.ChunkedArray) -> pd.Series:
@@ -499,11 +531,8 @@ def _with_due_entries(backend: KeyedStateBackend, declared: Sequence[StateDescri
                if d.ttl is not None and clocks.get(d.ttl.time) is not None}
     if not domains:
         return sample
-    r = backend.key_group_range
     entries = dict(zip(*sample, strict=True))
-    entries.update(sampling.due_index_entries(
-        backend.column_family(TTL_INDEX), backend.scan_where(TTL_INDEX), (r.start, r.end),
-        domains, backend.file_paths))
+    entries.update(sampling.due_index_entries(backend, domains))
     keys = sorted(entries)
     return keys, [entries[k] for k in keys]
 
@@ -529,6 +558,41 @@ def family_row(subtask: int, name: str, facts: sampling.ColumnFamilyFacts,
             "stored_entries": facts.entries, "counted_by": counted_by}
 
 
+@dataclass(frozen=True)
+class ContentOptions:
+    """How `build_content` reads the subtasks.
+
+    ``sample``: None checks every entry (the ``full`` level); a number runs the
+    per-entry checks on at most that many entries per column family and subtask, and
+    takes counts and key ranges from RocksDB (`statebackend.validation.sampling`).
+    ``seed`` seeds the sample's seek points (default random; one generator per
+    subtask, so the sample does not depend on the order the threads run in).
+    ``frame_states``: the states whose decoded entries the job's checks read
+    (``frames``); ``work_dir``: where subtasks are restored (default: temp folders);
+    ``threads``: subtasks checked at once (default `SUBTASK_THREADS` with a sample,
+    else 1).
+    """
+
+    frame_states: frozenset[str] = frozenset()
+    work_dir: str | None = None
+    sample: int | None = None
+    seed: int | None = None
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "frame_states", frozenset(self.frame_states))
+
+
+@dataclass(frozen=True)
+class _Scope:
+    """What every subtask's check shares."""
+
+    storage: Storage
+    meta: CheckpointMetadata
+    descriptors: tuple[StateDescriptor, ...]
+    options: ContentOptions
+
+
 @dataclass
 class _SubtaskContent:
     """What one subtask contributes to the tables (`_check_subtask`)."""
@@ -539,68 +603,30 @@ class _SubtaskContent:
     family_rows: list[dict] = field(default_factory=list)
     frames: dict[str, pd.DataFrame] = field(default_factory=dict)
     facts: dict[str, FileFacts] = field(default_factory=dict)
+    counted: dict[str, int] = field(default_factory=dict)  # entries per column family
+    counted_by: dict[str, str] = field(default_factory=dict)  # "scan" | "sst properties"
 
 
-def _check_subtask(storage: Storage, meta: CheckpointMetadata, handle: SubtaskHandle,
-                   descriptors: list[StateDescriptor], frame_states: Collection[str],
-                   work_dir: str | None, sample: int | None, rng: random.Random
+def _check_subtask(scope: _Scope, handle: SubtaskHandle, rng: random.Random
                    ) -> _SubtaskContent:
     """Download, open read-only and read one subtask (module doc); never raises on data."""
-    clocks = {"event": meta.watermark, "processing": meta.processing_time}
-    m = meta.max_parallelism
-    tmp = tempfile.mkdtemp(prefix=f"ckpt-validate-{handle.index}-", dir=work_dir)
-    counted: dict[str, int] = {}
-    counted_by: dict[str, str] = {}
+    meta = scope.meta
+    tmp = tempfile.mkdtemp(prefix=f"ckpt-validate-{handle.index}-", dir=scope.options.work_dir)
     out = _SubtaskContent(restore_row={})
     error = None
     try:
-        out.facts = download_checked(storage, handle.files, os.path.join(tmp, DB_DIR))
+        out.facts = download_checked(scope.storage, handle.files, os.path.join(tmp, DB_DIR))
         bad = _bad_files(handle, out.facts)
         if bad:
             error = f"not opened: {len(bad)} damaged file(s): " + "; ".join(bad[:3])
         else:
-            with KeyedStateBackend(tmp, descriptors, m, handle.key_group_range,
-                                   backend_id=handle.backend_id, read_only=True,
-                                   label=f"subtask {handle.index} of checkpoint "
-                                         f"{meta.checkpoint_id}") as backend:
-                backend.file_paths = {f.local_name: f.path for f in handle.files}
-                # the backend adds the internal families it holds (e.g. ``_ttl``) even
-                # when a record lists only the job's states
-                declared = list(backend.descriptors.values())
-                r = backend.key_group_range
-                sampled: dict[str, tuple[list[bytes], list[bytes]]] | None = None
-                if sample is not None:
-                    sampled = {}
-                for desc in declared:
-                    cf = backend.column_family(desc.name)
-                    cf_facts = sampling.cf_facts(cf)
-                    counted_by[desc.name] = "scan"
-                    if sampled is not None:
-                        keys, values, whole = sampling.sample_entries(
-                            cf, backend.scan_where(desc.name), sample, (r.start, r.end), rng,
-                            cf_facts.entries, backend.file_paths)
-                        sampled[desc.name] = (keys, values)
-                        exact = len(keys) if whole else sampling.exact_count(cf_facts)
-                        if exact is None:
-                            exact = backend.count_keys(desc.name)
-                        elif not whole:
-                            counted_by[desc.name] = "sst properties"
-                        counted[desc.name] = exact
-                    out.family_rows.append(family_row(handle.index, desc.name, cf_facts, r,
-                                                      counted_by[desc.name]))
-                if sampled is not None and TTL_INDEX in sampled:
-                    sampled[TTL_INDEX] = _with_due_entries(backend, declared, clocks,
-                                                           sampled[TTL_INDEX])
-                findings = ttl_findings(backend, declared, clocks, sampled)
-                for desc in declared:
-                    columns, frame = state_rows(
-                        backend, desc, handle.index, m, desc.name in frame_states,
-                        findings, None if sampled is None else sampled[desc.name])
-                    if sampled is None:
-                        counted[desc.name] = len(columns["subtask"])
-                    out.parts.append(columns)
-                    if frame is not None:
-                        out.frames[desc.name] = frame
+            origin = StoredInstance(handle.backend_id,
+                                    f"subtask {handle.index} of checkpoint {meta.checkpoint_id}",
+                                    {f.local_name: f.path for f in handle.files})
+            with KeyedStateBackend(tmp, scope.descriptors, meta.max_parallelism,
+                                   handle.key_group_range, read_only=True,
+                                   origin=origin) as backend:
+                _read_subtask(scope, backend, handle.index, rng, out)
     except Exception as exc:  # noqa: BLE001 - a damaged subtask is a finding, not a crash
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     finally:
@@ -609,40 +635,83 @@ def _check_subtask(storage: Storage, meta: CheckpointMetadata, handle: SubtaskHa
                        "restore_error": error or ""}
     if error is not None:  # rows read before the failure stay; no counts (incomplete)
         return out
-    for name in dict.fromkeys([d.name for d in descriptors] + list(counted)):
+    for name in dict.fromkeys([d.name for d in scope.descriptors] + list(out.counted)):
         rec = handle.row_counts.get(name)
+        counted = out.counted.get(name, 0)
         out.count_rows.append({
             "subtask": handle.index, "state": name, "recorded_rows": rec,
-            "counted_rows": counted.get(name, 0), "counted_by": counted_by.get(name, "scan"),
+            "counted_rows": counted, "counted_by": out.counted_by.get(name, "scan"),
             # None (not recorded: a snapshot taken with count_rows=False) is skipped by GE
-            "counts_ok": None if rec is None else rec == counted.get(name, 0)})
+            "counts_ok": None if rec is None else rec == counted})
     return out
 
 
-def build_content(storage: Storage, meta: CheckpointMetadata, *,
-                  frame_states: Collection[str] = (), work_dir: str | None = None,
-                  progress: ProgressSink = NO_PROGRESS, sample: int | None = None,
-                  seed: int | None = None, threads: int | None = None) -> ContentTables:
-    """Restore every subtask read-only (``threads`` at a time; default `SUBTASK_THREADS`
-    with a sample, else 1) and build the content tables; ``progress`` counts the
-    subtasks checked.
+def _read_subtask(scope: _Scope, backend: KeyedStateBackend, subtask: int,
+                  rng: random.Random, out: _SubtaskContent) -> None:
+    """Every column family of the opened subtask into ``out``: RocksDB's facts, the TTL
+    agreement, then the state rows (of the sample, or of every entry)."""
+    # the backend adds the internal families it holds (e.g. ``_ttl``) even when a
+    # record lists only the job's states
+    declared = list(backend.descriptors.values())
+    clocks = {"event": scope.meta.watermark, "processing": scope.meta.processing_time}
+    sampled = _family_facts(backend, subtask, scope.options.sample, rng, out)
+    if sampled is not None and TTL_INDEX in sampled:
+        sampled[TTL_INDEX] = _with_due_entries(backend, declared, clocks, sampled[TTL_INDEX])
+    findings = ttl_findings(backend, declared, clocks, sampled)
+    for desc in declared:
+        columns, frame = state_rows(backend, desc, subtask,
+                                    desc.name in scope.options.frame_states, findings,
+                                    None if sampled is None else sampled[desc.name])
+        if sampled is None:
+            out.counted[desc.name] = len(columns["subtask"])
+        out.parts.append(columns)
+        if frame is not None:
+            out.frames[desc.name] = frame
 
-    ``sample``: None checks every entry (the ``full`` level); a number runs the
-    per-entry checks on at most that many entries per column family and subtask, and
-    takes counts and key ranges from RocksDB (`statebackend.validation.sampling`);
-    ``seed`` seeds the sample's seek points (one generator per subtask, so the sample
-    does not depend on the order the threads run in)."""
-    descriptors = [StateDescriptor.from_json(s) for s in meta.states]
-    base_seed = random.randrange(2**32) if seed is None else seed
+
+def _family_facts(backend: KeyedStateBackend, subtask: int, sample: int | None,
+                  rng: random.Random, out: _SubtaskContent
+                  ) -> dict[str, tuple[list[bytes], list[bytes]]] | None:
+    """RocksDB's facts on each column family (``out.family_rows``); with a ``sample``,
+    the sampled (keys, values) per column family, and the counts (``out.counted``):
+    exact from the facts when provable, else a checked keys-only scan."""
+    r = backend.key_group_range
+    sampled: dict[str, tuple[list[bytes], list[bytes]]] | None = \
+        None if sample is None else {}
+    for name in backend.descriptors:
+        facts = sampling.cf_facts(backend.column_family(name))
+        out.counted_by[name] = "scan"
+        if sampled is not None:
+            keys, values, whole = sampling.sample_entries(backend, name, sample, rng,
+                                                          facts.entries)
+            sampled[name] = (keys, values)
+            exact = len(keys) if whole else sampling.exact_count(facts)
+            if exact is None:
+                exact = backend.count_keys(name)
+            elif not whole:
+                out.counted_by[name] = "sst properties"
+            out.counted[name] = exact
+        out.family_rows.append(family_row(subtask, name, facts, r, out.counted_by[name]))
+    return sampled
+
+
+def build_content(storage: Storage, meta: CheckpointMetadata,
+                  options: ContentOptions | None = None,
+                  progress: ProgressSink = NO_PROGRESS) -> ContentTables:
+    """Restore every subtask read-only and build the content tables (`ContentOptions`:
+    every entry or a sample, the threads); ``progress`` counts the subtasks checked."""
+    options = options or ContentOptions()
+    base_seed = random.randrange(2**32) if options.seed is None else options.seed
+    scope = _Scope(storage, meta, tuple(StateDescriptor.from_json(s) for s in meta.states),
+                   options)
 
     def check(handle: SubtaskHandle) -> _SubtaskContent:
-        rng = random.Random(f"{base_seed}-{handle.index}")
-        return _check_subtask(storage, meta, handle, descriptors, frame_states, work_dir,
-                              sample, rng)
+        return _check_subtask(scope, handle, random.Random(f"{base_seed}-{handle.index}"))
 
     results: dict[int, _SubtaskContent] = {}
+    threads = options.threads
     if threads is None:
-        threads = SUBTASK_THREADS if sample is not None else 1
+        threads = SUBTASK_THREADS if options.sample is not None else 1
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         futures = {pool.submit(check, h): h.index for h in meta.subtasks}
         for future in as_completed(futures):

@@ -31,7 +31,9 @@ import pandas as pd
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.store import CheckpointStore, metadata_path
 from statebackend.errors import CkptError, MetadataError
+from statebackend.state.codecs import codec_from_json
 from statebackend.state.keygroups import MAX_MAX_PARALLELISM
+from statebackend.state.schema import check_schema_keys, schema_of
 from statebackend.storage import CHECKSUM_ALGORITHM, checksum_algorithm, safe_relpath
 
 CHECK_THREADS = 8
@@ -201,9 +203,6 @@ def subtasks_table(obj: dict | None, checkpoint_id: int) -> pd.DataFrame:
 def states_table(obj: dict | None, checkpoint_id: int) -> pd.DataFrame:
     """One row per recorded state: its schema (statebackend.state.schema) and whether this
     release reads it; the versions of its history must rise to its current one."""
-    from statebackend.state.codecs import codec_from_json
-    from statebackend.state.schema import check_schema_keys, schema_of
-
     states = obj.get("states") if obj else None
     rows = []
     for raw in states if isinstance(states, list) else []:

@@ -38,21 +38,16 @@ Summary (``SUMMARY_VERSION`` 1; changes must stay backward-compatible)::
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
 
 from statebackend.checkpoint import layout
 from statebackend.checkpoint.layout import SUMMARY_FILE
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import CkptError, StorageError
 from statebackend.storage import Storage
-from statebackend.validation.suites import MAX_OFFENDING_ROWS
 
 SUMMARY_VERSION = 1
 OVERVIEW_FILE = "index.html"
@@ -61,57 +56,6 @@ DOCS_DIR = "data_docs"
 
 def report_rel(checkpoint_id: int) -> str:
     return layout.report_dir(checkpoint_id)
-
-
-def plain(value: Any) -> Any:
-    """JSON-safe copy of a GE result fragment (numpy scalars, NaN, nested)."""
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [plain(v) for v in value]
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    return str(value)
-
-
-def check_entries(results: list[tuple[Any, Any]]) -> tuple[list[dict], list[dict]]:
-    """(suites, checks) of the summary from (TableRun, suite result) pairs."""
-    suites, checks = [], []
-    for run, suite_result in results:
-        failed = 0
-        for er in suite_result.results:
-            cfg = er.expectation_config
-            meta = dict(cfg.meta or {})
-            res = er.result or {}
-            rows = res.get("partial_unexpected_index_list")
-            if rows is None:
-                rows = [{"value": v} for v in res.get("partial_unexpected_list") or []]
-            info = er.exception_info or {}
-            error = info.get("exception_message") if info.get("raised_exception") else None
-            entry = {
-                "name": meta.get("check", cfg.type),
-                "suite": run.suite_name,
-                "table": run.table,
-                "expectation": cfg.type,
-                "critical": bool(meta.get("critical", True)),
-                "success": bool(er.success),
-                "description": cfg.description,
-                "element_count": plain(res.get("element_count")),
-                "unexpected_count": plain(res.get("unexpected_count")),
-                "offending_rows": plain(list(rows)[:MAX_OFFENDING_ROWS]),
-                "error": error,
-            }
-            failed += not entry["success"]
-            checks.append(entry)
-        suites.append({"name": run.suite_name, "table": run.table,
-                       "success": bool(suite_result.success), "rows": len(run.frame),
-                       "checks": len(suite_result.results), "failed": failed,
-                       "seconds": suite_result.meta.get("ckpt_seconds")})
-    return suites, checks
 
 
 @dataclass(frozen=True)

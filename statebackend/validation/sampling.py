@@ -22,7 +22,8 @@ entry only through facts RocksDB keeps itself, and runs the per-entry checks (ke
   group's first and last keys): every column family holding at most
   ``max(budget, WHOLE_UP_TO)`` entries is read whole, so small states are checked
   entry by entry exactly as at the ``full`` level. Reads are checked
-  (`checked_scan`): a damaged block met by the sample raises `CorruptStateError`.
+  (`KeyedStateBackend.iter_raw`): a damaged block met by the sample raises
+  `CorruptStateError`.
 
 - `due_index_entries`: every entry of the ``_ttl`` index already due at the checkpoint's
   clocks (one seek per key group and time domain, as `purge_expired` does: normally
@@ -45,7 +46,10 @@ from dataclasses import dataclass
 
 from rocksdict import Rdict
 
-from statebackend.state.backend import checked_entries, checked_scan
+from statebackend.state.backend import KeyedStateBackend
+from statebackend.state.codecs import time_upper_bound
+from statebackend.state.families import TTL_INDEX
+from statebackend.state.keygroups import key_group_prefix
 
 CHUNK = 32  # entries read per seek point
 DEFAULT_SAMPLE = 1024  # entries per column family per subtask at the ``deep`` level
@@ -161,26 +165,24 @@ def _seek_target(cf: Rdict, key_group: int, rng: random.Random) -> bytes | None:
     return rng.randint(min(a, b), max(a, b)).to_bytes(width, "big")
 
 
-def sample_entries(cf: Rdict, where: str, budget: int, key_groups: tuple[int, int],
-                   rng: random.Random, stored_entries: int | None,
-                   file_paths: dict[str, str] | None = None
-                   ) -> tuple[list[bytes], list[bytes], bool]:
-    """(keys, values, whole): at most ``budget`` entries in key order, from random seek
-    points inside ``key_groups`` (start, end inclusive); ``whole`` when every entry was
-    read: ``stored_entries`` (RocksDB's count, old versions included) is at most
-    ``max(budget, WHOLE_UP_TO)`` or unknown."""
+def sample_entries(backend: KeyedStateBackend, name: str, budget: int, rng: random.Random,
+                   stored_entries: int | None) -> tuple[list[bytes], list[bytes], bool]:
+    """(keys, values, whole): at most ``budget`` entries of column family ``name`` in key
+    order, from random seek points inside the backend's key groups; ``whole`` when
+    every entry was read: ``stored_entries`` (RocksDB's count, old versions included)
+    is at most ``max(budget, WHOLE_UP_TO)`` or unknown."""
     if stored_entries is None or stored_entries <= max(budget, WHOLE_UP_TO):
-        keys, values = checked_entries(cf, where, file_paths=file_paths)
+        keys, values = backend.read_raw(name)
         return keys, values, True
-    start, end = key_groups
+    cf, r = backend.column_family(name), backend.key_group_range
     found: dict[bytes, bytes] = {}
     for _ in range(max(1, budget // CHUNK) * 2):  # seek points may land on read chunks
         if len(found) >= budget:
             break
-        lower = _seek_target(cf, rng.randint(start, end), rng)
+        lower = _seek_target(cf, rng.randint(r.start, r.end), rng)
         if lower is None:
             continue
-        for n, (k, v) in enumerate(checked_scan(cf, where, lower, file_paths=file_paths)):
+        for n, (k, v) in enumerate(backend.iter_raw(name, lower=lower)):
             if n == CHUNK:
                 break
             found[k] = v
@@ -188,18 +190,15 @@ def sample_entries(cf: Rdict, where: str, budget: int, key_groups: tuple[int, in
     return keys, [found[k] for k in keys], False
 
 
-def due_index_entries(index_cf: Rdict, where: str, key_groups: tuple[int, int],
-                      clocks: dict[bytes, int], file_paths: dict[str, str] | None = None
+def due_index_entries(backend: KeyedStateBackend, clocks: dict[bytes, int]
                       ) -> dict[bytes, bytes]:
     """{index key: value} of the ``_ttl`` entries with expiry <= the clock of their
-    domain (``clocks``: domain byte -> time), every key group of ``key_groups``."""
-    from statebackend.state.codecs import time_upper_bound
-    from statebackend.state.keygroups import key_group_prefix
-
+    domain (``clocks``: domain byte -> time), every key group of the backend."""
     found: dict[bytes, bytes] = {}
-    for kg in range(key_groups[0], key_groups[1] + 1):
+    r = backend.key_group_range
+    for kg in range(r.start, r.end + 1):
         for domain, now in clocks.items():
             lower = key_group_prefix(kg) + domain
-            found.update(checked_scan(index_cf, where, lower, lower + time_upper_bound(now),
-                                      file_paths=file_paths))
+            found.update(backend.iter_raw(TTL_INDEX, lower=lower,
+                                          upper=lower + time_upper_bound(now)))
     return found

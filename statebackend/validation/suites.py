@@ -42,12 +42,14 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 MAX_OFFENDING_ROWS = 20
@@ -197,8 +199,6 @@ _EXPECTATION_TYPES = {"true": "expect_column_values_to_be_in_set",
 def evaluate_runs(runs: list[TableRun]) -> tuple[list[dict], list[dict]]:
     """(suites, checks) of the summary: built-in tables with pandas, job tables with GE
     (their expectations are GE objects; GE is imported only if there are any)."""
-    from statebackend.validation.report import check_entries
-
     suites: list[dict] = []
     checks: list[dict] = []
     job_runs = [r for r in runs if r.builtin is None]
@@ -226,8 +226,6 @@ def evaluate_runs(runs: list[TableRun]) -> tuple[list[dict], list[dict]]:
 
 def _evaluate(run: TableRun, spec: tuple[str, str, str, str, tuple]) -> dict:
     """One built-in check as GE reports it (see the module docstring)."""
-    from statebackend.validation.report import plain
-
     name, description, column, kind, args = spec
     frame = run.frame
     entry = {"name": name, "suite": run.suite_name, "table": run.table,
@@ -256,6 +254,57 @@ def _evaluate(run: TableRun, spec: tuple[str, str, str, str, tuple]) -> dict:
     entry.update(success=not bad.any(), unexpected_count=int(bad.sum()),
                  offending_rows=plain(rows))
     return entry
+
+
+def plain(value: Any) -> Any:
+    """JSON-safe copy of a GE result fragment (numpy scalars, NaN, nested)."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)
+
+
+def check_entries(results: list[tuple[Any, Any]]) -> tuple[list[dict], list[dict]]:
+    """(suites, checks) of the summary from (TableRun, suite result) pairs."""
+    suites, checks = [], []
+    for run, suite_result in results:
+        failed = 0
+        for er in suite_result.results:
+            cfg = er.expectation_config
+            meta = dict(cfg.meta or {})
+            res = er.result or {}
+            rows = res.get("partial_unexpected_index_list")
+            if rows is None:
+                rows = [{"value": v} for v in res.get("partial_unexpected_list") or []]
+            info = er.exception_info or {}
+            error = info.get("exception_message") if info.get("raised_exception") else None
+            entry = {
+                "name": meta.get("check", cfg.type),
+                "suite": run.suite_name,
+                "table": run.table,
+                "expectation": cfg.type,
+                "critical": bool(meta.get("critical", True)),
+                "success": bool(er.success),
+                "description": cfg.description,
+                "element_count": plain(res.get("element_count")),
+                "unexpected_count": plain(res.get("unexpected_count")),
+                "offending_rows": plain(list(rows)[:MAX_OFFENDING_ROWS]),
+                "error": error,
+            }
+            failed += not entry["success"]
+            checks.append(entry)
+        suites.append({"name": run.suite_name, "table": run.table,
+                       "success": bool(suite_result.success), "rows": len(run.frame),
+                       "checks": len(suite_result.results), "failed": failed,
+                       "seconds": suite_result.meta.get("ckpt_seconds")})
+    return suites, checks
 
 
 def load_great_expectations() -> None:

@@ -17,7 +17,7 @@ import uuid
 import pytest
 
 from statebackend.airflow.provider import get_provider_info
-from statebackend.job.run import run_dir_name
+from statebackend.job.publish import run_dir_name
 from tests.jobs.run_reference import activity_events, activity_reference, final_state, read_output
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

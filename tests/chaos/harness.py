@@ -99,7 +99,7 @@ from statebackend.lifecycle.gc import collect_garbage
 from statebackend.lifecycle.registry import load_savepoint
 from statebackend.lifecycle.retention import retain
 from statebackend.lifecycle.savepoint import create_savepoint
-from statebackend.rescale.executor import rescale
+from statebackend.rescale.executor import RescaleOptions, rescale
 from statebackend.storage import Storage, open_storage
 
 JOB = "chaos"
@@ -505,7 +505,7 @@ class Chaos:
         fail_at = self.rng.randrange(q) if fail else None
         detail, outcome = self.attempt(
             "rescale", lambda: rescale(self.store, "latest", q, spark=self.spark,
-                                       _fail_subtask=fail_at),
+                                       options=RescaleOptions(fail_subtask=fail_at)),
             kill, (SnapshotError,) if fail else ())
         self.sync_ledger()
         return f"{latest.parallelism}->{q}" + (" fail" if fail else "") + detail, outcome

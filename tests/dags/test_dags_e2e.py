@@ -21,7 +21,7 @@ import pytest
 
 from demo.sample_data import DAY_MS, expected_totals, generate_events
 from statebackend.checkpoint.store import CheckpointStore
-from statebackend.job.run import run_dir_name
+from statebackend.job.publish import run_dir_name
 from statebackend.storage import open_storage
 from tests.jobs.run_reference import activity_events, activity_reference, final_state, read_output
 

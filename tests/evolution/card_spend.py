@@ -52,7 +52,7 @@ def logic(version: int):
         df = batch.to_pandas().sort_values(["card", "ts"], kind="stable")
         cards = sorted(df["card"].unique())
         totals = ctx.state("totals")
-        found, old = totals.get_columns(pa.array(cards, pa.string()))
+        found, old = totals.value_columns(pa.array(cards, pa.string()))
         g = df.groupby("card")
         n = g.size().reindex(cards).to_numpy()
         spend = g["amount"].sum().reindex(cards).to_numpy()
@@ -61,7 +61,7 @@ def logic(version: int):
         if version >= 3:
             refunds = g["amount"].apply(lambda a: int((a < 0).sum())).reindex(cards).to_numpy()
             new["refunds"] = old["refunds"] + refunds
-        totals.put_columns(pa.array(cards, pa.string()), new)
+        totals.update_columns(pa.array(cards, pa.string()), new)
         merchants = ctx.state("merchants" if version >= 4 else "per_merchant")
         pairs = df.groupby(["card", "merchant"]).size()
         keys = [c for c, _ in pairs.index]
@@ -70,15 +70,15 @@ def logic(version: int):
         merchants.put(keys, users, [(o or 0) + int(k) for o, k in
                                     zip(old_counts, pairs.to_numpy(), strict=True)])
         if version < 5:
-            ctx.state("recent").append(list(df["card"]), [float(a) for a in df["amount"]])
+            ctx.state("recent").add(list(df["card"]), [float(a) for a in df["amount"]])
         ctx.state("max_amount").add(list(df["card"]), [float(a) for a in df["amount"]])
         if version >= 2:
             first = ctx.state("first_seen")
             firsts = g["ts"].min().reindex(cards)
-            new = [(c, int(firsts[c])) for c, have in zip(cards, first.get(cards), strict=True)
+            new = [(c, int(firsts[c])) for c, have in zip(cards, first.value(cards), strict=True)
                    if have is None]
             if new:
-                first.put([c for c, _ in new],
+                first.update([c for c, _ in new],
                           [_day_of(t) if version >= 6 else t for _, t in new])
     return Vectorized(fold)
 

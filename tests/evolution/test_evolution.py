@@ -21,7 +21,7 @@ from statebackend.checkpoint.dump import checkpoint_rows
 from statebackend.errors import UsageError
 from statebackend.job import JobRunError, RunConfig, map_state, record, run_job, value_state
 from statebackend.lifecycle.savepoint import create_savepoint
-from statebackend.rescale.executor import rescale
+from statebackend.rescale.executor import RescaleOptions, rescale
 from tests.conftest import S3_BUCKET
 from tests.evolution.card_spend import VERSIONS, dumped, events, job, reference
 from tests.jobs.helpers import store_of
@@ -117,7 +117,7 @@ def test_six_versions_through_runs_a_crash_a_rescale_and_a_savepoint(tmp_path, s
     lin.run(1, 2)
     lin.check()
     store = store_of(storage, "card_spend")
-    rescale(store, "latest", 3, spark=engine[1], master="local[2]")
+    rescale(store, "latest", 3, spark=engine[1], options=RescaleOptions(master="local[2]"))
     # v3: a record field added with a default, one widened; after the rescale
     lin.refused(2, changed(3, totals=value_state("totals", record(
         n="int64", spend="float64", big="int64", refunds="int64"))), "card_spend",

@@ -36,10 +36,10 @@ import pytest
 
 from demo.sample_data import expected_totals, generate_events
 from jobs import keyed_aggregation as ka
+from statebackend.engines import ENGINE_ENV, Workload, choose_engine
 from statebackend.errors import InputError, RejectThresholdError
 from statebackend.job import RunConfig, arrow_input, run_job
-from statebackend.job.engine import ENGINE_ENV, choose_engine, input_weight
-from statebackend.job.input import COUNT_BLOCK_BYTES, list_input
+from statebackend.job.input import COUNT_BLOCK_BYTES, input_weight, list_input
 from tests.jobs.helpers import assert_state_equals, dump_latest, store_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -201,8 +201,7 @@ def test_a_gzip_bomb_goes_to_spark_under_auto(gzip_bomb, monkeypatch):
     weight = input_weight(files)
     # counted decompressed, and only one block past the auto limit (not 320 MiB)
     assert 64 * MIB < weight <= 64 * MIB + COUNT_BLOCK_BYTES
-    picked = choose_engine(None, input_bytes=weight, master="local[2]",
-                           first_run_without_parallelism=False, parent_state_bytes=0)
+    picked = choose_engine(None, "local[2]", Workload(input_bytes=weight))
     assert picked.engine == "spark"
     assert "CKPT_LOCAL_ENGINE_MAX_BYTES" in picked.reason and "decompressed" in picked.reason
 

@@ -275,7 +275,7 @@ def test_memory_storage_and_bad_options_are_refused(tmp_path):
     from statebackend.errors import UsageError
 
     with pytest.raises(UsageError, match="memory://x lives in one process"):
-        run(config(tmp_path, tmp_path, "r", storage="memory://x"))
+        run(config(tmp_path, tmp_path, "r", storage="memory://x", engine="spark"))
     with pytest.raises(UsageError, match="max-reject-fraction 2.0"):
         run(config(tmp_path, tmp_path, "r", max_reject_fraction=2.0))
 

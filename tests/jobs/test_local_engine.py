@@ -21,9 +21,9 @@ import pytest
 from jobs import keyed_aggregation as ka
 from statebackend.checkpoint import layout
 from statebackend.checkpoint.store import CheckpointStore
+from statebackend.engines import ENGINE_ENV, MAX_BYTES_ENV
 from statebackend.errors import InputError, UsageError
 from statebackend.job import JobRunError, RunConfig, run_job
-from statebackend.job.engine import ENGINE_ENV, MAX_BYTES_ENV
 from statebackend.storage import open_storage
 from tests.jobs.run_reference import (
     assert_totals_equal,

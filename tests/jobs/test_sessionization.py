@@ -19,7 +19,7 @@ from jobs import BUILTIN_JOBS
 from jobs import sessionization as sz
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.job import JobRunError, RunConfig, load_job, run_job
-from statebackend.job.run import run_dir_name
+from statebackend.job.publish import run_dir_name
 from statebackend.rescale.executor import rescale
 from statebackend.storage import open_storage
 from tests.jobs.run_reference import final_state

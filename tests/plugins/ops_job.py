@@ -20,7 +20,7 @@ from datetime import UTC, datetime, timedelta
 
 from statebackend.checkpoint.leases import Lease
 from statebackend.checkpoint.metadata import FileRef, SubtaskHandle
-from statebackend.checkpoint.store import CheckpointStore, build_metadata
+from statebackend.checkpoint.store import CheckpointStore, MetadataParts, build_metadata
 from statebackend.lifecycle.savepoint import create_savepoint
 from statebackend.state.keygroups import key_group_range_for_subtask
 from statebackend.storage import checksum_of_bytes, open_storage
@@ -106,12 +106,12 @@ def commit(store: CheckpointStore, cid: int, start: datetime) -> None:
         handles.append(SubtaskHandle(i, r.start, r.end, f"b{i}", f"s{cid}", (ref,), (),
                                      {"totals": 10 * cid + i}, size // 2))
     rescale = cid == RESCALE_ID
-    meta = build_metadata(
+    meta = build_metadata(MetadataParts(
         job=store.job, checkpoint_id=cid, parent=cid - 1 or None, max_parallelism=128,
         states=[{"name": "totals"}], handles=handles,
         kind="rescale" if rescale else "checkpoint",
         run_id=None if rescale else f"interval__{(start + timedelta(hours=cid)).isoformat()}",
-        rescaled_from=2 if rescale else None, extra=_extra(cid, p, start))
+        rescaled_from=2 if rescale else None, extra=_extra(cid, p, start)))
     store.commit(meta.with_changes(created_at=(start + timedelta(hours=cid)).isoformat()))
 
 

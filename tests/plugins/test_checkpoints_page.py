@@ -16,7 +16,7 @@ import pytest
 
 from statebackend.airflow.config import specs_from_config
 from statebackend.checkpoint.metadata import FileRef, SubtaskHandle
-from statebackend.checkpoint.store import CheckpointStore, build_metadata
+from statebackend.checkpoint.store import CheckpointStore, MetadataParts, build_metadata
 from statebackend.state.keygroups import key_group_range_for_subtask
 from statebackend.storage import checksum_of_bytes, open_storage
 
@@ -46,9 +46,10 @@ def commit_fake(store: CheckpointStore, cid: int, parallelism: int, size: int, u
         store.storage.write_bytes(ref.path, data)  # commit checks they exist
         handles.append(SubtaskHandle(i, r.start, r.end, f"b{i}", f"s{cid}", (ref,), (),
                                      {"totals": 1}, uploaded // parallelism))
-    store.commit(build_metadata(job=store.job, checkpoint_id=cid, parent=cid - 1 or None,
+    store.commit(build_metadata(MetadataParts(
+        job=store.job, checkpoint_id=cid, parent=cid - 1 or None,
                                 max_parallelism=128, states=[{"name": "totals"}],
-                                handles=handles, run_id=run_id))
+                                handles=handles, run_id=run_id)))
 
 
 class FakeAuthManager:

@@ -19,7 +19,8 @@ from demo.sample_data import generate_events
 from jobs.keyed_aggregation import JOB
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import UsageError
-from statebackend.job.run import RunConfig, run_job
+from statebackend.job.config import RunConfig
+from statebackend.job.run import run_job
 from statebackend.rescale.executor import rescale
 from statebackend.spark.dispatch import task_failure
 from statebackend.spark.session import get_spark
@@ -76,12 +77,15 @@ def test_runs_rerun_and_rescale_through_connect_equal_the_local_run(connect_serv
                        "--parallelism", "3")
     second = _ckpt_json(connect_server, remote_store, *_run_args(folder, 1, remote_out))
     again = _ckpt_json(connect_server, remote_store, *_run_args(folder, 1, remote_out))
-    scaled = _ckpt_json(connect_server, remote_store, "rescale", "-p", "2")
+    # --engine spark: the new subtasks run as tasks of the Connect server (a small
+    # state would otherwise rescale in this client's threads)
+    scaled = _ckpt_json(connect_server, remote_store, "rescale", "-p", "2", "--engine", "spark")
     last = _ckpt_json(connect_server, remote_store, *_run_args(folder, 2, remote_out))
     assert (first["checkpoint_id"], first["parallelism"]) == (1, 3)
     assert (second["checkpoint_id"], second["skipped"]) == (2, False)
     assert (again["checkpoint_id"], again["skipped"]) == (2, True)
     assert (scaled["from_parallelism"], scaled["to_parallelism"]) == (3, 2)
+    assert scaled["engine"] == "spark"
     assert (last["checkpoint_id"], last["parallelism"]) == (4, 2)
 
     # The same sequence on the local classic session.
@@ -122,7 +126,8 @@ import sys
 from demo.sample_data import generate_events
 from jobs.keyed_aggregation import JOB
 from statebackend.errors import CkptError
-from statebackend.job.run import RunConfig, run_job
+from statebackend.job.config import RunConfig
+from statebackend.job.run import run_job
 folder, url = sys.argv[1], sys.argv[2]
 config = RunConfig(input=folder + "/in0", storage="file://" + folder + "/store", job="agg",
                    run_id="boom", output=folder + "/out", parallelism=3, master=url,
@@ -181,7 +186,8 @@ def test_a_jvm_failure_is_reported_by_its_cause_not_a_stack_frame():
 
 
 def test_parquet_input_is_read_without_a_schema_inference_job(spark, tmp_path):
-    from statebackend.job.input import list_input, read_input
+    from statebackend.job.input import list_input
+    from statebackend.job.spark_input import read_input
 
     generate_events(str(tmp_path / "in"), n_events=300, n_keys=40, seed=3)
     files = list_input(str(tmp_path / "in"))
@@ -200,7 +206,7 @@ def test_a_timestamp_column_leaves_the_schema_to_spark(tmp_path):
     import pyarrow.parquet as pq
 
     from statebackend.job.api import Input
-    from statebackend.job.input import parquet_read_schema
+    from statebackend.job.spark_input import parquet_read_schema
 
     path = str(tmp_path / "t.parquet")
     pq.write_table(pa.table({"k": ["a"], "at": pa.array([1], pa.timestamp("us"))}), path)

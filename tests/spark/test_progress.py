@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from statebackend.spark.progress import report_tasks
+from statebackend.spark.progress import TaskStages, report_tasks
 
 TASKS = 4
 
@@ -62,8 +62,8 @@ def test_subtasks_are_counted_only_once_their_stage_runs(spark, tmp_path):
         functools.partial(_map_side, markers), "id long")
     df = source.repartition(TASKS, "id").mapInArrow(_subtask, "id long")
     sink = Recorder(markers)
-    with report_tasks(spark, sink, "subtasks", total=TASKS, stages=2, upstream="reading input",
-                      interval=0.05):
+    with report_tasks(spark, sink, TaskStages("subtasks", total=TASKS, stages=2,
+                                              upstream="reading input"), interval=0.05):
         rows = df.collect()
     assert sorted(r["id"] for r in rows) == list(range(TASKS))
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from statebackend.checkpoint.dump import backend_rows
 from statebackend.checkpoint.metadata import CheckpointMetadata
-from statebackend.checkpoint.restore import restore_subtask
+from statebackend.checkpoint.restore import RestoreOptions, restore_subtask
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.state.backend import KeyedStateBackend
 from statebackend.state.codecs import RecordCodec
@@ -105,7 +105,8 @@ def restore_all(store: CheckpointStore, meta: CheckpointMetadata, base_dir: str,
                 allow_local: bool = True) -> list[KeyedStateBackend]:
     """Restore every subtask of ``meta`` into ``base_dir/sub-<i>`` (no rescale)."""
     return [restore_subtask(store.storage, h, os.path.join(base_dir, f"sub-{h.index}"),
-                            descriptors, meta.max_parallelism, allow_local=allow_local)
+                            descriptors, meta.max_parallelism,
+                            RestoreOptions(allow_local=allow_local))
             for h in meta.subtasks]
 
 

@@ -49,6 +49,13 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from statebackend.airflow.config import load_job_specs
+from statebackend.airflow.steps import open_store
+from statebackend.checkpoint.layout import REPORTS_DIR
+from statebackend.errors import CkptError
+from statebackend.storage import safe_relpath
+from statebackend.validation.validate import read_report_summary
+
 from . import data, render
 
 log = logging.getLogger(__name__)
@@ -94,15 +101,11 @@ def _server_get_connection(conn_id: str):
 
 def load_specs():
     """The deployment's ``ckpt_jobs`` (the same definitions the DAG files build from)."""
-    from statebackend.airflow.config import load_job_specs
-
     return load_job_specs()
 
 
 def _open_store(spec):
     """The job's store, opened with its storage connection's options (never os.environ)."""
-    from statebackend.airflow.steps import open_store
-
     if spec.storage_conn_id:
         try:
             return open_store(spec, get_connection=_server_get_connection)
@@ -112,17 +115,9 @@ def _open_store(spec):
     return open_store(spec, {})
 
 
-def _summary_reader():
-    try:
-        from statebackend.validation.validate import read_report_summary
-    except ImportError:  # validation extras not installed: show no status
-        return lambda _store, _cid: None
-    return read_report_summary
-
-
 def job_history(spec, now: float | None = None) -> dict:
     """Everything the page shows of one job (see `data.job_history`)."""
-    return data.job_history(spec, _open_store, _summary_reader(), now)
+    return data.job_history(spec, _open_store, read_report_summary, now)
 
 
 # -- access (Airflow's auth manager) ----------------------------------------------
@@ -247,10 +242,6 @@ def create_app(specs_loader: Callable[[], Iterable[Any]] = load_specs,
 
     @app.get("/reports/{job}/{path:path}")
     def report_file(job: str, path: str, user: UserDep) -> Response:
-        from statebackend.checkpoint.layout import REPORTS_DIR
-        from statebackend.errors import CkptError
-        from statebackend.storage import safe_relpath
-
         spec = specs_by_name().get(job)
         if spec is None:
             raise HTTPException(404, f"job {job!r} is not configured")

@@ -25,6 +25,11 @@ from typing import Any
 from urllib.parse import quote, urlencode
 
 from statebackend.checkpoint.layout import HISTORY_DIR, REPORTS_DIR, chk_id_of
+from statebackend.checkpoint.leases import list_leases
+from statebackend.checkpoint.metrics import run_figures
+from statebackend.errors import CkptError
+from statebackend.formatting import parse_time
+from statebackend.lifecycle.savepoint import list_savepoints
 from statebackend.state.schema import describe_schema
 
 log = logging.getLogger(__name__)
@@ -46,11 +51,8 @@ def _num(value: Any) -> float | None:
 
 
 def _epoch(iso: Any) -> float | None:
-    try:
-        when = datetime.fromisoformat(str(iso))
-    except (TypeError, ValueError):
-        return None
-    return (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
+    when = parse_time(iso)
+    return None if when is None else when.timestamp()
 
 
 def _dict(value: Any) -> dict:
@@ -69,8 +71,6 @@ def _phases(value: Any) -> dict[str, float]:
 def run_metrics(meta) -> dict:
     """The run's figures: ``extra["metrics"]["run"]`` or, for older records, the legacy
     ``extra`` counters (no timings). Unknown figures are None."""
-    from statebackend.checkpoint.metrics import run_figures
-
     extra = _dict(meta.extra)
     metrics = _dict(extra.get("metrics"))
     run = _dict(metrics.get("run")) if metrics.get("format") == 1 else {}
@@ -234,14 +234,10 @@ def read_run_records(store) -> list[dict]:
 
 
 def read_savepoints(store) -> list[dict]:
-    from statebackend.lifecycle.savepoint import list_savepoints
-
     return [s.to_json() for s in list_savepoints(store)]
 
 
 def read_leases(store) -> list[dict]:
-    from statebackend.checkpoint.leases import list_leases
-
     now = datetime.now(UTC)
     return [{"name": lease.name, "live": not lease.expired(now), "purpose": lease.purpose,
              "holder": lease.holder, "checkpoint_ids": list(lease.checkpoint_ids),
@@ -251,8 +247,6 @@ def read_leases(store) -> list[dict]:
 
 def _part(what: str, store, reader) -> tuple[list[dict], str | None]:
     """(items, None) or ([], one-line error): one broken part does not hide the others."""
-    from statebackend.errors import CkptError
-
     try:
         return reader(store), None
     except CkptError as exc:
@@ -337,8 +331,6 @@ def has_points(columns: dict[str, list]) -> bool:
 def job_history(spec, open_store, read_summary, now: float | None = None) -> dict:
     """Everything the page shows of one job; ``error`` set (and the rest empty) when its
     storage cannot be read at all."""
-    from statebackend.errors import CkptError
-
     base = {"job": spec.name, "storage": spec.storage, "rows": [], "runs": [],
             "savepoints": [], "leases": [], "errors": [], "health": None, "charts": None,
             "dags": {"pipeline": spec.pipeline_dag_id, "maintenance": spec.maintenance_dag_id,

@@ -12,9 +12,15 @@ from __future__ import annotations
 
 import html
 import json
-from datetime import datetime
 
 from statebackend.checkpoint.layout import savepoint_dir
+from statebackend.formatting import (
+    human_age,
+    human_bytes,
+    human_count,
+    human_duration,
+    parse_time,
+)
 
 from .data import PHASES, URL_PREFIX, has_points
 
@@ -34,41 +40,9 @@ def esc(value: object) -> str:
     return html.escape("" if value is None else str(value))
 
 
-def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "–"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def human_seconds(s: float | None) -> str:
-    if s is None:
-        return "–"
-    if s < 1:
-        return f"{s * 1000:.0f} ms"
-    if s < 120:
-        return f"{s:.1f} s"
-    if s < 7200:
-        return f"{s / 60:.0f} min"
-    if s < 172800:
-        return f"{s / 3600:.1f} h"
-    return f"{s / 86400:.0f} d"
-
-
-def human_count(n: float | None) -> str:
-    if n is None:
-        return "–"
-    return f"{n:,.0f}" if n >= 100 or n == int(n) else f"{n:,.1f}"
-
-
 def when(iso: str | None, fmt: str = "%Y-%m-%d %H:%M:%S") -> str:
-    try:
-        return datetime.fromisoformat(str(iso)).strftime(fmt)
-    except (TypeError, ValueError):
-        return esc(iso)
+    parsed = parse_time(iso)
+    return esc(iso) if parsed is None else parsed.strftime(fmt)
 
 
 def link(href: str | None, text: str, cls: str = "", top: bool = False) -> str:
@@ -96,7 +70,7 @@ def render_health(job: str, h: dict) -> str:
         cards.append(_card("latest", "Latest checkpoint", "none yet"))
     else:
         cards.append(_card("latest", "Latest checkpoint", f"chk-{h['latest_id']}",
-                           f"{human_seconds(h['latest_age_s'])} ago"))
+                           human_age(h["latest_age_s"])))
     v = h["last_validation"]
     if v is None:
         cards.append(_card("validation", "Last validation", "not validated"))
@@ -116,7 +90,7 @@ def render_health(job: str, h: dict) -> str:
     else:
         rate = f"{human_count(r['events_per_s'])} events/s" if r["events_per_s"] is not None \
             else ""
-        cards.append(_card("run", "Last run", human_seconds(r["duration_s"]),
+        cards.append(_card("run", "Last run", human_duration(r["duration_s"]),
                            f"chk-{r['id']} {rate}".strip()))
     n = h["failed_runs_since_success"]
     cards.append(_card("failures", "Failed runs since last success", str(n),
@@ -168,7 +142,7 @@ def render_history(job: str, rows: list[dict]) -> str:
             f'<td class="origin">{esc(r["run_id"])}</td>'
             f'<td>{r["parallelism"]}</td><td>{human_bytes(r["state_bytes"])}</td>'
             f'<td>{human_bytes(r["bytes_uploaded"])}</td>'
-            f'<td>{human_seconds(m["duration_s"])}</td><td>{human_count(m["events_per_s"])}</td>'
+            f'<td>{human_duration(m["duration_s"])}</td><td>{human_count(m["events_per_s"])}</td>'
             f'<td>{human_count(m["events_rejected"])}</td>'
             f'<td class="status-{status.replace(" ", "-")}">'
             f'{link(r["report"], r["validation"], "report")}</td>'
@@ -215,7 +189,7 @@ def render_subtasks(job: str, r: dict) -> str:
             f'<td>{human_count(s["events"])}</td>'
             f'<td>{_skew_bar(s["events"] or 0, peak_events) if s["events"] is not None else ""}'
             f'</td><td>{human_count(s["rejected"])}</td>'
-            f'<td>{human_seconds(s["duration_s"])}</td></tr>')
+            f'<td>{human_duration(s["duration_s"])}</td></tr>')
     return table("subtasks", f"subtasks-{job}-{r['id']}",
                  ("subtask", "key groups", "files", "state bytes", "", "uploaded", "rows",
                   "events", "", "rejected", "duration"), out)
@@ -223,7 +197,7 @@ def render_subtasks(job: str, r: dict) -> str:
 
 def render_detail(job: str, r: dict, is_open: bool) -> str:
     m = r["metrics"]
-    phases = " · ".join(f"{p} {human_seconds(m['phases'][p])}" for p in PHASES
+    phases = " · ".join(f"{p} {human_duration(m['phases'][p])}" for p in PHASES
                         if p in m["phases"]) or "no phase timings recorded"
     reasons = ", ".join(f"{esc(k)}: {human_count(v)}"
                         for k, v in sorted(m["rejects_by_reason"].items())) or "–"
@@ -234,7 +208,7 @@ def render_detail(job: str, r: dict, is_open: bool) -> str:
         ("parallelism", f"{r['parallelism']} of max {r['max_parallelism']}"),
         ("state", f"{human_bytes(r['state_bytes'])} in {r['files']} files, "
                   f"{human_count(r['state_rows'])} rows"),
-        ("run", f"{human_seconds(m['duration_s'])}: {phases}"),
+        ("run", f"{human_duration(m['duration_s'])}: {phases}"),
         ("events", f"{human_count(m['events_read'])} read, {human_count(m['events_rejected'])} "
                    f"rejected ({reasons}), {human_count(m['keys_touched'])} keys touched"),
         ("states", "<br>".join(f"{esc(s['name'])}: {esc(s['schema'])}"
@@ -258,7 +232,7 @@ def render_runs(job: str, runs: list[dict]) -> str:
         chk = f"chk-{r['checkpoint_id']}" if r["checkpoint_id"] is not None else "–"
         out.append(f'<tr class="outcome-{esc(r["outcome"])}"><td>{when(r["started_at"])}</td>'
                    f'<td>{esc(r["run_id"])}</td><td>{esc(r["outcome"])}</td><td>{chk}</td>'
-                   f'<td>{human_seconds(r["duration_s"])}</td><td>{esc(r["error"] or "")}</td>'
+                   f'<td>{human_duration(r["duration_s"])}</td><td>{esc(r["error"] or "")}</td>'
                    f'<td class="airflow">{_airflow_cells(r["links"])}</td></tr>')
     return table_or_note("runs", job, ("started (UTC)", "run", "outcome", "checkpoint",
                                        "duration", "error", "Airflow"), out, "no run records yet")

@@ -19,7 +19,7 @@ from statebackend.checkpoint.attempt import (
 )
 from statebackend.checkpoint.layout import ATTEMPTS_DIR, metadata_path
 from statebackend.checkpoint.metadata import FileRef, SubtaskHandle
-from statebackend.checkpoint.store import CheckpointStore, build_metadata
+from statebackend.checkpoint.store import CheckpointStore, MetadataParts, build_metadata
 from statebackend.errors import CkptError, LeaseConflictError, MissingFilesError
 from statebackend.state.keygroups import key_group_range_for_subtask
 from statebackend.storage import open_storage
@@ -50,8 +50,9 @@ def metadata(store: CheckpointStore, cid: int, refs: list[FileRef]):
         r = key_group_range_for_subtask(M, P, i)
         handles.append(SubtaskHandle(i, r.start, r.end, f"b{i}", f"s{cid}", (ref,), (),
                                      {"v": 1}, ref.size))
-    return build_metadata(job=store.job, checkpoint_id=cid, parent=None, max_parallelism=M,
-                          states=[{"name": "v"}], handles=handles)
+    return build_metadata(MetadataParts(
+        job=store.job, checkpoint_id=cid, parent=None, max_parallelism=M,
+                          states=[{"name": "v"}], handles=handles))
 
 
 def files(store: CheckpointStore) -> set[str]:

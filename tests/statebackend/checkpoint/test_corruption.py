@@ -19,6 +19,8 @@ from statebackend.checkpoint.dump import checkpoint_rows
 from statebackend.checkpoint.metadata import CheckpointMetadata, FileRef
 from statebackend.checkpoint.restore import (
     DEFAULT_REUSE_CHECK,
+    FROM_STORAGE,
+    RestoreOptions,
     ReuseCheck,
     restore_subtask,
     restored_readonly,
@@ -30,7 +32,7 @@ from statebackend.errors import CkptError, CorruptStateError, StorageError
 from statebackend.rescale.executor import rescale
 from statebackend.state.kinds import StateDescriptor
 from statebackend.storage import checksum_algorithm, checksum_of_bytes, open_storage
-from statebackend.validation.validate import validate_checkpoint
+from statebackend.validation.validate import ValidationOptions, validate_checkpoint
 from tests.statebackend.helpers import (
     DESCRIPTORS,
     close_all,
@@ -168,7 +170,7 @@ def test_map_state_items_raises_instead_of_returning_fewer_entries(tmp_path):
 
 def test_deep_validation_fails_on_a_damaged_block(damaged):
     store, meta, _, _ = damaged
-    result = validate_checkpoint(store, 1, deep=True)
+    result = validate_checkpoint(store, 1, ValidationOptions(level="deep"))
     assert not result.success
     assert "subtasks_restore" in result.failed_checks
     check = next(c for c in result.summary["checks"] if c["name"] == "subtasks_restore")
@@ -224,7 +226,7 @@ def put(backends, values: dict) -> dict:
 
 def restore_local(store, meta, work, check: ReuseCheck = DEFAULT_REUSE_CHECK):
     return [restore_subtask(store.storage, h, os.path.join(work, f"sub-{h.index}"), VALUES, M,
-                            reuse_check=check) for h in meta.subtasks]
+                            RestoreOptions(reuse_check=check)) for h in meta.subtasks]
 
 
 def assert_all_referenced_files_intact(store: CheckpointStore, meta: CheckpointMetadata) -> None:
@@ -237,7 +239,7 @@ def fresh_state(store: CheckpointStore, meta: CheckpointMetadata, where: str) ->
     out = {}
     for h in meta.subtasks:
         with restore_subtask(store.storage, h, where + f"/sub-{h.index}", VALUES, M,
-                             allow_local=False) as b:
+                             FROM_STORAGE) as b:
             assert b.restore_mode == "download"
             out.update({r["key"]: r["value"] for r in dump_backends([b])})
     return out
@@ -274,7 +276,7 @@ def test_truncated_shared_file_is_found_by_sizes_and_uploaded_again(durable_stor
     store.storage.write_bytes(victim.path, store.storage.read_bytes(victim.path)[:-100])
     if dirty:  # a write after the snapshot: the instance is not clean, the snapshot is
         (b,) = [restore_subtask(store.storage, meta.subtasks[1], f"{work}/sub-1", VALUES, M,
-                                reuse_check=None)]
+                                RestoreOptions(reuse_check=None))]
         b.value_state("totals").put(next(k for k in reference if k in _keys_of(b)), {"v": 0})
         b.close()
     backends = restore_local(store, meta, work, ReuseCheck(checksum_sample=0))  # sizes only
@@ -363,7 +365,8 @@ def test_validation_names_the_damaged_file(tmp_path, deep, damage):
     store.storage.write_bytes(victim.path, bad)
     check = "file_sizes_match" if damage == "truncate" else "file_checksums_match"
     for cid in (1, 2):
-        result = validate_checkpoint(store, cid, deep=deep)
+        result = validate_checkpoint(store, cid, ValidationOptions(
+            level="deep" if deep else "manifest"))
         assert not result.success
         assert check in result.failed_checks
         stored = json.loads(store.storage.read_bytes(f"reports/chk-{cid}/summary.json"))
@@ -382,7 +385,7 @@ def test_deep_validation_names_a_damaged_file_of_a_refused_record(tmp_path):
     raw["subtasks"][1]["private_files"].append(
         {"path": "../outside", "local_name": "X", "size": 1, "checksum": "crc32c:00000000"})
     recommit_record(store, 1, json.dumps(raw).encode())
-    result = validate_checkpoint(store, 1, deep=True)
+    result = validate_checkpoint(store, 1, ValidationOptions(level="deep"))
     assert not result.success
     assert {"metadata_parses", "file_checksums_match"} <= set(result.failed_checks)
     failed = next(c for c in result.summary["checks"] if c["name"] == "file_checksums_match")

@@ -14,7 +14,12 @@ import pytest
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.restore import restore_subtask
 from statebackend.checkpoint.snapshot import checkpoint_backends, snapshot, upload_snapshot
-from statebackend.checkpoint.store import CheckpointStore, build_metadata, metadata_path
+from statebackend.checkpoint.store import (
+    CheckpointStore,
+    MetadataParts,
+    build_metadata,
+    metadata_path,
+)
 from statebackend.errors import LeaseConflictError, SnapshotError, StorageError, UsageError
 from statebackend.storage import Storage, open_storage
 from tests.statebackend.helpers import (
@@ -107,10 +112,10 @@ def test_incremental_uploads_only_new_files(durable_storage_url, tmp_path):
 
 def _commit(store, backends, results, checkpoint_id, parent):
     """The driver's part of a checkpoint: build, commit, tell the backends."""
-    meta = build_metadata(job=store.job, checkpoint_id=checkpoint_id, parent=parent,
+    meta = build_metadata(MetadataParts(job=store.job, checkpoint_id=checkpoint_id, parent=parent,
                           max_parallelism=M,
                           states=[d.to_json() for d in DESCRIPTORS],
-                          handles=[r.handle for r in results])
+                          handles=[r.handle for r in results]))
     store.commit(meta)
     for b, r in zip(backends, results, strict=True):
         b.notify_checkpoint_complete(r.handle)
@@ -321,5 +326,5 @@ def test_commit_is_exclusive_and_metadata_round_trips(tmp_path):
     assert store.checkpoint_ids() == [1] and store.next_checkpoint_id() == 2
     handle = meta.subtasks[0]
     with pytest.raises(UsageError, match="expected subtask 0"):
-        build_metadata(job="orders", checkpoint_id=9, parent=None, max_parallelism=M,
-                       states=[], handles=[handle, handle])
+        build_metadata(MetadataParts(job="orders", checkpoint_id=9, parent=None, max_parallelism=M,
+                       states=[], handles=[handle, handle]))

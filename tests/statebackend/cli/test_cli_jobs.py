@@ -82,9 +82,8 @@ def test_start_from_a_missing_job_leaves_no_listed_job(tmp_path, capsys, start):
     committed = two_checkpoint_job(str(tmp_path / "base"), "clicks")  # another root
     code, err = run_job(capsys, url, "fresh", tmp_path, "--start-from", start)
     assert code == 2 and "ghost" in err
-    assert jobs(capsys, url) == {}
-    assert set(jobs(capsys, url, "--all")) <= {"fresh", "ghost"}
-    assert all(not r["committed"] for r in jobs(capsys, url, "--all").values())
+    # refused before any write: not even the storage root was created
+    assert not (tmp_path / "store").exists()
     assert set(jobs(capsys, committed["url"])) == {"clicks"}
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from statebackend import errors
 from statebackend.cli import app as cli
+from statebackend.formatting import human_age
 from statebackend.storage import open_storage
 from tests.statebackend.helpers import two_checkpoint_job
 
@@ -44,10 +45,12 @@ TABLE: dict[str, tuple[list[str], list[str], list[str] | None]] = {
     "doctor": ([], ["--json"], ["--rollback-to", "99", "--reason", "x", "--dry-run"]),
 }
 ROOT_COMMANDS = {"jobs"}  # need --storage only: a bad --job does not apply
-# Commands whose text/--json rows need Spark: their successful runs are tested elsewhere
-# (tests/jobs/test_run_protocol.py runs `ckpt run` as a subprocess); their refusals here.
+# Commands that load a job module (MODULE:ATTR): their successful runs are tested elsewhere
+# (tests/jobs/test_run_protocol.py runs `ckpt run` as a subprocess, tests/evolution
+# `ckpt check`); their refusals here.
 SPARK_COMMANDS = {"run": ["jobs.keyed_aggregation:JOB", "--input", "{tmp}", "--run-id", "r",
-                          "--output", "{tmp}/out"]}
+                          "--output", "{tmp}/out"],
+                  "check": ["jobs.keyed_aggregation:JOB"]}
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +244,7 @@ def test_human_bytes(n, text):
     (3599, "59 min ago"), (7200, "2 h ago"), (3 * 86400 + 5, "3 d ago"),
 ])
 def test_human_age(seconds, text):
-    assert cli.human_age(seconds) == text
+    assert human_age(seconds) == text
 
 
 def test_list_and_jobs_text_is_human_json_is_exact(job, capsys):

@@ -11,7 +11,7 @@ import pytest
 
 from statebackend.cli.app import main
 from statebackend.validation.checks import registered_state_checks
-from statebackend.validation.validate import validate_checkpoint
+from statebackend.validation.validate import ValidationOptions, validate_checkpoint
 from tests.statebackend.validation.test_validate_support import (
     JOB,
     build_checkpoint,
@@ -121,7 +121,8 @@ def test_keyed_aggregation_checks_are_registered_and_run(tmp_path):
     assert "totals" not in registered_state_checks()  # nothing is imported by name
     store, meta = build_checkpoint(f"file://{tmp_path}/store", str(tmp_path / "w"),
                                    parallelism=2, n_keys=150, job_totals=True)
-    result = validate_checkpoint(store, deep=True, state_checks=JOB.expectations)
+    result = validate_checkpoint(store, "latest", ValidationOptions(
+        level="deep", state_checks=JOB.expectations))
     assert result.success, result.summary["failed_checks"]
     names = {c["name"] for c in result.summary["checks"]}
     assert {"totals_count_at_least_1", "totals_min_ts_le_max_ts"} <= names
@@ -145,7 +146,8 @@ def test_keyed_aggregation_checks_fail_on_bad_totals(tmp_path):
                                 n_keys=150, job_totals=True, tamper=_bad_totals)
     from jobs.keyed_aggregation import JOB
 
-    result = validate_checkpoint(store, deep=True, state_checks=JOB.expectations)
+    result = validate_checkpoint(store, "latest", ValidationOptions(
+        level="deep", state_checks=JOB.expectations))
     assert set(result.summary["failed_checks"]) == {"totals_count_at_least_1",
                                                      "totals_min_ts_le_max_ts"}
     for name in result.summary["failed_checks"]:
@@ -167,7 +169,8 @@ def test_explicit_state_checks_argument(tmp_path):
             column="key_group", min_value=0, max_value=0,
             meta={"check": "events_all_in_group_0", "critical": False})]
 
-    result = validate_checkpoint(store, deep=True, state_checks={"events": events_checks})
+    result = validate_checkpoint(store, "latest", ValidationOptions(
+        level="deep", state_checks={"events": events_checks}))
     assert result.success  # non-critical failures do not fail the validation
     assert result.summary["failed_checks"] == ["events_all_in_group_0"]
 

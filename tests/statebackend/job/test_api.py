@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 import subprocess
@@ -9,6 +10,7 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
+import pandas as pd
 import pyarrow as pa
 import pytest
 
@@ -143,3 +145,32 @@ def test_the_docs_page_shows_the_tested_example_code():
     assert len(shown) == 3
     for block in shown:
         assert block in source
+
+
+def test_the_docs_in_process_snippet_runs_and_matches_pandas(monkeypatch, capsys):
+    """The "Try it in-process" block of docs/write-a-job.md, executed as written; what it
+    prints equals a pandas reference of the example's logic over the same rows."""
+    root = Path(__file__).resolve().parents[3]
+    doc = (root / "docs" / "write-a-job.md").read_text()
+    section = doc[doc.index("## Try it in-process"):]
+    (snippet,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)[:1]
+    monkeypatch.syspath_prepend(str(root))
+    namespace: dict = {}
+    exec(compile(snippet, "docs/write-a-job.md", "exec"), namespace)  # noqa: S102 - our doc
+    out = capsys.readouterr().out.splitlines()
+    activity, rejected = (ast.literal_eval(line) for line in out[:2])
+
+    frames = [namespace["batch1"].to_pandas(), namespace["batch2"].to_pandas()]
+    rows = pd.concat(frames, ignore_index=True)
+    bad = rows["user"] == ""
+    good = rows[~bad].assign(category=lambda d: d["category"].str.lower())
+    expected = []
+    for user, g in good.groupby("user"):
+        last = g.sort_values("ts", kind="stable").iloc[-1]
+        expected.append({"user": user, "last_ts": int(last["ts"]),
+                         "last_category": last["category"],
+                         "category_events": int((g["category"] == last["category"]).sum()),
+                         "categories": g["category"].nunique()})
+    assert sorted(activity, key=lambda r: r["user"]) == expected
+    assert [(r["user"], r["reason"]) for r in rejected] == [("", "empty_user")]
+    assert out[2] == f"{{'empty_user': 1}} {int((~bad).sum())} {len(expected)}"

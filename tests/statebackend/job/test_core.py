@@ -75,13 +75,13 @@ def fold(batch: pa.Table, ctx) -> None:
         [("ts", "count"), ("value", "sum"), ("ts", "min"), ("ts", "max")])
     keys = g["key"]
     totals = ctx.state("totals")
-    found, old = totals.get_columns(keys)
+    found, old = totals.value_columns(keys)
     lo, hi = g["ts_min"].to_numpy(), g["ts_max"].to_numpy()
     new = {"count": old["count"] + g["ts_count"].to_numpy(),
            "sum": old["sum"] + g["value_sum"].to_numpy(),
            "min_ts": np.where(found, np.minimum(old["min_ts"], lo), lo),
            "max_ts": np.where(found, np.maximum(old["max_ts"], hi), hi)}
-    totals.put_columns(keys, new)
+    totals.update_columns(keys, new)
     ctx.emit("totals", {"key": keys, **new, "run_id": [ctx.run_id] * len(keys)})
 
 
@@ -223,7 +223,7 @@ def test_option_reaches_the_logic(tmp_path):
 def test_per_key_list_reducing_aggregating_handles(tmp_path):
     def logic(key, rows, state):
         for ts in rows["ts"].to_pylist():
-            state["history"].append(ts)
+            state["history"].add(ts)
             state["latest"].add(ts)
             state["mean"].add(ts)
         if len(state["history"].get()) > 4:
@@ -344,7 +344,7 @@ def test_missing_column_reader_reason_and_typed_input(tmp_path):
 def test_integer_keys_are_cast_to_strings(tmp_path):
     job = Job(name="ints", input=Input(pa.schema([("k", pa.int64())]), key="k"),
               states=(value_state("n"),),
-              logic=Vectorized(lambda b, ctx: ctx.state("n").put(b["k"], [1] * len(b))))
+              logic=Vectorized(lambda b, ctx: ctx.state("n").update(b["k"], [1] * len(b))))
     with open_backend(tmp_path, job) as backend:
         result = process(job, backend, [pa.table({"k": [5, None, 7]})])
         assert backend.value_state("n").get_many(["5", "7"]) == [1, 1]
@@ -416,13 +416,13 @@ def test_vectorized_batch_operations_of_every_kind(tmp_path):
     def logic(batch, ctx):
         keys = batch["k"].to_pylist()
         vals = batch["v"].to_pylist()
-        ctx.state("last").put(keys, vals)
-        ctx.state("all").append(keys, vals)
+        ctx.state("last").update(keys, vals)
+        ctx.state("all").add(keys, vals)
         ctx.state("seen").put(keys, [str(v % 3) for v in vals], [1] * len(keys))
         ctx.state("top").add(keys, vals)
         gone = [k for k in keys if k.endswith("0")]
-        ctx.state("last").delete(gone)
-        ctx.state("seen").delete(gone, ["0"] * len(gone))
+        ctx.state("last").clear(gone)
+        ctx.state("seen").remove(gone, ["0"] * len(gone))
         ctx.emit("lists", {"k": keys[:1], "n": [len(ctx.state("all").get(keys[:1])[0])]})
 
     job = Job(name="kinds", input=Input(pa.schema([("k", pa.string()), ("v", pa.int64())]),

@@ -1,4 +1,4 @@
-"""The engine choice (statebackend.job.engine): a pure decision, tested without Spark."""
+"""The engine choice (statebackend.engines): a pure decision, tested without Spark."""
 
 from __future__ import annotations
 
@@ -10,19 +10,20 @@ import pyarrow.parquet as pq
 import pytest
 
 from statebackend import defaults
-from statebackend.errors import UsageError
-from statebackend.job.engine import (
+from statebackend.engines import (
     ENGINE_ENV,
     MAX_BYTES_ENV,
     MAX_MEMORY_ENV,
     MAX_STATE_BYTES_ENV,
+    Workload,
     choose_engine,
-    input_weight,
     is_local_master,
     local_master_cores,
     requested_engine,
 )
-from statebackend.job.input import COUNT_BLOCK_BYTES, check_parquet, list_input
+from statebackend.errors import UsageError
+from statebackend.job.arrow_input import check_parquet
+from statebackend.job.input import COUNT_BLOCK_BYTES, input_weight, list_input
 
 MIB = 2**20
 
@@ -34,9 +35,9 @@ def _no_engine_env(monkeypatch):
 
 
 def choice(requested=None, *, input_mib=1.0, master="local[2]", first=False, state_mib=0.0):
-    return choose_engine(requested, input_bytes=int(input_mib * MIB), master=master,
-                         first_run_without_parallelism=first,
-                         parent_state_bytes=int(state_mib * MIB))
+    return choose_engine(requested, master, Workload(
+        input_bytes=int(input_mib * MIB), state_bytes=int(state_mib * MIB),
+        new_lineage_without_parallelism=first))
 
 
 def test_auto_runs_a_small_input_locally_and_a_large_one_on_spark():
@@ -153,3 +154,13 @@ def test_parquet_counts_at_least_its_decoded_size(tmp_path):
     assert uncompressed < 10_000 and files.total_bytes < 10_000  # both far below the data
     decoded = pq.read_table(path).nbytes  # the reference: what Arrow holds
     assert n * (4 + 8) <= input_weight(files) <= decoded
+
+
+def test_storage_only_this_process_reaches_stays_local(monkeypatch):
+    memory = Workload(input_bytes=10 * 2**30, storage_in_process="memory://x")
+    picked = choose_engine(None, "spark://h:7077", memory)
+    assert picked.engine == "local" and "memory://x lives in this process" in picked.reason
+    with pytest.raises(UsageError, match="memory://x lives in one process.*--engine local"):
+        choose_engine("spark", "local[2]", memory)
+    monkeypatch.setenv(ENGINE_ENV, "spark")  # a default, not a request: memory stays local
+    assert choose_engine(None, "local[2]", memory).engine == "local"

@@ -38,7 +38,7 @@ def _logic_register(batch: pa.Table, ctx) -> None:
     # one event timer per row at ts + 10, tagged with the row's ts
     ctx.timers.register(batch["k"], [t + 10 for t in batch["ts"].to_pylist()],
                         tags=[str(t) for t in batch["ts"].to_pylist()])
-    ctx.state("n").put(batch["k"], [1] * batch.num_rows)
+    ctx.state("n").update(batch["k"], [1] * batch.num_rows)
 
 
 def _vector_handler(timers: pa.Table, ctx) -> None:
@@ -78,23 +78,33 @@ def test_vectorized_handler_fires_due_timers_in_time_order(tmp_path):
     be.close()
 
 
-def _per_key_handler(key: str, timer, state) -> dict:
-    n = state["n"].get(0) + 1
-    state["n"].update(n)  # the next timer of this key sees it
-    if timer.tag == "1":
-        assert [t.time for t in state.timers.list()] == [19, 40]
+def _per_key_handler(key: str, timers: list, state) -> list[dict]:
+    state.count("calls")
+    n = state["n"].value(0)
+    if timers[0].tag == "1":  # the first call: the chunk holds both of a's due timers
+        assert [t.time for t in state.timers.list()] == [40]  # stored, not handed in
         state.timers.delete(40, tag="30")
-    return [{"k": key, "time": timer.time, "tag": timer.tag, "seen": n}]
+        state.timers.register(21, tag="again")  # at or below the watermark: a new chunk
+    rows = []
+    for timer in timers:
+        n += 1
+        rows.append({"k": key, "time": timer.time, "tag": timer.tag, "seen": n})
+    state["n"].update(n)  # the next call of this key sees it
+    return rows
 
 
-def test_per_key_handler_sees_its_own_changes(tmp_path):
+def test_per_key_handler_once_per_key_per_chunk(tmp_path):
     job = Job(name="t", input=Input(SCHEMA, "k", event_time="ts"), states=(value_state("n"),),
               outputs=(OUT,), logic=Vectorized(_logic_register),
               on_timer=PerKey(_per_key_handler))
     be, proc = processor(tmp_path, job, new_watermark=25)
-    proc.process(pa.table({"k": ["a", "a", "a"], "ts": [9, 1, 30]}, schema=SCHEMA))
-    fired = proc.finish().outputs["fired"].to_pylist()
-    assert [(r["time"], r["seen"]) for r in fired] == [(11, 2), (19, 3)]
+    proc.process(pa.table({"k": ["a", "a", "a", "b"], "ts": [9, 1, 30, 2]}, schema=SCHEMA))
+    result = proc.finish()
+    fired = result.outputs["fired"].to_pylist()
+    assert [(r["k"], r["time"], r["tag"], r["seen"]) for r in fired] == [
+        ("a", 11, "1", 2), ("a", 19, "9", 3), ("b", 12, "2", 2), ("a", 21, "again", 4)]
+    # a: its chunk (11, 19), then the pass its handler started (21); b: once
+    assert result.counters == {"calls": 3} and result.timers_fired == 4
     assert list(iter_timers(be)) == []  # 40 deleted by the handler
     be.close()
 
@@ -103,7 +113,7 @@ def test_processing_timers_and_ttl_purge(tmp_path):
     def logic(batch, ctx):
         ctx.timers.register(batch["k"], [ctx.processing_time + 5] * batch.num_rows,
                             domain="processing")
-        ctx.state("seen").put(batch["k"], [1] * batch.num_rows)
+        ctx.state("seen").update(batch["k"], [1] * batch.num_rows)
 
     def handler(timers, ctx):
         ctx.count("processing_fired", timers.num_rows)

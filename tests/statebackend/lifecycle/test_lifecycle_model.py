@@ -38,9 +38,9 @@ from hypothesis.stateful import (
 
 from statebackend.checkpoint.dump import backend_rows
 from statebackend.checkpoint.leases import acquire_hold, release
-from statebackend.checkpoint.restore import restore_subtask, restored_readonly
+from statebackend.checkpoint.restore import FROM_STORAGE, restore_subtask, restored_readonly
 from statebackend.checkpoint.snapshot import checkpoint_backends, upload_snapshot
-from statebackend.checkpoint.store import CheckpointStore, build_metadata
+from statebackend.checkpoint.store import CheckpointStore, MetadataParts, build_metadata
 from statebackend.errors import LeaseConflictError
 from statebackend.lifecycle.doctor import diagnose, execute, plan_rollback
 from statebackend.lifecycle.gc import collect_garbage
@@ -121,9 +121,10 @@ class LifecycleMachine(RuleBasedStateMachine):
                                  backend=self.backend)
         if overlap and cid in self.expected:
             # it lost the race for ``cid`` to the writer that committed it on cid - 1
-            meta = build_metadata(job="job", checkpoint_id=cid, parent=cid - 1 or None,
+            meta = build_metadata(MetadataParts(
+                job="job", checkpoint_id=cid, parent=cid - 1 or None,
                                   max_parallelism=M, states=[d.to_json() for d in DESC],
-                                  handles=[result.handle])
+                                  handles=[result.handle]))
             with pytest.raises(LeaseConflictError):
                 self.store.commit(meta)
         # files stay behind (no cleanup): orphans for GC
@@ -182,7 +183,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         meta = self.store.load(cid)
         self.backend = restore_subtask(self.store.storage, meta.subtasks[0],
                                        os.path.join(self.tmp, f"live-{self.n}"), DESC, M,
-                                       allow_local=False)
+                                       FROM_STORAGE)
         self.live = dict(self.expected[cid])
         assert state_of(self.backend) == self.live
         self.parent = cid

@@ -17,7 +17,7 @@ from statebackend.checkpoint.layout import INDEX_DIR, INDEX_FILE
 from statebackend.checkpoint.leases import acquire_writer_lease, writer_lease
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.snapshot import checkpoint_backends, upload_snapshot
-from statebackend.checkpoint.store import CheckpointStore, build_metadata
+from statebackend.checkpoint.store import CheckpointStore, MetadataParts, build_metadata
 from statebackend.errors import (
     LeaseConflictError,
     LeaseLostError,
@@ -78,13 +78,13 @@ class Job:
             b.compact()
 
     def restore_from(self, meta: CheckpointMetadata, state: dict) -> None:
-        from statebackend.checkpoint.restore import restore_subtask
+        from statebackend.checkpoint.restore import FROM_STORAGE, restore_subtask
 
         self.close()
         self.backends = [restore_subtask(self.store.storage, h,
                                          os.path.join(self.base_dir, self.store.job,
                                                       f"r{meta.checkpoint_id}-{h.index}"),
-                                         DESC, M, allow_local=False) for h in meta.subtasks]
+                                         DESC, M, FROM_STORAGE) for h in meta.subtasks]
         self.model = dict(state)
         self.parent = meta.checkpoint_id
 
@@ -127,8 +127,8 @@ def test_aborted_checkpoint_files_referenced_by_later_checkpoint(job):
     stray = "chk-2/0/stray-upload.tmp"
     job.storage.write_bytes(f"orders/{stray}", b"half an upload")
     # a later checkpoint (a retry of the same snapshot) commits those very files
-    meta = build_metadata(job="orders", checkpoint_id=2, parent=1, max_parallelism=M,
-                          states=[d.to_json() for d in DESC], handles=[r.handle for r in results])
+    meta = build_metadata(MetadataParts(job="orders", checkpoint_id=2, parent=1, max_parallelism=M,
+                          states=[d.to_json() for d in DESC], handles=[r.handle for r in results]))
     job.store.commit(meta)
     job.expected[2] = dict(job.model)
     assert aborted <= {f.path for f in meta.files}
@@ -202,15 +202,15 @@ def test_two_overlapping_attempts_same_id(job):
     job.write(keys(40), 2)
     loser_results = [upload_snapshot(job.store.storage, b.take_local_snapshot(), checkpoint_id=2,
                                      subtask=i, backend=b) for i, b in enumerate(job.backends)]
-    winner = job.checkpoint(checkpoint_id=2)
-    loser = build_metadata(job="orders", checkpoint_id=2, parent=1, max_parallelism=M,
+    winner = job.checkpoint()  # checkpoint 2
+    loser = build_metadata(MetadataParts(job="orders", checkpoint_id=2, parent=1, max_parallelism=M,
                            states=[d.to_json() for d in DESC],
-                           handles=[r.handle for r in loser_results])
+                           handles=[r.handle for r in loser_results]))
     with pytest.raises(LeaseConflictError):
         job.store.commit(loser)
     # the built-in driver path cleans up after itself
     with pytest.raises(LeaseConflictError):
-        checkpoint_backends(job.store, job.backends, parent=1, checkpoint_id=2)
+        checkpoint_backends(job.store, job.backends, parent=1)  # checkpoint 2
     orphans = {p for r in loser_results for p in r.uploaded_paths}
     assert orphans.isdisjoint(f.path for f in winner.files)
     pending = collect_garbage(job.store)  # default grace: all young
@@ -241,8 +241,8 @@ def test_gc_racing_an_in_progress_upload(job):
     # GC plans while the files look old, then the attempt commits before GC deletes
     plan = plan_gc(build_registry(job.store, now=LATER), grace_seconds=3600)
     assert {f.path for f in plan.deletions} == uploading
-    meta = build_metadata(job="orders", checkpoint_id=2, parent=1, max_parallelism=M,
-                          states=[d.to_json() for d in DESC], handles=[r.handle for r in results])
+    meta = build_metadata(MetadataParts(job="orders", checkpoint_id=2, parent=1, max_parallelism=M,
+                          states=[d.to_json() for d in DESC], handles=[r.handle for r in results]))
     job.store.commit(meta)
     job.expected[2] = dict(job.model)
     report = execute_gc(job.store, plan, known_ids={1})
@@ -257,9 +257,10 @@ def upload_attempt(job: Job, checkpoint_id: int) -> list:
 
 
 def attempt_metadata(job: Job, checkpoint_id: int, results) -> CheckpointMetadata:
-    return build_metadata(job="orders", checkpoint_id=checkpoint_id, parent=job.parent,
+    return build_metadata(MetadataParts(
+        job="orders", checkpoint_id=checkpoint_id, parent=job.parent,
                           max_parallelism=M, states=[d.to_json() for d in DESC],
-                          handles=[r.handle for r in results])
+                          handles=[r.handle for r in results]))
 
 
 def test_run_longer_than_the_lease_ttl_stays_protected(job):

@@ -14,7 +14,8 @@ from statebackend.checkpoint.snapshot import checkpoint_backends
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.cli import app as cli
 from statebackend.errors import LeaseConflictError, SnapshotError, UsageError
-from statebackend.rescale.executor import NothingToRescaleError, rescale
+from statebackend.rescale.executor import RescaleOptions, rescale
+from statebackend.rescale.plan import NothingToRescaleError
 from statebackend.state.keygroups import key_group_for_bytes
 from statebackend.state.kinds import StateDescriptor
 from statebackend.state.timers import with_timers
@@ -107,28 +108,42 @@ def _spark_jobs(spark) -> set[int]:
 
 
 def test_a_local_session_rescales_in_driver_threads_without_a_spark_job(spark, tmp_path):
-    from statebackend.rescale.executor import driver_threads
-
-    assert driver_threads(spark) == 2  # local[2]: one thread per core
     store = build_source(tmp_path, f"file://{tmp_path}/store", 3)
     before, jobs = content(store, store.latest()), _spark_jobs(spark)
-    rescale(store, "latest", 5, spark=spark)
+    # auto (the suite's $CKPT_ENGINE is spark): local[2]'s executors are this process
+    summary = rescale(store, "latest", 5, spark=spark, options=RescaleOptions(engine="auto"))
+    assert summary["engine"] == "local" and "local[2]" in summary["engine_reason"]
     assert _spark_jobs(spark) == jobs
     assert content(store, store.latest()) == before
     check_ranges_and_clip(store, store.latest())
 
 
-@pytest.mark.parametrize(("p", "q"), [(2, 3), (3, 2)])
-def test_spark_tasks_give_the_same_checkpoint_as_driver_threads(spark, tmp_path, monkeypatch,
-                                                                 p, q):
-    # the path a cluster or a Spark Connect server takes, forced on the local session
-    from statebackend.rescale import executor as mod
+def test_a_cluster_master_with_a_large_state_rescales_as_spark_tasks(tmp_path, monkeypatch):
+    from statebackend.engines import ENGINE_ENV, MAX_STATE_BYTES_ENV
+    from statebackend.rescale.executor import choose_rescale_engine
 
-    monkeypatch.setattr(mod, "driver_threads", lambda spark_: 0)
+    monkeypatch.delenv(ENGINE_ENV)  # auto
+    store = build_source(tmp_path, f"file://{tmp_path}/store", 2)
+    meta = store.latest()
+    cluster = RescaleOptions(master="spark://127.0.0.1:7077")
+    assert choose_rescale_engine(store, meta, cluster).engine == "local"  # a small state
+    monkeypatch.setenv(MAX_STATE_BYTES_ENV, str(meta.bytes_referenced - 1))
+    picked = choose_rescale_engine(store, meta, cluster)
+    assert picked.engine == "spark" and MAX_STATE_BYTES_ENV in picked.reason
+    assert choose_rescale_engine(store, meta, RescaleOptions(master="local[2]")).engine \
+        == "local"
+    memory = build_source(tmp_path, f"memory://rescale-engine-{os.getpid()}", 2)
+    with pytest.raises(UsageError, match="lives in one process"):
+        choose_rescale_engine(memory, memory.latest(), RescaleOptions(engine="spark"))
+
+
+@pytest.mark.parametrize(("p", "q"), [(2, 3), (3, 2)])
+def test_spark_tasks_give_the_same_checkpoint_as_driver_threads(spark, tmp_path, p, q):
+    # the path a cluster or a Spark Connect server takes, asked for on the local session
     store = build_source(tmp_path, f"file://{tmp_path}/store", p)
     before, jobs = content(store, store.latest()), _spark_jobs(spark)
-    rescale(store, "latest", q, spark=spark)
-    assert _spark_jobs(spark) - jobs  # ran as Spark tasks
+    summary = rescale(store, "latest", q, spark=spark, options=RescaleOptions(engine="spark"))
+    assert summary["engine"] == "spark" and _spark_jobs(spark) - jobs  # ran as Spark tasks
     assert content(store, store.latest()) == before
     check_ranges_and_clip(store, store.latest())
 
@@ -199,7 +214,7 @@ def test_compact_option_writes_only_live_data(spark, tmp_path):
     store = build_source(tmp_path, f"file://{tmp_path}/store", 1)
     source = store.latest()
     before = content(store, source)
-    rescale(store, "latest", 4, spark=spark, compact=True)
+    rescale(store, "latest", 4, spark=spark, options=RescaleOptions(compact=True))
     new = store.latest()
     source_shared = {f.path for f in source.subtasks[0].shared_files}
     assert not any(f.path in source_shared for h in new.subtasks for f in h.shared_files)
@@ -212,9 +227,9 @@ def test_failed_rescale_commits_nothing_and_cleans_up(spark, tmp_path):
     before = content(store, source)
     files_before = sorted(i.path for i in store.storage.walk_files(""))
 
-    with pytest.raises(SnapshotError, match="failed in 1 of 5 new subtasks .*injected fault.*"
+    with pytest.raises(SnapshotError, match="failed: new subtask 2: .*injected fault.*"
                                             "nothing was committed"):
-        rescale(store, "latest", 5, spark=spark, _fail_subtask=2)
+        rescale(store, "latest", 5, spark=spark, options=RescaleOptions(fail_subtask=2))
 
     assert store.checkpoint_ids() == [1, 2]
     # every upload of the attempt (shared SSTs of the 4 good subtasks too) is gone
@@ -308,7 +323,7 @@ def test_memory_storage_runs_tasks_in_the_driver(tmp_path):
 def test_export_key_groups_writes_exactly_the_range(tmp_path):
     from rocksdict import IngestExternalFileOptions
 
-    from statebackend.rescale.executor import count_keys, export_key_groups
+    from statebackend.rescale.task import count_keys, export_key_groups
     from statebackend.state.keygroups import KeyGroupRange, key_group_of_rocks_key
 
     (src,) = open_backends(str(tmp_path / "src"), 1, M, DESCRIPTORS)
@@ -356,7 +371,7 @@ def build_timer_ttl_source(tmp_path, url: str, p: int) -> CheckpointStore:
 
 
 def check_timers_and_ttl_after_rescale(store: CheckpointStore, source, tmp_path) -> None:
-    from statebackend.checkpoint.restore import restore_subtask
+    from statebackend.checkpoint.restore import FROM_STORAGE, restore_subtask
     from statebackend.state.timers import fire_due
     from statebackend.state.ttl import purge_expired
     from statebackend.validation.content import build_content
@@ -372,7 +387,7 @@ def check_timers_and_ttl_after_rescale(store: CheckpointStore, source, tmp_path)
     fired_all, purged = [], 0
     for h in meta.subtasks:
         be = restore_subtask(store.storage, h, str(tmp_path / f"check-{h.index}"),
-                             TIMER_TTL_DESCRIPTORS, M, allow_local=False)
+                             TIMER_TTL_DESCRIPTORS, M, FROM_STORAGE)
         try:
             fired = [(t.time, t.key) for t in fire_due(be, "event", 10**6)]
             assert [t for t, _ in fired] == sorted(t for t, _ in fired)

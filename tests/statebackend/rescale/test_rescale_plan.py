@@ -7,10 +7,10 @@ import json
 import pytest
 
 from statebackend.checkpoint.metadata import FileRef, SubtaskHandle
-from statebackend.checkpoint.store import CheckpointStore, build_metadata
+from statebackend.checkpoint.store import CheckpointStore, MetadataParts, build_metadata
 from statebackend.cli import app as cli
 from statebackend.errors import MetadataError, UsageError
-from statebackend.rescale.executor import NothingToRescaleError, plan_rescale
+from statebackend.rescale.plan import NothingToRescaleError, plan_rescale
 from statebackend.state.keygroups import KeyGroupRange, key_group_range_for_subtask
 from statebackend.storage import open_storage
 
@@ -23,8 +23,8 @@ def fake_meta(p: int, m: int = 128, cid: int = 5):
         private = (FileRef(f"chk-{cid}/{i}/s/MANIFEST-000005", "MANIFEST-000005", 10, "crc32:0"),)
         handles.append(SubtaskHandle(i, r.start, r.end, f"b{i}", "s", shared, private,
                                      {"totals": 1}))
-    return build_metadata(job="j", checkpoint_id=cid, parent=None, max_parallelism=m,
-                          states=[{"name": "totals", "kind": "value"}], handles=handles)
+    return build_metadata(MetadataParts(job="j", checkpoint_id=cid, parent=None, max_parallelism=m,
+                          states=[{"name": "totals", "kind": "value"}], handles=handles))
 
 
 PAIRS = [(1, 4), (4, 1), (2, 3), (3, 2), (3, 7), (7, 3), (5, 128), (128, 5), (3, 5), (5, 2)]
@@ -162,7 +162,7 @@ def test_cli_dry_run_prints_plan_and_writes_nothing(capsys, tmp_path, fake_store
 
 
 def test_clipped_share_spreads_each_files_bytes_over_its_key_groups():
-    from statebackend.rescale.executor import clipped_share
+    from statebackend.rescale.task import clipped_share
     from statebackend.state.keygroups import key_group_prefix
 
     def f(start: int, end: int, size: int) -> dict:

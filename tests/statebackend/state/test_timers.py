@@ -13,7 +13,7 @@ import random
 import pytest
 
 from statebackend.checkpoint.dump import checkpoint_rows
-from statebackend.checkpoint.restore import restore_subtask
+from statebackend.checkpoint.restore import FROM_STORAGE, restore_subtask
 from statebackend.checkpoint.snapshot import checkpoint_backends
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.cli import app as cli
@@ -210,7 +210,7 @@ def test_timers_survive_snapshot_and_restore_and_show_in_dump(tmp_path, capsys):
         "count": "value", "_timers": "timers", "_timer_keys": "timer_keys"}
     for h in meta.subtasks:  # a fresh download, not the local instance
         be = restore_subtask(store.storage, h, str(tmp_path / f"r{h.index}"), DESCS, M,
-                             allow_local=False)
+                             FROM_STORAGE)
         try:
             assert be.restore_mode == "download"
             assert all(h.key_group_start <= t.key_group <= h.key_group_end

@@ -12,7 +12,7 @@ import pytest
 
 from statebackend.checkpoint.dump import checkpoint_rows
 from statebackend.checkpoint.metadata import CheckpointMetadata
-from statebackend.checkpoint.restore import restore_subtask
+from statebackend.checkpoint.restore import FROM_STORAGE, restore_subtask
 from statebackend.checkpoint.snapshot import checkpoint_backends
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import MetadataError, UsageError
@@ -217,6 +217,70 @@ def test_reducing_aggregating_and_record_states_with_ttl(tmp_path):
         assert records.get_columns(["a"])[0].tolist() == [False]
 
 
+class MeanAggregate:
+    """Accumulator [sum, count]; result: the mean."""
+
+    def create_accumulator(self):
+        return [0, 0]
+
+    def add(self, value, acc):
+        return [acc[0] + value, acc[1] + 1]
+
+    def merge(self, a, b):
+        return [a[0] + b[0], a[1] + b[1]]
+
+    def get_result(self, acc):
+        return acc[0] / acc[1]
+
+
+def test_reducing_and_aggregating_take_timestamps_like_a_sequential_reference(tmp_path):
+    """Event-time TTL on reducing and aggregating states, written with per-value
+    timestamps in batches, read as a plain Python reference of sequential adds says:
+    each add writes the key's entry, so its expiry is its last add's time + TTL, and an
+    add to an expired entry starts again."""
+    descs = (StateDescriptor("sum", "reducing", reduce_fn=lambda a, b: a + b,
+                             ttl=StateTtl(TTL, "event")),
+             StateDescriptor("mean", "aggregating", aggregate_fn=MeanAggregate(),
+                             ttl=StateTtl(TTL, "event")))
+    rng = random.Random(11)
+    keys = [f"k{i}" for i in range(40)]
+    ref: dict[str, tuple[list[int], int]] = {}  # key -> (values since it was new, expiry)
+    with one_backend(tmp_path, descs) as be:
+        total, mean = be.reducing_state("sum"), be.aggregating_state("mean")
+        for step in range(10):
+            now = step * 300
+            be.set_time(event_time=now)
+            batch = [rng.choice(keys) for _ in range(80)]
+            values = [rng.randrange(-50, 100) for _ in batch]
+            # each write lives past the clock of its batch (no entry written expired)
+            stamps = [now - TTL // 2 + rng.randrange(0, 700) for _ in batch]
+            total.add_many(batch, values, timestamps=stamps)
+            mean.add_many(batch, values, timestamps=stamps)
+            for k, v, ts in zip(batch, values, stamps, strict=True):
+                kept, expiry = ref.get(k, ([], 0))
+                ref[k] = ((kept if expiry > now else []) + [v], ts + TTL)
+            if step % 3 == 2:  # one value: one timestamp
+                k, v, ts = rng.choice(keys), rng.randrange(100), now + 5
+                total.add(k, v, timestamp=ts)
+                mean.add(k, v, timestamp=ts)
+                kept, expiry = ref.get(k, ([], 0))
+                ref[k] = ((kept if expiry > now else []) + [v], ts + TTL)
+            be.set_time(event_time=now + 250)
+            later = now + 250
+            live = {k: vs for k, (vs, e) in ref.items() if e > later}
+            assert total.get_many(keys) == [sum(live[k]) if k in live else None for k in keys]
+            assert mean.get_many(keys) == [sum(live[k]) / len(live[k]) if k in live else None
+                                           for k in keys]
+        expiries = {(name, be.rocks_key(k), e) for k, (_, e) in ref.items()
+                    for name in ("sum", "mean")}
+        assert {(e.state, e.rocks_key, e.expiry) for e in iter_index(be)} == expiries
+        with pytest.raises(UsageError, match="one timestamp per value"):
+            total.add_many(["a", "b"], [1, 2], timestamps=[1])
+        stats = purge_expired(be, "event", 10**9)
+        assert stats.entries_deleted == 2 * len(ref)
+        assert be.count_keys("sum") == be.count_keys("mean") == be.count_keys(TTL_INDEX) == 0
+
+
 # -- purge -------------------------------------------------------------------------------
 
 def test_purge_removes_exactly_what_expired(tmp_path):
@@ -338,7 +402,7 @@ def test_ttl_survives_snapshot_and_restore(tmp_path):
     assert "ttl" not in states["plain"] and states[TTL_INDEX]["kind"] == "ttl_index"
     restored = restore_subtask(store.storage, meta.subtasks[0], str(tmp_path / "r"),
                                [StateDescriptor.from_json(s) for s in meta.states], M,
-                               allow_local=False)
+                               FROM_STORAGE)
     try:
         assert sorted((e.state, e.expiry) for e in iter_index(restored)) == [
             ("attrs", TTL), ("seen", TTL), ("seen", 500 + TTL)]
@@ -470,7 +534,7 @@ def test_next_expiry_per_domain(tmp_path):
 def test_validate_checkpoint_fails_on_a_readable_expired_entry(tmp_path):
     from statebackend.state.codecs import domain_byte
     from statebackend.state.ttl import index_key, state_tag
-    from statebackend.validation.validate import validate_checkpoint
+    from statebackend.validation.validate import ValidationOptions, validate_checkpoint
 
     def tamper(be):  # the index says live "c" expired at 1000 (the watermark is 2000)
         be.column_family(TTL_INDEX).put(
@@ -482,7 +546,7 @@ def test_validate_checkpoint_fails_on_a_readable_expired_entry(tmp_path):
         store, meta = _checkpoint_with_ttl(tmp_path / name, change)
         # the run protocol records its watermark; here it goes into the record as committed
         recommit_record(store, meta.checkpoint_id, meta.to_bytes())
-        results[name] = validate_checkpoint(store, deep=True)
+        results[name] = validate_checkpoint(store, "latest", ValidationOptions(level="deep"))
     assert results["clean"].summary["failed_checks"] == []
     assert results["tampered"].summary["failed_checks"] == ["values_decode"]
     check = next(c for c in results["tampered"].summary["checks"]

@@ -382,5 +382,5 @@ def test_run_config_and_task_params_show_no_secret():
     params = TaskParams(job=None, options={}, storage_url="s3://b/x", job_dir="j",
                         checkpoint_id=1, parallelism=1, max_parallelism=1, parent_handles=(),
                         output_url=None, quarantine_url="q", run_dir="run=r", run_id="r",
-                        part_values=(0,), storage_options=config.storage_options)
+                        storage_options=config.storage_options)
     assert "hidden-value" not in repr(params) and "AKIA1" not in repr(params)

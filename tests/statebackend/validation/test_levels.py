@@ -24,8 +24,8 @@ from statebackend.state.kinds import StateDescriptor
 from statebackend.state.ttl import TTL_INDEX, StateTtl, index_key, purge_expired, state_tag
 from statebackend.storage import open_storage
 from statebackend.validation import sampling
-from statebackend.validation.content import build_content
-from statebackend.validation.validate import validate_checkpoint
+from statebackend.validation.content import ContentOptions, build_content
+from statebackend.validation.validate import ValidationOptions, validate_checkpoint
 from tests.statebackend.validation.test_validate import (
     check,
     failed,
@@ -71,8 +71,8 @@ def assert_rows_of(sample: pd.DataFrame, full: pd.DataFrame) -> None:
 def test_deep_samples_rows_of_the_full_table_and_counts_every_entry(lineage):
     store, meta = lineage
     full = build_content(store.storage, meta)
-    sample = build_content(store.storage, meta, sample=64, seed=7)
-    again = build_content(store.storage, meta, sample=64, seed=7)
+    sample = build_content(store.storage, meta, ContentOptions(sample=64, seed=7))
+    again = build_content(store.storage, meta, ContentOptions(sample=64, seed=7))
     pd.testing.assert_frame_equal(sample.state, again.state)  # the seed repeats the sample
     per_family = sample.state.groupby(["subtask", "state"]).size()
     assert len(per_family) == len(full.state.groupby(["subtask", "state"]).size())
@@ -90,19 +90,19 @@ def test_deep_samples_rows_of_the_full_table_and_counts_every_entry(lineage):
 def test_a_state_within_the_sample_is_checked_whole(lineage, monkeypatch):
     store, meta = lineage
     full = build_content(store.storage, meta)
-    whole = build_content(store.storage, meta, sample=N_KEYS)
+    whole = build_content(store.storage, meta, ContentOptions(sample=N_KEYS))
     pd.testing.assert_frame_equal(whole.state, full.state)
     monkeypatch.setattr(sampling, "WHOLE_UP_TO", N_KEYS)
-    small = build_content(store.storage, meta, sample=8)
+    small = build_content(store.storage, meta, ContentOptions(sample=8))
     pd.testing.assert_frame_equal(small.state, full.state)
 
 
 def test_row_counts_from_sst_properties_are_exact_and_checked(lineage, tmp_path):
     store, _ = lineage
-    one = validate_checkpoint(store, 1, level="deep", sample=16, seed=1, report="none",
-                              report_dir=str(tmp_path / "r"))
-    full = validate_checkpoint(store, 1, level="full", report="none",
-                               report_dir=str(tmp_path / "r"))
+    one = validate_checkpoint(store, 1, ValidationOptions(
+        level="deep", sample=16, seed=1, report="none", report_dir=str(tmp_path / "r")))
+    full = validate_checkpoint(store, 1, ValidationOptions(
+        level="full", report="none", report_dir=str(tmp_path / "r")))
     assert one.success and full.success
     figures = one.summary["figures"]
     assert list(figures["counted_by"]) == ["sst properties"]  # one SST per state
@@ -118,7 +118,8 @@ def test_a_wrong_recorded_count_fails_at_deep_without_a_scan(tmp_path):
                                 parallelism=2, n_keys=N_KEYS)
     edit_metadata(store, 1, lambda o: o["subtasks"][1]["row_counts"].update(
         totals=o["subtasks"][1]["row_counts"]["totals"] + 1))
-    result = validate_checkpoint(store, 1, level="deep", sample=16, report="none")
+    result = validate_checkpoint(store, 1, ValidationOptions(level="deep", sample=16,
+                                                             report="none"))
     assert failed(result) == {"row_counts_match"}
     (row,) = check(result, "row_counts_match")["offending_rows"]
     assert (row["subtask"], row["state"], row["counted_by"]) == (1, "totals", "sst properties")
@@ -138,15 +139,17 @@ def _key_of_next_subtask(backends):
 def test_a_key_outside_the_subtask_range_fails_at_deep_whatever_the_sample(tmp_path):
     store, _ = build_checkpoint(f"file://{tmp_path}/store", str(tmp_path / "w"),
                                 parallelism=2, n_keys=N_KEYS, tamper=_key_of_next_subtask)
-    assert validate_checkpoint(store, report="none").success  # the manifest cannot see it
+    # the manifest cannot see it
+    assert validate_checkpoint(store, "latest", ValidationOptions(report="none")).success
     for seed in (1, 2):
-        deep = validate_checkpoint(store, level="deep", sample=8, seed=seed, report="none")
+        deep = validate_checkpoint(store, "latest", ValidationOptions(
+            level="deep", sample=8, seed=seed, report="none"))
         assert "keys_in_subtask_range_by_rocksdb" in failed(deep)
         assert failed(deep) <= {"keys_in_subtask_range_by_rocksdb", "keys_in_subtask_range"}
         (row,) = check(deep, "keys_in_subtask_range_by_rocksdb")["offending_rows"]
         assert (row["subtask"], row["state"]) == (0, "totals")
         assert row["last_key_group"] == row["range_end"] + 1
-    full = validate_checkpoint(store, level="full", report="none")
+    full = validate_checkpoint(store, "latest", ValidationOptions(level="full", report="none"))
     assert failed(full) == {"keys_in_subtask_range", "keys_in_subtask_range_by_rocksdb"}
     (row,) = check(full, "keys_in_subtask_range")["offending_rows"]
     assert row["key"].startswith("far")
@@ -176,7 +179,7 @@ def test_sampled_ttl_checks_agree_with_the_full_scan(tmp_path):
         be.mark_dirty()
         meta = checkpoint_backends(store, [be], parent=None).with_changes(watermark=2_000)
     full = build_content(store.storage, meta).state
-    sample = build_content(store.storage, meta, sample=96, seed=3).state
+    sample = build_content(store.storage, meta, ContentOptions(sample=96, seed=3)).state
     assert_rows_of(sample, full)
     bad = sample[sample["ttl_ok"].notna() & ~sample["ttl_ok"].astype(bool)]
     assert {"seen", TTL_INDEX} <= set(bad["state"])  # both kinds of disagreement sampled
@@ -204,11 +207,13 @@ def test_cli_levels(lineage, tmp_path, capsys):
 def test_bad_level_or_sample_is_a_usage_error(lineage):
     store, _ = lineage
     with pytest.raises(UsageError, match="validation level 'thorough' is invalid"):
-        validate_checkpoint(store, 1, level="thorough")
-    with pytest.raises(UsageError, match="with deep=True"):
-        validate_checkpoint(store, 1, deep=True, level="manifest")
+        validate_checkpoint(store, 1, ValidationOptions(level="thorough"))
     with pytest.raises(UsageError, match="sample 0 is invalid"):
-        validate_checkpoint(store, 1, deep=True, sample=0)
+        validate_checkpoint(store, 1, ValidationOptions(level="deep", sample=0))
+    with pytest.raises(UsageError, match="sample True is invalid"):
+        ValidationOptions(level="deep", sample=True)
+    with pytest.raises(UsageError, match="report mode 'later' is invalid"):
+        ValidationOptions(report="later")
 
 
 def test_rocksdb_counts_are_used_only_when_exact(tmp_path):

@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 
-from statebackend.validation.validate import validate_checkpoint
+from statebackend.validation.validate import ValidationOptions, validate_checkpoint
 from tests.statebackend.validation.test_validate_support import build_checkpoint
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists(
@@ -62,7 +62,7 @@ def png_size(path) -> tuple[int, int]:
 def test_clean_report_opens_in_headless_chromium(tmp_path):
     store, meta = build_checkpoint(f"file://{tmp_path}/store", str(tmp_path / "w"),
                                    parallelism=2, n_keys=200)
-    result = validate_checkpoint(store, deep=True)
+    result = validate_checkpoint(store, "latest", ValidationOptions(level="deep"))
     assert result.success
     page = result.report_index
     assert page == f"{result.report_location}/index.html" and page.startswith("file://")

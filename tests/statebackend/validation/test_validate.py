@@ -24,6 +24,7 @@ from statebackend.checkpoint.store import CheckpointStore, metadata_path
 from statebackend.state.keygroups import key_group_for_bytes
 from statebackend.storage import open_storage
 from statebackend.validation.validate import (
+    ValidationOptions,
     ValidationResult,
     read_report_summary,
     validate_checkpoint,
@@ -39,20 +40,19 @@ from tests.statebackend.validation.test_validate_support import (
     tree_fingerprint,
 )
 
+LEVEL = {False: "manifest", True: "deep"}  # the level of a ``deep`` parameter
 COMPARED: list[tuple[str, bool]] = []  # (check, success) of every comparison made
 
 
 @pytest.fixture(autouse=True)
 def ge_agrees(monkeypatch):
     """Each verdict computed without GE must equal GE's own, check by check."""
-    from statebackend.validation.report import check_entries
-
     native = suites.evaluate_runs
 
     def both(runs):
         suites_out, checks = native(runs)
         suites.load_great_expectations()
-        ge_suites, ge_checks = check_entries(suites.run_suites(runs, None))
+        ge_suites, ge_checks = suites.check_entries(suites.run_suites(runs, None))
         assert checks == ge_checks
         strip = [{k: v for k, v in s.items() if k != "seconds"} for s in suites_out]
         assert strip == [{k: v for k, v in s.items() if k != "seconds"} for s in ge_suites]
@@ -88,7 +88,7 @@ def check(result: ValidationResult, name: str) -> dict:
 def test_clean_checkpoint_passes_manifest_and_deep(copy):
     store, meta = copy
     before = tree_fingerprint(job_dir(store))
-    result = validate_checkpoint(store, "latest", deep=True)
+    result = validate_checkpoint(store, "latest", ValidationOptions(level="deep"))
     assert result.success, result.summary["failed_checks"]
     assert result.checkpoint_id == meta.checkpoint_id == 2
     s = result.summary
@@ -117,7 +117,7 @@ def test_missing_shared_file(copy):
     assert [r["path"] for r in rows] == [path]
     page = open(result.report_index.removeprefix("file://")).read()
     assert "FAILED" in page and "Failed checks and offending rows" in page and path in page
-    deep = validate_checkpoint(store, 2, deep=True)
+    deep = validate_checkpoint(store, 2, ValidationOptions(level="deep"))
     assert {"files_exist", "subtasks_restore"} <= failed(deep)
 
 
@@ -144,7 +144,8 @@ def test_one_flipped_byte_is_a_checksum_failure(copy):
     result = validate_checkpoint(store, 2)
     assert failed(result) == {"file_checksums_match"}
     assert [r["path"] for r in check(result, "file_checksums_match")["offending_rows"]] == [path]
-    deep = validate_checkpoint(store, 2, deep=True)  # checksums come from the download
+    # checksums come from the download
+    deep = validate_checkpoint(store, 2, ValidationOptions(level="deep"))
     assert {"file_checksums_match", "subtasks_restore"} <= failed(deep)
     assert check(deep, "subtasks_restore")["offending_rows"][0]["subtask"] == 2
 
@@ -184,7 +185,7 @@ def test_wrong_max_parallelism(copy):
     result = validate_checkpoint(store, 2)
     assert {"key_group_ranges_match_formula", "key_group_ranges_no_gap"} <= failed(result)
     # The strict parser refuses the record, so deep validation cannot open its state.
-    deep = validate_checkpoint(store, 2, deep=True)
+    deep = validate_checkpoint(store, 2, ValidationOptions(level="deep"))
     assert {"metadata_parses", "subtasks_restore"} <= failed(deep)
 
     def out_of_range(obj):
@@ -231,7 +232,7 @@ def test_metadata_path_with_dotdot_is_a_failed_check_not_a_crash(copy):
         obj["subtasks"][0]["shared_files"][0]["path"] = "../secret.sst"
     edit_metadata(store, 2, change)
     for deep in (False, True):
-        result = validate_checkpoint(store, 2, deep=deep)
+        result = validate_checkpoint(store, 2, ValidationOptions(level=LEVEL[deep]))
         assert not result.success
         assert {"metadata_parses", "paths_inside_job_root"} <= failed(result)
         row = check(result, "metadata_parses")["offending_rows"][0]
@@ -255,7 +256,7 @@ def test_key_under_wrong_key_group_deep(tmp_path):
     store, _ = build_checkpoint(f"file://{tmp_path}/store", str(tmp_path / "w"),
                                 tamper=_wrong_key_group)
     assert validate_checkpoint(store).success  # the manifest cannot see it
-    result = validate_checkpoint(store, deep=True)
+    result = validate_checkpoint(store, "latest", ValidationOptions(level="deep"))
     assert failed(result) == {"key_group_prefix_matches_hash"}
     rows = check(result, "key_group_prefix_matches_hash")["offending_rows"]
     assert len(rows) == 1 and rows[0]["key"].startswith("bad")
@@ -272,7 +273,7 @@ def _undecodable(backends):
 def test_undecodable_value_deep(tmp_path):
     store, _ = build_checkpoint(f"file://{tmp_path}/store", str(tmp_path / "w"),
                                 tamper=_undecodable)
-    result = validate_checkpoint(store, deep=True)
+    result = validate_checkpoint(store, "latest", ValidationOptions(level="deep"))
     assert failed(result) == {"values_decode"}
     rows = check(result, "values_decode")["offending_rows"]
     assert len(rows) == 1 and rows[0]["key"].startswith("u") and rows[0]["subtask"] == 1
@@ -292,7 +293,7 @@ def test_offending_rows_are_bounded(copy):
 
 def test_report_dir(copy, tmp_path):
     store, _ = copy
-    result = validate_checkpoint(store, 2, report_dir=str(tmp_path / "out"))
+    result = validate_checkpoint(store, 2, ValidationOptions(report_dir=str(tmp_path / "out")))
     assert result.report_location == f"file://{tmp_path}/out/chk-2"
     assert os.path.exists(tmp_path / "out" / "chk-2" / "summary.json")
     assert os.path.exists(tmp_path / "out" / "chk-2" / "data_docs" / "index.html")
@@ -302,7 +303,7 @@ def test_report_dir(copy, tmp_path):
 @pytest.mark.parametrize("deep", [False, True])
 def test_clean_checkpoint_on_every_storage(storage_url, tmp_path, deep):
     store, meta = build_checkpoint(storage_url, str(tmp_path / "w"), parallelism=2, n_keys=120)
-    result = validate_checkpoint(store, deep=deep)
+    result = validate_checkpoint(store, "latest", ValidationOptions(level=LEVEL[deep]))
     assert result.success, result.summary["failed_checks"]
     assert result.report_location == f"{store.storage.url}/reports/chk-{meta.checkpoint_id}"
     assert result.data_docs_index == f"{result.report_location}/data_docs/index.html"
@@ -332,9 +333,9 @@ def test_report_none_gives_the_same_verdict_without_importing_great_expectations
 import json, sys
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.storage import open_storage
-from statebackend.validation.validate import validate_checkpoint
+from statebackend.validation.validate import ValidationOptions, validate_checkpoint
 store = CheckpointStore(open_storage({store.root_storage.url!r}), {store.job!r})
-result = validate_checkpoint(store, 2, report="none")
+result = validate_checkpoint(store, 2, ValidationOptions(report="none"))
 print(json.dumps({{"ge": "great_expectations" in sys.modules, "summary": result.summary}}))
 """
     root = str(Path(__file__).resolve().parents[3])
@@ -356,4 +357,4 @@ def test_unknown_report_mode_is_a_usage_error(copy):
 
     store, _ = copy
     with pytest.raises(UsageError, match="report mode 'later' is invalid"):
-        validate_checkpoint(store, 2, report="later")
+        validate_checkpoint(store, 2, ValidationOptions(report="later"))

@@ -1,0 +1,395 @@
+"""One new subtask of a rescale: restore the base, clip it, import the rest, upload.
+
+`run_rescale_task` builds new subtask j from its frozen `RescaleTask` (the plan's
+`SubtaskPlan` plus the source's handles), in whichever runner the driver chose
+(this process's threads or a Spark task; statebackend.rescale.executor):
+
+1. the imports (download, open read-only, export their part of R_j to one SST per
+   column family with a bounded iterator) start at once in threads and overlap
+2. the base's download, its open as the new instance and the clip: two
+   ``delete_range`` tombstones per column family keep the base's own part of R_j;
+   then a checked count of its rows (a damaged block fails here, not in the new
+   checkpoint) and, when the base keeps more than ``COMPACT_CLIPPED_SHARE`` of its
+   bytes only for key groups it no longer owns, a compaction of the clipped ranges;
+3. the imports' SSTs are ingested (``ingest_external_file`` with move: no
+   put-per-key, no memtable, no WAL), one ingestion per column family;
+4. snapshot and upload like a job run's checkpoint: the base's SSTs are unchanged by
+   the clip (the tombstones land in a new SST), so they are referenced, not uploaded.
+
+The task works in a scratch folder (statebackend.rescale.scratch) with automatic
+compactions off (see ``_open_base``). A failure removes this attempt's uploads and
+goes on as the exception: the runner reports it in one line and the driver commits
+nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+
+from rocksdict import (
+    BottommostLevelCompaction,
+    CompactOptions,
+    IngestExternalFileOptions,
+    Options,
+    SstFileWriter,
+)
+
+from statebackend.checkpoint.attempt import record_uploads
+from statebackend.checkpoint.metadata import SubtaskHandle
+from statebackend.checkpoint.restore import download_files
+from statebackend.checkpoint.snapshot import SnapshotResult, upload_snapshot
+from statebackend.errors import SnapshotError
+from statebackend.rescale.plan import SubtaskPlan
+from statebackend.rescale.scratch import scratch_parent
+from statebackend.state.backend import KeyedStateBackend
+from statebackend.state.keygroups import KeyGroupRange, key_group_of_rocks_key, key_group_prefix
+from statebackend.state.kinds import StateDescriptor
+from statebackend.storage import Storage, StorageOptions, child_storage, open_storage
+from statebackend.subtasks import named_failure
+
+# A new subtask whose base would keep more than this share of its referenced bytes only
+# for key groups it no longer owns is compacted (docs/rescale.md: the figures).
+COMPACT_CLIPPED_SHARE = 1 / 3
+IMPORT_THREADS = 4  # imports downloaded and exported at once within one task
+
+
+@dataclass(frozen=True)
+class RescaleTask:
+    """Everything new subtask ``plan.index`` needs; shipped to a Spark task with the
+    function (pickled by the driver, never read from storage). ``storage_options``
+    carry the credentials (never the environment); their repr shows no secret."""
+
+    storage_url: str
+    job: str
+    source_checkpoint_id: int
+    checkpoint_id: int
+    max_parallelism: int
+    states: tuple[StateDescriptor, ...]
+    plan: SubtaskPlan
+    sources: tuple[SubtaskHandle, ...]  # the source's handles this subtask reads
+    compact: bool = False  # rewrite the new instance to its live keys
+    compact_clipped_share: float = COMPACT_CLIPPED_SHARE
+    fail: bool = False  # test hook: fail after the upload
+    # The driver's `Attempt.token`: the upload record names it, so a failed rescale's
+    # discard takes every upload of its tasks (statebackend.checkpoint.attempt).
+    attempt_token: str = ""
+    storage_options: StorageOptions = field(default_factory=StorageOptions, hash=False)
+
+    def handle(self, index: int) -> SubtaskHandle:
+        return next(h for h in self.sources if h.index == index)
+
+    @property
+    def index(self) -> int:
+        return self.plan.index
+
+
+@dataclass(frozen=True)
+class RescaleTaskResult:
+    """What one new subtask wrote; its JSON is the Spark task's result row."""
+
+    index: int
+    attempt: int  # the task attempt (Spark retries a failed task)
+    handle: SubtaskHandle
+    uploaded_paths: tuple[str, ...]
+    bytes_downloaded: int
+    files_reused: int
+    entries_imported: int
+    clipped_share: float
+    compacted: bool
+    rows: int
+    timings: Mapping[str, float]
+    scratch: str = ""
+    host: str = ""
+
+    @property
+    def bytes_uploaded(self) -> int:
+        return self.handle.bytes_uploaded
+
+    def to_json(self) -> dict:
+        return {"index": self.index, "attempt": self.attempt, "handle": self.handle.to_json(),
+                "uploaded_paths": list(self.uploaded_paths),
+                "bytes_downloaded": self.bytes_downloaded, "files_reused": self.files_reused,
+                "entries_imported": self.entries_imported, "clipped_share": self.clipped_share,
+                "compacted": self.compacted, "rows": self.rows, "timings": dict(self.timings),
+                "scratch": self.scratch, "host": self.host}
+
+    @staticmethod
+    def from_json(data: Mapping) -> RescaleTaskResult:
+        where = f"result of new subtask {data.get('index')}"
+        return RescaleTaskResult(**{**data, "handle": SubtaskHandle.from_json(
+            data["handle"], where), "uploaded_paths": tuple(data["uploaded_paths"])})
+
+
+def run_rescale_task(task: RescaleTask, attempt: int = 0) -> RescaleTaskResult:
+    """Attempt ``attempt`` of one new subtask: build, snapshot, upload, record the
+    uploads (module doc); on failure its uploads are removed before the exception goes on."""
+    build = _NewSubtask(task, attempt)
+    try:
+        return build.run()
+    except BaseException:
+        build.discard()
+        raise
+    finally:
+        build.close()
+
+
+def run_rescale_batches(tasks: Sequence[RescaleTask], batches):
+    """``mapInArrow`` body: each row's ``id`` picks its task; one JSON result per row."""
+    import pyarrow as pa
+    from pyspark import TaskContext  # on an executor: Spark is there
+
+    attempt = TaskContext.get().attemptNumber()
+    for batch in batches:
+        results = []
+        for i in batch.column("id").to_pylist():
+            with named_failure("new subtask", i):
+                results.append(json.dumps(run_rescale_task(tasks[i], attempt).to_json()))
+        yield pa.RecordBatch.from_pydict({"result": results},
+                                         schema=pa.schema([("result", pa.string())]))
+
+
+class _NewSubtask:
+    """One attempt of one new subtask (`run_rescale_task`)."""
+
+    def __init__(self, task: RescaleTask, attempt: int) -> None:
+        self.task, self.attempt = task, attempt
+        self.storage: Storage = child_storage(
+            open_storage(task.storage_url, **task.storage_options), task.job)
+        base = task.handle(task.plan.base)
+        self.imports = [(task.handle(i.source), i.key_groups) for i in task.plan.imports]
+        self.bytes_downloaded = base.size + sum(h.size for h, _ in self.imports)
+        self.work = tempfile.mkdtemp(prefix=f"ckpt-rescale-{task.index}-",
+                                     dir=scratch_parent(self.bytes_downloaded))
+        self.base = base
+        self.backend: KeyedStateBackend | None = None
+        self.uploaded: tuple[str, ...] = ()
+        self.timings: dict[str, float] = {}
+        self.started = time.perf_counter()
+
+    def run(self) -> RescaleTaskResult:
+        # The imports start at once, each in its own thread, and overlap the base's
+        # download, clip and count: a task's wall time is its longest chain, not their
+        # sum (rocksdict drops the GIL in RocksDB calls).
+        with ThreadPoolExecutor(max_workers=max(1, min(IMPORT_THREADS, len(self.imports)))
+                                ) as pool:
+            pending = [pool.submit(self._fetch_and_export, item) for item in self.imports]
+            try:
+                backend, rows, clipped, compacted = self._open_base()
+                entries = self._ingest(backend, pending, rows)
+            finally:
+                for f in pending:
+                    f.cancel()
+        if self.task.compact:
+            with self._timed("compact"):
+                backend.compact()
+        result = self._upload(backend, rows)
+        if self.task.fail:
+            raise SnapshotError(f"injected fault in new subtask {self.task.index} (test hook)")
+        self.timings["total"] = time.perf_counter() - self.started
+        return RescaleTaskResult(
+            index=self.task.index, attempt=self.attempt, handle=result.handle,
+            uploaded_paths=self.uploaded,
+            bytes_downloaded=self.bytes_downloaded, files_reused=result.files_reused,
+            entries_imported=entries, clipped_share=round(clipped, 3), compacted=compacted,
+            rows=sum(result.handle.row_counts.values()), timings=dict(self.timings),
+            scratch=os.path.dirname(self.work), host=socket.gethostname())
+
+    def _fetch_and_export(self, item: tuple[SubtaskHandle, KeyGroupRange]
+                          ) -> tuple[dict[str, tuple[str, int]], float]:
+        """Download one import (two-phase: nothing opens half-downloaded), export its
+        part of the new range to SSTs, drop the download; (SSTs, seconds taken)."""
+        started = time.perf_counter()
+        h, key_groups = item
+        folder = os.path.join(self.work, f"old-{h.index}")
+        download_files(self.storage, h.files, os.path.join(folder, "db"))
+        src = KeyedStateBackend(folder, self.task.states, self.task.max_parallelism,
+                                h.key_group_range, read_only=True, label=self._label(h))
+        src.file_paths = {f.local_name: f.path for f in h.files}
+        try:
+            ssts = export_key_groups(src, key_groups, os.path.join(self.work, f"export-{h.index}"))
+        finally:
+            src.close()
+            shutil.rmtree(folder, ignore_errors=True)
+        return ssts, time.perf_counter() - started
+
+    def _label(self, h: SubtaskHandle) -> str:
+        return f"subtask {h.index} of checkpoint {self.task.source_checkpoint_id}"
+
+    def _open_base(self) -> tuple[KeyedStateBackend, dict[str, int], float, bool]:
+        """Download the base, open it as the new instance and clip it to its own part of
+        the new range; (instance, rows per column family, clipped share, compacted)."""
+        base, task = self.base, self.task
+        with self._timed("download"):
+            base_dir = os.path.join(self.work, f"old-{base.index}")
+            download_files(self.storage, base.files, os.path.join(base_dir, "db"))
+        with self._timed("restore_clip"):
+            self.backend = backend = KeyedStateBackend(
+                base_dir, task.states, task.max_parallelism, task.plan.key_groups,
+                label=self._label(base))
+            backend.file_paths = {f.local_name: f.path for f in base.files}
+            # Only files of the committed source may be referenced instead of uploaded.
+            backend.uploaded = {f.local_name: f for f in base.shared_files}
+            # No automatic compaction in this short-lived instance: the clip's tombstones
+            # and the ingested SSTs reach the level-0 trigger, and a compaction finishing
+            # before the snapshot would upload the whole state again instead of
+            # referencing the base's files (the stored OPTIONS file records the switch;
+            # every restore opens with the backend's own options, never with that file).
+            for name in backend.column_families:
+                backend.column_family(name).set_options({"disable_auto_compactions": "true"})
+            # Clip to the base's own part of the new range, not the whole new range: the
+            # other key groups must come only from their owners (a stray key the base may
+            # hold there is dropped), and the live rows of the base part are then exact.
+            keep = task.plan.key_groups.intersect(base.key_group_range)
+            clipped = clipped_share(backend.db.live_files(), keep)
+            backend.delete_key_groups_outside(keep)
+            # Always count with a checked scan, even when the recorded counts would do:
+            # the scan reads (and checksums) every block of the part kept, so a damaged
+            # base fails here instead of being carried into the new checkpoint.
+            rows = {cf: count_keys(backend, cf, keep) for cf in backend.column_families}
+        compacted = task.compact or clipped > task.compact_clipped_share
+        if compacted and not task.compact:
+            with self._timed("compact"):
+                compact_clipped(backend, base.key_group_range, keep)
+        return backend, rows, clipped, compacted
+
+    def _ingest(self, backend: KeyedStateBackend, pending: list[Future],
+                rows: dict[str, int]) -> int:
+        """Wait for the imports' SSTs and ingest them; entries imported (``rows`` grows)."""
+        t = time.perf_counter()
+        done = [f.result() for f in pending]
+        self.timings["import_wait"] = time.perf_counter() - t
+        # the longest import chain (download + open + export), which overlapped the above
+        self.timings["export"] = max((seconds for _, seconds in done), default=0.0)
+        entries = 0
+        with self._timed("ingest"):
+            # One ingestion per column family: the imported ranges are disjoint, so all
+            # their SSTs go in together (one flush of the clip's tombstones, one version).
+            per_family: dict[str, list[str]] = {}
+            for ssts, _ in done:
+                for cf_name, (path, n) in ssts.items():
+                    per_family.setdefault(cf_name, []).append(path)
+                    entries += n
+                    rows[cf_name] = rows.get(cf_name, 0) + n
+            for cf_name, paths in per_family.items():
+                opts = IngestExternalFileOptions()
+                opts.set_move_files(True)
+                backend.column_family(cf_name).ingest_external_file(paths, opts)
+            if per_family:
+                backend.mark_dirty()
+        return entries
+
+    def _upload(self, backend: KeyedStateBackend, rows: dict[str, int]) -> SnapshotResult:
+        """Snapshot and upload (commits nothing: the driver commits)."""
+        with self._timed("snapshot"):
+            # Rows are known already (base part + imported entries): skip a full scan.
+            local = replace(backend.take_local_snapshot(count_rows=False), row_counts=rows)
+        result = upload_snapshot(self.storage, local, checkpoint_id=self.task.checkpoint_id,
+                                 subtask=self.task.index, backend=backend)
+        self.uploaded = result.uploaded_paths
+        self.timings["upload"] = result.upload_seconds
+        record_uploads(self.storage, self.task.checkpoint_id, self.task.index, self.attempt,
+                       self.uploaded, self.task.attempt_token)
+        return result
+
+    def _timed(self, phase: str):
+        return _Timer(self.timings, phase)
+
+    def discard(self) -> None:
+        if self.uploaded:
+            self.storage.delete_many(self.uploaded)
+
+    def close(self) -> None:
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+class _Timer:
+    """``with`` block adding its seconds to ``timings[phase]``."""
+
+    def __init__(self, timings: dict[str, float], phase: str) -> None:
+        self.timings, self.phase = timings, phase
+
+    def __enter__(self) -> None:
+        self.started = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.timings[self.phase] = self.timings.get(self.phase, 0.0) + \
+            time.perf_counter() - self.started
+
+
+def export_key_groups(source: KeyedStateBackend, key_groups: KeyGroupRange, out_dir: str
+                      ) -> dict[str, tuple[str, int]]:
+    """Write the keys of ``key_groups`` to one SST per column family.
+
+    Returns {column family: (sst path, entries)} for the families that have keys.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    out: dict[str, tuple[str, int]] = {}
+    for name in source.column_families:
+        path = os.path.join(out_dir, f"{name}.sst")
+        # Checked read: a damaged block raises instead of ending the export early
+        # (which would silently drop the rest of the range from the new checkpoint).
+        keys, values = source.read_raw(name, key_groups)
+        if not keys:
+            continue
+        writer = SstFileWriter(options=Options(raw_mode=True))
+        writer.open(path)
+        put = writer.__setitem__
+        for key, value in zip(keys, values, strict=True):
+            put(key, value)
+        writer.finish()
+        out[name] = (path, len(keys))
+    return out
+
+
+def count_keys(backend: KeyedStateBackend, cf_name: str, key_groups: KeyGroupRange) -> int:
+    """Live keys of one column family within ``key_groups`` (range tombstones apply)."""
+    return len(backend.read_raw(cf_name, key_groups, values=False)[0])
+
+
+def clipped_share(files: Sequence[Mapping], keep: KeyGroupRange) -> float:
+    """Estimated share of the bytes of ``files`` that lie outside ``keep``.
+
+    ``files`` are RocksDB live-file records (``size``, ``start_key``, ``end_key``); a
+    file's key groups are those between its first and last key's 2-byte prefixes, and
+    its bytes are taken as spread evenly over them (keys hash evenly to key groups).
+    """
+    total = dead = 0.0
+    for f in files:
+        start, end, size = f.get("start_key") or b"", f.get("end_key") or b"", f["size"]
+        total += size
+        if len(start) < 2 or len(end) < 2:
+            continue  # no key-group prefix: counted as live
+        span = KeyGroupRange(key_group_of_rocks_key(start), key_group_of_rocks_key(end))
+        dead += size * (1 - len(span.intersect(keep)) / len(span))
+    return dead / total if total else 0.0
+
+
+def compact_clipped(backend: KeyedStateBackend, base: KeyGroupRange,
+                    keep: KeyGroupRange) -> None:
+    """Rewrite the base's files that hold key groups the clip removed (run before any
+    ingestion, so imported files are not rewritten): RocksDB compacts the files that
+    overlap the clipped ranges and drops the keys their tombstones cover."""
+    opts = CompactOptions()
+    opts.set_bottommost_level_compaction(BottommostLevelCompaction.force_optimized())
+    ranges = []
+    if base.start < keep.start:
+        ranges.append((key_group_prefix(base.start), key_group_prefix(keep.start)))
+    if keep.end < base.end:
+        ranges.append((key_group_prefix(keep.end + 1), key_group_prefix(base.end + 1)))
+    for name in backend.column_families:
+        cf = backend.column_family(name)
+        for lower, upper in ranges:
+            cf.compact_range(lower, upper, opts)
+    backend.mark_dirty()
+

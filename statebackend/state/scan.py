@@ -1,0 +1,152 @@
+"""Checked scans of column families, and the bounds and seeks built on them.
+
+rocksdict's iterators (``Rdict.items/keys/values`` and a loop that stops at
+``not it.valid()``) end *silently* when RocksDB hits a damaged block: the iterator
+turns invalid and only ``RdictIter.status()`` (raises ``Exception("Corruption: ...")``)
+tells an error from the end of the data. Every scan of the library goes through
+`checked_scan`, `checked_count` or `checked_entries`, which check the status once at
+the end (cheap: no per-entry cost) and raise `CorruptStateError` naming the column
+family, the instance and RocksDB's message.
+
+Also here: `prefix_upper_bound` (an iterator's upper bound for a key prefix) and
+`earliest_time`, the one-seek-per-key-group lookup of the time-ordered families
+(timers, TTL index). This module imports no other state module but the key-group
+helpers, so the backend, the state kinds, timers and TTL all build on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from rocksdict import Rdict, RdictIter, ReadOptions
+
+from statebackend.errors import CorruptStateError
+from statebackend.state.codecs import decode_time
+from statebackend.state.keygroups import key_group_prefix
+
+if TYPE_CHECKING:
+    from statebackend.state.backend import KeyedStateBackend
+
+
+def _scan_iter(cf: Rdict, lower: bytes | None, upper: bytes | None) -> RdictIter:
+    ro = ReadOptions()
+    ro.set_verify_checksums(True)  # the default, made explicit: scans must verify blocks
+    if upper is not None:
+        ro.set_iterate_upper_bound(upper)
+    it = cf.iter(ro)
+    if lower:
+        it.seek(lower)
+    else:
+        it.seek_to_first()
+    return it
+
+
+def _check_scan_status(it: RdictIter, where: str, file_paths: dict[str, str] | None) -> None:
+    try:
+        it.status()
+    except Exception as exc:  # noqa: BLE001 - rocksdict raises a bare Exception
+        cause = " ".join(str(exc).split())
+        stored = [f"{name} is stored as {path}" for name, path in sorted((file_paths or {}).items())
+                  if name in cause]
+        raise CorruptStateError(
+            f"RocksDB stopped a full scan of {where} early: {cause}"
+            + (f" ({'; '.join(stored)})" if stored else "")
+            + "; the state is damaged: restore from an earlier checkpoint or savepoint "
+              "(`ckpt list`)") from exc
+
+
+def checked_scan(cf: Rdict, where: str, lower: bytes | None = None,
+                 upper: bytes | None = None, *, values: bool = True,
+                 file_paths: dict[str, str] | None = None) -> Iterator:
+    """Every entry of ``cf`` in [lower, upper): (key, value) pairs, or keys if not ``values``.
+
+    Raises `CorruptStateError` naming ``where`` (column family, subtask, checkpoint) and
+    RocksDB's message when the scan ends on an error instead of at the end of the data.
+    """
+    it = _scan_iter(cf, lower, upper)
+    valid, key, nxt = it.valid, it.key, it.next
+    if values:
+        value = it.value
+        while valid():
+            yield key(), value()
+            nxt()
+    else:
+        while valid():
+            yield key()
+            nxt()
+    _check_scan_status(it, where, file_paths)
+
+
+def checked_count(cf: Rdict, where: str, lower: bytes | None = None,
+                  upper: bytes | None = None, *,
+                  file_paths: dict[str, str] | None = None) -> int:
+    """Number of live entries of ``cf`` in [lower, upper); same checks as `checked_scan`."""
+    it = _scan_iter(cf, lower, upper)
+    valid, nxt = it.valid, it.next
+    n = 0
+    while valid():
+        n += 1
+        nxt()
+    _check_scan_status(it, where, file_paths)
+    return n
+
+
+def checked_entries(cf: Rdict, where: str, lower: bytes | None = None,
+                    upper: bytes | None = None, *, values: bool = True,
+                    file_paths: dict[str, str] | None = None
+                    ) -> tuple[list[bytes], list[bytes] | None]:
+    """Every key of ``cf`` in [lower, upper) as a list (and the values, or None if not
+    ``values``): `checked_scan` in bulk, for scans that need every entry.
+
+    ``Rdict.keys/values`` cost a fraction of a checked scan's per-entry calls but end
+    silently on a damaged block, so a checked scan then re-reads from the last key they
+    returned: on intact data it yields that key alone; on a damaged block it meets the
+    same error and raises `CorruptStateError`. Any other disagreement falls back to the
+    checked scan.
+    """
+    def options() -> ReadOptions:
+        ro = ReadOptions()
+        ro.set_verify_checksums(True)
+        if upper is not None:
+            ro.set_iterate_upper_bound(upper)
+        return ro
+
+    try:
+        keys = list(cf.keys(from_key=lower, read_opt=options()))
+        vals = list(cf.values(from_key=lower, read_opt=options())) if values else None
+    except Exception:  # noqa: BLE001 - the checked scan below names the damage
+        keys, vals = None, None
+    if keys is not None and (vals is None or len(vals) == len(keys)):
+        tail = list(checked_scan(cf, where, keys[-1] if keys else lower, upper, values=False,
+                                 file_paths=file_paths))
+        if tail == keys[-1:]:
+            return keys, vals
+    pairs = list(checked_scan(cf, where, lower, upper, file_paths=file_paths))
+    return [k for k, _ in pairs], [v for _, v in pairs] if values else None
+
+
+def prefix_upper_bound(prefix: bytes) -> bytes:
+    """The smallest key above every key starting with ``prefix`` (an iterator's upper bound)."""
+    b = bytearray(prefix)
+    while b and b[-1] == 0xFF:
+        b.pop()
+    if not b:
+        return b"\xff" * (len(prefix) + 1)
+    b[-1] += 1
+    return bytes(b)
+
+
+def earliest_time(backend: KeyedStateBackend, cf_name: str, dom: bytes) -> int | None:
+    """Smallest time in a ``kg + domain + time ...`` family (timers, TTL index): one seek
+    per key group of the backend."""
+    best = None
+    r = backend.key_group_range
+    for kg in range(r.start, r.end + 1):
+        lower = key_group_prefix(kg) + dom
+        for k in backend.iter_raw(cf_name, lower=lower, upper=prefix_upper_bound(lower),
+                                  values=False):
+            t = decode_time(k, 3)
+            best = t if best is None else min(best, t)
+            break
+    return best
