@@ -23,8 +23,10 @@ install: $(VENV)/.installed
 system-deps:
 	@command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
+# ruff and mypy as the pre-commit hooks run them (.pre-commit-config.yaml).
 test: install system-deps
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest -q --timeout=900
 
 test-fast: install
@@ -53,6 +55,7 @@ bench: install
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) .demo .pytest_cache

@@ -160,13 +160,16 @@ class Lease:
                          str(created_at), token, epoch)
         except RecursionError as exc:
             raise MetadataError(f"malformed lease {where}: JSON nested too deeply; "
-                                f"{CLEAR_HINT}") from exc
+                                f"{clear_hint(where)}") from exc
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise MetadataError(f"malformed lease {where}: {exc}; {CLEAR_HINT}") from exc
+            raise MetadataError(f"malformed lease {where}: {exc}; {clear_hint(where)}") from exc
 
 
-CLEAR_HINT = ("if no writer of this job is running, clear it with `ckpt doctor --clear-lease "
-              "NAME` (see `ckpt doctor`)")
+def clear_hint(where: str) -> str:
+    """How to clear the lease file at ``where`` (its name is the file's, without .json)."""
+    name = where.rstrip("/").rsplit("/", 1)[-1].removesuffix(".json")
+    return (f"if no writer of this job is running, clear it with `ckpt doctor --clear-lease "
+            f"{name}` (see `ckpt doctor`)")
 
 
 def _aware_time(value: object, key: str) -> str:

@@ -195,7 +195,8 @@ class CheckpointStore:
         return Lineage(self.job, tuple(ids), latest, names, tuple(problems))
 
     def _latest_record(self, ids: Sequence[int]) -> tuple[CheckpointMetadata | None, bytes]:
-        """The newest record (and its bytes), checked to build on the one before it."""
+        """The newest record (and its bytes), checked to build on the one before it and
+        to carry no older writer epoch than it."""
         if not ids:
             return None, b""
         data = self.read_record(ids[-1])
@@ -203,7 +204,16 @@ class CheckpointStore:
             raise CheckpointNotFoundError(f"checkpoint {ids[-1]} of job {self.job!r} was "
                                           "retired while it was read; try again")
         meta = self.parse(ids[-1], data)
-        forks = log.find_forks(ids[-2:], {meta.checkpoint_id: meta.parent})
+        # the record before it too: a writer that lost its lease may have built on the
+        # right parent with an older epoch (lineage.py scenario 1)
+        epochs = {meta.checkpoint_id: meta.epoch}
+        before = self.read_record(ids[-2]) if len(ids) > 1 else None
+        try:
+            if before is not None:
+                epochs[ids[-2]] = self.parse(ids[-2], before).epoch
+        except MetadataError:
+            pass  # an old malformed record is reported by `ckpt doctor`, not here
+        forks = log.find_forks(ids[-2:], {meta.checkpoint_id: meta.parent}, epochs)
         if forks:
             raise LineageError(f"job {self.job!r}: {forks[0].message}; {forks[0].repair}")
         return meta, data

@@ -49,7 +49,7 @@ from statebackend.checkpoint.snapshot import SnapshotResult, upload_snapshot
 from statebackend.errors import SnapshotError
 from statebackend.rescale.plan import SubtaskPlan
 from statebackend.rescale.scratch import scratch_parent
-from statebackend.state.backend import KeyedStateBackend
+from statebackend.state.backend import KeyedStateBackend, StoredInstance
 from statebackend.state.keygroups import KeyGroupRange, key_group_of_rocks_key, key_group_prefix
 from statebackend.state.kinds import StateDescriptor
 from statebackend.storage import Storage, StorageOptions, child_storage, open_storage
@@ -211,8 +211,7 @@ class _NewSubtask:
         folder = os.path.join(self.work, f"old-{h.index}")
         download_files(self.storage, h.files, os.path.join(folder, "db"))
         src = KeyedStateBackend(folder, self.task.states, self.task.max_parallelism,
-                                h.key_group_range, read_only=True, label=self._label(h))
-        src.file_paths = {f.local_name: f.path for f in h.files}
+                                h.key_group_range, read_only=True, origin=self._origin(h))
         try:
             ssts = export_key_groups(src, key_groups, os.path.join(self.work, f"export-{h.index}"))
         finally:
@@ -220,8 +219,11 @@ class _NewSubtask:
             shutil.rmtree(folder, ignore_errors=True)
         return ssts, time.perf_counter() - started
 
-    def _label(self, h: SubtaskHandle) -> str:
-        return f"subtask {h.index} of checkpoint {self.task.source_checkpoint_id}"
+    def _origin(self, h: SubtaskHandle) -> StoredInstance:
+        """A source subtask's files, opened here (a new instance id: not its own)."""
+        return StoredInstance(None, f"subtask {h.index} of checkpoint "
+                                    f"{self.task.source_checkpoint_id}",
+                              {f.local_name: f.path for f in h.files})
 
     def _open_base(self) -> tuple[KeyedStateBackend, dict[str, int], float, bool]:
         """Download the base, open it as the new instance and clip it to its own part of
@@ -233,8 +235,7 @@ class _NewSubtask:
         with self._timed("restore_clip"):
             self.backend = backend = KeyedStateBackend(
                 base_dir, task.states, task.max_parallelism, task.plan.key_groups,
-                label=self._label(base))
-            backend.file_paths = {f.local_name: f.path for f in base.files}
+                origin=self._origin(base))
             # Only files of the committed source may be referenced instead of uploaded.
             backend.uploaded = {f.local_name: f for f in base.shared_files}
             # No automatic compaction in this short-lived instance: the clip's tombstones

@@ -30,8 +30,8 @@ evolution as the bar:
   then), removed (stored expiries are dropped), duration changed (stored entries keep
   their expiry; new writes use the new one), time domain changed (stored entries are
   stamped again in the new domain, as when added);
-- a change of kind, or of codec type (json <-> record ...), is refused: the way is a
-  transform of the state into a savepoint (``ckpt migrate``, `transform_state`).
+- a change of kind, or of codec type (json <-> record ...), is refused (`MIGRATE_HINT`
+  says what a job can do instead).
 
 Migrations are applied eagerly, at restore, by `statebackend.state.migrate` (every
 subtask of the first run after the change rewrites its entries once). Everything here
@@ -51,8 +51,9 @@ if TYPE_CHECKING:
 
 SCHEMA_KEYS = ("schema_version", "upgrade_version", "history")
 KEY = "<key>"  # the pseudo-state of a change of the job's key column
-MIGRATE_HINT = ("transform the state into a savepoint for the new job (`ckpt migrate`, "
-                "statebackend.job.transform_state) and start from it")
+MIGRATE_HINT = ("no rule migrates that: keep the old declaration, or declare the changed "
+                "state under a new name (it starts empty, the old one is dropped), or run "
+                "the changed job as a new lineage (--job NEW)")
 # Avro's promotions: the types a stored field may be read as without loss of kind.
 WIDENINGS = {"int32": ("int64", "float32", "float64"), "int64": ("float32", "float64"),
              "float32": ("float64",)}

@@ -12,8 +12,13 @@ state and the change, and leaves no file and no lease behind.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import json
 import math
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +30,8 @@ from statebackend.rescale.executor import RescaleOptions, rescale
 from tests.conftest import S3_BUCKET
 from tests.evolution.card_spend import VERSIONS, dumped, events, job, reference
 from tests.jobs.helpers import store_of
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def same(a, b) -> bool:
@@ -154,6 +161,63 @@ def test_a_changed_max_parallelism_or_key_is_refused_before_any_work(tmp_path):
     rekeyed = dataclasses.replace(job(1), input=dataclasses.replace(
         job(1).input, key="merchant"))
     lin.refused(1, rekeyed, "card_spend", "its key: the key column changes from 'card' to "
-                "'merchant'; transform the state")
+                "'merchant'; no rule migrates that")
     lin.run(1, 1)
     lin.check()
+
+
+def ckpt(*args: str) -> subprocess.CompletedProcess:
+    """The installed ``ckpt`` command, from the repository root (job modules import)."""
+    return subprocess.run([str(Path(sys.executable).parent / "ckpt"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_ckpt_check_and_show_tell_what_the_next_run_does(tmp_path):
+    """`ckpt check` on a lineage at version 1: version 3 is compatible (exit 0, per state
+    what happens), a kind change is refused (exit 1) and nothing is written; `ckpt show`
+    prints each stored state's schema, and after the v3 run the widened record."""
+    url = f"file://{tmp_path}/store"
+    lin = Lineage(tmp_path, url, "local", None)
+    lin.run(0, 1)
+    store = store_of(url, "card_spend")
+    before = {f.path for f in store.storage.walk_files("")}
+
+    text = ckpt("--storage", url, "check", "tests.evolution.card_spend:V3")
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.splitlines()
+    assert lines[0] == "job card_spend on checkpoint 1 of 'card_spend':"
+    assert lines[-1].startswith("compatible: the next run continues the lineage")
+    by_state = {ln.split()[0]: ln.split(None, 1)[1] for ln in lines[1:-1]}
+    assert by_state["first_seen"] == "added: starts empty"
+    assert by_state["totals"].startswith("migrated:")
+    assert "refunds added (default 0)" in by_state["totals"]
+    assert "n widened int32 -> int64" in by_state["totals"]
+    assert by_state["per_merchant"] == by_state["recent"] == by_state["max_amount"] == "kept"
+
+    as_json = ckpt("--storage", url, "check", "tests.evolution.card_spend:V3", "--json")
+    plan = json.loads(as_json.stdout)
+    assert plan["compatible"] is True and plan["lineage"] == "card_spend"
+    assert {c["state"]: c["action"] for c in plan["changes"]} == {
+        "totals": "migrated", "per_merchant": "kept", "recent": "kept", "max_amount": "kept",
+        "first_seen": "added"}
+    assert [m["target"] for m in plan["migrations"]] == ["totals"]
+
+    refused = ckpt("--storage", url, "check", "tests.evolution.card_spend:TOTALS_AS_MAP")
+    assert refused.returncode == 1, refused.stderr
+    (totals,) = [ln for ln in refused.stdout.splitlines() if ln.split()[0] == "totals"]
+    assert "refused" in totals and "kind changes from value to map" in totals
+    assert refused.stdout.splitlines()[-1].startswith("refused: the next run fails")
+    assert {f.path for f in store.storage.walk_files("")} == before  # check writes nothing
+
+    lin.run(1, 3)
+    lin.check()
+    shown = ckpt("--storage", url, "--job", "card_spend", "show", "latest")
+    assert shown.returncode == 0, shown.stderr
+    after = shown.stdout.split("  states (schemas):\n", 1)[1].splitlines()
+    schemas = list(itertools.takewhile(lambda ln: ln.startswith("    "), after))
+    by_name = {ln.split()[0]: ln.split(None, 1)[1] for ln in schemas}
+    assert set(by_name) == {"totals", "per_merchant", "recent", "max_amount", "first_seen"}
+    assert by_name["totals"].startswith("value record(n int64, spend float64, big int64, "
+                                        "refunds int64)")
+    assert by_name["totals"].endswith("v2")
+    assert by_name["first_seen"].endswith("v1")

@@ -18,6 +18,7 @@ import pytest
 from demo.sample_data import DAY_MS, DEFAULT_START_TS_MS, expected_totals, generate_events
 from jobs.keyed_aggregation import JobConfig, run
 from statebackend.checkpoint import layout
+from statebackend.checkpoint.lineage import log_commit
 from statebackend.checkpoint.runs import run_record_path
 from statebackend.cli import app as cli
 from statebackend.errors import LineageError, UsageError
@@ -125,6 +126,51 @@ def test_a_lost_middle_record_is_marked_retired_by_the_safe_repair(tmp_path, cap
     job.run(3)
     job.assert_state(range(4))
     assert job.run(1)["skipped"]
+
+
+# -- defect 1, as readers see it: a forked lineage ------------------------------------
+def commit_behind_the_fence(job: Lineage, **changes) -> None:
+    """What a writer without fencing left: chk-3 from chk-2's record with ``changes``,
+    written with its commit-log entry as a commit would (the record and its log agree)."""
+    meta = job.store.load(2).with_changes(checkpoint_id=3, **changes)
+    data = meta.to_bytes()
+    job.store.storage.write_bytes("chk-3/_metadata", data)
+    log_commit(job.store.storage, meta, data)
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"parent": 1}, ["the lineage has forked: checkpoint 3 builds on checkpoint 1, not on "
+                     "checkpoint 2", "chk-2/_metadata and chk-3/_metadata"]),
+    ("epoch", ["checkpoint 3 was committed by writer epoch", "after checkpoint 2 of epoch",
+               "a writer that had lost its lease committed"]),
+])
+def test_readers_refuse_a_forked_lineage_naming_both_records(tmp_path, capsys, changes,
+                                                             words):
+    job = Lineage(tmp_path, f"file://{tmp_path}/store")
+    for d in range(2):
+        job.run(d)
+    if changes == "epoch":  # builds on 2, but by a writer older than 2's
+        epoch = job.store.load(2).epoch
+        assert epoch >= 1
+        changes = {"parent": 2, "epoch": epoch - 1}
+    commit_behind_the_fence(job, **changes)
+    before = {i.path for i in job.store.storage.walk_files("")}
+    with pytest.raises(LineageError) as info:
+        job.run(2)
+    assert all(w in str(info.value) for w in words), info.value
+    for args in (["list"], ["show", "latest"], ["gc", "--grace-seconds", "0"],
+                 ["retain", "--keep", "1"]):
+        code, _, err = job.ckpt(capsys, *args)
+        line = one_line(err)
+        assert code == 1 and all(w in line for w in words), (args, line)
+    assert {i.path for i in job.store.storage.walk_files("")} == before  # nothing deleted
+    code, out, _ = job.ckpt(capsys, "doctor")
+    assert code == 1 and "--rollback-to 2" in out
+    code, out, _ = job.ckpt(capsys, "doctor", "--rollback-to", "2", "--reason", "fork")
+    assert code == 0
+    job.run(2)
+    job.assert_state(range(3))
+    assert not diagnose(job.store).problems
 
 
 # -- defect 4: one lost ledger file ----------------------------------------------------
@@ -265,7 +311,7 @@ def test_a_lease_time_without_timezone_is_refused_with_its_repair(tmp_path, caps
         "format_version": 1, "name": "writer", "holder": "h:1", "purpose": "run x",
         "checkpoint_ids": [], "expires_at": "2020-01-01T00:00:00",
         "created_at": "2020-01-01T00:00:00+00:00"}).encode())
-    with pytest.raises(Exception, match="has no timezone.*ckpt doctor --clear-lease"):
+    with pytest.raises(Exception, match="has no timezone.*`ckpt doctor --clear-lease writer`"):
         job.run(1)
     for args in (("gc", "--grace-seconds", "0"), ("retain", "--keep", "1"),
                  ("rescale", "latest", "--parallelism", "3")):
@@ -334,11 +380,11 @@ def test_a_corrupt_writer_lease_says_how_to_clear_it(tmp_path, capsys, damage):
     bad = good[: len(good) // 2] if damage == "truncate" else \
         good.replace(b'"writer"', b'"wr\xffter"')
     job.store.storage.write_bytes("leases/writer.json", bad)
-    with pytest.raises(Exception, match="ckpt doctor --clear-lease"):
+    with pytest.raises(Exception, match="`ckpt doctor --clear-lease writer`"):
         job.run(1)
     for args in (("gc", "--grace-seconds", "0"), ("retain", "--keep", "1")):
         code, _, err = job.ckpt(capsys, *args)
-        assert code == 1 and "ckpt doctor --clear-lease" in one_line(err), args
+        assert code == 1 and "`ckpt doctor --clear-lease writer`" in one_line(err), args
     code, out, _ = job.ckpt(capsys, "doctor")
     assert code == 1 and "lease writer: corrupt" in out
     assert job.ckpt(capsys, "doctor", "--clear-lease", "writer")[0] == 0
