@@ -28,6 +28,7 @@ import shutil
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, overload
 
 import mmh3
 import numpy as np
@@ -35,6 +36,7 @@ import pyarrow as pa
 from rocksdict import (
     AccessType,
     Checkpoint,
+    ColumnFamily,
     DBCompactionStyle,
     Options,
     Rdict,
@@ -56,15 +58,35 @@ from statebackend.state.kinds import (
     ReducingState,
     StateDescriptor,
     ValueState,
+    _State,
     internal_descriptor,
 )
 from statebackend.state.scan import checked_count, checked_entries, checked_scan
+
+if TYPE_CHECKING:
+    from statebackend.state.timers import TimerFiring
 
 DB_DIR = "db"
 SNAPSHOTS_DIR = "snapshots"
 INSTANCE_FILE = "instance.json"
 LOCAL_SNAPSHOTS_KEPT = 2
 _PREFIXES = [key_group_prefix(i) for i in range(1 << 15)]
+_S = TypeVar("_S", bound=_State)
+
+
+class SharedFileRef(Protocol):
+    """A stored shared file as a checkpoint handle names it (`checkpoint.metadata.FileRef`)."""
+
+    @property
+    def local_name(self) -> str: ...
+
+
+class CommittedHandle(Protocol):
+    """What `KeyedStateBackend.notify_checkpoint_complete` reads of a committed
+    subtask handle (`checkpoint.metadata.SubtaskHandle`, a layer above this one)."""
+
+    @property
+    def shared_files(self) -> Sequence[SharedFileRef]: ...
 
 
 def rocks_options(write_buffer_mb: int = 64) -> Options:
@@ -93,7 +115,8 @@ def rocks_options(write_buffer_mb: int = 64) -> Options:
 
 def no_wal() -> WriteOptions:
     wo = WriteOptions()
-    wo.disable_wal = True
+    # rocksdict's stub declares a method; at run time it is a settable property
+    wo.disable_wal = True  # type: ignore[method-assign, assignment]
     return wo
 
 
@@ -146,11 +169,12 @@ class KeyedStateBackend:
         # expiry <= the clock as gone; TTL writes without a timestamp are stamped with it.
         self.times: dict[str, int | None] = {"event": None, "processing": None}
         # Running `timers.fire_due` passes per domain (timers registered meanwhile join).
-        self.timer_firings: dict[str, object] = {}
+        self.timer_firings: dict[str, TimerFiring] = {}
         self.read_only = read_only
         self.backend_id = origin.backend_id or uuid.uuid4().hex
-        # SSTs confirmed in committed checkpoints of this lineage: local name -> FileRef.
-        self.uploaded: dict = {}
+        # SSTs confirmed in committed checkpoints of this lineage: local name -> FileRef
+        # (statebackend.checkpoint.metadata: a layer above, so not named here).
+        self.uploaded: dict[str, Any] = {}
         # Remote shared files local recovery found damaged (missing, wrong size or
         # checksum) and dropped from ``uploaded``: the next snapshot uploads them again.
         self.reuploaded: tuple[str, ...] = ()
@@ -161,7 +185,8 @@ class KeyedStateBackend:
                                       f"[{key_group_range.start}, {key_group_range.end}])")
         self.file_paths: dict[str, str] = dict(origin.file_paths)
         self._dirty = False
-        self._states: dict[str, object] = {}
+        self._last_snapshot_id: str | None = None
+        self._states: dict[str, _State] = {}
         os.makedirs(self.db_path, exist_ok=True)
         names = set(self.descriptors)
         if os.path.exists(os.path.join(self.db_path, "CURRENT")):
@@ -171,17 +196,25 @@ class KeyedStateBackend:
             self.descriptors.setdefault(name, internal_descriptor(name))
         self._cf_names = sorted(names)
         opts = rocks_options()
-        self.db = Rdict(
+        db = Rdict(
             self.db_path, opts,
             column_families={n: rocks_options() for n in self._cf_names},
             access_type=AccessType.read_only() if read_only else AccessType.read_write(),
         )
-        self.db.set_write_options(no_wal())
-        self._cfs = {n: self.db.get_column_family(n) for n in self._cf_names}
+        self._db: Rdict | None = db  # None once closed
+        db.set_write_options(no_wal())
+        self._cfs = {n: db.get_column_family(n) for n in self._cf_names}
         for cf in self._cfs.values():
             cf.set_write_options(no_wal())
-        self._handles = {n: self.db.get_column_family_handle(n) for n in self._cf_names}
+        self._handles = {n: db.get_column_family_handle(n) for n in self._cf_names}
         self._forget_clean_marker()
+
+    @property
+    def db(self) -> Rdict:
+        """The open RocksDB instance (UsageError once closed)."""
+        if self._db is None:
+            raise UsageError(f"{self.label} is closed")
+        return self._db
 
     # -- paths -------------------------------------------------------------
     @property
@@ -216,7 +249,8 @@ class KeyedStateBackend:
         outside = (kgs < r.start) | (kgs > r.end)
         if outside.any():
             self.key_group_and_bytes(key_bytes[int(np.argmax(outside))].as_py().decode())
-        return prefixed_keys(kgs, key_bytes).to_pylist()
+        out: list[bytes] = prefixed_keys(kgs, key_bytes).to_pylist()
+        return out
 
     # -- time ----------------------------------------------------------------
     def set_time(self, *, event_time: int | None = None,
@@ -236,7 +270,7 @@ class KeyedStateBackend:
         return self.times[domain]
 
     # -- states ------------------------------------------------------------
-    def state(self, name: str):
+    def state(self, name: str) -> _State:
         if name not in self._states:
             if name not in self.descriptors:
                 raise UsageError(
@@ -263,9 +297,9 @@ class KeyedStateBackend:
     def aggregating_state(self, name: str) -> AggregatingState:
         return self._typed(name, AggregatingState)
 
-    def _typed(self, name: str, cls: type):
+    def _typed(self, name: str, cls: type[_S]) -> _S:
         st = self.state(name)
-        if type(st) is not cls:
+        if type(st) is not cls or not isinstance(st, cls):  # a subclass is another kind
             raise UsageError(f"state {name!r} is {self.descriptors[name].kind} state, "
                              f"not {cls.__name__}")
         return st
@@ -287,7 +321,7 @@ class KeyedStateBackend:
         self.db.drop_column_family(name)
         self._dirty = True
 
-    def column_family_handle(self, name: str):
+    def column_family_handle(self, name: str) -> ColumnFamily:
         return self._handles[name]
 
     @property
@@ -305,9 +339,18 @@ class KeyedStateBackend:
     def scan_where(self, cf_name: str) -> str:
         return f"column family {cf_name!r} of {self.label}"
 
+    @overload
     def iter_raw(self, cf_name: str, key_groups: KeyGroupRange | None = None, *,
                  lower: bytes | None = None, upper: bytes | None = None,
-                 values: bool = True) -> Iterator:
+                 values: Literal[True] = True) -> Iterator[tuple[bytes, bytes]]: ...
+    @overload
+    def iter_raw(self, cf_name: str, key_groups: KeyGroupRange | None = None, *,
+                 lower: bytes | None = None, upper: bytes | None = None,
+                 values: Literal[False]) -> Iterator[bytes]: ...
+
+    def iter_raw(self, cf_name: str, key_groups: KeyGroupRange | None = None, *,
+                 lower: bytes | None = None, upper: bytes | None = None,
+                 values: bool = True) -> Iterator[tuple[bytes, bytes]] | Iterator[bytes]:
         """Checked scan of one column family: ``key_groups`` or explicit byte bounds.
 
         Yields (key, value), or keys only if not ``values``; raises `CorruptStateError`
@@ -317,6 +360,13 @@ class KeyedStateBackend:
             lower, upper = key_groups.byte_bounds()
         return checked_scan(self._cfs[cf_name], self.scan_where(cf_name), lower, upper,
                             values=values, file_paths=self.file_paths)
+
+    @overload
+    def read_raw(self, cf_name: str, key_groups: KeyGroupRange | None = None, *,
+                 values: Literal[True] = True) -> tuple[list[bytes], list[bytes]]: ...
+    @overload
+    def read_raw(self, cf_name: str, key_groups: KeyGroupRange | None = None, *,
+                 values: Literal[False]) -> tuple[list[bytes], None]: ...
 
     def read_raw(self, cf_name: str, key_groups: KeyGroupRange | None = None, *,
                  values: bool = True) -> tuple[list[bytes], list[bytes] | None]:
@@ -374,21 +424,22 @@ class KeyedStateBackend:
         for e in old:
             shutil.rmtree(e.path, ignore_errors=True)
 
-    def notify_checkpoint_complete(self, handle) -> None:
+    def notify_checkpoint_complete(self, handle: CommittedHandle) -> None:
         """After a commit: its shared files may be referenced by later snapshots."""
         self.uploaded = {f.local_name: f for f in handle.shared_files}
 
     # -- lifecycle ---------------------------------------------------------
     def close(self) -> None:
         """Close; if nothing changed since the last snapshot, mark the instance clean."""
-        if self.db is None:
+        db = self._db
+        if db is None:
             return
-        clean = None if self._dirty else getattr(self, "_last_snapshot_id", None)
+        clean = None if self._dirty else self._last_snapshot_id
         self._states.clear()
         self._cfs.clear()
         self._handles.clear()
-        self.db.close()
-        self.db = None
+        db.close()
+        self._db = None
         if clean and not self.read_only:
             write_instance_marker(self.local_dir, self.backend_id, clean)
 
@@ -413,7 +464,7 @@ def write_instance_marker(local_dir: str, backend_id: str, clean_snapshot_id: st
     os.replace(tmp, os.path.join(local_dir, INSTANCE_FILE))
 
 
-def read_instance_marker(local_dir: str) -> dict | None:
+def read_instance_marker(local_dir: str) -> dict[str, Any] | None:
     try:
         with open(os.path.join(local_dir, INSTANCE_FILE)) as fh:
             data = json.load(fh)

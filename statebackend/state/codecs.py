@@ -34,9 +34,9 @@ from __future__ import annotations
 import json
 import operator
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, SupportsIndex, TypeAlias
 
 import numpy as np
 import pyarrow as pa
@@ -94,10 +94,14 @@ def deserialize_key(data: bytes) -> str:
 
 def as_time(t: object) -> int:
     """``t`` as an int of epoch ms (ints and NumPy integers; bools, floats, strings refused)."""
-    try:
-        value = None if isinstance(t, bool) else operator.index(t)
-    except TypeError:
-        value = None
+    value: int | None = None
+    if type(t) is int:  # the common case, without the protocol check below
+        value = t
+    elif not isinstance(t, bool) and isinstance(t, SupportsIndex):
+        try:
+            value = operator.index(t)
+        except TypeError:
+            value = None
     if value is None or not -_TIME_OFFSET <= value < _TIME_OFFSET:
         raise UsageError(f"time {t!r} is not a 64-bit integer of epoch milliseconds")
     return value
@@ -155,7 +159,7 @@ class JsonCodec:
         except ValueError as exc:
             raise SerializationError(f"json value {data[:32]!r} does not decode: {exc}") from exc
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"type": "json"}
 
 
@@ -168,7 +172,7 @@ class BytesCodec:
         _check_format(data, BYTES_FORMAT, "bytes")
         return data[1:]
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"type": "bytes"}
 
 
@@ -184,7 +188,7 @@ class StrCodec:
         except UnicodeDecodeError as exc:
             raise SerializationError(f"str value {data[:32]!r} is not UTF-8") from exc
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"type": "str"}
 
 
@@ -237,7 +241,7 @@ class RecordCodec:
         return struct.Struct("<B" + "".join(_FIELD_TYPES[t][0] for _, t in self.fields))
 
     @property
-    def dtype(self) -> np.dtype:
+    def dtype(self) -> np.dtype[np.void]:
         return np.dtype(
             [("_format", "u1")] + [(n, _FIELD_TYPES[t][1]) for n, t in self.fields]
         )
@@ -246,13 +250,13 @@ class RecordCodec:
     def names(self) -> tuple[str, ...]:
         return tuple(n for n, _ in self.fields)
 
-    def encode(self, value: dict) -> bytes:
+    def encode(self, value: Mapping[str, Any]) -> bytes:
         try:
             return self._struct.pack(RECORD_FORMAT, *(value[n] for n in self.names))
         except (KeyError, struct.error, TypeError) as exc:
             raise UsageError(f"value {value!r} does not fit record {self.names}: {exc}") from exc
 
-    def decode(self, data: bytes) -> dict:
+    def decode(self, data: bytes) -> dict[str, Any]:
         st = self._struct
         if len(data) != st.size:
             raise SerializationError(
@@ -261,7 +265,7 @@ class RecordCodec:
         _check_format(data, RECORD_FORMAT, "record")
         return dict(zip(self.names, st.unpack(data)[1:], strict=True))
 
-    def encode_columns(self, columns: dict[str, Sequence]) -> list[bytes]:
+    def encode_columns(self, columns: Mapping[str, Sequence[Any] | np.ndarray]) -> list[bytes]:
         """Encode N records given as one array per field (vectorised)."""
         dtype = self.dtype
         n = len(columns[self.names[0]])
@@ -271,9 +275,11 @@ class RecordCodec:
             arr[name] = columns[name]
         # A packed void view turns each record into one bytes object in C
         # (about 3x faster than slicing one big buffer in a Python loop).
-        return arr.view(f"V{dtype.itemsize}").tolist()
+        out: list[bytes] = arr.view(f"V{dtype.itemsize}").tolist()
+        return out
 
-    def decode_columns(self, values: Sequence[bytes | None]) -> tuple[np.ndarray, dict]:
+    def decode_columns(self, values: Sequence[bytes | None]
+                       ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Decode N stored values (None = absent) into (found mask, arrays per field)."""
         dtype = self.dtype
         size = dtype.itemsize
@@ -287,18 +293,18 @@ class RecordCodec:
         arr = np.frombuffer(b"".join(present), dtype=dtype)
         if len(arr) and not (arr["_format"] == RECORD_FORMAT).all():
             raise SerializationError("record value with an unknown format byte")
-        out = {}
+        out: dict[str, np.ndarray] = {}
         for name in self.names:
             col = np.zeros(len(values), dtype=dtype[name])
             col[found] = arr[name]
             out[name] = col
         return found, out
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"type": "record", "fields": [list(f) for f in self.fields]}
 
 
-Codec = JsonCodec | RecordCodec | BytesCodec | StrCodec
+Codec: TypeAlias = JsonCodec | RecordCodec | BytesCodec | StrCodec
 
 
 def codec_from_json(data: Any) -> Codec:

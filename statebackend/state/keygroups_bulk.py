@@ -8,6 +8,8 @@ the RocksDB keys (2-byte big-endian key group + key bytes).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pyarrow as pa
 
@@ -29,7 +31,8 @@ def murmur3_32_many(values: pa.Array | pa.ChunkedArray) -> np.ndarray:
     if n == 0:
         return h
     offsets_buf, data_buf = arr.buffers()[1], arr.buffers()[2]
-    otype = np.int64 if pa.types.is_large_binary(arr.type) else np.int32
+    otype: type[np.signedinteger[Any]] = np.int64 if pa.types.is_large_binary(arr.type) \
+        else np.int32
     offsets = np.frombuffer(offsets_buf, dtype=otype, count=arr.offset + n + 1)[arr.offset:]
     start = offsets[:-1].astype(np.int64)
     length = (offsets[1:] - offsets[:-1]).astype(np.int64)

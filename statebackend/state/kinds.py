@@ -19,7 +19,7 @@ have no state class and are reached through `statebackend.state.timers` / `.ttl`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -41,7 +41,7 @@ from statebackend.state.codecs import (
 )
 from statebackend.state.families import INTERNAL_STATES
 from statebackend.state.keygroups import key_group_prefix
-from statebackend.state.scan import prefix_upper_bound
+from statebackend.state.scan import multi_get, prefix_upper_bound
 from statebackend.state.schema import Upgrade, check_upgrades
 from statebackend.state.ttl import StateTtl, TtlAccess
 
@@ -103,8 +103,9 @@ class StateDescriptor:
         if self.kind == "aggregating" and self.aggregate_fn is None:
             raise UsageError(f"aggregating state {self.name!r} needs aggregate_fn")
 
-    def to_json(self) -> dict:
-        out = {"name": self.name, "kind": self.kind, "codec": self.codec.to_json()}
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "kind": self.kind,
+                               "codec": self.codec.to_json()}
         if self.ttl is not None:  # only when declared: records without TTL stay as they were
             out["ttl"] = self.ttl.to_json()
         return out
@@ -114,7 +115,7 @@ class StateDescriptor:
         return self.name in INTERNAL_STATES
 
     @staticmethod
-    def from_json(data: dict) -> StateDescriptor:
+    def from_json(data: Mapping[str, Any]) -> StateDescriptor:
         """Descriptor for reading stored state (dump, validate, rescale): no functions."""
         kind = data.get("kind", "value")
         desc = object.__new__(StateDescriptor)
@@ -162,7 +163,7 @@ class _State:
         """
         if self._ttl is not None:
             return self._ttl.read(rocks_keys)
-        return self.cf.get(list(rocks_keys))
+        return multi_get(self.cf, rocks_keys)
 
     def write_raw(self, puts: Iterable[tuple[bytes, bytes]],
                   deletes: Iterable[bytes] = (),
@@ -248,18 +249,18 @@ class ValueState(_State):
         if len(set(rocks_keys)) != len(rocks_keys):
             raise UsageError(f"state {self.descriptor.name!r}: insert_absent got a key more "
                              "than once; pass each key once (group the batch by key first)")
-        old = self.cf.get(list(rocks_keys)) if len(rocks_keys) else []
-        found = np.fromiter((o is not None for o in old), dtype=bool, count=len(old))
+        old = multi_get(self.cf, rocks_keys) if len(rocks_keys) else []
+        found = np.fromiter((o is not None for o in old), dtype=np.bool_, count=len(old))
         self._write((rk, v) for rk, v, f in zip(rocks_keys, encoded, found, strict=True)
                     if not f)
         return found
 
     # Columnar access for record codecs: no per-row dicts.
-    def get_columns(self, keys: Sequence[str]) -> tuple[Any, dict]:
+    def get_columns(self, keys: Sequence[str]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         codec = self._record_codec()
         return codec.decode_columns(self.get_many_raw(keys))
 
-    def put_columns(self, keys: Sequence[str], columns: dict,
+    def put_columns(self, keys: Sequence[str], columns: Mapping[str, Sequence[Any] | np.ndarray],
                     timestamps: Sequence[int] | int | None = None) -> None:
         codec = self._record_codec()
         self.put_many_raw(keys, codec.encode_columns(columns), timestamps)
@@ -287,6 +288,8 @@ class ReducingState(ValueState):
                  timestamps: Sequence[int] | int | None = None) -> None:
         """``timestamps`` (TTL states only): one per value, or one for all."""
         reduce_fn = self.descriptor.reduce_fn
+        if reduce_fn is None:  # refused by StateDescriptor; read-only descriptors have none
+            raise UsageError(f"reducing state {self.descriptor.name!r} has no reduce_fn")
         combined: dict[str, Any] = {}
         for k, v in zip(keys, values, strict=True):
             combined[k] = reduce_fn(combined[k], v) if k in combined else v
@@ -316,14 +319,21 @@ class AggregatingState(ValueState):
 
     def get(self, key: str, default: Any = None) -> Any:
         acc = super().get(key)
-        return default if acc is None else self.descriptor.aggregate_fn.get_result(acc)
+        return default if acc is None else self._aggregate_fn().get_result(acc)
 
     def get_accumulator(self, key: str) -> Any:
         return super().get(key)
 
     def get_many(self, keys: Sequence[str]) -> list[Any]:
-        result = self.descriptor.aggregate_fn.get_result
+        result = self._aggregate_fn().get_result
         return [None if a is None else result(a) for a in super().get_many(keys)]
+
+    def _aggregate_fn(self) -> AggregateFunction:
+        fn = self.descriptor.aggregate_fn
+        if fn is None:  # refused by StateDescriptor; read-only descriptors have none
+            raise UsageError(f"aggregating state {self.descriptor.name!r} has no "
+                             "aggregate_fn")
+        return fn
 
     def add(self, key: str, value: Any, timestamp: int | None = None) -> None:
         self.add_many([key], [value], timestamp)
@@ -331,7 +341,7 @@ class AggregatingState(ValueState):
     def add_many(self, keys: Sequence[str], values: Sequence[Any],
                  timestamps: Sequence[int] | int | None = None) -> None:
         """``timestamps`` (TTL states only): one per value, or one for all."""
-        fn = self.descriptor.aggregate_fn
+        fn = self._aggregate_fn()
         batch: dict[str, Any] = {}
         for k, v in zip(keys, values, strict=True):
             batch[k] = fn.add(v, batch[k] if k in batch else fn.create_accumulator())
@@ -343,7 +353,7 @@ class AggregatingState(ValueState):
 
 
 class ListState(_State):
-    def get(self, key: str) -> list:
+    def get(self, key: str) -> list[Any]:
         rk = self.backend.rocks_key(key)
         raw = self.cf.get(rk) if self._ttl is None else self._ttl.read([rk])[0]
         return [] if raw is None else [self.codec.decode(e) for e in decode_list(raw)]
@@ -375,21 +385,24 @@ class ListState(_State):
             appended[k] = append_list_bytes(appended.get(k), encode(v))
         uniq = list(appended)
         rkeys = self.backend.rocks_keys(uniq)
-        current = self.cf.get(rkeys)
+        current = multi_get(self.cf, rkeys)
         merged = ((c or b"") + appended[k] for c, k in zip(current, uniq, strict=True))
         self._write(zip(rkeys, merged, strict=True))
 
     def _add_many_ttl(self, keys: Sequence[str], values: Sequence[Any],
                       timestamps: Sequence[int] | int | None) -> None:
         # each element keeps its own expiry; elements of a key stay in input order
-        expiries = self._ttl.expiries(timestamps, len(keys))
+        ttl = self._ttl
+        if ttl is None:  # the caller checked
+            raise UsageError(f"list state {self.descriptor.name!r} has no TTL")
+        expiries = ttl.expiries(timestamps, len(keys))
         per_key: dict[str, list[tuple[bytes, int]]] = {}
         encode = self.codec.encode
         for k, v, e in zip(keys, values, expiries, strict=True):
             per_key.setdefault(k, []).append((encode(v), e))
-        self._ttl.append(self.backend.rocks_keys(list(per_key)), list(per_key.values()))
+        ttl.append(self.backend.rocks_keys(list(per_key)), list(per_key.values()))
 
-    def get_many(self, keys: Sequence[str]) -> list[list]:
+    def get_many(self, keys: Sequence[str]) -> list[list[Any]]:
         decode = self.codec.decode
         return [[] if r is None else [decode(e) for e in decode_list(r)]
                 for r in self.read_raw(self.backend.rocks_keys(keys))]
@@ -453,11 +466,11 @@ class MapState(_State):
         upper = prefix_upper_bound(prefix)
         decode = self.codec.decode
         live = self._ttl.live if self._ttl is not None else None
-        for rk, raw in self.backend.iter_raw(self.descriptor.name, lower=prefix, upper=upper):
-            if live is not None:
-                raw = live([raw])[0]
-                if raw is None:  # expired: never returned
-                    continue
+        for rk, stored in self.backend.iter_raw(self.descriptor.name, lower=prefix,
+                                                upper=upper):
+            raw = live([stored])[0] if live is not None else stored
+            if raw is None:  # expired: never returned
+                continue
             _, user_key = split_map_key(rk[2:])
             yield user_key, decode(raw)
 

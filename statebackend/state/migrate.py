@@ -24,16 +24,17 @@ measures both: docs/evolve-a-job.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rocksdict import WriteBatch
 
 from statebackend.errors import SerializationError, UsageError
 from statebackend.state.codecs import (
     TIME_BYTES,
+    Codec,
     RecordCodec,
     codec_from_json,
     decode_list,
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 
 BATCH = 50_000
 VALUE_LIKE = ("value", "map", "reducing", "aggregating")
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ class MigrationReport:
     entries: dict[str, int]      # target state -> entries rewritten
     dropped: tuple[str, ...]     # column families dropped
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"entries": dict(self.entries), "dropped": list(self.dropped)}
 
 
@@ -67,7 +69,7 @@ def migrate_backend(backend: KeyedStateBackend, migrations: Sequence[StateMigrat
 
     ``now``: the run's clock per time domain ("event", "processing"), for new expiries.
     """
-    counts = {}
+    counts: dict[str, int] = {}
     for m in migrations:
         counts[m.target] = _migrate_state(backend, m, now)
     gone = [m.source for m in migrations if m.source != m.target] + list(dropped)
@@ -119,6 +121,8 @@ def _migrate_state(backend: KeyedStateBackend, m: StateMigration,
                 encoded = convert(body)
                 if new_ttl is not None:
                     stamp = new_expiry if new_expiry is not None else expiry
+                    if stamp is None:  # a kept expiry implies a stored TTL (new_expiry above)
+                        raise SerializationError(f"state {m.source!r}: no expiry to keep")
                     out.append(stamp + encoded)
                     wb.put(index_key_at(rk, domain, stamp, tag), b"", index)
                 else:
@@ -129,24 +133,24 @@ def _migrate_state(backend: KeyedStateBackend, m: StateMigration,
     return count
 
 
-def value_converter(old_codec: Any, new_codec: Any, fns: Mapping[int, Callable[[Any], Any]],
+def value_converter(old_codec: Codec, new_codec: Codec,
+                    fns: Mapping[int, Callable[[Any], Any]],
                     versions: Sequence[int]) -> Callable[[bytes], bytes]:
     """``stored codec bytes -> declared codec bytes``: record fields by name (defaults,
     widening), then the upgrades of ``versions`` in order."""
     steps = [fns[v] for v in versions]
+    to_new: Callable[[Any], Any] = _unchanged
     if isinstance(old_codec, RecordCodec) and isinstance(new_codec, RecordCodec):
         defaults = new_codec.default_of
         kinds = dict(new_codec.fields)
 
-        def to_new(old: dict) -> dict:
+        def record_to_new(old: dict[str, Any]) -> dict[str, Any]:
             out = {}
             for name, ftype in kinds.items():
                 value = old[name] if name in old else defaults[name]
                 out[name] = float(value) if ftype.startswith("float") else value
             return out
-    else:
-        def to_new(old: Any) -> Any:
-            return old
+        to_new = record_to_new
 
     decode, encode = old_codec.decode, new_codec.encode
 
@@ -163,7 +167,11 @@ def value_converter(old_codec: Any, new_codec: Any, fns: Mapping[int, Callable[[
     return convert
 
 
-def batched(items, n: int):
+def _unchanged(value: Any) -> Any:
+    return value
+
+
+def batched(items: Iterable[_T], n: int) -> Iterator[list[_T]]:
     """Lists of ``n`` items (the last may be shorter): itertools.batched of Python 3.12."""
     it = iter(items)
     while chunk := list(islice(it, n)):

@@ -8,16 +8,17 @@ tells an error from the end of the data. Every scan of the library goes through
 the end (cheap: no per-entry cost) and raise `CorruptStateError` naming the column
 family, the instance and RocksDB's message.
 
-Also here: `prefix_upper_bound` (an iterator's upper bound for a key prefix) and
+Also here: `prefix_upper_bound` (an iterator's upper bound for a key prefix),
 `earliest_time`, the one-seek-per-key-group lookup of the time-ordered families
-(timers, TTL index). This module imports no other state module but the key-group
-helpers, so the backend, the state kinds, timers and TTL all build on it.
+(timers, TTL index), and `multi_get`, the one multi-get of raw values. This module
+imports no other state module but the key-group helpers, so the backend, the state
+kinds, timers and TTL all build on it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Literal, TypeAlias, cast, overload
 
 from rocksdict import Rdict, RdictIter, ReadOptions
 
@@ -27,6 +28,9 @@ from statebackend.state.keygroups import key_group_prefix
 
 if TYPE_CHECKING:
     from statebackend.state.backend import KeyedStateBackend
+
+# A key as rocksdict's stub types it (a raw-mode column family only ever holds bytes).
+_RdictKey: TypeAlias = str | int | float | bytes | bool
 
 
 def _scan_iter(cf: Rdict, lower: bytes | None, upper: bytes | None) -> RdictIter:
@@ -42,7 +46,8 @@ def _scan_iter(cf: Rdict, lower: bytes | None, upper: bytes | None) -> RdictIter
     return it
 
 
-def _check_scan_status(it: RdictIter, where: str, file_paths: dict[str, str] | None) -> None:
+def _check_scan_status(it: RdictIter, where: str, file_paths: Mapping[str, str] | None
+                       ) -> None:
     try:
         it.status()
     except Exception as exc:  # noqa: BLE001 - rocksdict raises a bare Exception
@@ -56,9 +61,26 @@ def _check_scan_status(it: RdictIter, where: str, file_paths: dict[str, str] | N
               "(`ckpt list`)") from exc
 
 
+@overload
+def checked_scan(cf: Rdict, where: str, lower: bytes | None = None,
+                 upper: bytes | None = None, *, values: Literal[True] = True,
+                 file_paths: Mapping[str, str] | None = None
+                 ) -> Iterator[tuple[bytes, bytes]]: ...
+@overload
+def checked_scan(cf: Rdict, where: str, lower: bytes | None = None,
+                 upper: bytes | None = None, *, values: Literal[False],
+                 file_paths: Mapping[str, str] | None = None) -> Iterator[bytes]: ...
+@overload
+def checked_scan(cf: Rdict, where: str, lower: bytes | None = None,
+                 upper: bytes | None = None, *, values: bool,
+                 file_paths: Mapping[str, str] | None = None
+                 ) -> Iterator[tuple[bytes, bytes]] | Iterator[bytes]: ...
+
+
 def checked_scan(cf: Rdict, where: str, lower: bytes | None = None,
                  upper: bytes | None = None, *, values: bool = True,
-                 file_paths: dict[str, str] | None = None) -> Iterator:
+                 file_paths: Mapping[str, str] | None = None
+                 ) -> Iterator[tuple[bytes, bytes] | bytes]:
     """Every entry of ``cf`` in [lower, upper): (key, value) pairs, or keys if not ``values``.
 
     Raises `CorruptStateError` naming ``where`` (column family, subtask, checkpoint) and
@@ -80,7 +102,7 @@ def checked_scan(cf: Rdict, where: str, lower: bytes | None = None,
 
 def checked_count(cf: Rdict, where: str, lower: bytes | None = None,
                   upper: bytes | None = None, *,
-                  file_paths: dict[str, str] | None = None) -> int:
+                  file_paths: Mapping[str, str] | None = None) -> int:
     """Number of live entries of ``cf`` in [lower, upper); same checks as `checked_scan`."""
     it = _scan_iter(cf, lower, upper)
     valid, nxt = it.valid, it.next
@@ -92,9 +114,26 @@ def checked_count(cf: Rdict, where: str, lower: bytes | None = None,
     return n
 
 
+@overload
+def checked_entries(cf: Rdict, where: str, lower: bytes | None = None,
+                    upper: bytes | None = None, *, values: Literal[True] = True,
+                    file_paths: Mapping[str, str] | None = None
+                    ) -> tuple[list[bytes], list[bytes]]: ...
+@overload
+def checked_entries(cf: Rdict, where: str, lower: bytes | None = None,
+                    upper: bytes | None = None, *, values: Literal[False],
+                    file_paths: Mapping[str, str] | None = None
+                    ) -> tuple[list[bytes], None]: ...
+@overload
+def checked_entries(cf: Rdict, where: str, lower: bytes | None = None,
+                    upper: bytes | None = None, *, values: bool,
+                    file_paths: Mapping[str, str] | None = None
+                    ) -> tuple[list[bytes], list[bytes] | None]: ...
+
+
 def checked_entries(cf: Rdict, where: str, lower: bytes | None = None,
                     upper: bytes | None = None, *, values: bool = True,
-                    file_paths: dict[str, str] | None = None
+                    file_paths: Mapping[str, str] | None = None
                     ) -> tuple[list[bytes], list[bytes] | None]:
     """Every key of ``cf`` in [lower, upper) as a list (and the values, or None if not
     ``values``): `checked_scan` in bulk, for scans that need every entry.
@@ -112,8 +151,11 @@ def checked_entries(cf: Rdict, where: str, lower: bytes | None = None,
             ro.set_iterate_upper_bound(upper)
         return ro
 
+    keys: list[bytes] | None
+    vals: list[bytes] | None
     try:
-        keys = list(cf.keys(from_key=lower, read_opt=options()))
+        # rocksdict's stub types keys of every mode; a raw-mode family holds bytes only
+        keys = cast("list[bytes]", list(cf.keys(from_key=lower, read_opt=options())))
         vals = list(cf.values(from_key=lower, read_opt=options())) if values else None
     except Exception:  # noqa: BLE001 - the checked scan below names the damage
         keys, vals = None, None
@@ -124,6 +166,13 @@ def checked_entries(cf: Rdict, where: str, lower: bytes | None = None,
             return keys, vals
     pairs = list(checked_scan(cf, where, lower, upper, file_paths=file_paths))
     return [k for k, _ in pairs], [v for _, v in pairs] if values else None
+
+
+def multi_get(cf: Rdict, keys: Iterable[bytes]) -> list[bytes | None]:
+    """One multi-get of raw values: the stored bytes of each key, None where absent."""
+    wanted: list[_RdictKey] = list(keys)
+    # rocksdict's stub types the result as one value; a list of keys gets a list back
+    return cast("list[bytes | None]", cf.get(wanted))
 
 
 def prefix_upper_bound(prefix: bytes) -> bytes:

@@ -84,7 +84,7 @@ def check_upgrades(name: str, upgrades: Sequence[Upgrade]) -> None:
 
 
 # -- stored schemas ----------------------------------------------------------------------
-def schema_of(stored: Mapping[str, Any]) -> dict:
+def schema_of(stored: Mapping[str, Any]) -> dict[str, Any]:
     """A stored state entry with its optional schema keys made explicit."""
     out = dict(stored)
     out.setdefault("kind", "value")
@@ -139,7 +139,7 @@ class StateChange:
     steps: tuple[str, ...] = ()  # how (migrated) or why (refused), in words
     source: str | None = None  # the stored state it comes from (renames: the old name)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"state": self.state, "action": self.action, "steps": list(self.steps),
                 "source": self.source}
 
@@ -161,13 +161,13 @@ class StateMigration:
     target: str                       # the declared name
     source: str                       # the stored column family
     kind: str
-    source_codec: dict                # stored codec (JSON)
-    source_ttl: dict | None
+    source_codec: dict[str, Any]      # stored codec (JSON)
+    source_ttl: dict[str, Any] | None
     restamp_ttl: bool                 # stored entries get a new expiry (TTL added / domain)
     strip_ttl: bool                   # stored expiries go (TTL removed)
     upgrades: tuple[int, ...] = ()    # upgrade versions to run, in order
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"target": self.target, "source": self.source, "kind": self.kind,
                 "source_codec": self.source_codec, "source_ttl": self.source_ttl,
                 "restamp_ttl": self.restamp_ttl, "strip_ttl": self.strip_ttl,
@@ -179,7 +179,7 @@ class EvolutionPlan:
     changes: tuple[StateChange, ...]
     migrations: tuple[StateMigration, ...]    # states whose entries are rewritten
     dropped: tuple[str, ...]                  # stored column families that go
-    states: tuple[dict, ...]                  # the next checkpoint's `states` (schemas)
+    states: tuple[dict[str, Any], ...]        # the next checkpoint's `states` (schemas)
 
     @property
     def refused(self) -> tuple[StateChange, ...]:
@@ -199,7 +199,7 @@ class EvolutionPlan:
                              f"{'; '.join(bad[0].steps)}{more}; `ckpt check` lists every "
                              "state")
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"changes": [c.to_json() for c in self.changes],
                 "migrations": [m.to_json() for m in self.migrations],
                 "dropped": list(self.dropped), "compatible": not self.refused}
@@ -217,17 +217,18 @@ def plan_evolution(stored: Sequence[Mapping[str, Any]],
     as declared, never compared; ``checkpoint_id``: the stored record's (history).
     """
     renamed = dict(renamed or {})
-    internal = set(internal)
-    stored_by_name = {s["name"]: schema_of(s) for s in stored if s["name"] not in internal}
+    internal_names = set(internal)
+    stored_by_name = {s["name"]: schema_of(s) for s in stored
+                      if s["name"] not in internal_names}
     # a rename applies while the lineage holds the old name; once it holds the new one
     # (a later run of the same code) there is nothing left to rename
     source_of = {d.name: d.name if d.name in stored_by_name else renamed.get(d.name, d.name)
-                 for d in declared if d.name not in internal}
+                 for d in declared if d.name not in internal_names}
     changes: list[StateChange] = []
     migrations: list[StateMigration] = []
-    states: list[dict] = []
+    states: list[dict[str, Any]] = []
     for d in declared:
-        if d.name in internal:
+        if d.name in internal_names:
             states.append(d.to_json())
             continue
         source = source_of[d.name]
@@ -255,7 +256,7 @@ def plan_evolution(stored: Sequence[Mapping[str, Any]],
             states.append(_schema(d, old["schema_version"] + 1, d.upgrade_version,
                                   [*old["history"], past]))
     sources = set(source_of.values())
-    gone = []
+    gone: list[str] = []
     for name in sorted(set(stored_by_name) - sources):
         if name in dropped:
             changes.append(StateChange(name, "dropped", (
@@ -274,7 +275,8 @@ def plan_evolution(stored: Sequence[Mapping[str, Any]],
     return EvolutionPlan(tuple(changes), tuple(migrations), tuple(gone), tuple(states))
 
 
-def _schema(d: StateDescriptor, version: int, upgrade: int, history: list) -> dict:
+def _schema(d: StateDescriptor, version: int, upgrade: int, history: list[Any]
+            ) -> dict[str, Any]:
     out = d.to_json()
     if version > 1:
         out["schema_version"] = version
@@ -285,7 +287,7 @@ def _schema(d: StateDescriptor, version: int, upgrade: int, history: list) -> di
     return out
 
 
-def _compare(d: StateDescriptor, old: dict, source: str
+def _compare(d: StateDescriptor, old: dict[str, Any], source: str
              ) -> tuple[StateChange, StateMigration | None]:
     steps: list[str] = []
     if source != d.name:
@@ -321,7 +323,7 @@ def _compare(d: StateDescriptor, old: dict, source: str
     return StateChange(d.name, "migrated", tuple(steps), source), migration
 
 
-def codec_change(old: dict, new: dict, defaults: Mapping[str, Any]
+def codec_change(old: dict[str, Any], new: dict[str, Any], defaults: Mapping[str, Any]
                  ) -> tuple[list[str], str | None]:
     """(steps, None) when values of codec ``old`` can be read as codec ``new``, else
     ([], why not). ``defaults``: the new record codec's declared field defaults."""
@@ -357,15 +359,16 @@ def _widenings() -> str:
     return ", ".join(f"{a} -> {b}" for a, bs in WIDENINGS.items() for b in bs)
 
 
-def ttl_change(old: dict | None, new: dict | None) -> tuple[list[str], bool, bool]:
+def ttl_change(old: dict[str, Any] | None, new: dict[str, Any] | None
+               ) -> tuple[list[str], bool, bool]:
     """(steps, restamp stored entries, strip stored expiries)."""
     if old == new:
         return [], False, False
+    if new is None:
+        return ["TTL removed: stored entries no longer expire"], False, True
     if old is None:
         return [f"TTL added ({new['duration_ms']} ms of {new['time']} time): entries stored "
                 "before expire that long after this run"], True, False
-    if new is None:
-        return ["TTL removed: stored entries no longer expire"], False, True
     if old.get("time") != new.get("time"):
         return [f"TTL moves from {old.get('time')} to {new.get('time')} time: stored entries "
                 "expire one duration after this run"], True, False

@@ -32,7 +32,7 @@ import heapq
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from rocksdict import WriteBatch
 
@@ -50,7 +50,7 @@ from statebackend.state.codecs import (
 from statebackend.state.families import TIMER_KEYS, TIMERS
 from statebackend.state.keygroups import key_group_prefix
 from statebackend.state.kinds import StateDescriptor, internal_descriptor
-from statebackend.state.scan import checked_scan, earliest_time, prefix_upper_bound
+from statebackend.state.scan import checked_scan, earliest_time, multi_get, prefix_upper_bound
 
 if TYPE_CHECKING:
     from statebackend.state.backend import KeyedStateBackend
@@ -58,6 +58,8 @@ if TYPE_CHECKING:
 TIMER_DESCRIPTORS: tuple[StateDescriptor, ...] = (internal_descriptor(TIMERS),
                                                   internal_descriptor(TIMER_KEYS))
 _U32 = struct.Struct(">I")
+# (time + key + tag bytes, key group, sequence, timer key, the scan it came from or None)
+_HeapEntry: TypeAlias = tuple[bytes, int, int, bytes, Iterator[bytes] | None]
 
 
 def with_timers(descriptors: Sequence[StateDescriptor]) -> list[StateDescriptor]:
@@ -76,7 +78,7 @@ class Timer:
     tag: str = ""
     domain: str = "event"
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"key": self.key, "time": self.time, "domain": self.domain, "tag": self.tag,
                 "key_group": self.key_group}
 
@@ -269,7 +271,7 @@ class TimerFiring:
         self._cf = backend.column_family(TIMERS)
         self._fwd = backend.column_family_handle(TIMERS)
         self._rev = backend.column_family_handle(TIMER_KEYS)
-        self._heap: list[tuple[bytes, int, int, bytes, Iterator | None]] = []
+        self._heap: list[_HeapEntry] = []
         self._seq = 0  # tie-breaker: a heap entry never compares its iterator
         self._started = False
         self._dom = domain_byte(domain)
@@ -287,7 +289,7 @@ class TimerFiring:
             self.stats.seeks += 1
             self._advance(scan)
 
-    def _advance(self, scan: Iterator) -> None:
+    def _advance(self, scan: Iterator[bytes]) -> None:
         tk = next(scan, None)
         if tk is not None:
             self.stats.entries_read += 1
@@ -300,7 +302,7 @@ class TimerFiring:
             self.stats.entries_read += 1
             self._push(tk, None)
 
-    def _push(self, tk: bytes, scan: Iterator | None) -> None:
+    def _push(self, tk: bytes, scan: Iterator[bytes] | None) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (tk[3:], int.from_bytes(tk[:2], "big"), self._seq, tk, scan))
 
@@ -326,7 +328,7 @@ class TimerFiring:
         out: list[Timer] = []
         seen: set[bytes] = set()
         while self._heap and len(out) < n:
-            popped = []
+            popped: list[bytes] = []
             while self._heap and len(popped) < n - len(out):
                 _, _, _, tk, scan = heapq.heappop(self._heap)
                 if scan is not None:
@@ -337,7 +339,7 @@ class TimerFiring:
             if not popped:
                 continue
             wb = WriteBatch(raw_mode=True)
-            for tk, stored in zip(popped, self._cf.get(popped), strict=True):
+            for tk, stored in zip(popped, multi_get(self._cf, popped), strict=True):
                 if stored is None:
                     continue
                 timer = parse_timer_key(tk)

@@ -68,10 +68,11 @@ from statebackend.state.codecs import (
 )
 from statebackend.state.families import TTL_INDEX
 from statebackend.state.keygroups import key_group_prefix
-from statebackend.state.scan import checked_entries, earliest_time
+from statebackend.state.scan import checked_entries, earliest_time, multi_get
 
 if TYPE_CHECKING:
     from statebackend.state.backend import KeyedStateBackend
+    from statebackend.state.kinds import StateDescriptor
 
 TTL_UPDATE_MODES = ("write",)
 _U16 = struct.Struct(">H")
@@ -99,7 +100,7 @@ class StateTtl:
             raise UsageError(f"TTL update_on {self.update_on!r} is unknown; use one of "
                              f"{TTL_UPDATE_MODES}")
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"duration_ms": self.duration_ms, "time": self.time, "update_on": self.update_on}
 
     @staticmethod
@@ -190,7 +191,9 @@ def _stamp_list(list_bytes: bytes, expiry_bytes: bytes) -> bytes:
 class TtlAccess:
     """TTL-aware raw reads and writes of one state with a TTL."""
 
-    def __init__(self, backend: KeyedStateBackend, descriptor: Any) -> None:
+    def __init__(self, backend: KeyedStateBackend, descriptor: StateDescriptor) -> None:
+        if descriptor.ttl is None:
+            raise UsageError(f"state {descriptor.name!r} has no TTL")
         self.backend = backend
         self.ttl: StateTtl = descriptor.ttl
         self.name = descriptor.name
@@ -211,7 +214,7 @@ class TtlAccess:
         return [strip(r, now) for r in raws]
 
     def read(self, rocks_keys: Sequence[bytes]) -> list[bytes | None]:
-        return self.live(self.cf.get(list(rocks_keys)))
+        return self.live(multi_get(self.cf, rocks_keys))
 
     def expiries(self, timestamps: Sequence[int] | int | None, n: int) -> list[int]:
         d = self.ttl.duration_ms
@@ -252,7 +255,7 @@ class TtlAccess:
     def append(self, rocks_keys: Sequence[bytes],
                elements: Sequence[Sequence[tuple[bytes, int]]]) -> None:
         """List state: append (codec bytes, expiry) elements per key, in order; one batch."""
-        old = self.cf.get(list(rocks_keys)) if rocks_keys else []
+        old = multi_get(self.cf, rocks_keys) if rocks_keys else []
         wb = WriteBatch(raw_mode=True)
         cf, ix, dom, tag = self.cf_handle, self.index_handle, self.domain, self.tag
         for rk, els, o in zip(rocks_keys, elements, old, strict=True):
@@ -273,7 +276,7 @@ class TtlAccess:
         puts, deletes = list(puts), list(deletes)
         rks = [k for k, _ in puts]
         # one multi-get: the old values tell which index entries to move or drop
-        old_all = self.cf.get(rks + deletes) if rks or deletes else []
+        old_all = multi_get(self.cf, rks + deletes) if rks or deletes else []
         old, old_deleted = old_all[: len(rks)], old_all[len(rks) :]
         if not self.is_list:
             self._write_values(puts, deletes, self.expiry_bytes(timestamps, len(puts))
@@ -326,12 +329,12 @@ class TtlAccess:
         if len(set(rocks_keys)) != n:
             raise UsageError(f"state {self.name!r}: insert_absent got a key more than once; "
                              "pass each key once (group the batch by key first)")
-        old = self.cf.get(list(rocks_keys)) if n else []
+        old = multi_get(self.cf, rocks_keys) if n else []
         now = self.now()
         now_bytes = None if now is None else encode_time(now)
         # byte order of the stored expiry is time order: live iff expiry > now
         found = np.fromiter((o is not None and (now_bytes is None or o[:TIME_BYTES] > now_bytes)
-                             for o in old), dtype=bool, count=n)
+                             for o in old), dtype=np.bool_, count=n)
         if found.all():
             return found
         expiries = self.expiry_bytes(timestamps, n)
@@ -341,7 +344,8 @@ class TtlAccess:
         return found
 
     def _write_values(self, puts: list[tuple[bytes, bytes]], deletes: list[bytes],
-                      expiries: list[bytes], old: list, old_deleted: list) -> None:
+                      expiries: list[bytes], old: list[bytes | None],
+                      old_deleted: list[bytes | None]) -> None:
         """`write` of a value-like state (one expiry per entry): on expiry bytes, no
         decoding (their byte order is time order)."""
         wb = WriteBatch(raw_mode=True)
@@ -380,7 +384,7 @@ class PurgeStats:
     elements_dropped: int = 0  # expired list elements removed from lists that stay
     compacted: tuple[str, ...] = ()  # column families rewritten (``compact_ratio``)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"seeks": self.seeks, "index_entries_read": self.index_entries_read,
                 "entries_deleted": self.entries_deleted,
                 "elements_dropped": self.elements_dropped, "compacted": list(self.compacted)}
@@ -491,7 +495,7 @@ def _purge_batch(backend: KeyedStateBackend, index_keys: list[bytes], now: int,
                 wb.delete(rk, handle)
             gone = len(rks)
         else:
-            for rk, raw in zip(rks, cf.get(rks), strict=True):
+            for rk, raw in zip(rks, multi_get(cf, rks), strict=True):
                 if raw is None:
                     continue
                 elements = decode_list(raw)

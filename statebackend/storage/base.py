@@ -32,7 +32,7 @@ import posixpath
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, TypeVar, cast, overload
 
 import fsspec
 
@@ -46,6 +46,7 @@ from statebackend.storage.checksums import (
 from statebackend.storage.options import StorageOptions
 
 CHUNK = 4 * 1024 * 1024
+_T = TypeVar("_T")
 
 
 def safe_relpath(path: str, what: str = "path") -> str:
@@ -117,7 +118,12 @@ class Listing(Mapping[str, FileInfo]):
         self._infos[path] = info
         return info
 
-    def get(self, path: str, default: FileInfo | None = None) -> FileInfo | None:
+    @overload
+    def get(self, path: str, /) -> FileInfo | None: ...
+    @overload
+    def get(self, path: str, default: FileInfo | _T, /) -> FileInfo | _T: ...
+
+    def get(self, path: str, default: object = None) -> object:
         try:
             return self[path]
         except KeyError:
@@ -129,6 +135,7 @@ class Listing(Mapping[str, FileInfo]):
     def __len__(self) -> int:
         return len(self.paths)
 
+    # a generator, not Mapping's view: a lazy listing stats each entry as it is reached
     def items(self) -> Iterator[tuple[str, FileInfo]]:  # type: ignore[override]
         get = self.get
         return ((p, info) for p in self.paths if (info := get(p)) is not None)
@@ -184,11 +191,11 @@ class Storage:
     # -- primitives -------------------------------------------------------
     def exists(self, rel: str) -> bool:
         with self._errors(rel):
-            return self.fs.exists(self.abspath(rel))
+            return cast(bool, self.fs.exists(self.abspath(rel)))  # fsspec is untyped
 
     def read_bytes(self, rel: str) -> bytes:
         with self._errors(rel):
-            return self.fs.cat_file(self.abspath(rel))
+            return cast(bytes, self.fs.cat_file(self.abspath(rel)))  # fsspec is untyped
 
     def read_bytes_if_exists(self, rel: str) -> bytes | None:
         """The file's bytes, or None if it does not exist (other failures raise)."""
@@ -392,7 +399,7 @@ def child_storage(storage: Storage, name: str) -> Storage:
     return out
 
 
-def mtime_of(entry: dict) -> float | None:
+def mtime_of(entry: Mapping[str, Any]) -> float | None:
     """The modification time of an fsspec listing entry, as epoch seconds."""
     for key in ("mtime", "LastModified", "created"):
         value = entry.get(key)

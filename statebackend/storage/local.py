@@ -56,8 +56,9 @@ import stat
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from operator import attrgetter
-from typing import IO, Any
+from typing import IO, Any, Literal, TypeAlias, overload
 
 import fsspec
 
@@ -77,7 +78,18 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONB
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC
 _MAGIC = re.compile(r"[*?\[]")
 
-Parts = tuple[str, ...]
+Parts: TypeAlias = tuple[str, ...]
+
+
+
+@dataclass(slots=True)
+class _Frame:
+    """One folder of `LocalStorage._scan`'s depth-first walk."""
+
+    prefix: str             # its path below the root, with a trailing "/" ("" at the top)
+    fd: int                 # its descriptor
+    owned: bool             # the walk opened it (and closes it)
+    subfolders: list[str] | None = None  # still to visit (None: not listed yet)
 
 
 class _Folders:
@@ -433,14 +445,19 @@ class LocalStorage(Storage):
                 folder = posixpath.dirname(folder)
         return sorted(p for p in found if regex.fullmatch(p))
 
-    def _scan(self, rel: str, stat: bool) -> list:
+    @overload
+    def _scan(self, rel: str, stat: Literal[True]) -> list[FileInfo]: ...
+    @overload
+    def _scan(self, rel: str, stat: Literal[False]) -> list[str]: ...
+
+    def _scan(self, rel: str, stat: bool) -> list[FileInfo] | list[str]:
         """Every regular file under ``rel``: FileInfo with ``stat``, else its path.
 
         Depth first through folder descriptors (as many open as the tree is deep);
         symlinks are skipped, never followed, and so are FIFOs, sockets and devices.
         """
         parts = self._parts(rel)
-        out: list = []
+        out: list[Any] = []  # FileInfo with ``stat``, else str (the overloads)
         append = out.append
         top_prefix = f"{safe_relpath(rel)}/" if rel else ""
         with _Folders(self) as folders:
@@ -454,16 +471,15 @@ class LocalStorage(Storage):
                     if info is not None:
                         append(info if stat else info.path)
                     return out
-            # [prefix, descriptor, owned, subfolders still to visit (None: not listed)]
-            stack: list[list] = [[top_prefix, top, False, None]]
+            stack = [_Frame(top_prefix, top, False)]
             try:
                 while stack:
                     frame = stack[-1]
-                    prefix, fd = frame[0], frame[1]
-                    if frame[3] is None:
-                        frame[3] = self._list_folder(prefix, fd, stat, append)
-                    if frame[3]:
-                        name = frame[3].pop()
+                    prefix, fd = frame.prefix, frame.fd
+                    if frame.subfolders is None:
+                        frame.subfolders = self._list_folder(prefix, fd, stat, append)
+                    if frame.subfolders:
+                        name = frame.subfolders.pop()
                         try:
                             child = os.open(name, _DIR_FLAGS, dir_fd=fd)
                         except OSError as exc:
@@ -471,15 +487,15 @@ class LocalStorage(Storage):
                                 continue  # gone, or swapped for a file or a symlink
                             raise StorageError(f"{self.url}: cannot list {prefix}{name}: "
                                                f"{exc}") from exc
-                        stack.append([f"{prefix}{name}/", child, True, None])
+                        stack.append(_Frame(f"{prefix}{name}/", child, True))
                     else:
                         stack.pop()
-                        if frame[2]:
+                        if frame.owned:
                             os.close(fd)
             finally:
                 for frame in stack:
-                    if frame[2]:
-                        os.close(frame[1])
+                    if frame.owned:
+                        os.close(frame.fd)
         return out
 
     def _list_folder(self, prefix: str, fd: int, stat: bool,
@@ -602,7 +618,8 @@ class LocalStorage(Storage):
                                    "check --storage") from exc
 
 
-def _ignore_vanished(func: Callable, path: str, exc_info: tuple) -> None:
+def _ignore_vanished(func: Callable[..., object], path: str,
+                     exc_info: tuple[type[BaseException], BaseException, object]) -> None:
     """rmtree's error handler: an entry deleted meanwhile is fine, the rest raises."""
     if not isinstance(exc_info[1], FileNotFoundError):
         raise exc_info[1]

@@ -42,7 +42,7 @@ class StorageOptions(Mapping[str, Any]):
     def __hash__(self) -> int:  # an immutable value (dataclass fields may hash it)
         return hash(tuple(sorted(self._data)))
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[StorageOptions], tuple[dict[str, Any]]]:
         return (StorageOptions, (self._data,))
 
     def __repr__(self) -> str:

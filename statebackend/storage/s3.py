@@ -61,7 +61,7 @@ class S3Storage(Storage):
                     raise  # a missing prefix is fine; a missing bucket is not
 
 
-def environment_s3_options(environ: Mapping[str, str] | None = None) -> dict:
+def environment_s3_options(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The s3 options s3fs would take from this process's ``AWS_*`` variables, explicit.
 
     Captured on the driver so that executors on other hosts reach the same storage;
@@ -69,7 +69,7 @@ def environment_s3_options(environ: Mapping[str, str] | None = None) -> dict:
     instance role) applies wherever the storage is opened.
     """
     env = os.environ if environ is None else environ
-    options: dict = {}
+    options: dict[str, Any] = {}
     if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
         options = {name: env[var] for name, var in _ENV_OPTIONS if env.get(var)}
     endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
@@ -78,10 +78,10 @@ def environment_s3_options(environ: Mapping[str, str] | None = None) -> dict:
     return options
 
 
-def s3_storage_options(options: Mapping[str, Any] | None = None) -> dict:
+def s3_storage_options(options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """fsspec s3 options: the library's settings, then ``options`` (or the environment's)."""
     given = dict(options) if options else environment_s3_options()
-    merged: dict = {
+    merged: dict[str, Any] = {
         # Listings must be fresh: other processes (executors, other runs, the CLI)
         # commit checkpoints and upload files; a cached listing hides them.
         "use_listings_cache": False,
