@@ -47,6 +47,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from datetime import UTC, datetime
 from importlib.metadata import entry_points
@@ -192,7 +193,7 @@ def resolve_job_ref(job: str, entry: str = "?") -> str:
                          f"{sorted(known)} nor of the form package.module:attribute")
 
 
-def expand_env(value: object, environ: dict | None = None) -> object:
+def expand_env(value: object, environ: Mapping[str, str] | None = None) -> object:
     """Expand ``${VAR}`` / ``${VAR:-default}`` in every string of a nested value."""
     env = os.environ if environ is None else environ
     if isinstance(value, str):
@@ -315,8 +316,11 @@ def _check_numbers(spec: JobSpec) -> None:
 
 
 def specs_from_config(data: dict, where: str = "ckpt_jobs",
-                      environ: dict | None = None) -> list[JobSpec]:
-    data = expand_env(data, environ)
+                      environ: Mapping[str, str] | None = None) -> list[JobSpec]:
+    expanded = expand_env(data, environ)
+    if not isinstance(expanded, dict):
+        raise JobConfigError(f"{where}: the configuration must be a mapping")
+    data = expanded
     unknown = set(data) - {"defaults", "jobs"}
     if unknown:
         raise JobConfigError(f"{where}: unknown top-level key(s) {sorted(unknown)}; "

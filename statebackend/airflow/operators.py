@@ -155,6 +155,7 @@ class CkptRunJobOperator(_CheckpointOperator):
            for argument, opt in RUN_ARGUMENTS.items()}}
     template_fields: Sequence[str] = tuple(
         opt.argument for opt in run_options() if opt.templated and opt.argument)
+    job_ref: str  # each ARGUMENTS entry is an attribute, set by the base's __init__
 
     def execute(self, context) -> dict:
         values = {opt.name: opt.parse(getattr(self, argument), f"CkptRunJobOperator argument "
@@ -180,6 +181,13 @@ class CkptValidateOperator(_CheckpointOperator):
         "run_key": None, "checkpoint": "latest", "deep": False, "level": None,
         "job_ref": None, "report": "now"}
     template_fields: Sequence[str] = ("storage", "run_key", "checkpoint")
+    # the ARGUMENTS, set by the base's __init__ (templates render them to text)
+    run_key: str | None
+    checkpoint: str | int
+    deep: bool | str
+    level: str | None
+    job_ref: str | None
+    report: str
 
     def execute(self, context) -> dict:
         level = self.level or ("deep" if self.yes_no("deep") else None)
@@ -196,6 +204,9 @@ class CkptRetainOperator(_CheckpointOperator):
 
     ARGUMENTS: ClassVar[Mapping[str, Any]] = {"keep": defaults.RETENTION_KEEP, "dry_run": False}
     template_fields: Sequence[str] = ("storage", "keep", "dry_run")
+    # the ARGUMENTS, set by the base's __init__ (templates render text); ``dry_run`` is
+    # read with `yes_no` (its attribute shadows BaseOperator.dry_run())
+    keep: int | str
 
     def execute(self, context) -> dict:
         return retain_store(self.hook.get_store(), keep=_as_int(self.keep),
@@ -208,6 +219,7 @@ class CkptGcOperator(_CheckpointOperator):
     ARGUMENTS: ClassVar[Mapping[str, Any]] = {
         "grace_seconds": defaults.GC_GRACE_SECONDS, "dry_run": False}
     template_fields: Sequence[str] = ("storage", "grace_seconds", "dry_run")
+    grace_seconds: float | str  # the ARGUMENTS, set by the base's __init__
 
     def execute(self, context) -> dict:
         return gc_store(self.hook.get_store(), grace_seconds=float(self.grace_seconds),
@@ -220,6 +232,10 @@ class CkptRescaleOperator(_CheckpointOperator):
     ARGUMENTS: ClassVar[Mapping[str, Any]] = {
         "parallelism": REQUIRED, "checkpoint": "latest", "dry_run": False, "master": None}
     template_fields: Sequence[str] = ("storage", "parallelism", "checkpoint", "dry_run")
+    # the ARGUMENTS, set by the base's __init__ (templates render them to text)
+    parallelism: int | str
+    checkpoint: str | int
+    master: str | None
 
     def execute(self, context) -> dict:
         return rescale_store(self.hook.get_store(), parallelism=_as_int(self.parallelism),

@@ -41,7 +41,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import datetime
-from typing import Any
+from typing import IO, Any, cast
 
 from statebackend import defaults
 from statebackend.airflow.config import SPEC_RUN_OPTIONS, JobSpec, resolve_job_ref
@@ -173,7 +173,9 @@ def run_job_once(job_ref: str, config, *, entry: str | None = None, spark=None) 
     if "://" not in config.input and not os.path.exists(config.input):
         raise UsageError(f"input {config.input} of ckpt_jobs entry {entry!r} does not exist; "
                          "check the 'input' pattern and that the interval's data landed")
-    stream = LogLines(log)
+    # `Progress` types its stream as typing.IO, a nominal class io.TextIOBase does not
+    # derive from; LogLines has what Progress calls (write, flush, isatty)
+    stream = cast(IO[str], LogLines(log))
     mode = "off" if choose_mode(stream) == "off" else "lines"  # a log has no live bar
     with Progress("run", stream=stream, mode=mode) as progress:
         summary = dict(run_job(job, config, spark=spark, progress=progress))

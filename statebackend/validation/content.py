@@ -52,6 +52,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from itertools import repeat
+from typing import TypeAlias
 
 import mmh3
 import numpy as np
@@ -72,11 +73,11 @@ from statebackend.state.codecs import (
     encode_list,
     split_map_key,
 )
+from statebackend.state.families import TTL_INDEX
 from statebackend.state.keygroups import KeyGroupRange
 from statebackend.state.kinds import StateDescriptor
 from statebackend.state.timers import key_bytes_of, parse_reverse_key, parse_timer_key
 from statebackend.state.ttl import (
-    TTL_INDEX,
     index_key,
     parse_index_key,
     state_tag,
@@ -97,7 +98,9 @@ SUBTASK_THREADS = 2
 STATE_COLUMNS = ["subtask", "state", "key", "user_key", "key_group", "computed_key_group",
                  "range_start", "range_end", "prefix_ok", "in_range", "decodes", "decode_error",
                  "ttl_ok"]
-
+# one column of the ``state`` table: a NumPy array (``key``: an Arrow string array)
+Column: TypeAlias = np.ndarray | pa.Array
+StateColumns: TypeAlias = dict[str, Column]  # STATE_COLUMNS of one column family
 
 FAMILY_COLUMNS = ["subtask", "state", "first_key", "last_key", "first_key_group",
                   "last_key_group", "range_start", "range_end", "edges_in_range", "sst_files",
@@ -194,9 +197,11 @@ def _decode_internal_keys(rks: list[bytes], kind: str, kinds: dict[str, str]
     return hashed, keys, user_keys, errors
 
 
-def _strip_ttl(desc: StateDescriptor, values: list[bytes]) -> tuple[list[bytes], list]:
+def _strip_ttl(desc: StateDescriptor, values: list[bytes]
+               ) -> tuple[list[bytes], list[str | None]]:
     """Values of a TTL state without their expiries (what the codec reads), and errors."""
-    out, errors = [], []
+    out: list[bytes] = []
+    errors: list[str | None] = []
     for v in values:
         try:
             if desc.kind == "list":
@@ -206,7 +211,7 @@ def _strip_ttl(desc: StateDescriptor, values: list[bytes]) -> tuple[list[bytes],
             else:
                 if len(v) < TIME_BYTES:
                     raise CkptError("value is shorter than its 8-byte expiry")
-                stripped = strip_value(v, None)
+                stripped = strip_value(v, None) or b""  # None only for an absent value
             out.append(stripped)
             errors.append(None)
         except CkptError as exc:
@@ -225,6 +230,7 @@ def ttl_findings(backend: KeyedStateBackend, descriptors: Sequence[StateDescript
     then run on them (an index entry is looked up by its key instead of a full index
     scan). None: every entry."""
     ttl_descs = {d.name: d for d in descriptors if d.ttl is not None}
+    ttl_time = {d.name: d.ttl.time for d in descriptors if d.ttl is not None}  # time domain
     findings: dict[tuple[str, bytes], str] = {}
     has_index = TTL_INDEX in backend.column_families
     index_cf = backend.column_family(TTL_INDEX) if has_index else None
@@ -255,19 +261,21 @@ def ttl_findings(backend: KeyedStateBackend, descriptors: Sequence[StateDescript
             if sampled is None:
                 missing = exps - index.get((name, rk), set())
             else:
-                tag, domain = state_tag(name), domain_byte(desc.ttl.time)
+                tag, domain = state_tag(name), domain_byte(ttl_time[name])
                 missing = {e for e in exps if index_cf is None
                            or index_cf.get(index_key(rk, domain, e, tag)) is None}
             if missing:
                 findings[(name, rk)] = (f"TTL: stored expiry {min(missing)} has no entry in the "
                                         f"{TTL_INDEX} index: purge would never remove it")
     for (name, rk), exps in index.items():
-        desc = ttl_descs[name]
-        now = clocks.get(desc.ttl.time)
+        desc, time = ttl_descs[name], ttl_time[name]
+        now = clocks.get(time)
         due = sorted(e for e in exps if now is not None and e <= now)
         if not due:
             continue
         raw = backend.column_family(name).get(rk)
+        if raw is None:
+            continue  # the index points at no entry: a read returns nothing
         strip = strip_list if desc.kind == "list" else strip_value
         try:
             readable = strip(raw, now) is not None
@@ -275,9 +283,9 @@ def ttl_findings(backend: KeyedStateBackend, descriptors: Sequence[StateDescript
             continue
         if readable:
             msg = (f"TTL: the index says this {name!r} entry expired at {due[0]} <= the "
-                   f"checkpoint's {desc.ttl.time} time {now}, but a read at {now} still returns "
+                   f"checkpoint's {time} time {now}, but a read at {now} still returns "
                    f"it (stored expiries {sorted(stored_expiries(raw, desc.kind == 'list'))})")
-            ik = index_key(rk, domain_byte(desc.ttl.time), due[0], state_tag(name))
+            ik = index_key(rk, domain_byte(time), due[0], state_tag(name))
             findings[(TTL_INDEX, ik)] = msg
             findings.setdefault((name, rk), msg)
     return findings
@@ -294,15 +302,16 @@ def _record_columns(codec: RecordCodec, values: list[bytes]) -> dict | None:
     return {name: arr[name] for name in codec.names}
 
 
-def _decode_values(desc: StateDescriptor, values: list[bytes]) -> tuple[list, dict | None]:
+def _decode_values(desc: StateDescriptor, values: list[bytes]
+                   ) -> tuple[list[str | None], dict | None]:
     """(error or None per value, record columns of the values when the codec is a record)."""
     codec = desc.codec
     n = len(values)
+    errors: list[str | None] = []
     if isinstance(codec, RecordCodec) and desc.kind != "list":
         cols = _record_columns(codec, values)
         if cols is not None:
             return [None] * n, cols
-        errors = []
         for v in values:
             try:
                 codec.decode(v)
@@ -312,7 +321,6 @@ def _decode_values(desc: StateDescriptor, values: list[bytes]) -> tuple[list, di
         ok = [v if e is None else None for v, e in zip(values, errors, strict=True)]
         _, cols = codec.decode_columns(ok)
         return errors, cols
-    errors = []
     for v in values:
         try:
             if desc.kind == "list":
@@ -420,7 +428,7 @@ def _first_errors(n: int, short: list[int], error_columns: list[list]
 def state_rows(backend: KeyedStateBackend, desc: StateDescriptor, subtask: int,
                keep_frame: bool, findings: dict[tuple[str, bytes], str] | None = None,
                entries: tuple[list[bytes], list[bytes]] | None = None,
-               ) -> tuple[dict[str, object], pd.DataFrame | None]:
+               ) -> tuple[StateColumns, pd.DataFrame | None]:
     """The state-table columns of one column family (and the job-check frame if asked).
 
     ``findings``: the TTL failures of the subtask (`ttl_findings`); ``entries``: the
@@ -428,7 +436,7 @@ def state_rows(backend: KeyedStateBackend, desc: StateDescriptor, subtask: int,
     arrays (``key``: an Arrow string array); `build_content` joins them into the table.
     """
     # One checked pass (raises CorruptStateError if RocksDB stops the scan on an error).
-    rks, values = entries if entries is not None else backend.read_raw(desc.name)
+    rks, values = entries if entries is not None else sampling.read_entries(backend, desc.name)
     n = len(rks)
     keys = _stored_keys(backend, desc, rks)
     ttl_rows = desc.ttl is not None or desc.kind == "ttl_index"
@@ -452,7 +460,7 @@ def state_rows(backend: KeyedStateBackend, desc: StateDescriptor, subtask: int,
     if keys.user_keys is not None and any(uk is not None for uk in keys.user_keys):
         user_key_column[:] = keys.user_keys
     stored = keys.stored
-    columns = {
+    columns: StateColumns = {
         "subtask": np.full(n, subtask, dtype=np.int32),
         "state": np.full(n, desc.name, dtype=object),
         "key": keys.keys,
@@ -472,7 +480,7 @@ def state_rows(backend: KeyedStateBackend, desc: StateDescriptor, subtask: int,
     return columns, frame
 
 
-def _job_frame(desc: StateDescriptor, columns: dict[str, object], values: list[bytes],
+def _job_frame(desc: StateDescriptor, columns: StateColumns, values: list[bytes],
                record_cols: dict | None) -> pd.DataFrame:
     """The decoded entries of one state for the job's own checks (module doc)."""
     decodes = columns["decodes"]
@@ -493,7 +501,7 @@ def _string_series(array: pa.Array | pa.ChunkedArray) -> pd.Series:
     return pd.Series(pd.arrays.ArrowStringArray(array), copy=False)
 
 
-def _state_table(parts: list[dict[str, object]]) -> pd.DataFrame:
+def _state_table(parts: list[StateColumns]) -> pd.DataFrame:
     """One table from the columns of every column family (joined column by column: a
     `pd.concat` of per-family frames checks object columns value by value)."""
     if not parts:
@@ -527,8 +535,11 @@ def _with_due_entries(backend: KeyedStateBackend, declared: Sequence[StateDescri
                       clocks: dict[str, int | None], sample: tuple[list[bytes], list[bytes]]
                       ) -> tuple[list[bytes], list[bytes]]:
     """The ``_ttl`` sample plus every index entry due at the checkpoint's clocks."""
-    domains = {domain_byte(d.ttl.time): clocks[d.ttl.time] for d in declared
-               if d.ttl is not None and clocks.get(d.ttl.time) is not None}
+    domains: dict[bytes, int] = {}  # domain byte -> the checkpoint's clock
+    for d in declared:
+        now = None if d.ttl is None else clocks.get(d.ttl.time)
+        if d.ttl is not None and now is not None:
+            domains[domain_byte(d.ttl.time)] = now
     if not domains:
         return sample
     entries = dict(zip(*sample, strict=True))
@@ -598,7 +609,7 @@ class _SubtaskContent:
     """What one subtask contributes to the tables (`_check_subtask`)."""
 
     restore_row: dict
-    parts: list[dict] = field(default_factory=list)
+    parts: list[StateColumns] = field(default_factory=list)
     count_rows: list[dict] = field(default_factory=list)
     family_rows: list[dict] = field(default_factory=list)
     frames: dict[str, pd.DataFrame] = field(default_factory=dict)
@@ -676,12 +687,11 @@ def _family_facts(backend: KeyedStateBackend, subtask: int, sample: int | None,
     the sampled (keys, values) per column family, and the counts (``out.counted``):
     exact from the facts when provable, else a checked keys-only scan."""
     r = backend.key_group_range
-    sampled: dict[str, tuple[list[bytes], list[bytes]]] | None = \
-        None if sample is None else {}
+    sampled: dict[str, tuple[list[bytes], list[bytes]]] = {}
     for name in backend.descriptors:
         facts = sampling.cf_facts(backend.column_family(name))
         out.counted_by[name] = "scan"
-        if sampled is not None:
+        if sample is not None:
             keys, values, whole = sampling.sample_entries(backend, name, sample, rng,
                                                           facts.entries)
             sampled[name] = (keys, values)
@@ -692,7 +702,7 @@ def _family_facts(backend: KeyedStateBackend, subtask: int, sample: int | None,
                 out.counted_by[name] = "sst properties"
             out.counted[name] = exact
         out.family_rows.append(family_row(subtask, name, facts, r, out.counted_by[name]))
-    return sampled
+    return None if sample is None else sampled
 
 
 def build_content(storage: Storage, meta: CheckpointMetadata,

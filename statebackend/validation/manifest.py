@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from statebackend.checkpoint.layout import metadata_path
 from statebackend.checkpoint.metadata import CheckpointMetadata
-from statebackend.checkpoint.store import CheckpointStore, metadata_path
+from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import CkptError, MetadataError
 from statebackend.state.codecs import codec_from_json
 from statebackend.state.keygroups import MAX_MAX_PARALLELISM
@@ -217,6 +218,7 @@ def states_table(obj: dict | None, checkpoint_id: int) -> pd.DataFrame:
         history = s["history"] if isinstance(s["history"], list) else []
         versions = [h.get("schema_version") for h in history if isinstance(h, dict)]
         versions.append(s["schema_version"])
+        int_versions = [v for v in versions if isinstance(v, int)]
         rows.append({
             "checkpoint_id": checkpoint_id, "state": str(s.get("name")), "kind": s["kind"],
             "codec": json.dumps(codec, sort_keys=True),
@@ -225,8 +227,8 @@ def states_table(obj: dict | None, checkpoint_id: int) -> pd.DataFrame:
             "history": " -> ".join(f"v{h.get('schema_version')} {h.get('name')}"
                                    for h in history if isinstance(h, dict)),
             "schema_error": error or "", "schema_ok": error is None,
-            "history_ok": all(isinstance(v, int) for v in versions)
-            and versions == sorted(set(versions))})
+            "history_ok": len(int_versions) == len(versions)
+            and int_versions == sorted(set(int_versions))})
     columns = ["checkpoint_id", "state", "kind", "codec", "ttl", "schema_version",
                "upgrade_version", "history", "schema_error", "schema_ok", "history_ok"]
     return pd.DataFrame(rows, columns=columns)

@@ -83,9 +83,9 @@ def prepare_report(storage: Storage, checkpoint_id: int, report_dir: str | None)
     else:
         rel = report_rel(checkpoint_id)
         storage.delete_tree(rel)
-        local = storage.local_path(rel)
-        if local is not None:
-            target = ReportTarget(local, f"{storage.url}/{rel}", None)
+        in_place = storage.local_path(rel)  # None: remote storage, built in a temp copy
+        if in_place is not None:
+            target = ReportTarget(in_place, f"{storage.url}/{rel}", None)
         else:
             target = ReportTarget(tempfile.mkdtemp(prefix="ckpt-report-"),
                                   f"{storage.url}/{rel}", rel)

@@ -26,6 +26,7 @@ import pandas as pd
 
 from statebackend.checkpoint.metadata import CheckpointMetadata, utc_now_iso
 from statebackend.checkpoint.store import CheckpointStore
+from statebackend.errors import MetadataError
 from statebackend.progress import ProgressSink
 from statebackend.state.kinds import StateDescriptor
 from statebackend.validation import content, manifest, report, sampling, suites
@@ -114,6 +115,9 @@ def _check_content(store: CheckpointStore, tables: manifest.ManifestTables,
                    found: _Findings) -> None:
     """The content tables and their runs (and the job's checks) into ``found``."""
     meta = tables.meta
+    if meta is None:  # `validate` reports a refused record without restoring
+        raise MetadataError(f"checkpoint {tables.checkpoint_id}: the _metadata record was "
+                            f"refused ({tables.metadata_error}); nothing can be restored")
     expectations = job_checks(meta, options.state_checks)
     progress.phase(f"deep validation of checkpoint {meta.checkpoint_id}: restoring and "
                    "checking", total=len(meta.subtasks), unit="subtasks")

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 from rocksdict import Rdict
 
+from statebackend.errors import CkptError
 from statebackend.state.backend import KeyedStateBackend
 from statebackend.state.codecs import time_upper_bound
 from statebackend.state.families import TTL_INDEX
@@ -165,6 +166,14 @@ def _seek_target(cf: Rdict, key_group: int, rng: random.Random) -> bytes | None:
     return rng.randint(min(a, b), max(a, b)).to_bytes(width, "big")
 
 
+def read_entries(backend: KeyedStateBackend, name: str) -> tuple[list[bytes], list[bytes]]:
+    """(keys, values) of every entry of column family ``name`` (a checked scan)."""
+    keys, values = backend.read_raw(name)
+    if values is None:  # read_raw leaves the values out only when asked to (values=False)
+        raise CkptError(f"column family {name!r}: the scan returned no values")
+    return keys, values
+
+
 def sample_entries(backend: KeyedStateBackend, name: str, budget: int, rng: random.Random,
                    stored_entries: int | None) -> tuple[list[bytes], list[bytes], bool]:
     """(keys, values, whole): at most ``budget`` entries of column family ``name`` in key
@@ -172,7 +181,7 @@ def sample_entries(backend: KeyedStateBackend, name: str, budget: int, rng: rand
     every entry was read: ``stored_entries`` (RocksDB's count, old versions included)
     is at most ``max(budget, WHOLE_UP_TO)`` or unknown."""
     if stored_entries is None or stored_entries <= max(budget, WHOLE_UP_TO):
-        keys, values = backend.read_raw(name)
+        keys, values = read_entries(backend, name)
         return keys, values, True
     cf, r = backend.column_family(name), backend.key_group_range
     found: dict[bytes, bytes] = {}

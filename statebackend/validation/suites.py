@@ -47,10 +47,13 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
+
+if TYPE_CHECKING:  # Great Expectations takes about 10 s to import: only when it runs
+    from great_expectations.expectations import Expectation
 
 MAX_OFFENDING_ROWS = 20
 
@@ -160,10 +163,10 @@ class TableRun:
         return builtin_expectations(self.builtin) if self.builtin else self.job_expectations
 
 
-def builtin_expectations(table: str) -> list:
+def builtin_expectations(table: str) -> list[Expectation]:
     import great_expectations.expectations as gxe
 
-    out = []
+    out: list[Expectation] = []
     for name, description, column, kind, args in _BUILTIN[table]:
         meta = {"check": name, "critical": True, "table": table}
         if kind == "true":

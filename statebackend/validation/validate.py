@@ -48,8 +48,8 @@ the maintenance DAG's deep validation renders the Data Docs.
 
 from __future__ import annotations
 
-from statebackend.checkpoint.layout import CHK_PREFIX
-from statebackend.checkpoint.store import CheckpointStore, metadata_path
+from statebackend.checkpoint.layout import CHK_PREFIX, metadata_path
+from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import CheckpointNotFoundError, UsageError
 from statebackend.progress import NO_PROGRESS, ProgressSink
 from statebackend.validation.checks import register_state_checks, unregister_state_checks

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypedDict
 from urllib.parse import quote, urlencode
 
 from statebackend.checkpoint.layout import HISTORY_DIR, REPORTS_DIR, chk_id_of
@@ -68,28 +68,42 @@ def _phases(value: Any) -> dict[str, float]:
     return {p: phases[p] for p in PHASES if p in phases}
 
 
-def run_metrics(meta) -> dict:
+class RunMetrics(TypedDict):
+    """The run's figures of one checkpoint row (`run_metrics`); None: not recorded."""
+
+    duration_s: float | None
+    events_read: float | None
+    events_rejected: float | None
+    rejects_by_reason: dict[str, float]
+    keys_touched: float | None
+    state_rows: float | None
+    phases: dict[str, float]  # seconds per phase (PHASES order)
+    source: str | None  # "metrics", "legacy" or None (nothing recorded)
+    events_per_s: float | None
+
+
+def run_metrics(meta) -> RunMetrics:
     """The run's figures: ``extra["metrics"]["run"]`` or, for older records, the legacy
     ``extra`` counters (no timings). Unknown figures are None."""
     extra = _dict(meta.extra)
     metrics = _dict(extra.get("metrics"))
     run = _dict(metrics.get("run")) if metrics.get("format") == 1 else {}
     src = run_figures(extra)
-    out = {
-        "duration_s": _num(run.get("duration_s")),
-        "events_read": _num(src.get("events_read")),
+    duration, phases = _num(run.get("duration_s")), _phases(run.get("phases"))
+    if duration is None and phases:
+        duration = sum(phases.values())
+    events = _num(src.get("events_read"))
+    return {
+        "duration_s": duration,
+        "events_read": events,
         "events_rejected": _num(src.get("events_rejected")),
         "rejects_by_reason": _counts(src.get("rejects_by_reason")),
         "keys_touched": _num(src.get("keys_touched")),
         "state_rows": _num(run.get("state_rows")),
-        "phases": _phases(run.get("phases")),
+        "phases": phases,
         "source": "metrics" if run else ("legacy" if "events_read" in extra else None),
+        "events_per_s": events / duration if events is not None and duration else None,
     }
-    if out["duration_s"] is None and out["phases"]:
-        out["duration_s"] = sum(out["phases"].values())
-    duration, events = out["duration_s"], out["events_read"]
-    out["events_per_s"] = events / duration if events is not None and duration else None
-    return out
 
 
 def subtask_rows(meta) -> list[dict]:
@@ -264,29 +278,28 @@ def health(rows: list[dict], runs: list[dict], now: float) -> dict:
                   [r["t"] or 0 for r in runs if r["outcome"] == "committed"], default=0)
     failed = [r for r in runs if r["outcome"] == "failed" and (r["t"] or 0) > last_ok]
     trend = None
-    if len(chks) >= 2:
+    if latest is not None and len(chks) >= 2:
         base = chks[max(0, len(chks) - 1 - TREND_WINDOW)]
         trend = {"from_id": base["id"], "to_id": latest["id"],
                  "from_bytes": base["state_bytes"], "to_bytes": latest["state_bytes"],
                  "change": (latest["state_bytes"] - base["state_bytes"]) / base["state_bytes"]
                  if base["state_bytes"] else None}
     last_run = with_time[-1] if with_time else None
-    out = {
+    last_validation = {"id": validated[-1]["id"], "status": validated[-1]["validation"],
+                       "report": validated[-1]["report"]} if validated else None
+    bad = failed or (last_validation and last_validation["status"] == "failed")
+    return {
         "latest_id": latest["id"] if latest else None,
         "latest_age_s": max(0.0, now - latest["t"]) if latest and latest["t"] else None,
-        "last_validation": {"id": validated[-1]["id"], "status": validated[-1]["validation"],
-                            "report": validated[-1]["report"]} if validated else None,
+        "last_validation": last_validation,
         "state_bytes": latest["state_bytes"] if latest else None,
         "state_trend": trend,
         "last_run": {"id": last_run["id"], "duration_s": last_run["metrics"]["duration_s"],
                      "events_per_s": last_run["metrics"]["events_per_s"]} if last_run else None,
         "failed_runs_since_success": len(failed),
         "last_failure": failed[-1]["error"] if failed else None,
+        "level": "bad" if bad else ("empty" if latest is None else "ok"),
     }
-    bad = out["failed_runs_since_success"] or (
-        out["last_validation"] and out["last_validation"]["status"] == "failed")
-    out["level"] = "bad" if bad else ("empty" if latest is None else "ok")
-    return out
 
 
 # -- charts ------------------------------------------------------------------------
