@@ -38,6 +38,7 @@ import json
 import logging
 import uuid
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from statebackend.checkpoint.layout import (
     attempt_record_path,
@@ -66,7 +67,7 @@ def record_uploads(job_storage: Storage, checkpoint_id: int, subtask: int, attem
 
 
 def attempt_records(job_storage: Storage, checkpoint_id: int,
-                    token: str | None = None) -> list[dict]:
+                    token: str | None = None) -> list[dict[str, Any]]:
     """The readable attempt records of ``checkpoint_id`` (unreadable ones are skipped);
     with ``token``, only that attempt's. Each carries its own ``path``."""
     records = []
@@ -80,7 +81,7 @@ def attempt_records(job_storage: Storage, checkpoint_id: int,
     return records
 
 
-def _recorded_paths(rec: dict) -> list[str]:
+def _recorded_paths(rec: dict[str, Any]) -> list[str]:
     return [p for p in rec.get("uploaded", []) if isinstance(p, str)]
 
 

@@ -19,7 +19,7 @@ import os
 import sys
 import uuid
 from collections.abc import Iterator
-from typing import IO
+from typing import IO, Any, Literal, TypeAlias, TypedDict
 
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.restore import restored_readonly
@@ -33,13 +33,29 @@ from statebackend.state.codecs import (
     deserialize_key,
     split_map_key,
 )
+from statebackend.state.families import TIMER_KEYS
 from statebackend.state.keygroups import key_group_of_rocks_key
 from statebackend.state.kinds import StateDescriptor
-from statebackend.state.timers import TIMER_KEYS, parse_timer_key
+from statebackend.state.timers import parse_timer_key
 from statebackend.state.ttl import parse_index_key
 
 DUMP_FORMATS = ("jsonl", "parquet")
 STDOUT = "-"  # ``--out -``: jsonl rows to standard output
+
+DumpColumn: TypeAlias = Literal["state", "key", "user_key", "value", "key_group", "subtask"]
+DUMP_COLUMNS: tuple[DumpColumn, ...] = ("state", "key", "user_key", "value", "key_group",
+                                        "subtask")
+
+
+class DumpRow(TypedDict):
+    """One state entry (module doc)."""
+
+    state: str
+    key: str
+    user_key: str | None
+    value: Any  # decoded, JSON-able: what the state's codec stored
+    key_group: int
+    subtask: int
 
 
 def descriptors_of(meta: CheckpointMetadata) -> list[StateDescriptor]:
@@ -81,7 +97,7 @@ def decode_entry(desc: StateDescriptor, rocks_key: bytes, raw: bytes,
     return key, user_key, value
 
 
-def backend_rows(backend: KeyedStateBackend, subtask: int) -> Iterator[dict]:
+def backend_rows(backend: KeyedStateBackend, subtask: int) -> Iterator[DumpRow]:
     kinds = {n: d.kind for n, d in backend.descriptors.items()}
     for name in sorted(backend.descriptors):
         if name == TIMER_KEYS:
@@ -93,7 +109,7 @@ def backend_rows(backend: KeyedStateBackend, subtask: int) -> Iterator[dict]:
                    "key_group": key_group_of_rocks_key(rk), "subtask": subtask}
 
 
-def checkpoint_rows(store: CheckpointStore, meta: CheckpointMetadata) -> Iterator[dict]:
+def checkpoint_rows(store: CheckpointStore, meta: CheckpointMetadata) -> Iterator[DumpRow]:
     descriptors = descriptors_of(meta)
     for handle in meta.subtasks:
         with restored_readonly(store.storage, handle, descriptors, meta.max_parallelism,
@@ -111,7 +127,7 @@ def check_dump_target(out: str, fmt: str) -> None:
                          "file name, or use --format jsonl")
 
 
-def write_dump(rows: Iterator[dict], out: str, fmt: str = "jsonl") -> int:
+def write_dump(rows: Iterator[DumpRow], out: str, fmt: str = "jsonl") -> int:
     """Write rows to ``out`` (``-``: stdout, jsonl only); returns the row count.
 
     A file is written to a temp file renamed into place at the end, so a scan that
@@ -133,7 +149,7 @@ def write_dump(rows: Iterator[dict], out: str, fmt: str = "jsonl") -> int:
     return count
 
 
-def _write_jsonl(rows: Iterator[dict], fh: IO[str]) -> int:
+def _write_jsonl(rows: Iterator[DumpRow], fh: IO[str]) -> int:
     count = 0
     for row in rows:
         fh.write(json.dumps(row, ensure_ascii=False, sort_keys=True))
@@ -142,7 +158,7 @@ def _write_jsonl(rows: Iterator[dict], fh: IO[str]) -> int:
     return count
 
 
-def _write_rows(rows: Iterator[dict], out: str, fmt: str) -> int:
+def _write_rows(rows: Iterator[DumpRow], out: str, fmt: str) -> int:
     if fmt == "jsonl":
         with open(out, "w", encoding="utf-8") as fh:
             return _write_jsonl(rows, fh)
@@ -150,10 +166,9 @@ def _write_rows(rows: Iterator[dict], out: str, fmt: str) -> int:
     import pyarrow.parquet as pq
 
     count = 0
-    cols: dict[str, list] = {k: [] for k in ("state", "key", "user_key", "value", "key_group",
-                                             "subtask")}
+    cols: dict[DumpColumn, list[Any]] = {k: [] for k in DUMP_COLUMNS}
     for row in rows:
-        for k in cols:
+        for k in DUMP_COLUMNS:
             cols[k].append(json.dumps(row[k], sort_keys=True) if k == "value" else row[k])
         count += 1
     table = pa.table({

@@ -73,6 +73,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from statebackend import settings
 from statebackend.checkpoint.layout import LEASES_DIR, claim_path, is_lease_file, lease_path
@@ -116,10 +117,11 @@ class Lease:
     def expired(self, now: datetime | None = None) -> bool:
         return datetime.fromisoformat(self.expires_at) <= (now or datetime.now(UTC))
 
-    def to_json(self) -> dict:
-        out = {"format_version": LEASE_FORMAT_VERSION, "name": self.name, "holder": self.holder,
-               "purpose": self.purpose, "checkpoint_ids": list(self.checkpoint_ids),
-               "expires_at": self.expires_at, "created_at": self.created_at}
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "format_version": LEASE_FORMAT_VERSION, "name": self.name, "holder": self.holder,
+            "purpose": self.purpose, "checkpoint_ids": list(self.checkpoint_ids),
+            "expires_at": self.expires_at, "created_at": self.created_at}
         if self.token:
             out["token"] = self.token
         if self.epoch:
@@ -345,7 +347,7 @@ class HeldLease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __getattr__(self, attr: str):
+    def __getattr__(self, attr: str) -> Any:
         if attr == "lease":  # not set yet: do not recurse
             raise AttributeError(attr)
         return getattr(self.lease, attr)

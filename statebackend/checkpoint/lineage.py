@@ -238,7 +238,7 @@ class Problem:
     blocking: bool       # runs, gc and retention refuse while it stands
     runs: tuple[str, ...] = ()
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "checkpoints": list(self.ids), "message": self.message,
                 "repair": self.repair, "blocking": self.blocking, "runs": list(self.runs)}
 
@@ -439,7 +439,7 @@ class RepairRecord:
 
     action: str
     reason: str
-    details: dict = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
 
     def write(self, job_storage: Storage) -> str:
         stamp = "".join(c for c in utc_now_iso() if c.isdigit())[:20]

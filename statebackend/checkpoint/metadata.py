@@ -65,18 +65,21 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from functools import cache
-from typing import Any
+from typing import Any, TypeAlias
 
 from statebackend.checkpoint.layout import METADATA_FILE, SAVEPOINTS_DIR, SHARED_DIR, chk_id_of
 from statebackend.errors import CkptError, MetadataError, UnsupportedFormatVersionError
+from statebackend.state.families import INTERNAL_STATES
 from statebackend.state.keygroups import (
     MAX_MAX_PARALLELISM,
     KeyGroupRange,
     key_group_range_for_subtask,
 )
+from statebackend.state.schema import check_schema_keys
 from statebackend.storage import safe_relpath
 
 FORMAT_VERSION = 1
@@ -89,6 +92,10 @@ MAX_COUNT = 2**53            # sizes, row counts, ids: larger is damage, not dat
 MAX_NAME_LENGTH = 255
 _CHECKSUM = re.compile(r"(crc32c|crc32):[0-9a-f]{1,8}")
 _SUBTASK_DIR = re.compile(r"[0-9]{1,5}")
+# What `parse_metadata` remembers across records: each validated FileRef under its
+# (path, local_name, size, checksum), and under "scope" each path's classification
+# (`_scope_of`). A plain dict: callers start it as ``{}``.
+ParseMemo: TypeAlias = dict[Any, Any]
 
 
 def utc_now_iso() -> str:
@@ -104,7 +111,7 @@ class FileRef:
     size: int
     checksum: str
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"path": self.path, "local_name": self.local_name, "size": self.size,
                 "checksum": self.checksum}
 
@@ -153,7 +160,7 @@ class SubtaskHandle:
     def size(self) -> int:
         return sum(f.size for f in self.files)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "index": self.index,
             "key_group_start": self.key_group_start,
@@ -225,15 +232,15 @@ class CheckpointMetadata:
     parent: int | None
     parallelism: int
     max_parallelism: int
-    states: tuple[dict, ...]
+    states: tuple[dict[str, Any], ...]
     subtasks: tuple[SubtaskHandle, ...]
     created_at: str = field(default_factory=utc_now_iso)
     kind: str = "checkpoint"
     run_id: str | None = None
     input: tuple[str, ...] = ()
     rescaled_from: int | None = None
-    source: dict | None = None
-    extra: dict = field(default_factory=dict)
+    source: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     watermark: int | None = None
     processing_time: int | None = None
@@ -259,7 +266,7 @@ class CheckpointMetadata:
     def with_changes(self, **changes: Any) -> CheckpointMetadata:
         return replace(self, **changes)
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         """The stable JSON shape of `ckpt show --json` / `ckpt list --json`."""
         return {
             "id": self.checkpoint_id,
@@ -291,8 +298,8 @@ class CheckpointMetadata:
         }
 
     # -- serialization -----------------------------------------------------
-    def to_json(self) -> dict:
-        out = {
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
             "format_version": self.format_version,
             "job": self.job,
             "checkpoint_id": self.checkpoint_id,
@@ -409,7 +416,8 @@ def decode_json(data: bytes, where: str, loads: Any) -> Any:
             f"malformed or truncated metadata {where}: not valid JSON ({exc})") from exc
 
 
-def check_file_scope(meta: CheckpointMetadata, where: str, memo: dict | None = None) -> None:
+def check_file_scope(meta: CheckpointMetadata, where: str, memo: ParseMemo | None = None
+                     ) -> None:
     """Every file of ``meta`` lies where the layout puts this record's files (module doc).
 
     ``memo`` (shared across records): a path's classification is computed once."""
@@ -426,7 +434,7 @@ def check_file_scope(meta: CheckpointMetadata, where: str, memo: dict | None = N
                                          f"{sorted(names)[:3]}")
         return
     own = meta.checkpoint_id
-    kinds = memo.setdefault("scope", {}) if memo is not None else {}
+    kinds: dict[str, int | str] = memo.setdefault("scope", {}) if memo is not None else {}
     for sub in meta.subtasks:
         for ref in sub.shared_files + sub.private_files:
             k = kinds.get(ref.path)
@@ -490,10 +498,9 @@ def _check_key_groups(meta: CheckpointMetadata, where: str) -> None:
                  f"parallelism {m} (ranges must tile [0, {m}) with no gap or overlap)")
 
 
-def _check_states(states: list, where: str) -> None:
+def _check_states(states: list[dict[str, Any]], where: str) -> None:
     """Unique valid names, known kinds and codecs: what dump/validate/rescale decode with."""
-    codec_from_json, state_kinds, internal, ttl_from_json, check_schema_keys = \
-        _state_vocabulary()
+    codec_from_json, state_kinds, ttl_from_json = _state_vocabulary()
     seen: set[str] = set()
     for s in states:
         name = s["name"]
@@ -504,13 +511,14 @@ def _check_states(states: list, where: str) -> None:
         _require(name not in seen, where, f"state {name!r} is declared twice")
         seen.add(name)
         kind = s.get("kind", "value")
-        if name in internal:
-            _require(kind == internal[name], where,
-                     f"state {name!r} is reserved for kind {internal[name]!r}, got {kind!r}")
+        if name in INTERNAL_STATES:
+            reserved = INTERNAL_STATES[name]
+            _require(kind == reserved, where,
+                     f"state {name!r} is reserved for kind {reserved!r}, got {kind!r}")
         else:
             _require(kind in state_kinds, where, f"state {name!r} has unknown kind {kind!r} "
                                                  f"(known: {', '.join(state_kinds)})")
-        _require(s.get("ttl") is None or name not in internal, where,
+        _require(s.get("ttl") is None or name not in INTERNAL_STATES, where,
                  f"state {name!r} is internal and cannot have a TTL")
         why = check_schema_keys(s)
         _require(why is None, where, f"state {name!r}: {why}")
@@ -522,22 +530,25 @@ def _check_states(states: list, where: str) -> None:
             raise MetadataError(f"malformed metadata {where}: state {name!r}: {exc}") from exc
 
 
+# (codec_from_json, STATE_KINDS, StateTtl.from_json)
+_StateVocabulary: TypeAlias = tuple[Callable[[Any], object], tuple[str, ...],
+                                    Callable[[Any], object]]
+
+
 @cache
-def _state_vocabulary() -> tuple[Any, tuple[str, ...], dict[str, str], Any, Any]:
+def _state_vocabulary() -> _StateVocabulary:
     # lazy: state and serialization pull in rocksdict and numpy, which a CLI start
     # or a DAG parse that never reads metadata should not pay for
     from statebackend.state.codecs import codec_from_json
-    from statebackend.state.kinds import INTERNAL_STATES, STATE_KINDS
-    from statebackend.state.schema import check_schema_keys
+    from statebackend.state.kinds import STATE_KINDS
     from statebackend.state.ttl import StateTtl
 
-    return codec_from_json, STATE_KINDS, INTERNAL_STATES, StateTtl.from_json, \
-        check_schema_keys
+    return codec_from_json, STATE_KINDS, StateTtl.from_json
 
 
-def _check_nesting(value: dict | list, where: str) -> None:
+def _check_nesting(value: dict[str, Any] | list[Any], where: str) -> None:
     """Refuse JSON deeper than MAX_NESTING (level by level: must not recurse itself)."""
-    level = [value]
+    level: list[Any] = [value]
     for _ in range(MAX_NESTING):
         level = [child for item in level
                  for child in (item.values() if isinstance(item, dict) else item)
@@ -557,7 +568,7 @@ def _require(condition: bool, where: str, message: str) -> None:
         raise MetadataError(f"malformed metadata {where}: {message}")
 
 
-def _get(obj: dict, key: str, typ: type, where: str) -> Any:
+def _get(obj: dict[str, Any], key: str, typ: type, where: str) -> Any:
     if key not in obj:
         raise MetadataError(f"malformed metadata {where}: missing key {key!r}")
     value = obj[key]
@@ -579,10 +590,11 @@ try:  # msgspec (an Airflow dependency) decodes JSON about twice as fast as the 
         except Exception as exc:  # noqa: BLE001 - msgspec.DecodeError: report as ValueError
             raise ValueError(str(exc)) from exc
 except ImportError:  # pragma: no cover - stdlib fallback
-    fast_loads = json.loads
+    def fast_loads(data: bytes) -> object:
+        return json.loads(data)
 
 
-def parse_metadata(data: bytes, where: str, memo: dict) -> CheckpointMetadata:
+def parse_metadata(data: bytes, where: str, memo: ParseMemo) -> CheckpointMetadata:
     """`CheckpointMetadata.from_bytes`, with each distinct file reference validated once.
 
     Thousands of checkpoints list the same shared files again and again; parsing
@@ -612,20 +624,20 @@ def parse_metadata(data: bytes, where: str, memo: dict) -> CheckpointMetadata:
     return meta
 
 
-def _take_refs(obj: dict, where: str, memo: dict
+def _take_refs(obj: dict[str, Any], where: str, memo: ParseMemo
                ) -> list[tuple[tuple[FileRef, ...], tuple[FileRef, ...]]]:
     """Each subtask's (shared, private) references, memoised; the lists are emptied in
     place (``obj`` is ours, freshly decoded) so from_json skips them."""
     get = memo.get
     refs: list[tuple[tuple[FileRef, ...], tuple[FileRef, ...]]] = []
     for sub in obj["subtasks"]:
-        pair = []
+        pair: list[tuple[FileRef, ...]] = []
         for key in ("shared_files", "private_files"):
             entries = sub.get(key)
             if not isinstance(entries, list):
                 pair.append(())
                 continue
-            out = []
+            out: list[FileRef] = []
             for e in entries:  # the fast path of _memo_ref, inlined: 1M references
                 try:
                     ref = get((e["path"], e["local_name"], e["size"], e["checksum"]))
@@ -640,14 +652,16 @@ def _take_refs(obj: dict, where: str, memo: dict
     return refs
 
 
-def _memo_ref(entry: object, where: str, memo: dict) -> FileRef:
+def _memo_ref(entry: Any, where: str, memo: ParseMemo) -> FileRef:
+    """``entry`` (decoded JSON, anything) as a FileRef, from ``memo`` when seen before."""
+    key: tuple[Any, ...] | None
     try:
         key = (entry["path"], entry["local_name"], entry["size"], entry["checksum"])
         ref = memo.get(key)
     except (TypeError, KeyError, IndexError):  # not a dict, or unhashable values
         key, ref = None, None
     # strings only equal strings, but True == 1.0 == 1: re-check the size's type
-    if ref is not None and type(entry["size"]) is int and len(entry) == 4:
+    if isinstance(ref, FileRef) and type(entry["size"]) is int and len(entry) == 4:
         return ref
     ref = FileRef.from_json(entry, where)  # raises on anything malformed
     if key is not None and type(entry) is dict and len(entry) == 4:

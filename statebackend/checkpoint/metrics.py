@@ -17,13 +17,14 @@ METRICS_FORMAT = 1
 LEGACY_RUN_KEYS = ("events_read", "events_rejected", "rejects_by_reason", "keys_touched")
 
 
-def run_figures(extra: Any) -> dict:
+def run_figures(extra: Any) -> dict[str, Any]:
     """The run's figures of a commit record's ``extra``: ``metrics["run"]`` when recorded,
     else the legacy top-level counters, else ``{}``. Values are as stored (unchecked)."""
     if not isinstance(extra, dict):
         return {}
     metrics = extra.get("metrics")
-    if isinstance(metrics, dict) and metrics.get("format") == METRICS_FORMAT \
-            and isinstance(metrics.get("run"), dict):
-        return metrics["run"]
+    if isinstance(metrics, dict) and metrics.get("format") == METRICS_FORMAT:
+        run = metrics.get("run")
+        if isinstance(run, dict):
+            return run
     return {k: extra[k] for k in LEGACY_RUN_KEYS if k in extra}

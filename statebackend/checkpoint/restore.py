@@ -16,7 +16,6 @@ reported as one error listing the distinct causes. Restore is two-phase
 
 from __future__ import annotations
 
-import mmap
 import os
 import random
 import shutil
@@ -26,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, cast
 
 from statebackend.checkpoint.metadata import FileRef, SubtaskHandle
 from statebackend.errors import StorageError
@@ -38,7 +38,8 @@ from statebackend.state.backend import (
 )
 from statebackend.state.keygroups import KeyGroupRange
 from statebackend.state.kinds import StateDescriptor
-from statebackend.storage import Storage, checksum_algorithm, checksum_of_bytes
+from statebackend.storage import Storage, checksum_algorithm, format_checksum
+from statebackend.storage.checksums import crc_local_file
 
 DOWNLOAD_THREADS = 4
 
@@ -156,7 +157,8 @@ def restore_subtask(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
     # (verified) local copy under a new shared name.
     backend.uploaded = {f.local_name: f for f in handle.shared_files if f.path not in bad}
     backend.reuploaded = tuple(sorted(bad))
-    backend.reuse_report = report
+    # not declared on KeyedStateBackend (statebackend.state): set here, read by callers
+    cast(Any, backend).reuse_report = report
     backend.restore_mode = mode
     backend._last_snapshot_id = handle.snapshot_id
     return backend
@@ -261,9 +263,5 @@ def restored_readonly(job_storage: Storage, handle: SubtaskHandle,
 
 def _local_checksum(path: str, algorithm: str) -> tuple[int, str]:
     """(size, checksum) of a local file, read through a memory map (no copy in memory)."""
-    with open(path, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        if size == 0:
-            return 0, checksum_of_bytes(b"", algorithm)
-        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as view:
-            return size, checksum_of_bytes(view, algorithm)
+    size, value = crc_local_file(path, algorithm)
+    return size, format_checksum(algorithm, value)

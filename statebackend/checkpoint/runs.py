@@ -73,7 +73,7 @@ class RunRecord:
     checkpoint_id: int
     parallelism: int
     committed_at: str
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @staticmethod
     def of(meta: CheckpointMetadata) -> RunRecord:
@@ -86,7 +86,7 @@ class RunRecord:
         return RunRecord(meta.run_id, meta.checkpoint_id, meta.parallelism, meta.created_at,
                          carried)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"format_version": RUN_RECORD_VERSION, "run_id": self.run_id,
                 "checkpoint_id": self.checkpoint_id, "parallelism": self.parallelism,
                 "committed_at": self.committed_at, "extra": self.extra}
@@ -155,7 +155,7 @@ class RunOutcome:
     started_at: str
     duration_s: float
     error: str | None
-    context: dict = field(default_factory=dict)
+    context: dict[str, Any] = field(default_factory=dict)
 
     def to_bytes(self) -> bytes:
         return json.dumps({"format": 1, **asdict(self)}, sort_keys=True, default=str).encode()

@@ -27,9 +27,10 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, Literal
 
 from statebackend.checkpoint.attempt import Attempt
 from statebackend.checkpoint.layout import private_dir, shared_path
@@ -113,7 +114,7 @@ def upload_snapshot(job_storage: Storage, snapshot: LocalSnapshot, *, checkpoint
 class PendingSnapshot:
     """The asynchronous part running in the background; `result()` waits for it."""
 
-    def __init__(self, future: Future, executor: ThreadPoolExecutor,
+    def __init__(self, future: Future[SnapshotResult], executor: ThreadPoolExecutor,
                  local: LocalSnapshot) -> None:
         self._future = future
         self._executor = executor
@@ -145,8 +146,9 @@ def discard_uploads(job_storage: Storage, results: list[SnapshotResult]) -> None
 
 
 def checkpoint_backends(store: CheckpointStore, backends: Sequence[KeyedStateBackend], *,
-                        parent: int | None | str = "latest", run_id: str | None = None,
-                        inputs: Sequence[str] = (), extra: dict | None = None
+                        parent: int | Literal["latest"] | None = "latest",
+                        run_id: str | None = None, inputs: Sequence[str] = (),
+                        extra: Mapping[str, Any] | None = None
                         ) -> CheckpointMetadata:
     """Checkpoint in-process backends (subtask i = backends[i]) and commit.
 
@@ -157,13 +159,16 @@ def checkpoint_backends(store: CheckpointStore, backends: Sequence[KeyedStateBac
     """
     if not backends:
         raise UsageError("checkpoint_backends needs at least one backend")
-    if parent == "latest":
+    if isinstance(parent, str):
+        if parent != "latest":
+            raise UsageError(f"parent {parent!r} is not a checkpoint id, None or 'latest'")
         ids = store.checkpoint_ids()
         parent = ids[-1] if ids else None
     cid = (parent or 0) + 1
     pending = [snapshot(b, store.storage, checkpoint_id=cid, subtask=i)
                for i, b in enumerate(backends)]
-    results, errors = [], []
+    results: list[SnapshotResult] = []
+    errors: list[Exception] = []
     attempt = Attempt(store, cid)
     for p in pending:
         try:

@@ -30,17 +30,20 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Any
 
 from statebackend.checkpoint import lineage as log
 from statebackend.checkpoint.layout import CHK_DIR_RE, chk_id_of, metadata_path
 from statebackend.checkpoint.leases import HeldLease, held_writer_leases, writer_lease
+from statebackend.checkpoint.lineage import LogListing, Problem
 from statebackend.checkpoint.metadata import (
     CheckpointMetadata,
     FileRef,
+    ParseMemo,
     SubtaskHandle,
     parse_metadata,
     utc_now_iso,
@@ -146,7 +149,7 @@ class CheckpointStore:
         """The raw `_metadata` of ``checkpoint_id``, or None if it does not exist."""
         return self.storage.read_bytes_if_exists(metadata_path(checkpoint_id))
 
-    def parse(self, checkpoint_id: int, data: bytes, memo: dict | None = None
+    def parse(self, checkpoint_id: int, data: bytes, memo: ParseMemo | None = None
               ) -> CheckpointMetadata:
         """The `_metadata` bytes of ``checkpoint_id``, strictly parsed and checked to
         describe this job and id. ``memo``: shared across many records (metadata.py)."""
@@ -225,12 +228,12 @@ class CheckpointStore:
         return (self._committed(cid) or self.storage.exists(log.retired_path(cid))
                 or not log.slot(self.storage, cid))
 
-    def _repair_log(self, ids: Sequence[int], names: log.LogListing
+    def _repair_log(self, ids: Sequence[int], names: LogListing
                     ) -> tuple[dict[int, int | None], dict[int, int]]:
         """Write the commit-log entries of committed records without one (parsed now;
         a malformed one is skipped and reported by its readers) and the ledger records
         of logged runs without one; (parents, epochs) of the records parsed."""
-        memo: dict = {}
+        memo: ParseMemo = {}
         parents: dict[int, int | None] = {}
         epochs: dict[int, int] = {}
         for cid in ids:
@@ -423,11 +426,11 @@ class Lineage:
     job: str
     committed: tuple[int, ...]
     latest: CheckpointMetadata | None
-    log: log.LogListing
-    problems: tuple[log.Problem, ...]
+    log: LogListing
+    problems: tuple[Problem, ...]
 
     @property
-    def blocking(self) -> tuple[log.Problem, ...]:
+    def blocking(self) -> tuple[Problem, ...]:
         return tuple(p for p in self.problems if p.blocking)
 
     def require_intact(self, kinds: Sequence[str] | None = None) -> None:
@@ -477,14 +480,14 @@ class MetadataParts:
     checkpoint_id: int
     parent: int | None
     max_parallelism: int
-    states: Sequence[dict]
+    states: Sequence[Mapping[str, Any]]
     handles: Sequence[SubtaskHandle]
     kind: str = "checkpoint"
     run_id: str | None = None
     inputs: Sequence[str] = ()
     rescaled_from: int | None = None
-    source: dict | None = None
-    extra: dict | None = None
+    source: dict[str, Any] | None = None
+    extra: Mapping[str, Any] | None = None
 
 
 def build_metadata(parts: MetadataParts) -> CheckpointMetadata:

@@ -32,12 +32,14 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 from statebackend import settings
 from statebackend.checkpoint import layout
 from statebackend.checkpoint import lineage as log
 from statebackend.checkpoint.leases import Lease, writer_lease
-from statebackend.checkpoint.metadata import CheckpointMetadata, utc_now_iso
+from statebackend.checkpoint.lineage import LogListing, Problem
+from statebackend.checkpoint.metadata import CheckpointMetadata, ParseMemo, utc_now_iso
 from statebackend.checkpoint.runs import (
     RunOutcome,
     RunRecord,
@@ -47,6 +49,7 @@ from statebackend.checkpoint.runs import (
 )
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import CheckpointNotFoundError, CkptError, MetadataError, UsageError
+from statebackend.storage import Storage
 
 LIST_CAP = 20
 
@@ -60,7 +63,7 @@ class LeaseState:
     age_seconds: float | None  # since the file was last written
     checkpoint_ids: tuple[int, ...] = ()
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "path": self.path, "state": self.state,
                 "detail": self.detail, "age_seconds": self.age_seconds,
                 "checkpoint_ids": list(self.checkpoint_ids)}
@@ -74,21 +77,22 @@ class Diagnosis:
     committed: tuple[int, ...]
     records: Mapping[int, CheckpointMetadata]   # parsed records, by id
     malformed: Mapping[int, str]                # id -> why its record does not parse
-    log: log.LogListing
+    log: LogListing
     leases: tuple[LeaseState, ...]
-    problems: tuple[log.Problem, ...]
+    problems: tuple[Problem, ...]
     ledger: Mapping[str, RunRecord] = field(default_factory=dict)  # read ledger records
     mismatched: frozenset[int] = frozenset()    # records replaced after their commit
+    digests: Mapping[int, str] = field(default_factory=dict)  # SHA-256 of each parsed record
 
     @property
     def latest(self) -> int | None:
         return self.committed[-1] if self.committed else None
 
     @property
-    def blocking(self) -> tuple[log.Problem, ...]:
+    def blocking(self) -> tuple[Problem, ...]:
         return tuple(p for p in self.problems if p.blocking)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"job": self.job, "checkpoints": list(self.committed),
                 "malformed": {str(k): v for k, v in self.malformed.items()},
                 "leases": [x.to_json() for x in self.leases],
@@ -104,7 +108,7 @@ def diagnose(store: CheckpointStore, now: datetime | None = None) -> Diagnosis:
     records: dict[int, CheckpointMetadata] = {}
     raw: dict[int, bytes] = {}
     malformed: dict[int, str] = {}
-    memo: dict = {}
+    memo: ParseMemo = {}
     for cid in ids:
         data = store.read_record(cid)
         if data is None:
@@ -119,8 +123,8 @@ def diagnose(store: CheckpointStore, now: datetime | None = None) -> Diagnosis:
     problems = log.check_log(committed, names)
     problems += log.find_forks(list(records), {c: m.parent for c, m in records.items()},
                                {c: m.epoch for c, m in records.items()})
-    replaced = log.check_digests(names, {c: log.digest_of(b) for c, b in raw.items()},
-                                 committed[-1] if committed else None)
+    digests = {c: log.digest_of(b) for c, b in raw.items()}
+    replaced = log.check_digests(names, digests, committed[-1] if committed else None)
     problems += replaced
     mismatched = [cid for p in replaced for cid in p.ids]
     if malformed:
@@ -147,10 +151,10 @@ def diagnose(store: CheckpointStore, now: datetime | None = None) -> Diagnosis:
         "(`--repair` clears it once it is older than two lease lifetimes)", True)
         for x in leases if x.state == "corrupt"]
     return Diagnosis(store.job, committed, records, malformed, names, leases, tuple(problems),
-                     _ledger(storage, names), frozenset(mismatched))
+                     _ledger(storage, names), frozenset(mismatched), digests)
 
 
-def _lease_states(storage, now: datetime) -> list[LeaseState]:
+def _lease_states(storage: Storage, now: datetime) -> list[LeaseState]:
     out = []
     for name in storage.list_dir(layout.LEASES_DIR):
         path = f"{layout.LEASES_DIR}/{name}"
@@ -175,9 +179,9 @@ def _lease_states(storage, now: datetime) -> list[LeaseState]:
     return out
 
 
-def _ledger(storage, names: log.LogListing) -> dict[str, RunRecord]:
+def _ledger(storage: Storage, names: LogListing) -> dict[str, RunRecord]:
     """Every ledger record (read: the doctor may need their checkpoint ids)."""
-    out = {}
+    out: dict[str, RunRecord] = {}
     for safe in sorted(names.ledger):
         data = storage.read_bytes_if_exists(layout.run_record_path(safe))
         if data is None:
@@ -202,7 +206,7 @@ class RepairAction:
     checkpoint_id: int | None = None
     run_id: str | None = None
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"action": self.action, "target": self.target, "why": self.why,
                 "checkpoint": self.checkpoint_id, "run": self.run_id}
 
@@ -216,7 +220,7 @@ class RepairPlan:
     rollback_to: int | None = None
     needs_writer: bool = True
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"job": self.job, "kind": self.kind, "reason": self.reason,
                 "rollback_to": self.rollback_to,
                 "actions": [a.to_json() for a in self.actions]}
@@ -242,8 +246,9 @@ def plan_repair(d: Diagnosis, *, now: datetime | None = None,
     have = set(d.committed)
     for cid in d.committed:
         if cid not in d.log.entries and cid in d.records:
+            run_id = d.records[cid].run_id
             acts.append(RepairAction("write-entry", layout.chain_entry_path(
-                cid, safe_run_name(d.records[cid].run_id) if d.records[cid].run_id else None),
+                cid, d.digests[cid], safe_run_name(run_id) if run_id else None),
                 "a committed record without its commit-log entry", cid))
     for cid, run in sorted(d.log.entry_runs.items()):
         if run and run not in d.log.ledger and (cid in have or cid in d.log.retired):
@@ -360,7 +365,7 @@ class RepairReport:
     dry_run: bool
     record: str | None   # the repair record written (runs/repairs/...)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return dict(self.plan.to_json(), dry_run=self.dry_run, repair_record=self.record)
 
 
@@ -398,28 +403,43 @@ def _apply(store: CheckpointStore, plan: RepairPlan, d: Diagnosis) -> None:
     for a in plan.actions:
         by_action.setdefault(a.action, []).append(a)
     for a in by_action.get("write-entry", ()):
-        data = store.read_record(a.checkpoint_id)
+        cid = _checkpoint_of(a)
+        data = store.read_record(cid)
         if data is not None:
-            log.write_entry(storage, log.ChainEntry.of(store.parse(a.checkpoint_id, data),
-                                                       data))
+            log.write_entry(storage, log.ChainEntry.of(store.parse(cid, data), data))
     for a in by_action.get("rebuild-ledger", ()):
         write_record(storage, _rebuilt_record(store, d, a))
     # retired before the records go: a crash leaves retired, not lost, ids
     for a in by_action.get("mark-retired", ()):
-        log.mark_retired(storage, [a.checkpoint_id])
+        log.mark_retired(storage, [_checkpoint_of(a)])
     # newest first: a crash leaves a shorter lineage with lost entries above, which
     # blocks runs until the roll back is run again
     for a in by_action.get("quarantine", ()):
         _checked(storage.delete_many([a.target]))
     forgotten = by_action.get("forget-run", ())
     for a in forgotten:
+        run_id = _run_of(a)
         storage.write_bytes(layout.history_path(
-            "".join(c for c in utc_now_iso() if c.isdigit())[:20], safe_run_name(a.run_id),
-            "rolledback"), RunOutcome(a.run_id, "rolledback", a.checkpoint_id, utc_now_iso(),
+            "".join(c for c in utc_now_iso() if c.isdigit())[:20], safe_run_name(run_id),
+            "rolledback"), RunOutcome(run_id, "rolledback", a.checkpoint_id, utc_now_iso(),
                                       0.0, plan.reason).to_bytes())
     _checked(storage.delete_many([a.target for a in forgotten]))
     _checked(storage.delete_many([a.target for a in by_action.get("drop-log", ())]))
     _checked(storage.delete_many([a.target for a in by_action.get("clear-lease", ())]))
+
+
+def _checkpoint_of(a: RepairAction) -> int:
+    """The checkpoint of a write-entry or mark-retired action (the planners name it)."""
+    if a.checkpoint_id is None:
+        raise UsageError(f"doctor: {a.action} of {a.target} names no checkpoint")
+    return a.checkpoint_id
+
+
+def _run_of(a: RepairAction) -> str:
+    """The run of a forget-run action (`plan_rollback` names it)."""
+    if a.run_id is None:
+        raise UsageError(f"doctor: {a.action} of {a.target} names no run")
+    return a.run_id
 
 
 def _checked(failures: list[tuple[str, str]]) -> None:
@@ -449,7 +469,7 @@ def _rebuilt_record(store: CheckpointStore, d: Diagnosis, a: RepairAction) -> Ru
                      str(outcome.get("started_at", "")), {"rebuilt_from": "history"})
 
 
-def _history_outcome(store: CheckpointStore, safe: str) -> dict:
+def _history_outcome(store: CheckpointStore, safe: str) -> dict[str, Any]:
     names = [n for n in store.storage.list_dir(layout.HISTORY_DIR)
              if layout.history_name_of(n) == (safe, "committed")]
     if not names:

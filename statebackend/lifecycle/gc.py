@@ -84,9 +84,14 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypedDict
 
-from statebackend.checkpoint.layout import GC_SCOPE_PREFIXES
+from statebackend.checkpoint.layout import (
+    GC_SCOPE_PREFIXES,
+    chk_id_of,
+    in_gc_scope,
+    is_commit_record,
+)
 from statebackend.checkpoint.leases import WRITER_LEASE, Lease, live_leases
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import CheckpointNotFoundError
@@ -95,9 +100,6 @@ from statebackend.lifecycle.registry import (
     Registry,
     as_datetime,
     build_registry,
-    chk_id_of,
-    in_gc_scope,
-    is_commit_record,
     referenced_by_records,
 )
 from statebackend.progress import NO_PROGRESS, ProgressSink
@@ -119,6 +121,14 @@ DEL_UNREFERENCED = "orphan-unreferenced"
 ORPHAN_KEEP_REASONS = (KEEP_LEASED, KEEP_WRITER_ACTIVE, KEEP_NO_MTIME, KEEP_PENDING)
 
 
+class ReasonTally(TypedDict):
+    """One reason's line of `GcPlan.by_reason`."""
+
+    action: str  # "keep" | "delete"
+    files: int
+    bytes: int
+
+
 @dataclass(frozen=True, slots=True)  # one per orphan: there may be many
 class GcFile:
     path: str
@@ -127,7 +137,7 @@ class GcFile:
     reason: str
     mtime: float | None = None  # storage mtime, for the executor's lease re-check
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         age = None if self.age_seconds is None else round(self.age_seconds, 3)
         return {"path": self.path, "size": self.size, "age_seconds": age, "reason": self.reason}
 
@@ -161,12 +171,13 @@ class GcPlan:
         return (sum(f.size for f in self.pending) + self.referenced_bytes
                 + self.commit_record_bytes)
 
-    def by_reason(self, deleted: set[str] | None = None) -> dict[str, dict]:
+    def by_reason(self, deleted: set[str] | None = None) -> dict[str, ReasonTally]:
         """{reason: {action, files, bytes}}; with ``deleted``, deletions actually done."""
-        out = {KEEP_REFERENCED: {"action": "keep", "files": len(self.referenced),
-                                 "bytes": self.referenced_bytes},
-               KEEP_COMMIT_RECORD: {"action": "keep", "files": len(self.commit_records),
-                                    "bytes": self.commit_record_bytes}}
+        out: dict[str, ReasonTally] = {
+            KEEP_REFERENCED: {"action": "keep", "files": len(self.referenced),
+                              "bytes": self.referenced_bytes},
+            KEEP_COMMIT_RECORD: {"action": "keep", "files": len(self.commit_records),
+                                 "bytes": self.commit_record_bytes}}
         for f in self.pending:
             slot = out.setdefault(f.reason, {"action": "keep", "files": 0, "bytes": 0})
             slot["files"] += 1
@@ -190,7 +201,7 @@ class GcPlan:
             "pending": [f.to_json() for f in pending],
         }
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "job": self.job, "grace_seconds": self.grace_seconds,
             "files_to_delete": len(self.deletions), "bytes_to_delete": self.bytes_to_delete,

@@ -82,6 +82,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import cached_property
+from typing import Any
 
 from statebackend.checkpoint.layout import (
     CHAIN_DIR,
@@ -110,7 +111,7 @@ from statebackend.checkpoint.lineage import (
     find_forks,
     parse_log_names,
 )
-from statebackend.checkpoint.metadata import CheckpointMetadata, FileRef, fast_loads
+from statebackend.checkpoint.metadata import CheckpointMetadata, FileRef, ParseMemo, fast_loads
 from statebackend.checkpoint.store import CheckpointStore, check_name
 from statebackend.errors import CheckpointNotFoundError, CkptError, LineageError, MetadataError
 from statebackend.storage import FileInfo, Listing
@@ -156,7 +157,7 @@ class References:
 
     paths: list[str]
     sizes: list[int]
-    owners: dict[str, array]      # label -> positions it lists, in record order
+    owners: dict[str, array[int]]  # label -> positions it lists, in record order
 
     def union(self, labels: Iterable[str] | None = None) -> set[int]:
         """Positions listed by any of ``labels`` (None: every owner)."""
@@ -187,7 +188,7 @@ class References:
         return dict(zip(reversed(paths), range(len(paths) - 1, -1, -1), strict=True))
 
 
-def build_references(owners: Mapping[str, array | CheckpointMetadata],
+def build_references(owners: Mapping[str, array[int] | CheckpointMetadata],
                      paths: Iterable[str] = (), sizes: Iterable[int] = ()) -> References:
     """References of ``owners`` (in their order): positions as they are (into the table
     ``paths``, from the registry index) or the files of a record, added to the table."""
@@ -202,7 +203,7 @@ def build_references(owners: Mapping[str, array | CheckpointMetadata],
         canonical = [position[p] for p in table]
         owners = {label: array("I", map(canonical.__getitem__, value))
                   if isinstance(value, array) else value for label, value in owners.items()}
-    out: dict[str, array] = {}
+    out: dict[str, array[int]] = {}
     for label, value in owners.items():
         if isinstance(value, array):
             out[label] = value
@@ -214,7 +215,7 @@ def build_references(owners: Mapping[str, array | CheckpointMetadata],
 
 
 def _positions_of(refs: Iterable[FileRef], table: list[str], sizes: list[int],
-                  position: dict[str, int]) -> array:
+                  position: dict[str, int]) -> array[int]:
     out = array("I")
     for ref in refs:
         i = position.get(ref.path)
@@ -226,7 +227,7 @@ def _positions_of(refs: Iterable[FileRef], table: list[str], sizes: list[int],
     return out
 
 
-class OwnerPaths(Mapping):
+class OwnerPaths(Mapping[str, tuple[str, ...]]):
     """Owner label -> the paths it lists, as a tuple made on access (reports, tests)."""
 
     def __init__(self, refs: References) -> None:
@@ -356,7 +357,7 @@ class Registry:
             raise LineageError(f"{what} of job {self.job!r} refused, nothing deleted: "
                                f"{bad[0].message}; {bad[0].repair}; see `ckpt doctor`")
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         orphans = self.orphans()
         missing = self.missing()
         return {
@@ -389,12 +390,12 @@ def build_registry(store: CheckpointStore, *, now: datetime | float | None = Non
     # 1. list first: see the module docstring and gc.py (failure scenario 2)
     files = storage.walk_listing("")  # names in path order; sizes on demand
     # 2. committed ids from a fresh listing, so commits after step 1 are owners too
-    listed = {chk_id_of(p) for p in files.paths if p.endswith(COMMIT_RECORD_SUFFIX)
-              and is_commit_record(p)}
+    listed = {cid for p in files.paths if p.endswith(COMMIT_RECORD_SUFFIX)
+              and is_commit_record(p) and (cid := chk_id_of(p)) is not None}
     ids = sorted(set(store.checkpoint_ids(known=listed)) | listed)
     savepoint_names: set[str] = set()
     savepoint_dirs: set[str] = set()
-    lease_paths = []
+    lease_paths: list[str] = []
     for path in files.paths:
         if path.startswith(GC_SCOPE_PREFIXES):
             continue  # most of the listing: neither savepoint nor lease
@@ -412,7 +413,7 @@ def build_registry(store: CheckpointStore, *, now: datetime | float | None = Non
     if update_index:  # the (size, mtime) an index entry records: seen before the read
         for cid in to_parse:
             files.get(metadata_path(cid))
-    memo: dict = {}
+    memo: ParseMemo = {}
 
     def read_lease(path: str) -> Lease | None:
         return read_lease_file(storage, path)
@@ -432,13 +433,14 @@ def build_registry(store: CheckpointStore, *, now: datetime | float | None = Non
         savepoints = list(pool.map(read_savepoint, sorted(savepoint_names)))
 
     parsed = {m.checkpoint_id: m for m in metas}
-    owners: dict[str, array | CheckpointMetadata] = {
+    owners: dict[str, array[int] | CheckpointMetadata] = {
         checkpoint_label(cid): parsed[cid] if cid in parsed else cached[cid]
         for cid in sorted(set(parsed) | set(cached))}
     named = dict(zip(sorted(savepoint_names), savepoints, strict=True))
     owners.update((savepoint_label(name), m) for name, m in named.items())
-    refs = build_references(owners, index.paths, index.sizes) if cached else \
-        build_references(owners)
+    # (entries are cached only from an index)
+    refs = build_references(owners, index.paths, index.sizes) \
+        if cached and index is not None else build_references(owners)
     registry = Registry(
         job=store.job, now=when, files=files,
         checkpoints=LazyCheckpoints(store, parsed, frozenset(cached)) if cached else parsed,
@@ -453,7 +455,7 @@ def build_registry(store: CheckpointStore, *, now: datetime | float | None = Non
     return registry
 
 
-class LazyCheckpoints(Mapping):
+class LazyCheckpoints(Mapping[int, CheckpointMetadata]):
     """Committed records by id; those planned from the index are read (strictly, from
     their real `_metadata`) on first access, so whatever looks at a record's content
     (restorability, reports) never sees the index."""
@@ -499,11 +501,12 @@ class RegistryIndex:
     paths: list[str]
     sizes: list[int]
     entries: Mapping[int, IndexEntry]
-    refs: array          # every entry's positions into paths, in id order
+    refs: array[int]     # every entry's positions into paths, in id order
 
-    def usable(self, ids: Iterable[int], files: Mapping[str, FileInfo]) -> dict[int, array]:
+    def usable(self, ids: Iterable[int], files: Mapping[str, FileInfo]
+               ) -> dict[int, array[int]]:
         """Positions of the committed ``ids`` whose listed `_metadata` is the one indexed."""
-        out: dict[int, array] = {}
+        out: dict[int, array[int]] = {}
         entries, refs = self.entries, self.refs
         for cid in ids:
             entry = entries.get(cid)
@@ -569,7 +572,7 @@ def parse_index(data: bytes, job: str) -> RegistryIndex:
     return RegistryIndex(paths, sizes, entries, refs)
 
 
-def _all_of(values: list, kind: type) -> bool:
+def _all_of(values: list[Any], kind: type) -> bool:
     return set(map(type, values)) <= {kind}
 
 
@@ -578,7 +581,7 @@ def _naturals(values: object) -> bool:
     return isinstance(values, list) and _all_of(values, int) and (not values or min(values) >= 0)
 
 
-def _decode_positions(refs: object) -> array | None:
+def _decode_positions(refs: object) -> array[int] | None:
     """The uint32 positions ``refs`` (base64, little-endian) encodes, or None."""
     if not isinstance(refs, str):
         return None
@@ -595,7 +598,7 @@ def _decode_positions(refs: object) -> array | None:
     return out
 
 
-def _encode_positions(refs: array) -> str:
+def _encode_positions(refs: array[int]) -> str:
     if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
         refs = array("I", refs)
         refs.byteswap()
@@ -610,7 +613,7 @@ def write_index(store: CheckpointStore, registry: Registry) -> None:
     table plus the paths of records parsed since), compacted when more than half of
     it is no longer referenced."""
     refs = registry.refs
-    rows: list[tuple[int, FileInfo, array]] = []
+    rows: list[tuple[int, FileInfo, array[int]]] = []
     for label, positions in refs.owners.items():
         cid = chk_id_of(label)
         if cid is None or cid not in registry.checkpoints:
@@ -650,7 +653,7 @@ def referenced_by_records(store: CheckpointStore, ids: Iterable[int],
     ids = sorted(set(ids))
     workers = max(1, min(threads, len(ids))) if store.storage.remote else 1
     out: set[str] = set()
-    memo: dict = {}
+    memo: ParseMemo = {}
     with ThreadPoolExecutor(max_workers=workers) as pool:
         reader = pool.map if workers > 1 else map
         for cid, data in zip(ids, reader(store.read_record, ids), strict=True):
@@ -670,7 +673,7 @@ def make_registry(*, job: str, now: datetime | float | None,
     """
     metas = sorted(checkpoints, key=lambda m: m.checkpoint_id)
     named = {name: m for name, m in sorted((savepoints or {}).items()) if m is not None}
-    owners: dict[str, array | CheckpointMetadata] = {
+    owners: dict[str, array[int] | CheckpointMetadata] = {
         checkpoint_label(m.checkpoint_id): m for m in metas}
     owners.update((savepoint_label(name), m) for name, m in named.items())
     return Registry(

@@ -105,7 +105,7 @@ class CheckpointDecision:
     leases: tuple[str, ...] = ()
     restorable: bool | None = None  # None: not checked (only the newest few are)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"id": self.checkpoint_id, "action": self.action, "reason": self.reason,
                 "leases": list(self.leases), "restorable": self.restorable}
 
@@ -117,7 +117,7 @@ class FileAction:
     reason: str
     checkpoint_id: int | None = None  # the retired checkpoint it belongs to, if any
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"path": self.path, "size": self.size, "reason": self.reason,
                 "checkpoint": self.checkpoint_id}
 
@@ -155,7 +155,7 @@ class RetentionPlan:
             "by_reason": _by_reason(self.deletions if done is None else done),
         }
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "job": self.job, "keep": self.keep,
             "retained": list(self.retained), "retired": list(self.retired),
@@ -289,7 +289,7 @@ def execute_retention(store: CheckpointStore, plan: RetentionPlan, *,
     meta_actions = [a for a in plan.deletions if a.reason == DEL_METADATA
                     and a.checkpoint_id not in spare_ids]
     # A retired commit record no longer names its run: the ledger must, first (runs.py).
-    records, unrecorded = _record_runs(store, [a.checkpoint_id for a in meta_actions])
+    records, unrecorded = _record_runs(store, [_retired_id(a) for a in meta_actions])
     spare_ids |= unrecorded
     # Delete only what the real records release (the plan may come from the index).
     listed_by_retired = {f.path for m in records.values() for f in m.files}
@@ -307,7 +307,7 @@ def execute_retention(store: CheckpointStore, plan: RetentionPlan, *,
     # a checkpoint whose _metadata could not be deleted still exists: keep all it lists
     for a in meta_actions:
         if a.path in failed:
-            meta = _load_or_none(store, a.checkpoint_id)
+            meta = _load_or_none(store, _retired_id(a))
             if meta is not None:
                 spare_paths.update(f.path for f in meta.files)
     # run history is referenced by nothing: planned files go as planned
@@ -324,9 +324,9 @@ def execute_retention(store: CheckpointStore, plan: RetentionPlan, *,
     for a in meta_actions:
         if a.path not in failed:
             try:
-                storage.delete_tree(report_dir(a.checkpoint_id))
+                storage.delete_tree(report_dir(_retired_id(a)))
             except CkptError as exc:  # e.g. a symlinked reports/ folder: reported, kept
-                failures.append((report_dir(a.checkpoint_id), str(exc)))
+                failures.append((report_dir(_retired_id(a)), str(exc)))
     prune_empty_dirs(storage, [a.path for a in deleted])
     spared = tuple(sorted({a.path for a in plan.deletions} - {a.path for a in deleted}
                           - failed))
@@ -387,6 +387,13 @@ def _record_runs(store: CheckpointStore, checkpoint_ids: list[int]
             log.warning("checkpoint %s kept: its run could not be recorded (%s)", cid, exc)
             failed.add(cid)
     return records, failed
+
+
+def _retired_id(action: FileAction) -> int:
+    """The checkpoint a ``retired-metadata`` deletion retires (`plan_retention` names it)."""
+    if action.checkpoint_id is None:
+        raise UsageError(f"retention plan deletes {action.path} without naming its checkpoint")
+    return action.checkpoint_id
 
 
 def _load_or_none(store: CheckpointStore, cid: int) -> CheckpointMetadata | None:

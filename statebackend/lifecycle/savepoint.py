@@ -49,6 +49,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import Any
 
 from statebackend.checkpoint.layout import (
     CHK_PREFIX,
@@ -107,7 +108,7 @@ class SavepointInfo:
     files: int
     bytes: int
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "complete": self.complete, "source_job": self.source_job,
                 "source_checkpoint": self.source_checkpoint, "created_at": self.created_at,
                 "parallelism": self.parallelism, "files": self.files, "bytes": self.bytes}
@@ -124,7 +125,7 @@ class SavepointDeletion:
     bytes: int
     dry_run: bool
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"job": self.job, "savepoint": self.name, "complete": self.complete,
                 "dry_run": self.dry_run, "files": list(self.files),
                 "files_deleted": 0 if self.dry_run else len(self.files), "bytes": self.bytes}
@@ -221,9 +222,8 @@ def create_savepoint(store: CheckpointStore, ref: str | int | None,
             meta = store.load(meta.checkpoint_id)
             copies: list[tuple[FileRef, str]] = []
             subtasks = [
-                _relocated(sub, copies,
-                           shared_to=lambda f, i=sub.index: f"{base}/{i}/{f.local_name}",
-                           private_to=lambda f, i=sub.index: f"{base}/{i}/{f.local_name}")
+                _relocated(sub, copies, shared_to=_in_folder(f"{base}/{sub.index}"),
+                           private_to=_in_folder(f"{base}/{sub.index}"))
                 for sub in meta.subtasks]
             _check_unique([dst for _, dst in copies], f"savepoint {name!r}")
             _copy_all(storage, copies, f"savepoint {name!r} of job {store.job!r} not created")
@@ -331,7 +331,7 @@ def import_start_point(storage: Storage, target_job: str, spec: str) -> Checkpoi
 
 
 def _import(root: Storage, target: CheckpointStore, meta: CheckpointMetadata,
-            source: dict) -> CheckpointMetadata:
+            source: dict[str, Any]) -> CheckpointMetadata:
     cid = target.next_checkpoint_id()
     copies: list[tuple[FileRef, str]] = []
     subtasks = []
@@ -339,7 +339,7 @@ def _import(root: Storage, target: CheckpointStore, meta: CheckpointMetadata,
         prefix = private_dir(cid, sub.index, sub.snapshot_id)
         subtasks.append(_relocated(
             sub, copies, shared_to=lambda f: shared_path(f"{uuid.uuid4().hex}-{f.local_name}"),
-            private_to=lambda f, p=prefix: f"{p}/{f.local_name}"))
+            private_to=_in_folder(prefix)))
     _check_unique([dst for _, dst in copies], f"checkpoint {cid} of job {target.job!r}")
     first = CheckpointMetadata(
         job=target.job, checkpoint_id=cid, parent=None, parallelism=meta.parallelism,
@@ -360,6 +360,11 @@ def _import(root: Storage, target: CheckpointStore, meta: CheckpointMetadata,
         target.storage.delete_many(dst for _, dst in copies)
         raise
     return first
+
+
+def _in_folder(folder: str) -> Callable[[FileRef], str]:
+    """Where `_relocated` puts a file: ``<folder>/<its local name>``."""
+    return lambda f: f"{folder}/{f.local_name}"
 
 
 def _relocated(sub: SubtaskHandle, copies: list[tuple[FileRef, str]], *,
