@@ -173,6 +173,26 @@ def test_readers_refuse_a_forked_lineage_naming_both_records(tmp_path, capsys, c
     assert not diagnose(job.store).problems
 
 
+def test_doctor_rewrites_a_lost_commit_log_entry(tmp_path, capsys):
+    """A committed record whose commit-log entry is gone: `ckpt doctor --repair` writes
+    the entry back (the planned path is the one written), and the lineage is whole."""
+    job = Lineage(tmp_path, f"file://{tmp_path}/store", days=3)
+    for d in range(2):
+        job.run(d)
+    block = layout.chain_block_dir(2)
+    entry = [f"{block}/{n}" for n in job.store.storage.list_dir(block)
+             if (parsed := layout.chain_name_of(n)) is not None and parsed[0] == 2]
+    assert len(entry) == 1
+    job.store.storage.delete_many(entry)
+    assert "unlogged" in {p.kind for p in diagnose(job.store).problems}
+    code, out, _ = job.ckpt(capsys, "doctor", "--repair")
+    assert code == 0 and "write-entry" in out
+    assert not diagnose(job.store).problems
+    assert job.store.storage.exists(entry[0])
+    job.run(2)
+    job.assert_state(range(3))
+
+
 # -- defect 4: one lost ledger file ----------------------------------------------------
 def test_a_lost_ledger_file_is_rebuilt_never_counted_twice(tmp_path, storage, engine, capsys):
     job = Lineage(tmp_path, storage, *engine)
