@@ -25,7 +25,6 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, cast
 
 from statebackend.checkpoint.metadata import FileRef, SubtaskHandle
 from statebackend.errors import StorageError
@@ -157,8 +156,7 @@ def restore_subtask(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
     # (verified) local copy under a new shared name.
     backend.uploaded = {f.local_name: f for f in handle.shared_files if f.path not in bad}
     backend.reuploaded = tuple(sorted(bad))
-    # not declared on KeyedStateBackend (statebackend.state): set here, read by callers
-    cast(Any, backend).reuse_report = report
+    backend.reuse_report = report
     backend.restore_mode = mode
     backend._last_snapshot_id = handle.snapshot_id
     return backend

@@ -179,6 +179,9 @@ class KeyedStateBackend:
         # checksum) and dropped from ``uploaded``: the next snapshot uploads them again.
         self.reuploaded: tuple[str, ...] = ()
         self.restore_mode = "new"
+        # What local recovery checked of the stored files it reuses (a
+        # checkpoint.restore.ReuseReport, set there: this layer cannot name its type).
+        self.reuse_report: Any = None
         # Names this instance in scan errors ("subtask 1 of checkpoint 7"); stored paths
         # of its files (local name -> path under the job root) when restored from storage.
         self.label = origin.label or (f"the instance at {self.local_dir} (key groups "

@@ -273,12 +273,12 @@ def ttl_findings(backend: KeyedStateBackend, descriptors: Sequence[StateDescript
         due = sorted(e for e in exps if now is not None and e <= now)
         if not due:
             continue
-        raw = backend.column_family(name).get(rk)
-        if raw is None:
+        stored: bytes | None = backend.column_family(name).get(rk)
+        if stored is None:
             continue  # the index points at no entry: a read returns nothing
         strip = strip_list if desc.kind == "list" else strip_value
         try:
-            readable = strip(raw, now) is not None
+            readable = strip(stored, now) is not None
         except CkptError:
             continue
         if readable:
