@@ -49,7 +49,8 @@ from statebackend.checkpoint.snapshot import SnapshotResult, upload_snapshot
 from statebackend.errors import SnapshotError
 from statebackend.rescale.plan import SubtaskPlan
 from statebackend.rescale.scratch import scratch_parent
-from statebackend.state.backend import KeyedStateBackend
+from statebackend.spark.dispatch import task_context
+from statebackend.state.backend import KeyedStateBackend, StoredInstance
 from statebackend.state.keygroups import KeyGroupRange, key_group_of_rocks_key, key_group_prefix
 from statebackend.state.kinds import StateDescriptor
 from statebackend.storage import Storage, StorageOptions, child_storage, open_storage
@@ -144,9 +145,8 @@ def run_rescale_task(task: RescaleTask, attempt: int = 0) -> RescaleTaskResult:
 def run_rescale_batches(tasks: Sequence[RescaleTask], batches):
     """``mapInArrow`` body: each row's ``id`` picks its task; one JSON result per row."""
     import pyarrow as pa
-    from pyspark import TaskContext  # on an executor: Spark is there
 
-    attempt = TaskContext.get().attemptNumber()
+    attempt = task_context().attemptNumber()
     for batch in batches:
         results = []
         for i in batch.column("id").to_pylist():
@@ -211,8 +211,7 @@ class _NewSubtask:
         folder = os.path.join(self.work, f"old-{h.index}")
         download_files(self.storage, h.files, os.path.join(folder, "db"))
         src = KeyedStateBackend(folder, self.task.states, self.task.max_parallelism,
-                                h.key_group_range, read_only=True, label=self._label(h))
-        src.file_paths = {f.local_name: f.path for f in h.files}
+                                h.key_group_range, read_only=True, origin=self._origin(h))
         try:
             ssts = export_key_groups(src, key_groups, os.path.join(self.work, f"export-{h.index}"))
         finally:
@@ -220,8 +219,11 @@ class _NewSubtask:
             shutil.rmtree(folder, ignore_errors=True)
         return ssts, time.perf_counter() - started
 
-    def _label(self, h: SubtaskHandle) -> str:
-        return f"subtask {h.index} of checkpoint {self.task.source_checkpoint_id}"
+    def _origin(self, h: SubtaskHandle) -> StoredInstance:
+        """Names the downloaded instance in scan errors, its files by stored path."""
+        return StoredInstance(
+            label=f"subtask {h.index} of checkpoint {self.task.source_checkpoint_id}",
+            file_paths={f.local_name: f.path for f in h.files})
 
     def _open_base(self) -> tuple[KeyedStateBackend, dict[str, int], float, bool]:
         """Download the base, open it as the new instance and clip it to its own part of
@@ -233,8 +235,7 @@ class _NewSubtask:
         with self._timed("restore_clip"):
             self.backend = backend = KeyedStateBackend(
                 base_dir, task.states, task.max_parallelism, task.plan.key_groups,
-                label=self._label(base))
-            backend.file_paths = {f.local_name: f.path for f in base.files}
+                origin=self._origin(base))
             # Only files of the committed source may be referenced instead of uploaded.
             backend.uploaded = {f.local_name: f for f in base.shared_files}
             # No automatic compaction in this short-lived instance: the clip's tombstones
@@ -342,6 +343,8 @@ def export_key_groups(source: KeyedStateBackend, key_groups: KeyGroupRange, out_
         keys, values = source.read_raw(name, key_groups)
         if not keys:
             continue
+        if values is None:  # asked with values: never None (read_raw's type cannot say so)
+            raise RuntimeError(f"column family {name!r}: keys read without their values")
         writer = SstFileWriter(options=Options(raw_mode=True))
         writer.open(path)
         put = writer.__setitem__
