@@ -63,7 +63,7 @@ class EngineChoice:
 def requested_engine(engine: str | None) -> str:
     """``engine``, else ``$CKPT_ENGINE``, else ``auto``; UsageError naming a bad value."""
     if not engine:
-        return str(settings.value(ENGINE_ENV))
+        return settings.choice(ENGINE_ENV)
     if engine not in ENGINES:
         raise UsageError(f"--engine {engine!r} is unknown; use one of {list(ENGINES)}")
     return engine
@@ -71,7 +71,7 @@ def requested_engine(engine: str | None) -> str:
 
 def is_local_master(master: str | None) -> bool:
     """``local``, ``local[N]``, ``local[*]``, ``local[N,F]``: this machine's executors."""
-    return bool(master) and _LOCAL_MASTER.fullmatch(master.strip()) is not None
+    return master is not None and _LOCAL_MASTER.fullmatch(master.strip()) is not None
 
 
 def local_master_cores(master: str | None) -> int:
@@ -84,7 +84,7 @@ def local_master_cores(master: str | None) -> int:
 
 def auto_limit() -> int:
     """Input bytes (decompressed) up to which ``auto`` runs the local engine."""
-    return min(int(settings.value(MAX_BYTES_ENV)), int(settings.value(MAX_MEMORY_ENV)))
+    return min(settings.byte_count(MAX_BYTES_ENV), settings.byte_count(MAX_MEMORY_ENV))
 
 
 def choose_engine(requested: str | None, master: str | None, work: Workload) -> EngineChoice:
@@ -99,9 +99,9 @@ def choose_engine(requested: str | None, master: str | None, work: Workload) -> 
                                      f"process")
     if asked != "auto":
         return EngineChoice(asked, f"asked for ({'--engine' if requested else ENGINE_ENV})")
-    max_bytes = int(settings.value(MAX_BYTES_ENV))
+    max_bytes = settings.byte_count(MAX_BYTES_ENV)
     for limit, env in ((max_bytes, MAX_BYTES_ENV),
-                       (int(settings.value(MAX_MEMORY_ENV)), MAX_MEMORY_ENV)):
+                       (settings.byte_count(MAX_MEMORY_ENV), MAX_MEMORY_ENV)):
         if work.input_bytes > limit:
             return EngineChoice("spark", f"input of at least {mib(work.input_bytes)} "
                                          f"(decompressed) exceeds the local engine's "
@@ -110,7 +110,7 @@ def choose_engine(requested: str | None, master: str | None, work: Workload) -> 
         if work.new_lineage_without_parallelism:
             return EngineChoice("spark", f"the lineage's first run takes its parallelism "
                                          f"from {master}")
-        max_state = int(settings.value(MAX_STATE_BYTES_ENV))
+        max_state = settings.byte_count(MAX_STATE_BYTES_ENV)
         if work.state_bytes > max_state:
             return EngineChoice("spark", f"state {mib(work.state_bytes)} exceeds "
                                          f"{mib(max_state)} ({MAX_STATE_BYTES_ENV}): the "

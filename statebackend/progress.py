@@ -32,10 +32,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import IO, Protocol, TypeVar
+from typing import IO, TYPE_CHECKING, Protocol, TypeVar
 
 from statebackend import settings
 from statebackend.errors import UsageError
+
+if TYPE_CHECKING:  # rich only in bar mode
+    import rich.progress
 
 MODE_ENV = "CKPT_PROGRESS"
 INTERVAL_ENV = "CKPT_PROGRESS_INTERVAL"
@@ -78,7 +81,7 @@ def reports(progress: ProgressSink) -> bool:
 
 def choose_mode(stream: IO[str], requested: str | None = None) -> str:
     """"bar", "lines" or "off" for ``stream`` (``requested`` or env CKPT_PROGRESS)."""
-    mode = (requested or str(settings.value(MODE_ENV))).strip().lower()
+    mode = (requested or settings.choice(MODE_ENV)).strip().lower()
     if mode not in MODES:
         raise UsageError(f"progress mode {mode!r} is unknown; use one of {list(MODES)}")
     if mode != "auto":
@@ -88,7 +91,7 @@ def choose_mode(stream: IO[str], requested: str | None = None) -> str:
 
 
 def env_interval() -> float:
-    return float(settings.value(INTERVAL_ENV))
+    return settings.seconds(INTERVAL_ENV)
 
 
 def format_line(command: str, label: str, done: int, total: int | None, unit: str,
@@ -124,8 +127,8 @@ class Progress:
         self._last_state: tuple | None = None  # (label, done, total, unit) of the last line
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._live = None  # rich.progress.Progress in bar mode
-        self._task = None
+        self._live: rich.progress.Progress | None = None  # bar mode
+        self._task: rich.progress.TaskID | None = None  # the bar's one task
         if self.mode == "bar":
             self._start_bar()
         elif self.mode == "lines" and thread:
@@ -138,7 +141,7 @@ class Progress:
         self._end_of_phase()
         with self._lock:
             self.label, self.total, self.unit, self.done = label, total, unit, 0
-            if self._live is not None:
+            if self._live is not None and self._task is not None:
                 self._live.update(self._task, description=label, total=total, completed=0,
                                   count=self._count_text())
                 if self._live.live.is_started:
@@ -149,7 +152,7 @@ class Progress:
     def advance(self, n: int = 1) -> None:
         with self._lock:
             self.done += n
-            if self._live is not None:
+            if self._live is not None and self._task is not None:
                 self._live.update(self._task, advance=n, count=self._count_text())
 
     def wrap(self, items: Iterable[T]) -> Iterator[T]:

@@ -182,9 +182,14 @@ def run_options() -> tuple[RunOption, ...]:
     hints = typing.get_type_hints(RunOptions)
     out = []
     for f in fields(RunOptions):
-        required = f.default is MISSING and f.default_factory is MISSING
-        default = None if required else (
-            f.default if f.default is not MISSING else f.default_factory())  # type: ignore[misc]
+        default: Any = None
+        required = False
+        if f.default is not MISSING:
+            default = f.default
+        elif f.default_factory is not MISSING:
+            default = f.default_factory()
+        else:
+            required = True
         out.append(replace(f.metadata[_METADATA_KEY], name=f.name,
                            type=_value_type(hints[f.name]), default=default,
                            required=required))

@@ -1,11 +1,12 @@
 """Every ``CKPT_*`` setting and numeric knob, declared once with its range.
 
-A setting is read from the process environment (`value`), a numeric flag or
-argument is checked against the same kind of range (`number`), a yes/no value (a
-rendered Airflow template, a CLI or job option) is read by `boolean`; each refuses a
-bad value in one line that names the variable, flag or argument, the value and what
-is accepted, before any work. Nothing here guesses: ``inf``, ``nan``, a negative size or a heartbeat
-that would spin are refused, not clamped.
+A setting is read from the process environment (`value`; typed: `seconds`,
+`byte_count`, `choice`), a numeric flag or argument is checked against the same kind
+of range (`number`), a yes/no value (a rendered Airflow template, a CLI or job
+option) is read by `boolean`; each refuses a bad value in one line that names the
+variable, flag or argument, the value and what is accepted, before any work. Nothing
+here guesses: ``inf``, ``nan``, a negative size or a heartbeat that would spin are
+refused, not clamped.
 
     CKPT_LEASE_TTL_SECONDS          lease lifetime (s), default 60, in [0.5, 604800]
     CKPT_LEASE_HEARTBEAT_SECONDS    renewal period (s), default TTL/4, in [0.05, TTL/2]
@@ -102,6 +103,30 @@ def value(name: str, environ: Mapping[str, str] | None = None) -> float | int | 
     return setting.parse(text)
 
 
+def seconds(name: str, environ: Mapping[str, str] | None = None) -> float:
+    """The "seconds" setting ``name`` (checked), else its default."""
+    got = value(name, environ)
+    if isinstance(got, str) or got is None:
+        raise LookupError(f"{name} is not a seconds setting with a default")
+    return float(got)
+
+
+def byte_count(name: str, environ: Mapping[str, str] | None = None) -> int:
+    """The "bytes" setting ``name`` (checked), else its default."""
+    got = value(name, environ)
+    if not isinstance(got, int):
+        raise LookupError(f"{name} is not a bytes setting")
+    return got
+
+
+def choice(name: str, environ: Mapping[str, str] | None = None) -> str:
+    """The "choice" setting ``name`` (checked, lower case), else its default."""
+    got = value(name, environ)
+    if not isinstance(got, str):
+        raise LookupError(f"{name} is not a choice setting")
+    return got
+
+
 def check_environment(environ: Mapping[str, str] | None = None) -> None:
     """Validate every declared setting that is set (UsageError on the first bad one),
     and the lease timing as a pair (heartbeat at most half the TTL)."""
@@ -119,7 +144,7 @@ def lease_timing(ttl_seconds: float | None = None, heartbeat_seconds: float | No
     heartbeat is at most TTL/2; and at least `MIN_HEARTBEAT_SECONDS` (no busy loop)."""
     ttl_source = "ttl_seconds" if ttl_seconds is not None else "CKPT_LEASE_TTL_SECONDS"
     ttl = float(number(ttl_seconds, ttl_source, minimum=0.5, maximum=MAX_SECONDS)
-                if ttl_seconds is not None else value("CKPT_LEASE_TTL_SECONDS", environ))
+                if ttl_seconds is not None else seconds("CKPT_LEASE_TTL_SECONDS", environ))
     if heartbeat_seconds is not None:
         beat_source, beat = "heartbeat_seconds", float(number(
             heartbeat_seconds, "heartbeat_seconds", minimum=MIN_HEARTBEAT_SECONDS,

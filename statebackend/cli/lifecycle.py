@@ -109,13 +109,14 @@ def cmd_savepoint(args: argparse.Namespace, store: CheckpointStore) -> int:
         meta = create_savepoint(store, args.checkpoint, args.name)
     path = f"{store.job}/{savepoint_dir(args.name)}"
     url = f"{store.root_storage.url}/{path}"
+    copied = (meta.source or {}).get("checkpoint")  # a savepoint names its source
     if args.json:
         emit_json(dict(meta.summary(), savepoint=args.name, path=path, url=url, start_from=path,
-                       source_checkpoint=meta.source["checkpoint"]))
+                       source_checkpoint=copied))
     else:
         # both the URL and the path are accepted by --start-from (parse_start_spec)
         print(f"savepoint {args.name} of job {store.job}: copied checkpoint "
-              f"{meta.source['checkpoint']} ({len(meta.files)} files, "
+              f"{copied} ({len(meta.files)} files, "
               f"{human_bytes(meta.bytes_referenced)}) to {url}; start a new job from it with "
               f"--start-from {path}")
     return 0

@@ -66,10 +66,11 @@ import pyarrow.compute as pc
 
 from statebackend.errors import UsageError
 from statebackend.state.codecs import Codec, JsonCodec, RecordCodec
+from statebackend.state.families import TTL_INDEX
 from statebackend.state.kinds import AggregateFunction, StateDescriptor, internal_descriptor
 from statebackend.state.schema import Upgrade
 from statebackend.state.timers import with_timers
-from statebackend.state.ttl import TTL_INDEX, StateTtl
+from statebackend.state.ttl import StateTtl
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 RAW = "raw"

@@ -63,6 +63,7 @@ import os
 import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from io import BufferedIOBase
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -304,14 +305,16 @@ def _json_tables(inp: Input, options: Mapping[str, Any], path: str, schema: pa.S
     import gzip
 
     with open_input_file(path, options) as raw:
-        stream: BinaryIO = gzip.GzipFile(fileobj=raw) if path.lower().endswith(".gz") \
-            else raw  # gzip: decompressed as read (also files of several gzip members)
+        # gzip: decompressed as read (also files of several gzip members)
+        stream: BinaryIO | BufferedIOBase = gzip.GzipFile(fileobj=raw) \
+            if path.lower().endswith(".gz") else raw
         with stream:
             for chunk in json_chunks(stream, path, budget):
                 yield from _json_chunk(inp, chunk, schema)
 
 
-def json_chunks(fh: BinaryIO, path: str, budget: ByteBudget | None = None) -> Iterator[bytes]:
+def json_chunks(fh: BinaryIO | BufferedIOBase, path: str, budget: ByteBudget | None = None
+                ) -> Iterator[bytes]:
     """Whole lines of ``fh``, at least `CHUNK_BYTES` at a time (the last chunk: the
     rest). Each `READ_BYTES` block is charged to ``budget`` as it is read, so reading
     stops within a block of the limit; a line longer than `MAX_LINE_BYTES` is refused."""
@@ -411,20 +414,22 @@ def _json_line_by_line(inp: Input, lines: list[tuple[str, str | None]],
         columns: dict[str, list] = {n: [] for n in names}
         reasons: list[str | None] = []
         for line, reason in group:
-            obj = None
+            obj: dict[str, Any] | None = None  # None: not parsed (a reason came with it)
             if reason is None:
                 try:
-                    obj = json.loads(line)
+                    parsed = json.loads(line)
                 except (ValueError, RecursionError):
-                    obj = None
-                if not isinstance(obj, dict):
+                    parsed = None
+                if not isinstance(parsed, dict):
                     reason = MALFORMED
-                elif not _key_value_ok(obj.get(key)):
-                    reason = bad_key
+                else:
+                    obj = parsed
+                    if not _key_value_ok(obj.get(key)):
+                        reason = bad_key
             reasons.append(reason)
             for n in names:
                 keep = reason is None or (reason == bad_key and n != key)
-                columns[n].append(_as_json_text(obj.get(n)) if keep else None)
+                columns[n].append(_as_json_text(obj.get(n) if keep and obj else None))
         raw = pa.table({n: pa.array(columns[n], pa.string()) for n in names})
         yield _typed(inp, raw, schema, pa.array(reasons, pa.string()),
                      pa.array([ln for ln, _ in group], pa.string()))

@@ -50,7 +50,7 @@ class JobParser(argparse.ArgumentParser):
 
     fixed_job_ref: str | None = None  # a job module's own entry point names its job
 
-    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+    def parse_known_args(self, args=None, namespace=None):
         args = list(sys.argv[1:] if args is None else args)
         add_job_options(self, [self.fixed_job_ref, *args] if self.fixed_job_ref else args)
         return super().parse_known_args(args, namespace)

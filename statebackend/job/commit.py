@@ -48,9 +48,7 @@ def commit_record(plan: RunPlan, results: Sequence[TaskResult],
                   totals: RunTotals) -> CheckpointMetadata:
     """The run's commit record (module doc); pure."""
     ordered = sorted(results, key=lambda r: r.subtask)
-    handles = [r.handle if r.handle is not None
-               # A carried-forward handle uploaded nothing in this checkpoint.
-               else replace(plan.parent.subtasks[r.subtask], bytes_uploaded=0)
+    handles = [r.handle if r.handle is not None else _carried(plan, r.subtask)
                for r in ordered]
     meta = build_metadata(MetadataParts(
         job=plan.job_dir, checkpoint_id=plan.checkpoint_id,
@@ -62,6 +60,15 @@ def commit_record(plan: RunPlan, results: Sequence[TaskResult],
         meta = meta.with_changes(watermark=plan.clock.new_watermark,
                                  processing_time=plan.clock.processing_time)
     return meta
+
+
+def _carried(plan: RunPlan, subtask: int) -> SubtaskHandle:
+    """The parent's handle of ``subtask``, carried forward: it uploaded nothing in this
+    checkpoint."""
+    if plan.parent is None:  # a subtask returns no handle only when there is a parent
+        raise JobRunError(f"run {plan.config.run_id!r}: subtask {subtask} returned no "
+                          "handle but the lineage has no parent; nothing committed")
+    return replace(plan.parent.subtasks[subtask], bytes_uploaded=0)
 
 
 def record_extra(plan: RunPlan, results: Sequence[TaskResult], totals: RunTotals,

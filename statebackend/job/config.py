@@ -43,6 +43,13 @@ class RunConfig(RunOptions):
         return self.job or job.name
 
     @property
+    def output_url(self) -> str:
+        """The output root (a job with outputs needs one: the run checks it first)."""
+        if not self.output:
+            raise UsageError("this job writes outputs: give --output")
+        return self.output
+
+    @property
     def quarantine_url(self) -> str:
         if self.quarantine:
             return self.quarantine

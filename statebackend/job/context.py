@@ -35,7 +35,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeAlias, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -45,6 +45,7 @@ from statebackend.errors import UsageError
 from statebackend.job.api import Job
 from statebackend.state.codecs import decode_list, encode_list
 from statebackend.state.kinds import (
+    AggregateFunction,
     AggregatingState,
     ListState,
     MapState,
@@ -61,7 +62,11 @@ from statebackend.state.timers import (
     timers_of,
 )
 
-Keys = Sequence[str] | pa.Array | pa.ChunkedArray
+if TYPE_CHECKING:  # the backend is passed in; its type only
+    from statebackend.state.backend import KeyedStateBackend
+
+Keys: TypeAlias = Sequence[str] | pa.Array | pa.ChunkedArray
+S = TypeVar("S", bound=_State)  # the state kind a handle works on
 _UNSET = object()
 
 
@@ -88,10 +93,24 @@ def _warn(handle: Any, old: str, instead: str) -> None:
                   f"release; use {instead}", DeprecationWarning, stacklevel=3)
 
 
+def _reduce_fn(state: _State) -> Callable[[Any, Any], Any]:
+    fn = state.descriptor.reduce_fn
+    if fn is None:  # a declared reducing state has one (read-only states have none)
+        raise UsageError(f"reducing state {state.descriptor.name!r} needs reduce_fn")
+    return fn
+
+
+def _aggregate_fn(state: _State) -> AggregateFunction:
+    fn = state.descriptor.aggregate_fn
+    if fn is None:  # a declared aggregating state has one (read-only states have none)
+        raise UsageError(f"aggregating state {state.descriptor.name!r} needs aggregate_fn")
+    return fn
+
+
 class _KeyCache:
     """RocksDB keys of the last few key columns, by object identity (kept alive)."""
 
-    def __init__(self, backend) -> None:
+    def __init__(self, backend: KeyedStateBackend) -> None:
         self.backend = backend
         self._entries: list[tuple[object, list[str], list[bytes]]] = []
 
@@ -111,8 +130,8 @@ class _KeyCache:
 
 
 # -- batch handles (vectorized form) ---------------------------------------------------
-class _BatchHandle:
-    def __init__(self, state: _State, keys: _KeyCache) -> None:
+class _BatchHandle(Generic[S]):
+    def __init__(self, state: S, keys: _KeyCache) -> None:
         self.state = state
         self.name = state.descriptor.name
         self.codec = state.codec
@@ -131,7 +150,7 @@ class _BatchHandle:
     delete = _renamed("delete", "clear")
 
 
-class ValueBatch(_BatchHandle):
+class ValueBatch(_BatchHandle[ValueState]):
     def value(self, keys: Keys) -> list[Any]:
         """The keys' values (None where absent or expired)."""
         return self._read(keys)
@@ -180,7 +199,7 @@ class ValueBatch(_BatchHandle):
     put_columns = _renamed("put_columns", "update_columns")
 
 
-class ReducingBatch(_BatchHandle):
+class ReducingBatch(_BatchHandle[ReducingState | AggregatingState]):
     """Reducing and aggregating states: ``get`` returns the reduced value (aggregating:
     the aggregate's result), ``add`` folds values in."""
 
@@ -200,11 +219,11 @@ class ReducingBatch(_BatchHandle):
 
 class AggregatingBatch(ReducingBatch):
     def get(self, keys: Keys) -> list[Any]:
-        result = self.state.descriptor.aggregate_fn.get_result
+        result = _aggregate_fn(self.state).get_result
         return [None if a is None else result(a) for a in self._read(keys)]
 
 
-class ListBatch(_BatchHandle):
+class ListBatch(_BatchHandle[ListState]):
     def get(self, keys: Keys) -> list[list]:
         """Each key's list ([] where absent)."""
         _, rks = self._keys.encode(keys)
@@ -232,7 +251,7 @@ class ListBatch(_BatchHandle):
     put = _renamed("put", "update")
 
 
-class MapBatch(_BatchHandle):
+class MapBatch(_BatchHandle[MapState]):
     def _rkeys(self, keys: Keys, user_keys: Keys) -> list[bytes]:
         return self.state.rocks_keys(_key_list(keys), _key_list(user_keys))
 
@@ -278,7 +297,7 @@ class MapBatch(_BatchHandle):
     delete = _renamed("delete", "remove")
 
 
-_BATCH_HANDLES: dict[type, type[_BatchHandle]] = {
+_BATCH_HANDLES: dict[type[_State], type[_BatchHandle[Any]]] = {
     ValueState: ValueBatch, ReducingState: ReducingBatch, AggregatingState: AggregatingBatch,
     ListState: ListBatch, MapState: MapBatch,
 }
@@ -296,7 +315,7 @@ def _times(timestamps: Any) -> Any:
     return timestamps
 
 
-def _encode_runs(encode, values: Sequence[Any]) -> list[bytes]:
+def _encode_runs(encode: Callable[[Any], bytes], values: Sequence[Any]) -> list[bytes]:
     """``[encode(v) for v in values]``, encoding a run of the same object once (e.g. one
     marker value for every key)."""
     out: list[bytes] = []
@@ -309,7 +328,7 @@ def _encode_runs(encode, values: Sequence[Any]) -> list[bytes]:
     return out
 
 
-def _same_length(name: str, keys: Sequence, values: Sequence) -> None:
+def _same_length(name: str, keys: Sequence[Any], values: Sequence[Any]) -> None:
     if len(keys) != len(values):
         raise UsageError(f"state {name!r}: {len(keys)} keys but {len(values)} values; "
                          "pass one value per key")
@@ -323,7 +342,7 @@ class Timers:
     (key, time, domain, tag).
     """
 
-    def __init__(self, backend) -> None:
+    def __init__(self, backend: KeyedStateBackend) -> None:
         self.backend = backend
 
     def register(self, keys: Keys, times: Any, tags: Any = None, domain: str = "event") -> None:
@@ -370,7 +389,7 @@ class BatchContext:
     """The vectorized logic's view of one subtask: states, timers, emit, options, and the
     run (`RunInfo`'s fields as attributes: ``ctx.run_id``, ``ctx.watermark`` ...)."""
 
-    def __init__(self, job: Job, backend, options: Mapping[str, Any],
+    def __init__(self, job: Job, backend: KeyedStateBackend, options: Mapping[str, Any],
                  run: RunInfo = RunInfo()) -> None:
         self.job = job
         self.backend = backend
@@ -384,7 +403,7 @@ class BatchContext:
         self.keys = _KeyCache(backend)
         self.timers = Timers(backend)
         self.counters: dict[str, int] = {}
-        self._handles: dict[str, _BatchHandle] = {}
+        self._handles: dict[str, _BatchHandle[Any]] = {}
         self._emitted: dict[str, list] = {o.name: [] for o in job.outputs}
 
     def count(self, name: str, n: int = 1) -> None:
@@ -414,10 +433,10 @@ class BatchContext:
 
 
 # -- per-key handles -------------------------------------------------------------------
-class _KeyHandle:
+class _KeyHandle(Generic[S]):
     """Per-key view of one state for the keys of one group; ``i`` is the current key."""
 
-    def __init__(self, state: _State, run: _PerKeyBatch) -> None:
+    def __init__(self, state: S, run: _PerKeyBatch) -> None:
         self.state = state
         self.name = state.descriptor.name
         self.codec = state.codec
@@ -456,7 +475,7 @@ class _KeyHandle:
         self.state.write_raw(puts, deletes)
 
 
-class ValueHandle(_KeyHandle):
+class ValueHandle(_KeyHandle[ValueState]):
     def value(self, default: Any = None) -> Any:
         v = self._loaded()[self.i]
         return default if v is None else v
@@ -473,14 +492,14 @@ class ValueHandle(_KeyHandle):
     get = _renamed("get", "value")
 
 
-class ReducingHandle(_KeyHandle):
+class ReducingHandle(_KeyHandle[ReducingState]):
     def get(self, default: Any = None) -> Any:
         v = self._loaded()[self.i]
         return default if v is None else v
 
     def add(self, value: Any) -> None:
         cur = self._loaded()[self.i]
-        self._set(value if cur is None else self.state.descriptor.reduce_fn(cur, value))
+        self._set(value if cur is None else _reduce_fn(self.state)(cur, value))
 
     def update(self, value: Any) -> None:
         """Deprecated (one release): overwrite the reduced value."""
@@ -493,20 +512,20 @@ class ReducingHandle(_KeyHandle):
         return self._loaded()[self.i] is not None
 
 
-class AggregatingHandle(_KeyHandle):
+class AggregatingHandle(_KeyHandle[AggregatingState]):
     """Keeps accumulators; ``get`` returns the aggregate's result."""
 
     def get(self, default: Any = None) -> Any:
         acc = self._loaded()[self.i]
-        return default if acc is None else self.state.descriptor.aggregate_fn.get_result(acc)
+        return default if acc is None else _aggregate_fn(self.state).get_result(acc)
 
     def add(self, value: Any) -> None:
-        fn = self.state.descriptor.aggregate_fn
+        fn = _aggregate_fn(self.state)
         acc = self._loaded()[self.i]
         self._set(fn.add(value, fn.create_accumulator() if acc is None else acc))
 
 
-class ListHandle(_KeyHandle):
+class ListHandle(_KeyHandle[ListState]):
     def _decode(self, raws: list[bytes | None]) -> list:
         decode = self.codec.decode
         return [None if r is None else [decode(e) for e in decode_list(r)] for r in raws]
@@ -586,7 +605,7 @@ class MapHandle:
                              [rk for rk, (_, v) in zip(rks, pairs, strict=True) if v is None])
 
 
-_KEY_HANDLES: dict[type, type] = {
+_KEY_HANDLES: dict[type[_State], type[_KeyHandle[Any]] | type[MapHandle]] = {
     ValueState: ValueHandle, ReducingState: ReducingHandle,
     AggregatingState: AggregatingHandle, ListState: ListHandle, MapState: MapHandle,
 }
@@ -627,14 +646,19 @@ class KeyTimers:
         self._state = state
 
     def register(self, time: int, tag: str = "", domain: str = "event") -> None:
-        register_timer(self._state._run.ctx.backend, self._state.key, int(time), domain, tag)
+        register_timer(self._state._run.ctx.backend, self._key(), int(time), domain, tag)
 
     def delete(self, time: int, tag: str = "", domain: str = "event") -> None:
-        delete_timer(self._state._run.ctx.backend, self._state.key, int(time), domain, tag)
+        delete_timer(self._state._run.ctx.backend, self._key(), int(time), domain, tag)
 
     def list(self, domain: str | None = None) -> list[Timer]:
         """The key's stored timers (not those the handler is being called with)."""
-        return timers_of(self._state._run.ctx.backend, self._state.key, domain)
+        return timers_of(self._state._run.ctx.backend, self._key(), domain)
+
+    def _key(self) -> str:
+        if self._state.key is None:
+            raise UsageError("state.timers works during a per-key call only")
+        return self._state.key
 
 
 class _PerKeyBatch:
@@ -645,7 +669,7 @@ class _PerKeyBatch:
         self.keys = keys
         self.timings = timings
         self._rocks_keys: list[bytes] | None = None
-        self._handles: dict[str, Any] = {}
+        self._handles: dict[str, _KeyHandle[Any] | MapHandle] = {}
         self.current = 0
 
     @property
@@ -654,11 +678,11 @@ class _PerKeyBatch:
             self._rocks_keys = self.ctx.backend.rocks_keys(self.keys)
         return self._rocks_keys
 
-    def handle(self, name: str) -> Any:
+    def handle(self, name: str) -> _KeyHandle[Any] | MapHandle:
         h = self._handles.get(name)
         if h is None:
             self.ctx.job.state(name)  # one-line error for an undeclared state
-            st = self.ctx.backend.state(name)
+            st: Any = self.ctx.backend.state(name)  # _KEY_HANDLES maps each kind to its class
             h = _KEY_HANDLES[type(st)](st, self)
             h.i = self.current
             self._handles[name] = h
@@ -775,7 +799,7 @@ class PerKeyFeed:
             return
         key = self.ctx.job.key
         ready: list[pa.Table] = []
-        if self._held:
+        if self._held_key is not None:  # set exactly while rows are held
             same, rows = split_key(rows, key, self._held_key)
             if same is not None:
                 self._held.append(same)

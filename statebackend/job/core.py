@@ -38,11 +38,11 @@ import pyarrow.compute as pc
 
 from statebackend import defaults
 from statebackend.errors import UsageError
-from statebackend.job.api import RAW, Job, Output, PerKey
+from statebackend.job.api import RAW, Job, Output, PerKey, Vectorized
 from statebackend.job.context import BatchContext, PerKeyFeed, RunInfo, run_per_key_timers
 from statebackend.state.backend import KeyedStateBackend
 from statebackend.state.keygroups import KeyGroupRange
-from statebackend.state.timers import fire_due, next_timer_time
+from statebackend.state.timers import Timer, fire_due, next_timer_time
 from statebackend.state.ttl import next_expiry, purge_expired
 
 REASON_COLUMN = "_reason"
@@ -143,7 +143,15 @@ def max_accepted_time(job: Job, raw: pa.Table, watermark: int | None) -> int | N
     accepted, _, _ = split_rows(job, raw, watermark)
     if not accepted.num_rows:
         return None
-    return pc.max(event_times(accepted, job.input.event_time)).as_py()
+    return pc.max(event_times(accepted, event_time_column(job))).as_py()
+
+
+def event_time_column(job: Job) -> str:
+    """The input's event-time column; UsageError for a job without one (asked for its
+    event times, e.g. a watermark)."""
+    if job.input.event_time is None:
+        raise UsageError(f"job {job.name!r} declares no input.event_time")
+    return job.input.event_time
 
 
 def _target(job: Job, f: pa.Field) -> pa.DataType:
@@ -439,11 +447,12 @@ class SubtaskProcessor:
         ctx, be = self.ctx, self.backend
         be.set_time(event_time=ctx.new_watermark, processing_time=ctx.processing_time)
         started = time.perf_counter()
-        if self.job.on_timer is not None:
+        handler = self.job.on_timer
+        if handler is not None:
             for domain, up_to in (("event", ctx.new_watermark),
                                   ("processing", ctx.processing_time)):
                 if up_to is not None:
-                    self._fire(domain, up_to)
+                    self._fire(handler, domain, up_to)
         self.timings["timers"] += time.perf_counter() - started
         started = time.perf_counter()
         for domain, now in (("event", ctx.new_watermark), ("processing", ctx.processing_time)):
@@ -453,7 +462,7 @@ class SubtaskProcessor:
                 self.ttl_index_read += stats.index_entries_read
         self.timings["purge"] += time.perf_counter() - started
 
-    def _fire(self, domain: str, up_to: int) -> None:
+    def _fire(self, handler: Vectorized | PerKey, domain: str, up_to: int) -> None:
         """Hand the due timers to the handler in time-ordered chunks until none is due.
 
         A pass that ran dry is closed before the handler sees its last chunk, so timers
@@ -469,7 +478,7 @@ class SubtaskProcessor:
                     if not chunk:
                         break
                     fired += len(chunk)
-                    self._handle_timers(chunk)
+                    self._handle_timers(handler, chunk)
                     if len(chunk) < TIMER_BATCH:
                         break  # the pass ran dry (and closed itself)
             finally:
@@ -477,8 +486,7 @@ class SubtaskProcessor:
             if not fired:
                 return
 
-    def _handle_timers(self, chunk: list) -> None:
-        handler = self.job.on_timer
+    def _handle_timers(self, handler: Vectorized | PerKey, chunk: list[Timer]) -> None:
         self.timers_fired += len(chunk)
         table = pa.table({
             "key": [t.key for t in chunk], "time": [t.time for t in chunk],

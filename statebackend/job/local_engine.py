@@ -92,7 +92,7 @@ class LocalEngine:
             check_key_columns(self.files, inp)
             schema = read_schema(inp)
             paths = (*self.files.parquet, *self.files.json)
-            limit = int(settings.value(MAX_MEMORY_ENV))
+            limit = settings.byte_count(MAX_MEMORY_ENV)
             budget = ByteBudget(limit)
             try:
                 with ThreadPoolExecutor(max(1, min(READ_THREADS, len(paths)))) as pool:

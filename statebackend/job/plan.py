@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.store import CheckpointStore
+from statebackend.defaults import MAX_PARALLELISM as DEFAULT_MAX_PARALLELISM
 from statebackend.engines import EngineChoice
 from statebackend.errors import UsageError
 from statebackend.job.api import Job
@@ -26,8 +27,8 @@ from statebackend.job.config import RunConfig
 from statebackend.job.engine import Engine
 from statebackend.job.input import InputFiles, choose_reader
 from statebackend.lifecycle.savepoint import import_start_point, read_start_point
-from statebackend.state.keygroups import DEFAULT_MAX_PARALLELISM, check_parallelism
-from statebackend.state.kinds import INTERNAL_STATES
+from statebackend.state.families import INTERNAL_STATES
+from statebackend.state.keygroups import check_parallelism
 from statebackend.state.schema import (
     KEY,
     MIGRATE_HINT,
@@ -98,7 +99,7 @@ def evolution_plan(job: Job, base: CheckpointMetadata | None, job_dir: str
     """How the job's states continue ``base``'s (statebackend.state.schema); UsageError
     naming the state and the change when they cannot, before any work."""
     plan = plan_for(job, base)
-    if plan is not None:
+    if plan is not None and base is not None:  # a plan continues a base
         plan.require_compatible(job.name, f"the lineage of {job_dir!r} (checkpoint "
                                           f"{base.checkpoint_id})")
     return plan
@@ -132,9 +133,9 @@ def check_max_parallelism(config: RunConfig, base: CheckpointMetadata | None) ->
 
 def parent_of(config: RunConfig, store: CheckpointStore, parent: CheckpointMetadata | None,
             warnings: list[str]) -> CheckpointMetadata | None:
-    if parent is None and config.start_from:
-        return import_start_point(store.root_storage, store.job, config.start_from)
     if config.start_from:
+        if parent is None:
+            return import_start_point(store.root_storage, store.job, config.start_from)
         warn(warnings, f"--start-from ignored: job {store.job!r} already has checkpoint "
                         f"{parent.checkpoint_id}")
     return parent

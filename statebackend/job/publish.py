@@ -49,7 +49,7 @@ def delete_run_outputs(job: Job, config: RunConfig) -> None:
     """Remove the run's output folders (a crashed attempt's leftovers, or a discard)."""
     if not job.outputs:
         return
-    out = config.open(config.output)
+    out = config.open(config.output_url)
     for folder in run_folders(job, config.run_id).values():
         out.delete_tree(folder)
 
@@ -65,7 +65,7 @@ def publish_outputs(job: Job, config: RunConfig, progress: ProgressSink) -> None
 
 
 def _write_success(config: RunConfig, folder: str) -> None:
-    config.open(config.output).write_bytes(f"{folder}/_SUCCESS", b"")
+    config.open(config.output_url).write_bytes(f"{folder}/_SUCCESS", b"")
 
 
 def finish_publication(job: Job, config: RunConfig, done: RunRecord
@@ -73,7 +73,7 @@ def finish_publication(job: Job, config: RunConfig, done: RunRecord
     """Write the run's missing ``_SUCCESS`` files; returns (any written now, missing parts)."""
     if not job.outputs:
         return False, []
-    out = config.open(config.output)
+    out = config.open(config.output_url)
     recorded = done.extra.get("output_parts")
     written, missing = False, []
     for name, folder in run_folders(job, config.run_id).items():

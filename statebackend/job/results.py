@@ -14,6 +14,7 @@ import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypedDict
 
 import pyarrow as pa
 
@@ -60,9 +61,9 @@ class TaskResult:
     def bytes_uploaded(self) -> int:
         return self.handle.bytes_uploaded if self.handle is not None else 0
 
-    def to_row(self) -> dict:
+    def to_row(self) -> dict[str, Any]:
         """The Arrow row (`RESULT_SCHEMA`) a Spark task returns."""
-        row = {"subtask": self.subtask, "attempt": self.attempt,
+        row: dict[str, Any] = {"subtask": self.subtask, "attempt": self.attempt,
                "handle": json.dumps(self.handle.to_json()) if self.handle else None,
                "events": self.events, "rejected": self.rejected,
                "keys_touched": self.keys_touched, "restore_mode": self.restore_mode,
@@ -149,15 +150,27 @@ METRIC_PHASES = {"restore": "restoring", "process": "processing",
                  "snapshot": "snapshotting", "upload": "uploading"}
 
 
+class SubtaskMetrics(TypedDict):
+    """One subtask's entry of ``extra["metrics"]["subtasks"]``."""
+
+    index: int
+    events: int
+    rejected: int
+    keys_touched: int
+    bytes_uploaded: int
+    state_rows: int
+    phases: dict[str, float]  # seconds per `METRIC_PHASES` key, and "timers"
+
+
 def run_metrics(results: Sequence[TaskResult], handles: Sequence[SubtaskHandle],
-                started: float, reasons: Mapping[str, int]) -> dict:
+                started: float, reasons: Mapping[str, int]) -> dict[str, Any]:
     """``extra["metrics"]`` of a commit record (format 1; read by the Checkpoints page).
 
     Phases are seconds summed over subtasks (they overlap in wall time); ``commit`` is
     not in the record that the commit writes. ``timers``: firing the due timers.
     """
     by_subtask = {r.subtask: r for r in results}
-    subtasks = []
+    subtasks: list[SubtaskMetrics] = []
     for h in handles:
         r = by_subtask[h.index]
         subtasks.append({

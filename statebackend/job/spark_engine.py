@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 
 from statebackend.job.api import Job
 from statebackend.job.arrow_input import REASON, TEXT, raw_table
-from statebackend.job.core import event_times, max_accepted_time
+from statebackend.job.core import event_time_column, event_times, max_accepted_time
 from statebackend.job.engine import reading_label, tasks_label
 from statebackend.job.input import InputFiles
 from statebackend.job.results import RESULT_SCHEMA, TaskResult
@@ -92,9 +92,7 @@ class SparkEngine:
 def run_subtask_task(params: TaskParams, part_values: tuple[int, ...],
                      batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """The ``mapInArrow`` function: one result row for this partition's subtask."""
-    from pyspark import TaskContext  # on an executor: Spark is there
-
-    ctx = TaskContext.get()
+    ctx = dispatch.task_context()
     subtask = ctx.partitionId()
     with named_failure("subtask", subtask):
         rows = _subtask_rows(batches, subtask, part_values[subtask])
@@ -155,7 +153,7 @@ def max_accepted_time_of_latest(job: Job, latest: pa.Table, limit: int,
     or its last row is typed and no later than the best accepted time, or late (at or
     before ``watermark``); otherwise (False, None): validate every row instead.
     """
-    et = job.input.event_time
+    et = event_time_column(job)
     best = max_accepted_time(job, raw_table(job.input, latest), watermark) \
         if latest.num_rows else None
     if latest.num_rows < limit:

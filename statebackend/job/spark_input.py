@@ -87,11 +87,11 @@ def read_input(spark, files: InputFiles, inp: Input, reader: str = "auto"):
     if arrow_paths:
         frames.append(_arrow_frame(spark, arrow_paths, files, inp))
     if files.parquet and readers["parquet"] == "spark":
-        reader = spark.read
+        parquet_reader = spark.read
         known = parquet_read_schema(inp, files.parquet[0], files.options, files.footers)
         if known is not None:  # no schema-inference job (one Spark stage less per run)
-            reader = reader.schema(known)
-        frames.append(_typed(reader.parquet(*files.parquet), inp, files.url)
+            parquet_reader = parquet_reader.schema(known)
+        frames.append(_typed(parquet_reader.parquet(*files.parquet), inp, files.url)
                       .withColumn(REASON, F.lit(None).cast("string"))
                       .withColumn(LINE, F.lit(None).cast("string")))
     if files.json and readers["json"] == "spark":

@@ -37,7 +37,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pyarrow as pa
 
@@ -45,6 +45,7 @@ from statebackend.checkpoint.attempt import record_uploads
 from statebackend.checkpoint.metadata import SubtaskHandle
 from statebackend.checkpoint.restore import restore_subtask
 from statebackend.checkpoint.snapshot import snapshot
+from statebackend.errors import UsageError
 from statebackend.job.api import Job
 from statebackend.job.arrow_input import LINE, raw_table
 from statebackend.job.core import REASON, ProcessResult, SubtaskProcessor
@@ -222,6 +223,8 @@ class SubtaskRun:
 
     def _checkpoint(self, result: ProcessResult) -> TaskResult:
         p = self.params
+        if self.backend is None:
+            raise RuntimeError(f"subtask {self.subtask}: checkpoint before its state opened")
         started = time.perf_counter()
         pending = snapshot(self.backend, self.job_storage, checkpoint_id=p.checkpoint_id,
                            subtask=self.subtask)
@@ -242,13 +245,14 @@ class SubtaskRun:
 
     def _result(self, handle: SubtaskHandle | None, result: ProcessResult | None,
                 written: dict[str, int]) -> TaskResult:
-        common = {"subtask": self.subtask, "attempt": self.attempt, "handle": handle,
-                  "restore_mode": self.restore_mode, "uploaded": self.uploaded,
-                  "reuploaded": self.reuploaded, "outputs": written, "phases": dict(self.t)}
+        report = TaskResult(
+            subtask=self.subtask, attempt=self.attempt, handle=handle,
+            restore_mode=self.restore_mode, uploaded=self.uploaded,
+            reuploaded=self.reuploaded, outputs=written, phases=dict(self.t))
         if result is None:
-            return TaskResult(**common)
-        return TaskResult(
-            **common, events=result.events, rejected=result.rejected_count,
+            return report
+        return replace(
+            report, events=result.events, rejected=result.rejected_count,
             reasons=result.reasons, keys_touched=result.keys_touched,
             logic_timings={k: round(v, 4) for k, v in result.timings.items()},
             timers_fired=result.timers_fired, ttl_purged=result.ttl_purged,
@@ -260,10 +264,13 @@ class SubtaskRun:
     def _write_outputs(self, result: ProcessResult) -> dict[str, int]:
         """Write each non-empty output part; returns {output: rows written}."""
         p = self.params
-        written = {}
+        written: dict[str, int] = {}
         for name, table in result.outputs.items():
             if not table.num_rows:
                 continue
+            if p.output_url is None:  # the run refuses a job with outputs but no --output
+                raise UsageError(f"job {self.job.name!r} wrote output {name!r} but the run "
+                                 "has no --output")
             folder = output_folder(self.job, name)
             rel = "/".join(x for x in (folder, p.run_dir, part_name(self.subtask)) if x)
             write_parquet(p.open(p.output_url), rel, table)

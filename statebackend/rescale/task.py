@@ -49,6 +49,7 @@ from statebackend.checkpoint.snapshot import SnapshotResult, upload_snapshot
 from statebackend.errors import SnapshotError
 from statebackend.rescale.plan import SubtaskPlan
 from statebackend.rescale.scratch import scratch_parent
+from statebackend.spark.dispatch import task_context
 from statebackend.state.backend import KeyedStateBackend, StoredInstance
 from statebackend.state.keygroups import KeyGroupRange, key_group_of_rocks_key, key_group_prefix
 from statebackend.state.kinds import StateDescriptor
@@ -144,9 +145,8 @@ def run_rescale_task(task: RescaleTask, attempt: int = 0) -> RescaleTaskResult:
 def run_rescale_batches(tasks: Sequence[RescaleTask], batches):
     """``mapInArrow`` body: each row's ``id`` picks its task; one JSON result per row."""
     import pyarrow as pa
-    from pyspark import TaskContext  # on an executor: Spark is there
 
-    attempt = TaskContext.get().attemptNumber()
+    attempt = task_context().attemptNumber()
     for batch in batches:
         results = []
         for i in batch.column("id").to_pylist():
@@ -220,10 +220,10 @@ class _NewSubtask:
         return ssts, time.perf_counter() - started
 
     def _origin(self, h: SubtaskHandle) -> StoredInstance:
-        """A source subtask's files, opened here (a new instance id: not its own)."""
-        return StoredInstance(None, f"subtask {h.index} of checkpoint "
-                                    f"{self.task.source_checkpoint_id}",
-                              {f.local_name: f.path for f in h.files})
+        """Names the downloaded instance in scan errors, its files by stored path."""
+        return StoredInstance(
+            label=f"subtask {h.index} of checkpoint {self.task.source_checkpoint_id}",
+            file_paths={f.local_name: f.path for f in h.files})
 
     def _open_base(self) -> tuple[KeyedStateBackend, dict[str, int], float, bool]:
         """Download the base, open it as the new instance and clip it to its own part of
@@ -343,6 +343,8 @@ def export_key_groups(source: KeyedStateBackend, key_groups: KeyGroupRange, out_
         keys, values = source.read_raw(name, key_groups)
         if not keys:
             continue
+        if values is None:  # asked with values: never None (read_raw's type cannot say so)
+            raise RuntimeError(f"column family {name!r}: keys read without their values")
         writer = SstFileWriter(options=Options(raw_mode=True))
         writer.open(path)
         put = writer.__setitem__

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import mmh3
 import numpy as np
@@ -33,6 +34,9 @@ import pyarrow as pa
 from statebackend.errors import TaskFailedError
 from statebackend.spark.session import is_connect
 from statebackend.state.keygroups_bulk import key_groups
+
+if TYPE_CHECKING:
+    from pyspark import TaskContext
 
 SPARK_HASH_SEED = 42
 PARTITION_COLUMN = "_p"
@@ -47,15 +51,25 @@ def spark_partition_of_int(value: int, num_partitions: int) -> int:
 
 def partition_values(parallelism: int) -> list[int]:
     """For each subtask i, the smallest int that Spark's hash partitioner sends to partition i."""
-    values: list[int | None] = [None] * parallelism
+    values = [-1] * parallelism  # -1: no value found yet
     missing, v = parallelism, 0
     while missing:
         p = spark_partition_of_int(v, parallelism)
-        if values[p] is None:
+        if values[p] < 0:
             values[p] = v
             missing -= 1
         v += 1
-    return [int(x) for x in values]  # type: ignore[arg-type]
+    return values
+
+
+def task_context() -> TaskContext:
+    """The context of the Spark task this code runs in (on an executor)."""
+    from pyspark import TaskContext  # on an executor: Spark is there
+
+    ctx = TaskContext.get()
+    if ctx is None:
+        raise RuntimeError("no Spark task context: this runs only inside a Spark task")
+    return ctx
 
 
 @dataclass(frozen=True)

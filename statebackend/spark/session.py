@@ -44,7 +44,7 @@ def spark_env_defaults() -> None:
 
 
 def is_remote_url(master: str | None) -> bool:
-    return bool(master) and master.startswith(CONNECT_SCHEME)
+    return master is not None and master.startswith(CONNECT_SCHEME)
 
 
 def is_connect(spark) -> bool:
