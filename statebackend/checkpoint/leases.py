@@ -275,7 +275,12 @@ def _take_over(job_storage: Storage, stale: Lease, ttl_seconds: float) -> bool:
             {"holder": default_holder(), "created_at": now.isoformat(),
              "expires_at": expires.isoformat()}).encode())
     except FileExistsError:
-        if _claim_is_stale(job_storage, claim, now):
+        data = job_storage.read_bytes_if_exists(claim)
+        if data is None:
+            # That taker finished meanwhile: look at the lease again. Deleting the claim
+            # path here could remove a third taker's new claim (two takers at once).
+            return False
+        if _claim_is_stale(data, now):
             job_storage.delete_many([claim])  # its taker crashed: the caller retries
             return False
         raise LeaseConflictError(
@@ -291,10 +296,7 @@ def _take_over(job_storage: Storage, stale: Lease, ttl_seconds: float) -> bool:
         job_storage.delete_many([claim])
 
 
-def _claim_is_stale(job_storage: Storage, claim: str, now: datetime) -> bool:
-    data = job_storage.read_bytes_if_exists(claim)
-    if data is None:
-        return True  # finished meanwhile
+def _claim_is_stale(data: bytes, now: datetime) -> bool:
     try:
         claim_record = json.loads(data)
         created = datetime.fromisoformat(claim_record["created_at"])

@@ -36,9 +36,19 @@ import pytest
 
 from demo.sample_data import expected_totals, generate_events
 from jobs import keyed_aggregation as ka
+from statebackend.checkpoint.dump import checkpoint_rows
 from statebackend.engines import ENGINE_ENV, Workload, choose_engine
 from statebackend.errors import InputError, RejectThresholdError
-from statebackend.job import RunConfig, arrow_input, run_job
+from statebackend.job import (
+    Input,
+    Job,
+    PerKey,
+    RunConfig,
+    arrow_input,
+    not_null,
+    reducing_state,
+    run_job,
+)
 from statebackend.job.input import COUNT_BLOCK_BYTES, input_weight, list_input
 from tests.jobs.helpers import assert_state_equals, dump_latest, store_of
 
@@ -511,3 +521,29 @@ def test_s3_input_streams_counts_and_quarantines_like_local_files(spark, s3_serv
     parquet_rows = table.to_pandas().assign(key=lambda d: d["key"].astype(str))
     assert_state_equals(dump_latest(f"file://{tmp_path}/store", "agg"),
                         expected_totals([pd.DataFrame(valid), parquet_rows]))
+
+
+def test_invalid_utf8_is_quarantined_when_the_key_column_is_named_utf8(tmp_path):
+    """The reason of a bad key (invalid_<key>) must not be mistaken for invalid_utf8:
+    with a key column named ``utf8`` the Arrow reader used to crash on such a line."""
+    def count(key: str, rows: pa.Table, state) -> None:
+        state["n"].add(rows.num_rows)
+
+    job = Job(name="by_utf8", input=Input(
+        schema=pa.schema([("utf8", pa.string()), ("v", pa.int64())]), key="utf8",
+        rules=(not_null("utf8"),)), states=(reducing_state("n", lambda a, b: a + b),),
+        logic=PerKey(count))
+    inp = tmp_path / "in"
+    inp.mkdir()
+    good = [{"utf8": f"k{i % 3}", "v": i} for i in range(9)]
+    lines = [json.dumps(r).encode() for r in good] + [b'{"utf8": "k\xff", "v": 1}',
+                                                      b'{"utf8": 1.5, "v": 2}']
+    (inp / "a.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    s = run_job(job, RunConfig(input=str(inp), storage=f"file://{tmp_path}/store",
+                               run_id="r1", engine="local", max_reject_fraction=0.5,
+                               quarantine=str(tmp_path / "q")))
+    # both are invalid_utf8: the bad key's reason is invalid_<key>
+    assert s["rejects_by_reason"] == {"invalid_utf8": 2}
+    store = store_of(f"file://{tmp_path}/store", "by_utf8")
+    state = {r["key"]: r["value"] for r in checkpoint_rows(store, store.latest())}
+    assert state == pd.DataFrame(good).groupby("utf8").size().to_dict()
