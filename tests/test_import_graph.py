@@ -143,15 +143,19 @@ def imported_modules(source: str, module: str, is_package: bool) -> Iterator[tup
             for alias in node.names:
                 yield alias.name, node.lineno
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[:len(parts) - node.level + 1])
-                target = f"{base}.{node.module}" if node.module else base
-            else:
-                target = node.module or ""
+            target = _from_target(node, package)
             yield target, node.lineno
             for alias in node.names:
                 yield f"{target}.{alias.name}", node.lineno
+
+
+def _from_target(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module of ``from X import ...`` in ``package``, relative resolved."""
+    if not node.level:
+        return node.module or ""
+    parts = package.split(".")
+    base = ".".join(parts[:len(parts) - node.level + 1])
+    return f"{base}.{node.module}" if node.module else base
 
 
 def subpackage_of(module: str) -> str | None:
@@ -277,12 +281,7 @@ def module_edges(source: str, module: str, is_package: bool,
                 if alias.name in known:
                     yield alias.name, node.lineno
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[:len(parts) - node.level + 1])
-                target = f"{base}.{node.module}" if node.module else base
-            else:
-                target = node.module or ""
+            target = _from_target(node, package)
             for alias in node.names:
                 sub = f"{target}.{alias.name}"
                 if sub in known:

@@ -385,7 +385,38 @@ class RunInfo:
     processing_time: int | None = None
 
 
-class BatchContext:
+class _RunFields:
+    """`RunInfo`'s fields as read-only attributes (``ctx.run_id``, ``state.watermark``
+    ...) of both logic forms' contexts."""
+
+    run: RunInfo
+
+    @property
+    def run_id(self) -> str | None:
+        return self.run.run_id
+
+    @property
+    def checkpoint_id(self) -> int | None:
+        return self.run.checkpoint_id
+
+    @property
+    def subtask(self) -> int | None:
+        return self.run.subtask
+
+    @property
+    def watermark(self) -> int | None:
+        return self.run.watermark
+
+    @property
+    def new_watermark(self) -> int | None:
+        return self.run.new_watermark
+
+    @property
+    def processing_time(self) -> int | None:
+        return self.run.processing_time
+
+
+class BatchContext(_RunFields):
     """The vectorized logic's view of one subtask: states, timers, emit, options, and the
     run (`RunInfo`'s fields as attributes: ``ctx.run_id``, ``ctx.watermark`` ...)."""
 
@@ -394,12 +425,7 @@ class BatchContext:
         self.job = job
         self.backend = backend
         self.options = options
-        self.run_id = run.run_id
-        self.checkpoint_id = run.checkpoint_id
-        self.subtask = run.subtask
-        self.watermark = run.watermark
-        self.new_watermark = run.new_watermark
-        self.processing_time = run.processing_time
+        self.run = run
         self.keys = _KeyCache(backend)
         self.timers = Timers(backend)
         self.counters: dict[str, int] = {}
@@ -611,7 +637,7 @@ _KEY_HANDLES: dict[type[_State], type[_KeyHandle[Any]] | type[MapHandle]] = {
 }
 
 
-class KeyContext:
+class KeyContext(_RunFields):
     """The per-key logic's ``state``: ``state[name]`` handles of the current key, emit,
     count, options and run info (``run_id``, ``checkpoint_id``, ``subtask``, the
     watermarks and ``processing_time``, as on `BatchContext`)."""
@@ -620,12 +646,7 @@ class KeyContext:
         ctx = run.ctx
         self._run = run
         self.options = ctx.options
-        self.run_id = ctx.run_id
-        self.checkpoint_id = ctx.checkpoint_id
-        self.subtask = ctx.subtask
-        self.watermark = ctx.watermark
-        self.new_watermark = ctx.new_watermark
-        self.processing_time = ctx.processing_time
+        self.run = ctx.run
         self.key: str | None = None
         self.timers = KeyTimers(self)
 

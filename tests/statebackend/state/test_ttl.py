@@ -23,7 +23,7 @@ from statebackend.state.kinds import StateDescriptor
 from statebackend.state.ttl import TTL_INDEX, StateTtl, iter_index, purge_expired
 from statebackend.storage import open_storage
 from statebackend.validation.content import build_content
-from tests.statebackend.helpers import close_all, open_backends, recommit_record
+from tests.statebackend.helpers import Average, close_all, open_backends, recommit_record
 
 M = 128
 TTL = 1_000
@@ -217,22 +217,6 @@ def test_reducing_aggregating_and_record_states_with_ttl(tmp_path):
         assert records.get_columns(["a"])[0].tolist() == [False]
 
 
-class MeanAggregate:
-    """Accumulator [sum, count]; result: the mean."""
-
-    def create_accumulator(self):
-        return [0, 0]
-
-    def add(self, value, acc):
-        return [acc[0] + value, acc[1] + 1]
-
-    def merge(self, a, b):
-        return [a[0] + b[0], a[1] + b[1]]
-
-    def get_result(self, acc):
-        return acc[0] / acc[1]
-
-
 def test_reducing_and_aggregating_take_timestamps_like_a_sequential_reference(tmp_path):
     """Event-time TTL on reducing and aggregating states, written with per-value
     timestamps in batches, read as a plain Python reference of sequential adds says:
@@ -240,7 +224,7 @@ def test_reducing_and_aggregating_take_timestamps_like_a_sequential_reference(tm
     add to an expired entry starts again."""
     descs = (StateDescriptor("sum", "reducing", reduce_fn=lambda a, b: a + b,
                              ttl=StateTtl(TTL, "event")),
-             StateDescriptor("mean", "aggregating", aggregate_fn=MeanAggregate(),
+             StateDescriptor("mean", "aggregating", aggregate_fn=Average(),
                              ttl=StateTtl(TTL, "event")))
     rng = random.Random(11)
     keys = [f"k{i}" for i in range(40)]
