@@ -75,7 +75,7 @@ MISSING_LIST_CAP = 5
 FENCE_ATTEMPTS = 5
 # What a fence keeps of the record it copies: the state's clocks and the job's kind; the
 # run's own figures (metrics, outputs, context) belong to that run's checkpoint only.
-FENCE_KEEPS = ("time", "job_kind", "engine")
+FENCE_KEEPS = ("time", "job_kind", "engine", "key")  # "key": evolution checks it
 log_ = logging.getLogger(__name__)
 
 

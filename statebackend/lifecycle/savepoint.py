@@ -345,7 +345,10 @@ def _import(root: Storage, target: CheckpointStore, meta: CheckpointMetadata,
         job=target.job, checkpoint_id=cid, parent=None, parallelism=meta.parallelism,
         max_parallelism=meta.max_parallelism, states=meta.states, subtasks=tuple(subtasks),
         kind="checkpoint", run_id=None, input=(), source=source,
-        extra={"imported_at": utc_now_iso()}, watermark=meta.watermark,
+        # the key column travels: a changed key is refused on the new lineage too
+        extra={"imported_at": utc_now_iso(),
+               **({"key": meta.extra["key"]} if "key" in meta.extra else {})},
+        watermark=meta.watermark,
         processing_time=meta.processing_time)
     # copy through the common root: both jobs are folders of it
     src_job = source["job"]

@@ -164,6 +164,10 @@ def test_a_changed_max_parallelism_or_key_is_refused_before_any_work(tmp_path):
                 "'merchant'; no rule migrates that")
     lin.run(1, 1)
     lin.check()
+    # a new lineage started from a savepoint keeps the key: the change is refused there too
+    create_savepoint(store_of(lin.storage, "card_spend"), "latest", "sp")
+    lin.refused(2, rekeyed, "card_spend_2", "the key column changes from 'card' to "
+                "'merchant'", start_from="card_spend/savepoints/sp")
 
 
 def ckpt(*args: str) -> subprocess.CompletedProcess:
