@@ -10,6 +10,7 @@ docs' examples executed as written.
 from __future__ import annotations
 
 import ast
+import operator
 import os
 import random
 import re
@@ -31,11 +32,14 @@ from statebackend.job import (
     PerKey,
     StateTtl,
     Vectorized,
+    aggregating_state,
     list_state,
     map_state,
     record,
+    reducing_state,
     value_state,
 )
+from tests.statebackend.helpers import Average
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -139,6 +143,25 @@ def test_the_per_key_form_is_called_once_per_key_per_run_across_batches():
         assert {k: tester.state("n", k) for k in ("k0", "k1")} == {"k0": 9, "k1": 8}
 
 
+def test_the_vectorized_form_is_called_once_per_batch_of_sorted_rows():
+    schema = pa.schema([("k", pa.string()), ("v", pa.int64())])
+
+    def fn(batch, ctx):
+        ctx.count("calls")
+        ctx.emit("seen", {"k": batch["k"], "v": batch["v"],
+                          "call": [ctx.counters["calls"]] * batch.num_rows})
+
+    seen = Output("seen", pa.schema([("k", pa.string()), ("v", pa.int64()),
+                                     ("call", pa.int64())]))
+    job = Job(name="calls", input=Input(schema, "k"), outputs=(seen,), logic=Vectorized(fn))
+    rows = [{"k": k, "v": v} for k, v in zip("dcbadcbadc", range(10), strict=True)]
+    with JobTester(job, batch_rows=3) as tester:
+        run = tester.run(rows)
+    want = sorted(rows, key=lambda r: (r["k"], r["v"]))  # the engines' order: key, then v
+    assert run.counters == {"calls": 4}
+    assert run.rows() == [{**r, "call": 1 + i // 3} for i, r in enumerate(want)]
+
+
 def test_every_input_form_gives_the_same_run():
     rows = [{"user": "ann", "ts": 1, "category": "a"}, {"user": "bob", "ts": 2, "category": "b"}]
     frame = pd.DataFrame(rows)
@@ -151,6 +174,33 @@ def test_every_input_form_gives_the_same_run():
     assert all(r == results[0] for r in results) and len(results[0]) == 2
     with JobTester(user_activity.job) as tester, pytest.raises(UsageError, match="got int"):
         tester.run(5)
+
+
+def test_reducing_and_aggregating_states_read_as_their_values():
+    def fold(key, rows, state):
+        for v in rows["v"].to_pylist():
+            state["total"].add(v)
+            state["mean"].add(v)
+
+    job = Job(name="folds", input=Input(pa.schema([("k", pa.string()), ("v", pa.int64())]),
+                                        "k"), logic=PerKey(fold),
+              states=(reducing_state("total", operator.add),
+                      aggregating_state("mean", Average())))
+    rng = random.Random(3)
+    runs = [[{"k": rng.choice("abc"), "v": rng.randint(-9, 9)} for _ in range(30)]
+            for _ in range(3)]
+    with JobTester(job) as tester:
+        for rows in runs:
+            tester.run(rows)
+        both = pd.DataFrame([r for rows in runs for r in rows]).groupby("k")["v"]
+        assert {k: tester.state("total", k) for k in "abc"} == both.sum().to_dict()
+        assert {k: tester.state("mean", k) for k in "abc"} == pytest.approx(
+            both.mean().to_dict())
+        table = tester.state_table("mean")
+        assert dict(zip(table["key"], table["value"], strict=True)) == pytest.approx(
+            both.mean().to_dict())
+        tester.set_state("mean", "a", [10, 4])  # an aggregating state's accumulator
+        assert tester.state("mean", "a") == 2.5
 
 
 # -- timers ------------------------------------------------------------------------------------
@@ -269,6 +319,10 @@ def test_ttl_expiry_shows_in_state_reads_once_the_clock_reaches_it():
         assert sums.values.tolist() == [
             ["a", 3, mmh3.hash(b"a", 0, signed=False) % 128],
             ["b", 2, mmh3.hash(b"b", 0, signed=False) % 128]]
+        # expired but not purged yet (purge runs at the end of a run): absent already
+        tester.set_state("last", "c", 7, timestamp=0)  # expires at 1_000: the clock
+        assert tester.state("last", "c") is None
+        assert "c" not in tester.state_table("last")["key"].tolist()
         tester.run(processing_time=1_499)
         assert tester.state("last", "a") == 3
         tester.run(processing_time=1_500)
