@@ -55,6 +55,7 @@ from statebackend.job.load import load_job
 from statebackend.job.publish import run_dir_name
 from statebackend.job.run import run_job
 from statebackend.job.summary import format_summary
+from statebackend.job.testing import JobTester, TesterRun
 from statebackend.state.codecs import BytesCodec, JsonCodec, RecordCodec, StrCodec
 from statebackend.state.kinds import AggregateFunction, StateDescriptor
 from statebackend.state.schema import Upgrade
@@ -69,4 +70,5 @@ __all__ = [
     "entry_point", "finite", "format_summary", "group_by_key", "list_state", "load_job",
     "map_state", "not_empty", "not_null", "open_state", "parses", "process", "record",
     "reducing_state", "run_dir_name", "run_job", "split_rows", "value_state",
+    "JobTester", "TesterRun",
 ]

@@ -15,7 +15,7 @@ import pytest
 from bench.peers.events import EventsSpec, generate_days, write_days
 from jobs import BUILTIN_JOBS
 from statebackend.checkpoint.store import CheckpointStore
-from statebackend.job import JobRunError, RunConfig, load_job, run_job
+from statebackend.job import JobRunError, JobTester, RunConfig, load_job, run_job
 from statebackend.rescale.executor import rescale
 from statebackend.storage import open_storage
 from tests.jobs.run_reference import final_state
@@ -106,3 +106,25 @@ def test_quiet_keys_shrink_the_checkpoint(spark, tmp_path):
     assert purged == [0, 0, 0, 40_000, 10]
     assert sizes[-1] < max(sizes) / 4
     assert len(final_state(storage, "dedup")["seen"]) == 30
+
+
+def test_dedup_logic_matches_reference_in_process():
+    """The logic alone, in process (`JobTester`: no Spark, no storage), one tester run per
+    seeded day: every run's output, duplicate, late and expired counts and watermark,
+    then the remembered ids (first_ts = expires_at - TTL) equal the reference."""
+    days = generate_days(SPEC)
+    ref = dedup(days, ttl_ms=DAY, lateness_ms=LATENESS_MIN * 60_000)
+    options = {"ttl_days": 1, "allowed_lateness_minutes": LATENESS_MIN}
+    with JobTester(load_job(BUILTIN_JOBS["dedup"]), options, batch_rows=500) as tester:
+        for day, r in zip(days, ref.runs, strict=True):
+            run = tester.run(day)
+            pd.testing.assert_frame_equal(canonical(run.outputs["events"].to_pandas()),
+                                          r.emitted, check_dtype=False)
+            assert (run.counters["duplicates_dropped"], run.reasons.get("late", 0),
+                    run.new_watermark, run.ttl_purged) == (
+                r.duplicates, r.late, r.watermark, r.expired)
+        seen = tester.state_table("seen")
+    got = pd.DataFrame({"event_id": seen["key"].astype("int64"),
+                        "first_ts": seen["expires_at"] - DAY})
+    pd.testing.assert_frame_equal(got.sort_values("event_id").reset_index(drop=True),
+                                  ref.state, check_dtype=False)

@@ -18,7 +18,7 @@ from bench.peers.events import EventsSpec, generate_days, write_days
 from jobs import BUILTIN_JOBS
 from jobs import sessionization as sz
 from statebackend.checkpoint.store import CheckpointStore
-from statebackend.job import JobRunError, RunConfig, load_job, run_job
+from statebackend.job import JobRunError, JobTester, RunConfig, load_job, run_job
 from statebackend.job.publish import run_dir_name
 from statebackend.rescale.executor import rescale
 from statebackend.storage import open_storage
@@ -128,3 +128,27 @@ def test_late_rows_are_quarantined_not_rejected(spark, tmp_path, engine):
     assert q[["user", "ts", "reason"]].values.tolist() == [["a", str(10 * h + 1), "late"]]
     out = run_output(output, "d1")
     assert out[["user", "session_start", "events"]].values.tolist() == [["b", 12 * h, 1]]
+
+
+def test_sessionization_logic_matches_reference_in_process():
+    """The logic alone, in process (`JobTester`: no Spark, no storage), one tester run per
+    seeded day: every run's sessions, late rows and watermark, then the open sessions
+    and their timers (one per user, at its earliest end + gap) equal the reference."""
+    days = [d[["user", "ts", "value"]] for d in generate_days(SPEC)]
+    gap = GAP_MIN * 60_000
+    ref = sessionize(days, gap, LATENESS_MIN * 60_000)
+    options = {"gap_minutes": GAP_MIN, "allowed_lateness_minutes": LATENESS_MIN}
+    with JobTester(sz.JOB, options, batch_rows=500) as tester:
+        for day, r in zip(days, ref.runs, strict=True):
+            run = tester.run(day)
+            pd.testing.assert_frame_equal(canonical(run.outputs["sessions"].to_pandas()),
+                                          r.emitted, check_dtype=False)
+            assert (run.reasons.get("late", 0), run.new_watermark) == (r.late, r.watermark)
+        table = tester.state_table("sessions")
+        timers = [(t.key, t.time) for t in tester.timers()]
+    rows = [(k, *s) for k, sessions in zip(table["key"], table["value"], strict=True)
+            for s in sessions]
+    got = canonical(pd.DataFrame(rows, columns=SESSION_COLUMNS))
+    pd.testing.assert_frame_equal(got, ref.open_sessions, check_dtype=False)
+    closes = ref.open_sessions.groupby("user")["session_end"].min() + gap
+    assert sorted(timers) == sorted(closes.items())
