@@ -11,7 +11,7 @@ examples import nothing else of the library: tests/test_public_api.py):
 - running: `run_job(job, RunConfig(...))`, `load_job`, `format_summary`,
   `run_dir_name`, the errors; a job module's command line: ``main =
   entry_point("pkg.module:JOB")`` (`statebackend.job.command`); in process: `process`,
-  `open_state`, `SubtaskProcessor`.
+  `open_state`, `SubtaskProcessor`, and `JobTester` for tests of a job's logic.
 
 See `statebackend.job.api` (the `Job` object and its parts),
 `statebackend.job.context` (what the logic sees), `statebackend.job.core`

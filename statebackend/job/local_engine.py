@@ -41,7 +41,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from statebackend import settings
 from statebackend.engines import MAX_MEMORY_ENV, mib
@@ -59,7 +58,7 @@ from statebackend.job.core import max_accepted_time
 from statebackend.job.engine import reading_label, tasks_label
 from statebackend.job.input import InputFiles
 from statebackend.job.results import TaskResult
-from statebackend.job.task import TaskParams, row_order, run_one_subtask
+from statebackend.job.task import TaskParams, nulls_first_order, row_order, run_one_subtask
 from statebackend.progress import ProgressSink
 from statebackend.state.keygroups_bulk import key_groups
 from statebackend.subtasks import run_in_threads
@@ -154,19 +153,10 @@ def subtask_batches(table: pa.Table, rows: np.ndarray, params: TaskParams
         return
     names = row_order(params.job)
     indices = pa.array(rows)
-    order = indices.take(_nulls_first_order(table.select(list(names)).take(indices), names))
+    order = indices.take(nulls_first_order(table.select(list(names)).take(indices), names))
     batch_rows = params.batch_rows
     row_bytes = max(1, table.nbytes // max(1, table.num_rows))
     step = batch_rows * max(1, min(TAKE_ROWS, TAKE_BYTES // row_bytes) // batch_rows)
     for start in range(0, len(order), step):
         rows_taken = table.take(order.slice(start, step)).combine_chunks()
         yield from rows_taken.to_batches(max_chunksize=batch_rows)
-
-
-def _nulls_first_order(table: pa.Table, names: tuple[str, ...]) -> pa.Array:
-    """Indices sorting ``table`` by ``names`` ascending, nulls first (Spark's default)."""
-    try:
-        return pc.sort_indices(table, sort_keys=[(n, "ascending", "at_start") for n in names])
-    except (TypeError, ValueError, pa.ArrowInvalid):  # pyarrow < 22: one placement for all
-        return pc.sort_indices(table, sort_keys=[(n, "ascending") for n in names],
-                               null_placement="at_start")

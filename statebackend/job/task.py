@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from statebackend.checkpoint.attempt import record_uploads
 from statebackend.checkpoint.metadata import SubtaskHandle
@@ -73,6 +74,16 @@ def row_order(job: Job) -> tuple[str, ...]:
     inp = job.input
     leading = (inp.key, *([inp.event_time] if inp.event_time else []))
     return (*leading, *[n for n in inp.schema.names if n not in leading])
+
+
+def nulls_first_order(table: pa.Table, names: tuple[str, ...]) -> pa.Array:
+    """Indices sorting ``table`` by ``names`` (`row_order`) ascending, nulls first, as
+    Spark's ``sortWithinPartitions`` does: the local engine's and `JobTester`'s order."""
+    try:
+        return pc.sort_indices(table, sort_keys=[(n, "ascending", "at_start") for n in names])
+    except (TypeError, ValueError, pa.ArrowInvalid):  # pyarrow < 22: one placement for all
+        return pc.sort_indices(table, sort_keys=[(n, "ascending") for n in names],
+                               null_placement="at_start")
 
 
 def output_folder(job: Job, output: str) -> str:

@@ -62,8 +62,7 @@ from statebackend.job.core import (
     max_accepted_time,
     open_state,
 )
-from statebackend.job.local_engine import _nulls_first_order
-from statebackend.job.task import BATCH_ROWS, row_order
+from statebackend.job.task import BATCH_ROWS, nulls_first_order, row_order
 from statebackend.state.backend import KeyedStateBackend
 from statebackend.state.codecs import TIME_BYTES, RecordCodec, decode_list, decode_time
 from statebackend.state.keygroups import key_group_of_rocks_key
@@ -377,7 +376,7 @@ def _sorted_batches(job: Job, raw: pa.Table, batch_rows: int) -> Iterator[pa.Tab
     names = tuple(n for n in row_order(job) if n in raw.column_names
                   and not pa.types.is_nested(raw.schema.field(n).type))
     if names:
-        raw = raw.take(_nulls_first_order(raw.select(list(names)), names))
+        raw = raw.take(nulls_first_order(raw.select(list(names)), names))
     for start in range(0, raw.num_rows, batch_rows):
         yield raw.slice(start, batch_rows)
 
