@@ -94,6 +94,7 @@ from statebackend.errors import (
     MetadataError,
     SnapshotError,
 )
+from statebackend.job import run as run_protocol
 from statebackend.lifecycle import doctor
 from statebackend.lifecycle.gc import collect_garbage
 from statebackend.lifecycle.registry import load_savepoint
@@ -209,16 +210,6 @@ class FaultInjector:
 
             mp.setattr(CheckpointStore, "commit", commit)
             yield self
-
-
-def _commit_owner():
-    """The module whose ``_commit`` a job run calls after its tasks (the job API's run
-    protocol; before the port, the job module itself)."""
-    try:
-        from statebackend.job import run as run_protocol
-    except ImportError:
-        return ka
-    return run_protocol if hasattr(run_protocol, "_commit") else ka
 
 
 def _dead_result(name: str):
@@ -723,8 +714,7 @@ class Chaos:
         if not busy:
             yield
             return
-        owner = _commit_owner()
-        original = owner._commit
+        original = run_protocol.commit_record  # the run's last step before its commit
         pause = max(self.ttl * 1.5, 1.0)
 
         def commit_later(*args, **kwargs):
@@ -735,7 +725,7 @@ class Chaos:
             return original(*args, **kwargs)
 
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(owner, "_commit", commit_later)
+            mp.setattr(run_protocol, "commit_record", commit_later)
             yield
 
     # -- model updates --------------------------------------------------------------
