@@ -59,6 +59,7 @@ from statebackend.errors import (
 )
 from statebackend.job.api import Job
 from statebackend.job.arrow_input import check_parquet
+from statebackend.job.bootstrap import initial_state
 from statebackend.job.clock import run_clock
 from statebackend.job.commit import check_results, commit_record
 from statebackend.job.config import RunConfig
@@ -163,7 +164,9 @@ class _JobRun:
         warnings: list[str] = []
         evolution = evolution_plan(job, session.lineage.latest or base_of(config, store),
                                    store.job)
-        parent = parent_of(config, store, session.lineage.latest, warnings)
+        parent = initial_state(job, config, store, session.lineage.latest, warnings) \
+            if config.initial_state else parent_of(config, store, session.lineage.latest,
+                                                   warnings)
         files = list_input(config.input, config.storage_options)
         self.progress.phase(f"run {config.run_id}: checking {files.count} input files")
         check_parquet(files, job.input)  # before Spark starts: a bad file costs no session

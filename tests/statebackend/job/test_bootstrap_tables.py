@@ -1,0 +1,164 @@
+"""Bootstrap's entries are the bytes the state kinds write (issue 23, deliverable 2).
+
+The reference is the state backend itself: the same data written key by key through
+the state API (`put_many`, `add_many`, `update`, `register_timers`, with TTL timestamps
+``expires_at - duration``) into one instance holding every key group. A bootstrapped
+savepoint (P subtasks, Arrow tables in several shapes) restored subtask by subtask must
+hold exactly those entries in every column family, TTL index and timers included.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from statebackend.checkpoint.dump import descriptors_of
+from statebackend.checkpoint.restore import restored_readonly
+from statebackend.checkpoint.store import CheckpointStore
+from statebackend.job import (
+    BytesCodec,
+    Input,
+    Job,
+    PerKey,
+    StateTtl,
+    StrCodec,
+    Vectorized,
+    aggregating_state,
+    bootstrap_state,
+    list_state,
+    map_state,
+    record,
+    reducing_state,
+    value_state,
+)
+from statebackend.lifecycle.registry import load_savepoint
+from statebackend.state.backend import KeyedStateBackend
+from statebackend.state.keygroups import KeyGroupRange
+from statebackend.state.timers import register_timers
+from tests.statebackend.helpers import Average
+
+M = 16
+DAY = 86_400_000
+PAIR = record(n="int32", x="float64", ok="bool")
+TTL = StateTtl(DAY)
+
+
+def _noop(batch, ctx):
+    return None
+
+
+JOB = Job(
+    name="kinds", input=Input(pa.schema([("k", pa.string()), ("ts", pa.int64())]), key="k"),
+    logic=Vectorized(_noop), on_timer=PerKey(lambda key, timers, state: None),
+    states=(value_state("rec", PAIR), value_state("rec_struct", PAIR), value_state("doc"),
+            value_state("text", StrCodec()), value_state("raw", BytesCodec()),
+            map_state("tags", ttl=TTL), list_state("events", ttl=StateTtl(DAY, "event")),
+            list_state("names", StrCodec()), list_state("pairs", PAIR),
+            reducing_state("total", lambda a, b: a + b),
+            aggregating_state("avg", Average())))
+
+KEYS = [f"k{i}" for i in range(40)] + ["ü-ключ-鍵", "", "x" * 300]
+
+
+def _tables(rng: np.random.Generator) -> dict[str, pa.Table]:
+    n = len(KEYS)
+    ints = rng.integers(-1000, 1000, n)
+    floats = rng.normal(0, 1e6, n)
+    flags = rng.integers(0, 2, n).astype(bool)
+    expires = 10 * DAY + rng.integers(-DAY, DAY, n)
+    rows_per_event = rng.integers(1, 4, n)
+    event_keys = np.repeat(KEYS, rows_per_event)
+    rng.shuffle(event_keys)  # one key's elements are spread over the table
+    m = len(event_keys)
+    return {
+        "rec": pa.table({"key": KEYS, "n": ints.astype(np.int16), "x": floats, "ok": flags}),
+        "rec_struct": pa.table({"key": KEYS, "value": pa.StructArray.from_arrays(
+            [pa.array(ints), pa.array(ints), pa.array(flags)], ["n", "x", "ok"])}),
+        "doc": pa.table({"k": KEYS, "value": [{"a": int(i), "b": [float(f), None], "s": f"é{i}"}
+                                              for i, f in zip(ints, floats, strict=True)]}),
+        "text": pa.table({"key": pa.array(KEYS).dictionary_encode(),
+                          "value": [f"t{i}" for i in ints]}),
+        "raw": pa.table({"key": KEYS, "value": [bytes([i % 256]) * 3 for i in ints]}),
+        "tags": pa.table({"key": KEYS * 2, "user_key": ["a"] * n + ["bé"] * n,
+                          "value": list(ints) * 2,
+                          "expires_at": np.concatenate([expires, expires + 5])}),
+        "events": pa.table({"key": event_keys, "value": [float(i) for i in range(m)],
+                            "expires_at": 10 * DAY + rng.integers(0, 3, m)}),
+        "names": pa.table({"key": KEYS, "value": [[f"n{j}" for j in range(i % 4)]
+                                                  for i in range(n)]}),
+        "pairs": pa.table({"key": event_keys, "value": pa.StructArray.from_arrays(
+            [pa.array(np.arange(m)), pa.array(np.arange(m) / 2),
+             pa.array(np.arange(m) % 2 == 0)], ["n", "x", "ok"])}),
+        "total": pa.table({"key": KEYS, "value": floats}),
+        "avg": pa.table({"key": KEYS, "value": [[float(f), 2] for f in floats]}),
+        "_timers": pa.table({"key": list(KEYS) + KEYS[:5], "time": list(expires) + [7] * 5,
+                             "domain": ["event"] * n + ["processing"] * 5,
+                             "tag": [""] * n + [f"t{i}" for i in range(5)]}),
+    }
+
+
+def _through_the_api(tmp_path, tables: dict[str, pa.Table]) -> KeyedStateBackend:
+    """The same state written key by key through the state API (the reference)."""
+    be = KeyedStateBackend(str(tmp_path / "api"), JOB.descriptors, M, KeyGroupRange(0, M - 1))
+    rows = {name: t.to_pylist() for name, t in tables.items()}
+    for name in ("rec", "doc", "text", "raw", "total", "avg"):
+        key = "k" if name == "doc" else "key"
+        st = be.value_state(name) if name not in ("total", "avg") else \
+            (be.reducing_state(name) if name == "total" else be.aggregating_state(name))
+        values = [{f: r[f] for f in ("n", "x", "ok")} if name == "rec" else r["value"]
+                  for r in rows[name]]
+        st.put_many([r[key] for r in rows[name]], values)
+    be.value_state("rec_struct").put_many(
+        [r["key"] for r in rows["rec_struct"]],
+        [{**v, "x": float(v["x"])} for v in (r["value"] for r in rows["rec_struct"])])
+    be.map_state("tags").put_many([(r["key"], r["user_key"], r["value"]) for r in rows["tags"]],
+                                  [r["expires_at"] - DAY for r in rows["tags"]])
+    for r in rows["events"]:  # one element at a time, in row order
+        be.list_state("events").add(r["key"], r["value"], r["expires_at"] - DAY)
+    for r in rows["names"]:
+        if r["value"]:
+            be.list_state("names").update(r["key"], r["value"])
+    be.list_state("pairs").add_many([r["key"] for r in rows["pairs"]],
+                                    [r["value"] for r in rows["pairs"]])
+    for domain in ("event", "processing"):
+        mine = [r for r in rows["_timers"] if r["domain"] == domain]
+        register_timers(be, [r["key"] for r in mine], [r["time"] for r in mine], domain,
+                        [r["tag"] for r in mine])
+    return be
+
+
+def _raw(backend: KeyedStateBackend) -> dict[str, list[tuple[bytes, bytes]]]:
+    return {name: list(backend.iter_raw(name)) for name in backend.column_families}
+
+
+@pytest.mark.parametrize("parallelism", [1, 3])
+def test_bootstrapped_entries_are_the_state_apis_bytes(tmp_path, parallelism):
+    tables = _tables(np.random.default_rng(parallelism))
+    summary = bootstrap_state(JOB, f"file://{tmp_path}/store", "seed", tables,
+                              parallelism=parallelism, max_parallelism=M)
+    store = CheckpointStore(_root(tmp_path), "kinds")
+    meta = load_savepoint(store, "seed")
+    assert (meta.kind, meta.parallelism, meta.extra["key"]) == ("savepoint", parallelism, "k")
+    got: dict[str, list] = {}
+    for handle in meta.subtasks:
+        with restored_readonly(store.storage, handle, descriptors_of(meta), M) as be:
+            for name, entries in _raw(be).items():
+                got.setdefault(name, []).extend(entries)
+    with _through_the_api(tmp_path, tables) as api:
+        want = _raw(api)
+    assert set(got) == set(want)
+    for name in want:
+        assert got[name] == want[name], name
+    assert summary["entries"] == {n: len(e) for n, e in want.items() if e}
+    counts = {}
+    for handle in meta.subtasks:
+        for name, n in handle.row_counts.items():
+            counts[name] = counts.get(name, 0) + n
+    assert counts == {n: len(e) for n, e in want.items()}
+
+
+def _root(tmp_path):
+    from statebackend.storage import open_storage
+
+    return open_storage(f"file://{tmp_path}/store")
