@@ -48,7 +48,7 @@ from statebackend.checkpoint.attempt import Attempt
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.store import CheckpointStore, MetadataParts, build_metadata
 from statebackend.defaults import MAX_PARALLELISM as DEFAULT_MAX_PARALLELISM
-from statebackend.errors import UsageError
+from statebackend.errors import TaskFailedError, UsageError
 from statebackend.job.api import Job
 from statebackend.job.arrow_input import open_input_file
 from statebackend.job.bootstrap_tables import EntryChunk, TablePlan, encode_batch, plan_table
@@ -118,9 +118,7 @@ def initial_state(job: Job, config: RunConfig, store: CheckpointStore,
     """A run's parent under ``--initial-state``: on a lineage's first run, its first
     checkpoint bootstrapped from the tables (committed through an `Attempt` under the
     run's writer lease); later runs keep their lineage (a warning says so)."""
-    if config.start_from:
-        raise UsageError("--initial-state and --start-from both seed a new lineage; give "
-                         "one of them")
+    check_initial_state(config)
     if latest is not None:
         warn(warnings, f"--initial-state ignored: job {store.job!r} already has checkpoint "
                        f"{latest.checkpoint_id}")
@@ -141,6 +139,17 @@ def initial_state(job: Job, config: RunConfig, store: CheckpointStore,
         attempt.discard()
         raise
     return attempt.commit(meta, winners=[(r.subtask, r.attempt) for r in results])
+
+
+def check_initial_state(config: RunConfig) -> None:
+    """A run's ``--initial-state``, checked before any work: its syntax, and not with
+    ``--start-from``."""
+    if config.initial_state is None:
+        return
+    if config.start_from:
+        raise UsageError("--initial-state and --start-from both seed a new lineage; give "
+                         "one of them")
+    parse_tables(config.initial_state)
 
 
 def parse_tables(spec: str) -> dict[str, str]:
@@ -261,9 +270,14 @@ def _write(task: BootstrapTask, inputs: Sequence[_Table],
            chunks: list[list[EntryChunk]] | None) -> list[SubtaskWritten]:
     """Every subtask's entries written and uploaded (module doc, step 3)."""
     if chunks is not None:
-        return run_in_threads(task.parallelism,
-                              lambda i: write_subtask(task, i, 0, chunks[i]),
-                              workers=_workers(task.parallelism))
+        try:
+            return run_in_threads(task.parallelism,
+                                  lambda i: write_subtask(task, i, 0, chunks[i]),
+                                  workers=_workers(task.parallelism))
+        except TaskFailedError as exc:
+            if isinstance(exc.__cause__, UsageError):  # a bad table (a duplicate key)
+                raise UsageError(str(exc.__cause__)) from exc
+            raise
     from statebackend.job.bootstrap_spark import write_with_spark  # Spark only for DataFrames
 
     return write_with_spark(task, [(x.plan, x.rows) for x in inputs])

@@ -59,6 +59,7 @@ _FIELD_ARROW = {"int32": pa.int32(), "int64": pa.int64(), "float32": pa.float32(
                 "float64": pa.float64(), "bool": pa.bool_()}
 _BINARY = pa.binary()
 _EMPTY = pa.scalar(b"", _BINARY)
+SPARK_ROW_BITS = 33  # monotonically_increasing_id: partition << 33 | row in the partition
 _FORMAT = {JsonCodec: b"\x01", BytesCodec: b"\x03", StrCodec: b"\x04"}
 
 
@@ -310,9 +311,18 @@ def _column(plan: TablePlan, table: pa.Table, column: str, rows: np.ndarray,
     return arr
 
 
+def row_name(row: int | np.integer) -> str:
+    """A row as errors name it: its number, or for a Spark DataFrame (row numbers of
+    ``monotonically_increasing_id``: the partition in the upper bits) its partition's."""
+    r = int(row)
+    if r >> SPARK_ROW_BITS:
+        return f"row {r & ((1 << SPARK_ROW_BITS) - 1)} of partition {r >> SPARK_ROW_BITS}"
+    return f"row {r}"
+
+
 def _null_error(plan: TablePlan, column: str, arr: pa.Array, rows: np.ndarray) -> None:
     first = int(np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False))[0])
-    raise _fail(plan.state, f"column {column!r} holds a null in row {int(rows[first])}; "
+    raise _fail(plan.state, f"column {column!r} holds a null in {row_name(rows[first])}; "
                             "every row needs a value there")
 
 
@@ -437,8 +447,8 @@ def _domain_codes(plan: TablePlan, table: pa.Table, rows: np.ndarray) -> np.ndar
     found = pc.index_in(domains, value_set=pa.array(names))
     if found.null_count:
         i = int(np.flatnonzero(found.is_null().to_numpy(zero_copy_only=False))[0])
-        raise _fail(TIMERS, f"column {DOMAIN!r} holds {domains[i].as_py()!r} in row "
-                            f"{int(rows[i])}; use one of {sorted(names)}")
+        raise _fail(TIMERS, f"column {DOMAIN!r} holds {domains[i].as_py()!r} in "
+                            f"{row_name(rows[i])}; use one of {sorted(names)}")
     codes = np.frombuffer(b"".join(TIME_DOMAINS[d] for d in names), dtype=np.uint8)
     picked: np.ndarray = codes[found.to_numpy(zero_copy_only=False)]
     return picked

@@ -59,7 +59,7 @@ from statebackend.errors import (
 )
 from statebackend.job.api import Job
 from statebackend.job.arrow_input import check_parquet
-from statebackend.job.bootstrap import initial_state
+from statebackend.job.bootstrap import check_initial_state, initial_state
 from statebackend.job.clock import run_clock
 from statebackend.job.commit import check_results, commit_record
 from statebackend.job.config import RunConfig
@@ -133,6 +133,7 @@ def _check_config(job: Job, config: RunConfig) -> dict:
                          "give --output")
     config.quarantine_url  # noqa: B018 - raises when neither is given
     requested_engine(config.engine)  # a bad --engine / $CKPT_ENGINE fails before any work
+    check_initial_state(config)
     if config.input_reader not in READERS:
         raise UsageError(f"input reader {config.input_reader!r} is unknown; use one of "
                          f"{list(READERS)}")

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from statebackend.checkpoint.dump import descriptors_of
+from statebackend.checkpoint.dump import checkpoint_rows, descriptors_of
 from statebackend.checkpoint.restore import restored_readonly
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.job import (
@@ -162,3 +162,78 @@ def _root(tmp_path):
     from statebackend.storage import open_storage
 
     return open_storage(f"file://{tmp_path}/store")
+
+
+def _rec(**columns) -> pa.Table:
+    base = {"key": ["a", "b", "c"], "n": [1, 2, 3], "x": [0.5, 1.5, 2.5], "ok": [True] * 3}
+    base.update(columns)
+    return pa.table({k: v for k, v in base.items() if v is not None})
+
+
+BAD = {
+    "missing column": ({"rec": _rec(x=None)}, "state 'rec'", "no column 'x'"),
+    "wrong type": ({"rec": _rec(x=["1", "2", "3"])}, "state 'rec'",
+                   "column 'x' is string, expected a number"),
+    "null key": ({"doc": pa.table({"key": ["a", None], "value": [1, 2]})}, "state 'doc'",
+                 "column 'key' holds a null in row 1"),
+    "null value": ({"total": pa.table({"key": ["a", "b"], "value": [1.0, None]})},
+                   "state 'total'", "column 'value' holds a null in row 1"),
+    "value out of range": ({"rec": _rec(n=[1, 2**40, 3])}, "state 'rec'",
+                           "column 'n' holds a value the record field (int32) cannot hold"),
+    "duplicate key": ({"rec": _rec(key=["a", "b", "a"])}, "state 'rec'",
+                      "key 'a' appears in more than one row"),
+    "key of another type": ({"text": pa.table({"key": [1.5], "value": ["t"]})},
+                            "state 'text'", "column 'key' is double"),
+    "unknown state": ({"nope": _rec()}, "'nope'", "declares no state 'nope'"),
+    "no expiry": ({"tags": pa.table({"key": ["a"], "user_key": ["u"], "value": [1]})},
+                  "state 'tags'", "no column 'expires_at'"),
+    "timer domain": ({"_timers": pa.table({"key": ["a"], "time": [1], "domain": ["wall"]})},
+                     "state '_timers'", "column 'domain' holds 'wall' in row 0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_a_bad_table_is_refused_in_one_line_and_nothing_is_written(tmp_path, case):
+    from statebackend.errors import UsageError
+
+    tables, state, fragment = BAD[case]
+    good = {"names": pa.table({"key": ["a"], "value": [["x"]]})}  # refused along with it
+    with pytest.raises(UsageError) as info:
+        bootstrap_state(JOB, f"file://{tmp_path}/store", "seed", {**good, **tables},
+                        parallelism=2, max_parallelism=M)
+    message = str(info.value)
+    assert "\n" not in message and state in message and fragment in message, message
+    assert not (tmp_path / "store" / "kinds" / "savepoints").exists() or \
+        not list((tmp_path / "store" / "kinds" / "savepoints").iterdir())
+
+
+def test_the_cli_writes_a_savepoint_from_parquet_folders_or_refuses_in_one_line(
+        tmp_path, capsys, monkeypatch):
+    import json
+
+    import pyarrow.parquet as pq
+
+    from statebackend.cli import app as cli
+
+    monkeypatch.setenv("CKPT_PROGRESS", "off")
+    for name, table in {"rec": _rec(), "bad": _rec(x=["1", "2", "3"])}.items():
+        (tmp_path / name).mkdir()
+        pq.write_table(table.slice(0, 2), tmp_path / name / "part-0.parquet")
+        pq.write_table(table.slice(2), tmp_path / name / "part-1.parquet")
+    args = ["--storage", str(tmp_path / "store"), "bootstrap",
+            "tests.statebackend.job.test_bootstrap_tables:JOB", "--parallelism", "2",
+            "--max-parallelism", str(M)]
+    code = cli.main([*args, "--state", f"rec={tmp_path / 'bad'}", "--savepoint", "s"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and "column 'x' is string" in err, err
+    assert not (tmp_path / "store" / "kinds" / "savepoints" / "s").exists()
+    assert cli.main([*args, "--state", f"rec={tmp_path / 'rec'}", "--savepoint", "s",
+                     "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["kind"], summary["entries"]) == ("savepoint", {"rec": 3})
+    assert summary["start_from"] == "kinds/savepoints/s"
+    store = CheckpointStore(_root(tmp_path), "kinds")
+    rows = sorted((r["key"], r["value"])
+                  for r in checkpoint_rows(store, load_savepoint(store, "s")))
+    assert rows == [(r["key"], {"n": r["n"], "x": r["x"], "ok": r["ok"]})
+                    for r in _rec().to_pylist()]
