@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -82,6 +83,7 @@ def storage(request, tmp_path) -> str:
     return f"s3://{S3_BUCKET}/boot-{uuid.uuid4().hex}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_bootstrap_run_two_days_rescale_run_a_day_equals_pandas(tmp_path, storage, engine):
     name, spark = engine
@@ -195,3 +197,16 @@ def test_dump_of_a_bootstrapped_savepoint_equals_its_tables(tmp_path):
 
     got = dumped(checkpoint_rows(store, load_savepoint(store, "seed")))
     assert all(same(got[s], ref[s]) for s in ref) and set(got) == set(ref)
+
+
+def test_the_docs_example_runs_and_continues_the_history():
+    text = (Path(__file__).resolve().parents[2] / "docs" / "state-as-data.md").read_text()
+    section = text.split("## Bootstrap a job from tables", 1)[1].split("\n## ", 1)[0]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    scope: dict = {}
+    exec(compile(code, "docs/state-as-data.md", "exec"), scope)  # noqa: S102 - our own docs
+    store = store_of(f"file://{scope['root']}/state", "spend")
+    assert store.latest().checkpoint_id == 2
+    got = {r["key"]: r["value"] for r in checkpoint_rows(store, store.latest())}
+    assert got == {"ann": {"n": 4, "spend": 50.0}, "bob": {"n": 1, "spend": 7.5},
+                   "cy": {"n": 1, "spend": 1.0}}
