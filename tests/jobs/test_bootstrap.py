@@ -35,30 +35,18 @@ from statebackend.rescale.executor import RescaleOptions, rescale
 from tests.conftest import S3_BUCKET
 from tests.evolution.card_spend import V1, dumped, events, reference
 from tests.evolution.test_evolution import Lineage, same
+from tests.jobs.bootstrap_data import (
+    KINDS,
+    T,
+    history,
+    kinds_dump,
+    kinds_reference,
+    kinds_tables,
+    state_tables,
+)
 from tests.jobs.helpers import store_of
-from tests.jobs.kinds_job import KINDS, T, kinds_dump, kinds_reference, kinds_tables
 
 DAY = 86_400_000
-
-
-def history() -> pd.DataFrame:
-    return events(400, 30, 7, 0)
-
-
-def state_tables(ref: dict[str, dict]) -> dict[str, pa.Table]:
-    """card_spend's state (pandas' reference) as one table per state."""
-    totals, merchants = ref["totals"], ref["per_merchant"]
-    return {
-        "totals": pa.table({"card": list(totals), "n": [t["n"] for t in totals.values()],
-                            "spend": [t["spend"] for t in totals.values()],
-                            "big": [t["big"] for t in totals.values()]}),
-        "per_merchant": pa.table({"key": [c for c, _ in merchants],
-                                  "user_key": [m for _, m in merchants],
-                                  "value": list(merchants.values())}),
-        "recent": pa.table({"key": list(ref["recent"]), "value": list(ref["recent"].values())}),
-        "max_amount": pa.table({"key": list(ref["max_amount"]),
-                                "value": list(ref["max_amount"].values())}),
-    }
 
 
 def as_parquet(folder, table: pa.Table) -> str:

@@ -1,5 +1,6 @@
-"""A job with every state kind, TTL and timers, its bootstrap tables and its pandas
-reference (tests/jobs/test_bootstrap.py); a module of its own so Spark tasks import it."""
+"""Data of the bootstrap tests (tests/jobs/test_bootstrap.py, the Connect test): the
+card-spend job's state as tables, and a job with every state kind, TTL and timers with
+its tables and its pandas reference; a module of its own so Spark tasks import it."""
 
 from __future__ import annotations
 
@@ -20,9 +21,31 @@ from statebackend.job import (
     reducing_state,
     value_state,
 )
+from tests.evolution.card_spend import events
 from tests.statebackend.helpers import Average
 
 DAY = 86_400_000
+
+def history() -> pd.DataFrame:
+    return events(400, 30, 7, 0)
+
+
+def state_tables(ref: dict[str, dict]) -> dict[str, pa.Table]:
+    """card_spend's state (pandas' reference) as one table per state."""
+    totals, merchants = ref["totals"], ref["per_merchant"]
+    return {
+        "totals": pa.table({"card": list(totals), "n": [t["n"] for t in totals.values()],
+                            "spend": [t["spend"] for t in totals.values()],
+                            "big": [t["big"] for t in totals.values()]}),
+        "per_merchant": pa.table({"key": [c for c, _ in merchants],
+                                  "user_key": [m for _, m in merchants],
+                                  "value": list(merchants.values())}),
+        "recent": pa.table({"key": list(ref["recent"]), "value": list(ref["recent"].values())}),
+        "max_amount": pa.table({"key": list(ref["max_amount"]),
+                                "value": list(ref["max_amount"].values())}),
+    }
+
+
 T = 10 * DAY  # the run's logical (processing) time
 TTL = StateTtl(DAY, "processing")
 FIRED = Output("fired", pa.schema([("key", pa.string()), ("time", pa.int64()),
