@@ -405,8 +405,8 @@ def _list_values(plan: TablePlan, table: pa.Table, expiry: np.ndarray | None,
 def _millis(plan: TablePlan, table: pa.Table, column: str, rows: np.ndarray) -> np.ndarray:
     """A time column as int64 epoch ms (timestamps converted)."""
     col = _column(plan, table, column, rows)
-    if pa.types.is_timestamp(col.type):
-        col = col.cast(pa.timestamp("ms")).cast(pa.int64())
+    if pa.types.is_timestamp(col.type):  # to epoch ms; a finer unit is truncated
+        col = col.cast(pa.timestamp("ms", col.type.tz), safe=False).cast(pa.int64())
     try:
         out: np.ndarray = col.cast(pa.int64(), safe=True).to_numpy(zero_copy_only=False)
     except pa.ArrowInvalid as exc:

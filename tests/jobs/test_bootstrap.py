@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import json
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +31,7 @@ from statebackend.job import (
     run_job,
 )
 from statebackend.rescale.executor import RescaleOptions, rescale
-from tests.conftest import S3_BUCKET
+from tests.evolution import test_evolution
 from tests.evolution.card_spend import V1, dumped, events, reference
 from tests.evolution.test_evolution import Lineage, same
 from tests.jobs.bootstrap_data import (
@@ -57,18 +56,8 @@ def as_parquet(folder, table: pa.Table) -> str:
     return str(folder)
 
 
-@pytest.fixture(params=["local", "spark"])
-def engine(request):
-    return request.param, (request.getfixturevalue("spark") if request.param == "spark"
-                           else None)
-
-
-@pytest.fixture(params=["file", "s3"])
-def storage(request, tmp_path) -> str:
-    if request.param == "file":
-        return f"file://{tmp_path}/store"
-    request.getfixturevalue("s3_server")
-    return f"s3://{S3_BUCKET}/boot-{uuid.uuid4().hex}"
+# the evolution test's fixtures: engine (local, spark) and storage (file, s3)
+engine, storage = test_evolution.engine, test_evolution.storage
 
 
 @pytest.mark.slow
@@ -105,19 +94,19 @@ def test_bootstrap_run_two_days_rescale_run_a_day_equals_pandas(tmp_path, storag
 def test_every_kind_ttl_and_timers_continue_as_pandas_says(tmp_path, engine):
     name, spark = engine
     tables = kinds_tables(np.random.default_rng(5))
-    storage = f"file://{tmp_path}/store"
+    root = f"file://{tmp_path}/store"
     arrow = {n: pa.Table.from_pandas(t, preserve_index=False) for n, t in tables.items()}
-    bootstrap_state(KINDS, storage, "seed", arrow, parallelism=2, max_parallelism=32)
+    bootstrap_state(KINDS, root, "seed", arrow, parallelism=2, max_parallelism=32)
     day = pd.DataFrame({"k": ["u1", "u2", "u2", "new"], "ts": [50, 100, 95, 60]})
     (tmp_path / "in").mkdir()
     day.to_parquet(tmp_path / "in" / "part.parquet")
     summary = run_job(KINDS, RunConfig(
-        input=str(tmp_path / "in"), storage=storage, job="kinds_run", run_id="r1",
+        input=str(tmp_path / "in"), storage=root, job="kinds_run", run_id="r1",
         output=str(tmp_path / "out"), engine=name, logical_time_ms=T,
         start_from="kinds/savepoints/seed"), spark)
     assert summary["checkpoint_id"] == 2
     want, fired = kinds_reference(tables, day, watermark=100)
-    store = store_of(storage, "kinds_run")
+    store = store_of(root, "kinds_run")
     got = kinds_dump(checkpoint_rows(store, store.latest()))
     assert got.pop("_timers", {}) == want.pop("_timers")
     for state in want:
@@ -125,7 +114,7 @@ def test_every_kind_ttl_and_timers_continue_as_pandas_says(tmp_path, engine):
     out = pq.read_table(tmp_path / "out").to_pylist()
     assert sorted((r["key"], r["time"], r["tag"], r["domain"]) for r in out) == \
         [(k, int(t), tag, d) for k, t, tag, d in fired]
-    assert cli.main(["--storage", storage, "--job", "kinds_run", "validate", "1", "--full",
+    assert cli.main(["--storage", root, "--job", "kinds_run", "validate", "1", "--full",
                      "--report", "none"]) == 0
 
 

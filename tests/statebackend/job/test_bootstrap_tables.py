@@ -36,6 +36,7 @@ from statebackend.lifecycle.registry import load_savepoint
 from statebackend.state.backend import KeyedStateBackend
 from statebackend.state.keygroups import KeyGroupRange
 from statebackend.state.timers import register_timers
+from statebackend.storage import open_storage
 from tests.statebackend.helpers import Average
 
 M = 16
@@ -159,8 +160,6 @@ def test_bootstrapped_entries_are_the_state_apis_bytes(tmp_path, parallelism):
 
 
 def _root(tmp_path):
-    from statebackend.storage import open_storage
-
     return open_storage(f"file://{tmp_path}/store")
 
 
@@ -237,3 +236,22 @@ def test_the_cli_writes_a_savepoint_from_parquet_folders_or_refuses_in_one_line(
                   for r in checkpoint_rows(store, load_savepoint(store, "s")))
     assert rows == [(r["key"], {"n": r["n"], "x": r["x"], "ok": r["ok"]})
                     for r in _rec().to_pylist()]
+
+
+def test_timestamps_are_epoch_milliseconds(tmp_path):
+    ms = [10 * DAY + 1, 10 * DAY + 2]
+    stamps = pa.array([m * 1000 + 999 for m in ms], pa.timestamp("us", "UTC"))  # truncated
+    base = {"key": ["a", "b"], "user_key": ["u", "v"], "value": [1, 2]}
+    as_ints = {"tags": pa.table({**base, "expires_at": ms}),
+               "_timers": pa.table({"key": ["a", "b"], "time": ms})}
+    as_stamps = {"tags": pa.table({**base, "expires_at": stamps}),
+                 "_timers": pa.table({"key": ["a", "b"], "time": stamps})}
+    got = []
+    for i, tables in enumerate((as_ints, as_stamps)):
+        bootstrap_state(JOB, f"file://{tmp_path}/s{i}", "seed", tables, parallelism=1,
+                        max_parallelism=M)
+        store = CheckpointStore(open_storage(f"file://{tmp_path}/s{i}"), "kinds")
+        meta = load_savepoint(store, "seed")
+        with restored_readonly(store.storage, meta.subtasks[0], descriptors_of(meta), M) as be:
+            got.append(_raw(be))
+    assert got[0] == got[1] and len(got[0]["_ttl"]) == 2 and len(got[0]["_timers"]) == 2
