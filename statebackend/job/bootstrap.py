@@ -61,6 +61,7 @@ from statebackend.job.bootstrap_write import (
 from statebackend.job.config import RunConfig
 from statebackend.job.input import list_input
 from statebackend.job.plan import new_lineage_plan, warn
+from statebackend.lifecycle.registry import check_savepoint_name
 from statebackend.lifecycle.savepoint import claimed_savepoint, commit_savepoint
 from statebackend.state.keygroups import check_parallelism
 from statebackend.storage import Storage, open_storage
@@ -90,6 +91,7 @@ def bootstrap_state(job: Job, storage: str | Storage | CheckpointStore, name: st
     a `CheckpointStore` (a job folder of its own choice).
     """
     started = time.perf_counter()
+    check_savepoint_name(name)
     store = storage if isinstance(storage, CheckpointStore) else \
         CheckpointStore(open_storage(storage) if isinstance(storage, str) else storage,
                         job.name)
@@ -212,7 +214,10 @@ def _parquet_table(job: Job, state: str, folder: str, root: Storage) -> _Table:
     columns only)."""
     import pyarrow.parquet as pq
 
-    files = list_input(folder, root.options)
+    try:
+        files = list_input(folder, root.options)
+    except UsageError as exc:  # e.g. no such folder
+        raise UsageError(f"bootstrap table of state {state!r}: {exc}") from None
     if files.json or not files.parquet:
         raise UsageError(f"bootstrap table of state {state!r}: {folder} holds "
                          f"{'JSON-lines files' if files.json else 'no Parquet file'}; give a "

@@ -206,6 +206,9 @@ def sort_order(keys: pa.Array, rows: np.ndarray | None = None) -> np.ndarray:
     """Indices that sort ``keys`` bytewise (RocksDB's order); equal keys by ``rows``
     (None: in their given order)."""
     if rows is None:
+        if len(keys) < 2 or not pc.any(pc.less(keys.slice(1), keys.slice(0, len(keys) - 1))
+                                       ).as_py():
+            return np.arange(len(keys))  # in order already (e.g. a dump of a state)
         order: np.ndarray = pc.sort_indices(keys).to_numpy()
         return order
     by_row = np.argsort(rows, kind="stable")

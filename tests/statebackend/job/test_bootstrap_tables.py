@@ -255,3 +255,16 @@ def test_timestamps_are_epoch_milliseconds(tmp_path):
         with restored_readonly(store.storage, meta.subtasks[0], descriptors_of(meta), M) as be:
             got.append(_raw(be))
     assert got[0] == got[1] and len(got[0]["_ttl"]) == 2 and len(got[0]["_timers"]) == 2
+
+
+@pytest.mark.parametrize("presorted", [False, True])
+def test_entries_sort_in_rocksdbs_byte_order(presorted):
+    from statebackend.job.bootstrap_write import sort_order
+
+    rng = np.random.default_rng(3)
+    keys = [bytes(rng.integers(0, 256, rng.integers(0, 5)).astype(np.uint8)) for _ in range(500)]
+    keys += [b"", b"\xff", b"\x00", b"a", b"a\x00", b"ab"]
+    if presorted:
+        keys = sorted(keys)
+    array = pa.array(keys, pa.binary())
+    assert array.take(pa.array(sort_order(array))).to_pylist() == sorted(keys)
