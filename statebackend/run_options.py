@@ -141,6 +141,11 @@ class RunOptions:
     start_from: str | None = option(None, help="first run only: start from a savepoint or "
                                     "another job's checkpoint", argument="start_from",
                                     templated=True)
+    initial_state: str | None = option(
+        None, metavar="STATE=PATH,...", argument="initial_state", templated=True,
+        help="first run only: bootstrap the state from tables, a Parquet folder per state "
+             "(_timers: the timers), into the lineage's first checkpoint; needs "
+             "--parallelism (docs/state-as-data.md)")
     local_dir: str | None = option(None, help="executors' local-recovery folder (default "
                                    "$CKPT_LOCAL_DIR or tmp)", spec=False)
     # The job's own options (Job.options): `ckpt run` makes a flag of each once it loaded

@@ -46,6 +46,7 @@ COMMAND_MODULES = (
     "statebackend.cli.rescale",
     "statebackend.cli.doctor",
     "statebackend.cli.check",
+    "statebackend.cli.bootstrap",
     "statebackend.cli.run",  # `ckpt run` (job API); skipped until installed
 )
 DISTRIBUTION = "ckpt-lifecycle"

@@ -8,6 +8,7 @@ examples import nothing else of the library: tests/test_public_api.py):
   `PerKey` and `Vectorized`;
 - the logic's view: `KeyContext` (per key), `BatchContext` (vectorized), `Timer`,
   `group_by_key`;
+- state as data: `bootstrap_state` (a savepoint from tables, `statebackend.job.bootstrap`);
 - running: `run_job(job, RunConfig(...))`, `load_job`, `format_summary`,
   `run_dir_name`, the errors; a job module's command line: ``main =
   entry_point("pkg.module:JOB")`` (`statebackend.job.command`); in process: `process`,
@@ -41,6 +42,7 @@ from statebackend.job.api import (
     reducing_state,
     value_state,
 )
+from statebackend.job.bootstrap import bootstrap_state
 from statebackend.job.command import entry_point
 from statebackend.job.config import RunConfig
 from statebackend.job.context import BatchContext, KeyContext, KeyTimers, Timers, group_by_key
@@ -67,8 +69,8 @@ __all__ = [
     "KeyContext", "KeyTimers", "Option", "Output", "PerKey", "ProcessResult", "RecordCodec",
     "RejectThresholdError", "Rule", "RunConfig", "StateDescriptor", "StateTtl", "StrCodec",
     "SubtaskProcessor", "Timer", "Timers", "Upgrade", "Vectorized", "aggregating_state", "between",
-    "entry_point", "finite", "format_summary", "group_by_key", "list_state", "load_job",
-    "map_state", "not_empty", "not_null", "open_state", "parses", "process", "record",
+    "bootstrap_state", "entry_point", "finite", "format_summary", "group_by_key", "list_state",
+    "load_job", "map_state", "not_empty", "not_null", "open_state", "parses", "process", "record",
     "reducing_state", "run_dir_name", "run_job", "split_rows", "value_state",
     "JobTester", "TesterRun",
 ]

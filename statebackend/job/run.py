@@ -59,6 +59,7 @@ from statebackend.errors import (
 )
 from statebackend.job.api import Job
 from statebackend.job.arrow_input import check_parquet
+from statebackend.job.bootstrap import check_initial_state, initial_state
 from statebackend.job.clock import run_clock
 from statebackend.job.commit import check_results, commit_record
 from statebackend.job.config import RunConfig
@@ -132,6 +133,7 @@ def _check_config(job: Job, config: RunConfig) -> dict:
                          "give --output")
     config.quarantine_url  # noqa: B018 - raises when neither is given
     requested_engine(config.engine)  # a bad --engine / $CKPT_ENGINE fails before any work
+    check_initial_state(config)
     if config.input_reader not in READERS:
         raise UsageError(f"input reader {config.input_reader!r} is unknown; use one of "
                          f"{list(READERS)}")
@@ -163,7 +165,9 @@ class _JobRun:
         warnings: list[str] = []
         evolution = evolution_plan(job, session.lineage.latest or base_of(config, store),
                                    store.job)
-        parent = parent_of(config, store, session.lineage.latest, warnings)
+        parent = initial_state(job, config, store, session.lineage.latest, warnings) \
+            if config.initial_state else parent_of(config, store, session.lineage.latest,
+                                                   warnings)
         files = list_input(config.input, config.storage_options)
         self.progress.phase(f"run {config.run_id}: checking {files.count} input files")
         check_parquet(files, job.input)  # before Spark starts: a bad file costs no session

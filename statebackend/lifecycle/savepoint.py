@@ -46,8 +46,9 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -203,46 +204,66 @@ def create_savepoint(store: CheckpointStore, ref: str | int | None,
     check_savepoint_name(name)
     storage = store.storage
     meta = store.resolve(ref)
+    with claimed_savepoint(store, name, {"checkpoint": meta.checkpoint_id}) as base, \
+            hold(storage, savepoint_purpose(name), [meta.checkpoint_id]):
+        # the checkpoint may have been retired between resolve and hold: re-read it
+        meta = store.load(meta.checkpoint_id)
+        copies: list[tuple[FileRef, str]] = []
+        subtasks = [
+            _relocated(sub, copies, shared_to=_in_folder(f"{base}/{sub.index}"),
+                       private_to=_in_folder(f"{base}/{sub.index}"))
+            for sub in meta.subtasks]
+        _check_unique([dst for _, dst in copies], f"savepoint {name!r}")
+        _copy_all(storage, copies, f"savepoint {name!r} of job {store.job!r} not created")
+        saved = meta.with_changes(
+            kind="savepoint", parent=None, subtasks=tuple(subtasks), created_at=utc_now_iso(),
+            source={"job": store.job, "checkpoint": meta.checkpoint_id, "savepoint": None},
+            extra=dict(meta.extra, savepoint=name))
+        commit_savepoint(store, name, saved)
+    return saved
+
+
+@contextmanager
+def claimed_savepoint(store: CheckpointStore, name: str,
+                      claim: Mapping[str, Any]) -> Iterator[str]:
+    """Claim the name ``name`` (an exclusive ``_claim`` holding ``claim``, the holder and
+    the time) and yield the savepoint's folder; UsageError when the name is taken.
+
+    A failure inside frees the name again: unless its `_metadata` was written, the
+    folder goes with whatever was written into it.
+    """
+    check_savepoint_name(name)
+    storage = store.storage
     base = savepoint_dir(name)
-    claim = f"{base}/{CLAIM_FILE}"
     if storage.exists(savepoint_metadata_path(name)) or storage.list_dir(base):
         raise UsageError(f"savepoint {name!r} of job {store.job!r} already exists (or an "
                          f"interrupted attempt left {storage.url}/{base}); choose another name "
                          "or delete that folder")
     try:
-        storage.write_exclusive(claim, json.dumps(
-            {"holder": default_holder(), "checkpoint": meta.checkpoint_id,
-             "created_at": utc_now_iso()}).encode())
+        storage.write_exclusive(f"{base}/{CLAIM_FILE}", json.dumps(
+            {"holder": default_holder(), **claim, "created_at": utc_now_iso()}).encode())
     except FileExistsError as exc:
         raise UsageError(f"savepoint {name!r} of job {store.job!r} is being created by "
                          "another process") from exc
     try:
-        with hold(storage, savepoint_purpose(name), [meta.checkpoint_id]):
-            # the checkpoint may have been retired between resolve and hold: re-read it
-            meta = store.load(meta.checkpoint_id)
-            copies: list[tuple[FileRef, str]] = []
-            subtasks = [
-                _relocated(sub, copies, shared_to=_in_folder(f"{base}/{sub.index}"),
-                           private_to=_in_folder(f"{base}/{sub.index}"))
-                for sub in meta.subtasks]
-            _check_unique([dst for _, dst in copies], f"savepoint {name!r}")
-            _copy_all(storage, copies, f"savepoint {name!r} of job {store.job!r} not created")
-            saved = meta.with_changes(
-                kind="savepoint", parent=None, subtasks=tuple(subtasks), created_at=utc_now_iso(),
-                source={"job": store.job, "checkpoint": meta.checkpoint_id, "savepoint": None},
-                extra=dict(meta.extra, savepoint=name))
-            try:
-                storage.write_exclusive(savepoint_metadata_path(name), saved.to_bytes())
-            except FileExistsError as exc:
-                raise UsageError(f"savepoint {name!r} of job {store.job!r} was committed by "
-                                 "another process") from exc
+        yield base
     except BaseException:
-        # nothing committed: free the name again (copied files were removed by _copy_all
-        # or are removed here)
         if not storage.exists(savepoint_metadata_path(name)):
             storage.delete_tree(base)
         raise
-    return saved
+
+
+def commit_savepoint(store: CheckpointStore, name: str, meta: CheckpointMetadata) -> None:
+    """Write savepoint ``name``'s `_metadata` (last, exclusively), checked by the parser
+    first (file scope, names, key-group ranges)."""
+    data = meta.to_bytes()
+    path = savepoint_metadata_path(name)
+    CheckpointMetadata.from_bytes(data, f"{store.storage.url}/{path}")
+    try:
+        store.storage.write_exclusive(path, data)
+    except FileExistsError as exc:
+        raise UsageError(f"savepoint {name!r} of job {store.job!r} was committed by "
+                         "another process") from exc
 
 
 def parse_start_spec(storage: Storage, spec: str) -> tuple[str, str, str]:
@@ -430,10 +451,16 @@ def _copy_verified(storage: Storage, ref: FileRef, dst: str) -> None:
     """Copy ``ref`` to ``dst``, then check the copy's size and checksum against ``ref``
     (what was recorded when the file was uploaded)."""
     storage.copy(ref.path, dst)
-    size, checksum = storage.checksum(dst, checksum_algorithm(ref.checksum))
+    verify_stored(storage, dst, ref, ref.path)
+
+
+def verify_stored(storage: Storage, path: str, ref: FileRef, named: str | None = None) -> None:
+    """MetadataError naming ``named`` (default ``path``) unless the stored file ``path``
+    has ``ref``'s size and checksum (one read of it)."""
+    size, checksum = storage.checksum(path, checksum_algorithm(ref.checksum))
     if size != ref.size or checksum != ref.checksum:
         found = f"size {size}" if size != ref.size else f"checksum {checksum}"
         wanted = f"{ref.size}" if size != ref.size else ref.checksum
         raise MetadataError(
-            f"file {storage.url_of(ref.path)} is damaged: {found}, recorded {wanted} (run "
-            "`ckpt validate --level deep` on its checkpoint)")
+            f"file {storage.url_of(named or path)} is damaged: {found}, recorded {wanted} "
+            "(run `ckpt validate --level deep` on its checkpoint)")
