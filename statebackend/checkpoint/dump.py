@@ -18,8 +18,8 @@ import json
 import os
 import sys
 import uuid
-from collections.abc import Iterator
-from typing import IO
+from collections.abc import Iterable, Iterator
+from typing import IO, TYPE_CHECKING
 
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.restore import restored_readonly
@@ -37,6 +37,9 @@ from statebackend.state.keygroups import key_group_of_rocks_key
 from statebackend.state.kinds import StateDescriptor
 from statebackend.state.timers import TIMER_KEYS, parse_timer_key
 from statebackend.state.ttl import parse_index_key
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 DUMP_FORMATS = ("jsonl", "parquet")
 STDOUT = "-"  # ``--out -``: jsonl rows to standard output
@@ -146,17 +149,23 @@ def _write_rows(rows: Iterator[dict], out: str, fmt: str) -> int:
     if fmt == "jsonl":
         with open(out, "w", encoding="utf-8") as fh:
             return _write_jsonl(rows, fh)
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    count = 0
+    table = rows_table(rows)
+    pq.write_table(table, out)
+    return table.num_rows
+
+
+def rows_table(rows: Iterable[dict]) -> pa.Table:
+    """Dump rows as the Arrow table of a Parquet dump (``value`` as JSON text)."""
+    import pyarrow as pa
+
     cols: dict[str, list] = {k: [] for k in ("state", "key", "user_key", "value", "key_group",
                                              "subtask")}
     for row in rows:
         for k in cols:
             cols[k].append(json.dumps(row[k], sort_keys=True) if k == "value" else row[k])
-        count += 1
-    table = pa.table({
+    return pa.table({
         "state": pa.array(cols["state"], pa.string()),
         "key": pa.array(cols["key"], pa.string()),
         "user_key": pa.array(cols["user_key"], pa.string()),
@@ -164,5 +173,3 @@ def _write_rows(rows: Iterator[dict], out: str, fmt: str) -> int:
         "key_group": pa.array(cols["key_group"], pa.int32()),
         "subtask": pa.array(cols["subtask"], pa.int32()),
     })
-    pq.write_table(table, out)
-    return count
