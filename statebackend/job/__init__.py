@@ -11,7 +11,9 @@ examples import nothing else of the library: tests/test_public_api.py):
 - running: `run_job(job, RunConfig(...))`, `load_job`, `format_summary`,
   `run_dir_name`, the errors; a job module's command line: ``main =
   entry_point("pkg.module:JOB")`` (`statebackend.job.command`); in process: `process`,
-  `open_state`, `SubtaskProcessor`.
+  `open_state`, `SubtaskProcessor`;
+- state as data: `read_state` and its `ReadOptions` (a checkpoint's state as a Spark
+  DataFrame, `statebackend.spark.state_reader`).
 
 See `statebackend.job.api` (the `Job` object and its parts),
 `statebackend.job.context` (what the logic sees), `statebackend.job.core`
@@ -55,6 +57,7 @@ from statebackend.job.load import load_job
 from statebackend.job.publish import run_dir_name
 from statebackend.job.run import run_job
 from statebackend.job.summary import format_summary
+from statebackend.spark.state_reader import ReadOptions, read_state
 from statebackend.state.codecs import BytesCodec, JsonCodec, RecordCodec, StrCodec
 from statebackend.state.kinds import AggregateFunction, StateDescriptor
 from statebackend.state.schema import Upgrade
@@ -70,3 +73,4 @@ __all__ = [
     "map_state", "not_empty", "not_null", "open_state", "parses", "process", "record",
     "reducing_state", "run_dir_name", "run_job", "split_rows", "value_state",
 ]
+__all__ += ["ReadOptions", "read_state"]  # state as data
