@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
+import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -453,3 +456,25 @@ def test_a_checkpoint_retired_before_the_action_fails_the_read_in_one_line(spark
         df.count()
     assert ("checkpoint 1 of job 'held' was retired or replaced after read_state planned "
             "the read; read it again") in str(err.value)
+
+
+# -- the docs' example --------------------------------------------------------------------
+
+def test_the_docs_example_runs_and_matches_pandas(spark, monkeypatch, capsys):
+    """The example of docs/state-as-data.md's "Read state", executed as written: its
+    per-category sums equal pandas over the same input rows."""
+    doc = (Path(ROOT) / "docs" / "state-as-data.md").read_text()
+    section = doc.split("## Read state\n", 1)[1].split("\n## ", 1)[0]
+    (snippet,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    monkeypatch.syspath_prepend(ROOT)
+    namespace: dict = {}
+    exec(compile(snippet, "docs/state-as-data.md", "exec"), namespace)  # noqa: S102 - our doc
+    assert "user_key" in capsys.readouterr().out  # the printed schema
+
+    rows = pd.concat([pd.DataFrame(d) for d in namespace["days"]], ignore_index=True)
+    want = (rows.assign(category=rows["category"].str.lower())  # the job's normalize_case
+            .groupby("category").size())
+    got = {r["user_key"]: r["events"] for r in namespace["per_category"].collect()}
+    assert got == {k: int(v) for k, v in want.items()}
+    assert namespace["counts"].count() == rows.assign(
+        category=rows["category"].str.lower())[["user", "category"]].drop_duplicates().shape[0]
