@@ -303,6 +303,37 @@ def test_read_state_through_spark_connect_equals_the_dump(connect_server, kinds,
             expected(kinds["rows"], state, explode=mode == "explode"), spec
 
 
+# -- S3: storage options travel with the tasks --------------------------------------------
+
+@pytest.mark.slow
+def test_read_state_from_s3_with_the_storages_own_options(spark, s3_server, tmp_path):
+    """A `Storage` opened with explicit options (no credentials in the executors'
+    environment): the tasks open the same storage with them."""
+    import uuid
+
+    from tests.conftest import S3_BUCKET
+
+    options = {"key": "testing", "secret": "testing",
+               "client_kwargs": {"endpoint_url": s3_server}}
+    storage = open_storage(f"s3://{S3_BUCKET}/read-{uuid.uuid4().hex[:8]}", **options)
+    backends = open_backends(str(tmp_path / "work"), 2, M, DESCRIPTORS)
+    for b, idx in zip(backends, route(KEYS, M, 2), strict=True):
+        fill_kinds(b, [KEYS[i] for i in idx], idx)
+    checkpoint_backends(CheckpointStore(storage, JOB), backends, parent=None)
+    close_all(backends)
+    dump = _dump_rows(storage)  # the rows `ckpt dump` writes
+    for state in ("totals", "events", "attrs"):
+        df = read_state(spark, storage, JOB, state=state)
+        assert as_dump_values(df.toArrow(), BY_NAME[state]) == expected(dump, state), state
+
+
+def _dump_rows(storage) -> list[dict]:
+    from statebackend.checkpoint.dump import checkpoint_rows
+
+    store = CheckpointStore(storage, JOB)
+    return list(checkpoint_rows(store, store.latest()))
+
+
 # -- one-line errors ----------------------------------------------------------------------
 
 def _one_line(exc_info) -> str:
