@@ -19,8 +19,10 @@ min_ts, max_ts per key) for N keys (default 1,000,000), one event per key, P = 4
 Every contender returns the same count and sum (checked). Timed after the SparkSession
 started and one untimed pass of each (Python workers, JIT); the contenders run in
 interleaved rounds (the machine may be shared: drifting load hits them alike), each
-figure is the best of ``--repeats`` rounds, and the load average is printed (figures
-compare only within one run). The goal: ours at least 2x Spark's reader.
+figure is the best of ``--repeats`` rounds, beside the fewest CPU seconds a round took
+in the driver, the JVM and the Python workers together (less sensitive to a shared
+machine than wall time); the load average is printed (figures compare only within one
+run). The goal: ours at least 2x Spark's reader.
 
     python bench/bench_state_read.py [--keys N] [--repeats R] [--quick] [--json FILE]
 """
@@ -79,10 +81,26 @@ def spark_reader(spark, location: str) -> tuple[int, float]:
     return row["n"], row["s"]
 
 
-def timed(fn, *args) -> tuple[float, tuple[int, float]]:
-    t = time.perf_counter()
+def tree_cpu() -> float:
+    """CPU seconds used so far by this process, the JVM and the Python workers."""
+    import psutil
+
+    total = 0.0
+    me = psutil.Process()
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+        except psutil.Error:
+            continue  # a worker that exited meanwhile
+        total += t.user + t.system
+    return total
+
+
+def timed(fn, *args) -> tuple[float, float, tuple[int, float]]:
+    """(wall seconds, CPU seconds of the process tree, result)."""
+    cpu, t = tree_cpu(), time.perf_counter()
     result = fn(*args)
-    return time.perf_counter() - t, result
+    return time.perf_counter() - t, tree_cpu() - cpu, result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,20 +140,26 @@ def main(argv: list[str] | None = None) -> int:
                   "spark": (spark_reader, spark, location)}
     for fn, *fargs in contenders.values():  # untimed: workers, imports, JIT
         fn(*fargs)
+    empty_job(spark, P)
     times: dict[str, list[float]] = {k: [] for k in (*contenders, "empty")}
+    cpus: dict[str, list[float]] = {k: [] for k in times}
     for _ in range(repeats):
         for name, (fn, *fargs) in contenders.items():
-            seconds, (n, s) = timed(fn, *fargs)
+            seconds, cpu, (n, s) = timed(fn, *fargs)
             assert n == want[0] and abs(s - want[1]) <= 1e-6 * max(1.0, abs(want[1])), \
                 (name, n, s, want)
             times[name].append(seconds)
-        times["empty"].append(timed(lambda: (empty_job(spark, P), (0, 0.0)))[0])
+            cpus[name].append(cpu)
+        seconds, cpu, _ = timed(lambda: (empty_job(spark, P), (0, 0.0)))
+        times["empty"].append(seconds)
+        cpus["empty"].append(cpu)
     best = {k: min(v) for k, v in times.items()}
+    best_cpu = {k: min(v) for k, v in cpus.items()}
     load = os.getloadavg()
     report = {"keys": n_keys, "parallelism": P, "repeats": repeats, "master": args.master,
               "loadavg": [round(x, 2) for x in load], "best_seconds": best,
-              "rounds": times, "build_seconds": {"ours": ours_build_s,
-                                                 "spark": spark_build_s},
+              "best_cpu_seconds": best_cpu, "rounds": times, "cpu_rounds": cpus,
+              "build_seconds": {"ours": ours_build_s, "spark": spark_build_s},
               "ratios": {"dump/ours": best["dump"] / best["ours"],
                          "spark/ours": best["spark"] / best["ours"]}}
     print(f"bench_state_read: {n_keys} entries of a record state, P={P}, {args.master}, "
@@ -145,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                         ("spark", "spark.read.format('statestore') + count/sum"),
                         ("empty", "empty Spark job of P tasks (floor)")):
         rate = n_keys / best[name] if name != "empty" else 0
-        print(f"  {label:52} {best[name]:8.3f} s" + (f"  {rate:12,.0f} entries/s" if rate
-                                                      else ""))
+        print(f"  {label:52} {best[name]:8.3f} s  cpu {best_cpu[name]:7.3f} s"
+              + (f"  {rate:12,.0f} entries/s" if rate else ""))
     print(f"  ratio dump / ours   {report['ratios']['dump/ours']:6.2f}x")
     print(f"  ratio spark / ours  {report['ratios']['spark/ours']:6.2f}x  (goal >= 2x)")
     if args.json:

@@ -380,6 +380,19 @@ def test_a_record_field_named_like_a_column_needs_the_struct_form(spark, tmp_pat
          "subtask": 0}]
 
 
+def test_subtasks_and_states_without_entries_read_as_no_rows(spark, tmp_path):
+    url = f"file://{tmp_path}/store"
+    backends = open_backends(str(tmp_path / "work"), 4, M, DESCRIPTORS[:2])
+    (owner,) = [b for b, idx in zip(backends, route(["only"], M, 4), strict=True) if idx]
+    owner.value_state("totals").put("only", {"count": 1, "sum": 2.0, "flag": True,
+                                             "small": 3, "ratio": 4.0})
+    checkpoint_backends(CheckpointStore(open_storage(url), "sparse"), backends, parent=None)
+    close_all(backends)
+    rows = read_state(spark, url, "sparse", state="totals").collect()
+    assert [(r["key"], r["count"], r["small"]) for r in rows] == [("only", 1, 3)]
+    assert read_state(spark, url, "sparse", state="doc").count() == 0
+
+
 # -- local recovery -----------------------------------------------------------------------
 
 def test_tasks_use_the_executors_local_snapshot_when_it_holds_the_files(spark, tmp_path):
