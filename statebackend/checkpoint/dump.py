@@ -153,10 +153,10 @@ def _write_rows(rows: Iterator[dict], out: str, fmt: str) -> int:
 
     table = rows_table(rows)
     pq.write_table(table, out)
-    return table.num_rows
+    return int(table.num_rows)
 
 
-def rows_table(rows: Iterable[dict]) -> pa.Table:
+def rows_table(rows: Iterable[dict[str, object]]) -> pa.Table:
     """Dump rows as the Arrow table of a Parquet dump (``value`` as JSON text)."""
     import pyarrow as pa
 
