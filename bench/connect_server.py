@@ -1,6 +1,6 @@
 """A Spark Connect server on 127.0.0.1, started from the pip pyspark, stopped by its PID.
 
-Used by the tests (`tests/spark/conftest.py`) and by the benches' ``connect`` mode:
+Used by the tests (`tests/conftest.py`) and by the benches' ``connect`` mode:
 ``spark-submit --class SparkConnectServer`` on a free loopback port, in its own
 process group (stopped as one: SIGTERM, then SIGKILL after 60 s). Its executors run
 this interpreter with the repository on PYTHONPATH (the server decides how executors

@@ -81,6 +81,15 @@ def spark():
     logging.getLogger("py4j").setLevel(logging.WARNING)
 
 
+@pytest.fixture(scope="session")
+def connect_server(tmp_path_factory):
+    """A Spark Connect server on 127.0.0.1 for the session (`bench.connect_server`)."""
+    from bench import connect_server as server_module
+
+    with server_module.connect_server(str(tmp_path_factory.mktemp("connect"))) as server:
+        yield server
+
+
 # Markers name what a test needs, applied from what it uses so that no test can forget
 # one: `pytest -m "not spark and not browser"` is a quick run, `-m s3` the S3 suite.
 SPARK_FIXTURES = frozenset({"spark", "standalone_cluster", "connect_server"})

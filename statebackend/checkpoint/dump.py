@@ -18,8 +18,8 @@ import json
 import os
 import sys
 import uuid
-from collections.abc import Iterator
-from typing import IO, Any, Literal, TypeAlias, TypedDict
+from collections.abc import Iterable, Iterator
+from typing import IO, TYPE_CHECKING, Any, Literal, TypeAlias, TypedDict
 
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.restore import restored_readonly
@@ -38,6 +38,9 @@ from statebackend.state.keygroups import key_group_of_rocks_key
 from statebackend.state.kinds import StateDescriptor
 from statebackend.state.timers import parse_timer_key
 from statebackend.state.ttl import parse_index_key
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 DUMP_FORMATS = ("jsonl", "parquet")
 STDOUT = "-"  # ``--out -``: jsonl rows to standard output
@@ -162,16 +165,22 @@ def _write_rows(rows: Iterator[DumpRow], out: str, fmt: str) -> int:
     if fmt == "jsonl":
         with open(out, "w", encoding="utf-8") as fh:
             return _write_jsonl(rows, fh)
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    count = 0
+    table = rows_table(rows)
+    pq.write_table(table, out)
+    return int(table.num_rows)
+
+
+def rows_table(rows: Iterable[DumpRow]) -> pa.Table:
+    """Dump rows as the Arrow table of a Parquet dump (``value`` as JSON text)."""
+    import pyarrow as pa  # Arrow only for a Parquet dump
+
     cols: dict[DumpColumn, list[Any]] = {k: [] for k in DUMP_COLUMNS}
     for row in rows:
         for k in DUMP_COLUMNS:
             cols[k].append(json.dumps(row[k], sort_keys=True) if k == "value" else row[k])
-        count += 1
-    table = pa.table({
+    return pa.table({
         "state": pa.array(cols["state"], pa.string()),
         "key": pa.array(cols["key"], pa.string()),
         "user_key": pa.array(cols["user_key"], pa.string()),
@@ -179,5 +188,3 @@ def _write_rows(rows: Iterator[DumpRow], out: str, fmt: str) -> int:
         "key_group": pa.array(cols["key_group"], pa.int32()),
         "subtask": pa.array(cols["subtask"], pa.int32()),
     })
-    pq.write_table(table, out)
-    return count

@@ -13,6 +13,7 @@ from statebackend.checkpoint.dump import (
     checkpoint_rows,
     write_dump,
 )
+from statebackend.checkpoint.dump_parquet import check_parquet_target, dump_parquet
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.cli.app import emit_json, json_flag
@@ -41,8 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "key_group, subtask.")
     p.add_argument("checkpoint", nargs="?", default="latest", help="ID, chk-ID or latest")
     p.add_argument("--out", required=True,
-                   help="output file, or - for stdout (jsonl only; the row count then goes "
-                        "to stderr)")
+                   help="output file (jsonl), folder (parquet: one part file per subtask, "
+                        "written in parallel), or - for stdout (jsonl only; the row count "
+                        "then goes to stderr)")
     p.add_argument("--format", choices=DUMP_FORMATS, default="jsonl")
     p.set_defaults(handler=cmd_dump)
 
@@ -128,11 +130,19 @@ def cmd_show(args: argparse.Namespace, store: CheckpointStore) -> int:
 
 def cmd_dump(args: argparse.Namespace, store: CheckpointStore) -> int:
     check_dump_target(args.out, args.format)  # refuse before restoring anything
+    if args.format == "parquet":
+        check_parquet_target(args.out)
     meta = store.resolve(args.checkpoint)
     with Progress("dump") as progress:
-        progress.phase(f"checkpoint {meta.checkpoint_id}", total=meta.summary()["rows"],
-                       unit="rows")
-        count = write_dump(progress.wrap(checkpoint_rows(store, meta)), args.out, args.format)
+        if args.format == "parquet":  # one file per subtask, written in parallel
+            progress.phase(f"checkpoint {meta.checkpoint_id}", total=meta.parallelism,
+                           unit="subtasks")
+            count = dump_parquet(store, meta, args.out, progress=progress)
+        else:
+            progress.phase(f"checkpoint {meta.checkpoint_id}", total=meta.summary()["rows"],
+                           unit="rows")
+            count = write_dump(progress.wrap(checkpoint_rows(store, meta)), args.out,
+                               args.format)
     where = "stdout" if args.out == STDOUT else args.out
     # with --out - stdout carries the rows: the report goes to stderr
     print(f"wrote {count} rows of checkpoint {meta.checkpoint_id} to {where}",

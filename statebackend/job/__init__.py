@@ -12,7 +12,10 @@ examples import nothing else of the library: tests/test_public_api.py):
 - running: `run_job(job, RunConfig(...))`, `load_job`, `format_summary`,
   `run_dir_name`, the errors; a job module's command line: ``main =
   entry_point("pkg.module:JOB")`` (`statebackend.job.command`); in process: `process`,
-  `open_state`, `SubtaskProcessor`, and `JobTester` for tests of a job's logic.
+  `open_state`, `SubtaskProcessor`, and `JobTester` for tests of a job's logic;
+- state as data: `read_state` and its `ReadOptions` (a checkpoint's state as a Spark
+  DataFrame, `statebackend.spark.state_reader`), `bootstrap_state` (a savepoint from
+  tables, `statebackend.job.bootstrap`).
 
 See `statebackend.job.api` (the `Job` object and its parts),
 `statebackend.job.context` (what the logic sees), `statebackend.job.core`
@@ -58,6 +61,7 @@ from statebackend.job.publish import run_dir_name
 from statebackend.job.run import run_job
 from statebackend.job.summary import format_summary
 from statebackend.job.testing import JobTester, TesterRun
+from statebackend.spark.state_reader import ReadOptions, read_state
 from statebackend.state.codecs import BytesCodec, JsonCodec, RecordCodec, StrCodec
 from statebackend.state.kinds import AggregateFunction, StateDescriptor
 from statebackend.state.schema import Upgrade
@@ -72,5 +76,6 @@ __all__ = [
     "bootstrap_state", "entry_point", "finite", "format_summary", "group_by_key", "list_state",
     "load_job", "map_state", "not_empty", "not_null", "open_state", "parses", "process", "record",
     "reducing_state", "run_dir_name", "run_job", "split_rows", "value_state",
-    "JobTester", "TesterRun",
+    # in process, and state as data
+    "JobTester", "TesterRun", "ReadOptions", "read_state",
 ]

@@ -30,10 +30,7 @@ Outputs: ``<output>/run=<id>/part-<subtask>.parquet`` for a job with one output,
 
 from __future__ import annotations
 
-import hashlib
-import os
 import shutil
-import tempfile
 import time
 import traceback
 from collections.abc import Iterator
@@ -43,6 +40,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from statebackend.checkpoint.attempt import record_uploads
+from statebackend.checkpoint.local_copy import instance_dir
 from statebackend.checkpoint.metadata import SubtaskHandle
 from statebackend.checkpoint.restore import restore_subtask
 from statebackend.checkpoint.snapshot import snapshot
@@ -134,10 +132,7 @@ class TaskParams:
 
 def local_instance_dir(params: TaskParams, subtask: int) -> str:
     """Per (storage, job, subtask) folder on this executor for local recovery."""
-    root = params.local_dir or os.environ.get("CKPT_LOCAL_DIR") or os.path.join(
-        tempfile.gettempdir(), "ckpt-local")
-    tag = hashlib.sha1(params.storage_url.encode()).hexdigest()[:10]
-    return os.path.join(root, f"{params.job_dir}-{tag}", str(subtask))
+    return instance_dir(params.storage_url, params.job_dir, subtask, params.local_dir)
 
 
 def run_one_subtask(params: TaskParams, subtask: int, attempt: int,

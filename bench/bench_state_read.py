@@ -1,0 +1,186 @@
+"""Benchmark: read a record state into a Spark DataFrame, count it and sum a field.
+
+Same state for everyone: the keyed aggregation's value state ``totals`` (count, sum,
+min_ts, max_ts per key) for N keys (default 1,000,000), one event per key, P = 4.
+
+- ours:    ``read_state(spark, storage, job, state="totals")`` (one Spark task per
+           subtask: restore read-only, columnar decode to Arrow), then
+           ``agg(count(*), sum(sum))``
+- dump:    ``ckpt dump --format parquet`` (one file per subtask, in parallel, value as
+           JSON text) then ``spark.read.parquet`` of it with the same aggregate over
+           ``get_json_object(value, '$.sum')``: what a user did before read_state
+- spark:   Spark's own state reader, ``spark.read.format("statestore")``, over the
+           equivalent Structured Streaming checkpoint (groupBy(key).agg(count, sum,
+           min, max) with the RocksDB state store provider, availableNow,
+           spark.sql.shuffle.partitions = P; `bench.bench_rescale` builds both), then
+           ``agg(count(*), sum(value.sum))``
+- empty:   an empty Spark job of P tasks: the scheduling floor every contender pays
+
+Every contender returns the same count and sum (checked). Timed after the SparkSession
+started and one untimed pass of each (Python workers, JIT); the contenders run in
+interleaved rounds (the machine may be shared: drifting load hits them alike), each
+figure is the best of ``--repeats`` rounds, beside the fewest CPU seconds a round took
+in the driver, the JVM and the Python workers together (less sensitive to a shared
+machine than wall time); the load average is printed (figures compare only within one
+run). The goal: ours at least 2x Spark's reader.
+
+    python bench/bench_state_read.py [--keys N] [--repeats R] [--quick] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.bench_rescale import (  # noqa: E402
+    build_our_checkpoint,
+    build_streaming_checkpoint,
+    empty_job,
+    make_events,
+)
+from statebackend.cli import app as cli  # noqa: E402
+from statebackend.job import read_state  # noqa: E402
+from statebackend.spark.session import get_spark  # noqa: E402
+
+JOB = "reads"
+P = 4
+
+
+def ours(spark, url: str) -> tuple[int, float]:
+    from pyspark.sql import functions as F
+
+    df = read_state(spark, url, JOB, state="totals")
+    row = df.agg(F.count("*").alias("n"), F.sum("sum").alias("s")).first()
+    return row["n"], row["s"]
+
+
+def dump_then_parquet(spark, url: str, out: str) -> tuple[int, float]:
+    from pyspark.sql import functions as F
+
+    code = cli.main(["--storage", url, "--job", JOB, "dump", "--out", out,
+                     "--format", "parquet"])
+    assert code == 0, code
+    df = spark.read.parquet(out).where(F.col("state") == "totals")
+    row = df.agg(F.count("*").alias("n"), F.sum(
+        F.get_json_object("value", "$.sum").cast("double")).alias("s")).first()
+    return row["n"], row["s"]
+
+
+def spark_reader(spark, location: str) -> tuple[int, float]:
+    from pyspark.sql import functions as F
+
+    df = spark.read.format("statestore").load(location)
+    row = df.agg(F.count("*").alias("n"), F.sum("value.sum").alias("s")).first()
+    return row["n"], row["s"]
+
+
+def tree_cpu() -> float:
+    """CPU seconds used so far by this process, the JVM and the Python workers."""
+    import psutil
+
+    total = 0.0
+    me = psutil.Process()
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+        except psutil.Error:
+            continue  # a worker that exited meanwhile
+        total += t.user + t.system
+    return total
+
+
+def timed(fn, *args) -> tuple[float, float, tuple[int, float]]:
+    """(wall seconds, CPU seconds of the process tree, result)."""
+    cpu, t = tree_cpu(), time.perf_counter()
+    result = fn(*args)
+    return time.perf_counter() - t, tree_cpu() - cpu, result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--keys", type=int, default=1_000_000)
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
+    ap.add_argument("--quick", action="store_true", help="20,000 keys, one round")
+    ap.add_argument("--master", default="local[2]")
+    ap.add_argument("--workdir", default=None, help="scratch folder (default: a temp dir)")
+    ap.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    args = ap.parse_args(argv)
+    n_keys, repeats = (20_000, 1) if args.quick else (args.keys, args.repeats)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="bench-state-read-")
+    os.makedirs(workdir, exist_ok=True)
+    url = f"file://{workdir}/store"
+
+    events = make_events(n_keys)
+    events_dir = os.path.join(workdir, "events")
+    os.makedirs(events_dir, exist_ok=True)
+    events.to_parquet(os.path.join(events_dir, "part-0.parquet"), index=False)
+    want = (n_keys, float(events["value"].sum()))
+
+    t = time.perf_counter()
+    build_our_checkpoint(workdir, url, JOB, P, events)
+    ours_build_s = time.perf_counter() - t
+    spark = get_spark(args.master, app_name="bench-state-read",
+                      conf={"spark.ui.showConsoleProgress": "false"})
+    spark.sparkContext.setLogLevel("ERROR")
+    location = os.path.join(workdir, "sss")
+    t = time.perf_counter()
+    build_streaming_checkpoint(spark, events_dir, location, P)
+    spark_build_s = time.perf_counter() - t
+    dump_out = os.path.join(workdir, "dump")
+
+    contenders = {"ours": (ours, spark, url),
+                  "dump": (dump_then_parquet, spark, url, dump_out),
+                  "spark": (spark_reader, spark, location)}
+    for fn, *fargs in contenders.values():  # untimed: workers, imports, JIT
+        fn(*fargs)
+    empty_job(spark, P)
+    times: dict[str, list[float]] = {k: [] for k in (*contenders, "empty")}
+    cpus: dict[str, list[float]] = {k: [] for k in times}
+    for _ in range(repeats):
+        for name, (fn, *fargs) in contenders.items():
+            seconds, cpu, (n, s) = timed(fn, *fargs)
+            assert n == want[0] and abs(s - want[1]) <= 1e-6 * max(1.0, abs(want[1])), \
+                (name, n, s, want)
+            times[name].append(seconds)
+            cpus[name].append(cpu)
+        seconds, cpu, _ = timed(lambda: (empty_job(spark, P), (0, 0.0)))
+        times["empty"].append(seconds)
+        cpus["empty"].append(cpu)
+    best = {k: min(v) for k, v in times.items()}
+    best_cpu = {k: min(v) for k, v in cpus.items()}
+    load = os.getloadavg()
+    report = {"keys": n_keys, "parallelism": P, "repeats": repeats, "master": args.master,
+              "loadavg": [round(x, 2) for x in load], "best_seconds": best,
+              "best_cpu_seconds": best_cpu, "rounds": times, "cpu_rounds": cpus,
+              "build_seconds": {"ours": ours_build_s, "spark": spark_build_s},
+              "ratios": {"dump/ours": best["dump"] / best["ours"],
+                         "spark/ours": best["spark"] / best["ours"]}}
+    print(f"bench_state_read: {n_keys} entries of a record state, P={P}, {args.master}, "
+          f"best of {repeats}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    for name, label in (("ours", "read_state + count/sum"),
+                        ("dump", "ckpt dump --format parquet + spark.read.parquet"),
+                        ("spark", "spark.read.format('statestore') + count/sum"),
+                        ("empty", "empty Spark job of P tasks (floor)")):
+        rate = n_keys / best[name] if name != "empty" else 0
+        print(f"  {label:52} {best[name]:8.3f} s  cpu {best_cpu[name]:7.3f} s"
+              + (f"  {rate:12,.0f} entries/s" if rate else ""))
+    print(f"  ratio dump / ours   {report['ratios']['dump/ours']:6.2f}x")
+    print(f"  ratio spark / ours  {report['ratios']['spark/ours']:6.2f}x  (goal >= 2x)")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2)
+    spark.stop()
+    if not args.workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

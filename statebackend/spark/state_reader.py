@@ -1,0 +1,216 @@
+"""Read one state of a checkpoint as a Spark DataFrame: one Spark task per subtask.
+
+``read_state(spark, storage, job, checkpoint="latest", state=NAME)``:
+
+1. the driver resolves the checkpoint and the state, with one-line errors (unknown
+   job, checkpoint or state; storage the executors cannot reach), and notes the
+   digest of the checkpoint's ``_metadata``;
+2. the DataFrame is ``spark.range(P, numPartitions=P).mapInArrow(...)``: partition i
+   is subtask i's task, on classic sessions and Spark Connect alike. It is lazy like
+   any DataFrame: each action runs the tasks again (``cache()`` or
+   ``localCheckpoint()`` one you query many times);
+3. each task holds the checkpoint with a hold lease of its own (renewed while it runs,
+   released when it ends), checks that ``_metadata`` is still the planned one (same
+   digest), restores its subtask read-only
+   (`statebackend.checkpoint.local_copy.restored_copy`: from the executor's
+   local-recovery snapshot when it holds the files, else downloaded into a temp folder
+   removed after) and yields typed Arrow batches (`statebackend.state.state_table`:
+   the columns, TTL and expiry rules).
+
+Why the tasks hold the lease and not only the driver: the read happens when an action
+runs, perhaps long after ``read_state`` returned (on Connect, in the server's
+executors). While a task holds the checkpoint, retention keeps it, so GC keeps every
+file it references; a checkpoint retired between ``read_state`` and the action fails
+the read in one line (read it again), it is never read half.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from statebackend.checkpoint.leases import hold
+from statebackend.checkpoint.lineage import digest_of
+from statebackend.checkpoint.local_copy import instance_dir, restored_copy
+from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskHandle
+from statebackend.checkpoint.store import CheckpointStore
+from statebackend.errors import CheckpointNotFoundError, UsageError
+from statebackend.state.kinds import STATE_KINDS, StateDescriptor
+from statebackend.state.state_table import (
+    BATCH_ROWS,
+    StateRead,
+    TableShape,
+    state_batches,
+    state_schema,
+)
+from statebackend.storage import Storage, StorageOptions, open_storage
+from statebackend.subtasks import named_failure
+
+PAUSE_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How `read_state` shapes and reads the state.
+
+    ``explode_lists``: a list state as one row per element (``position``, the element)
+    instead of one row per key with an array; ``fields_as_columns``: a record's fields
+    as columns, else one struct column ``value``; ``local_dir``: the executors'
+    local-recovery root (default ``CKPT_LOCAL_DIR``, else ``<tmp>/ckpt-local``: where
+    job runs keep it); ``batch_rows``: about how many entries an Arrow batch holds.
+    ``pause_file`` is a test hook: each task, once it holds the checkpoint, creates
+    ``<pause_file>.paused-<subtask>`` and waits until ``pause_file`` exists.
+    """
+
+    explode_lists: bool = False
+    fields_as_columns: bool = True
+    local_dir: str | None = None
+    batch_rows: int = BATCH_ROWS
+    pause_file: str | None = None
+
+    @property
+    def shape(self) -> TableShape:
+        return TableShape(self.explode_lists, self.fields_as_columns, self.batch_rows)
+
+
+@dataclass(frozen=True)
+class ReadTask:
+    """Everything a task needs (shipped with the function; storage options redacted in
+    its repr)."""
+
+    storage_url: str
+    storage_options: StorageOptions
+    job: str
+    checkpoint_id: int
+    record_digest: str  # sha256 of the planned `_metadata`
+    max_parallelism: int
+    descriptors: tuple[StateDescriptor, ...]  # every column family of the checkpoint
+    state: str
+    handles: tuple[SubtaskHandle, ...]
+    now: int | None  # the clock of the state's TTL domain at the checkpoint
+    options: ReadOptions
+
+
+def read_state(spark, storage: str | Storage, job: str, checkpoint: str | int = "latest", *,
+               state: str, options: ReadOptions = ReadOptions()):
+    """Checkpoint ``checkpoint`` (``latest``, an id or ``chk-<id>``) of ``job`` under
+    ``storage`` (a URL, or a `Storage` with its options): state ``state`` as a DataFrame
+    of one task per subtask (module doc; columns: `statebackend.state.state_table`)."""
+    task = plan_read(open_job_store(storage, job), checkpoint, state, options)
+    # Spark only when a session is passed in: the planning above needs none
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    schema = from_arrow_schema(read_schema(task), prefer_timestamp_ntz=False)
+    n = len(task.handles)
+    # range() puts exactly one id in each of its n partitions: one task per subtask.
+    return spark.range(0, n, 1, n).mapInArrow(functools.partial(read_batches, task), schema)
+
+
+def open_job_store(storage: str | Storage, job: str) -> CheckpointStore:
+    """The job's checkpoints under ``storage``; UsageError for storage that Spark tasks
+    cannot reach (memory:// lives in this process only)."""
+    if isinstance(storage, str):
+        storage = open_storage(storage)
+    elif not isinstance(storage, Storage):
+        raise UsageError(f"storage {storage!r} is neither a URL nor a Storage")
+    if storage.process_local:
+        raise UsageError(f"storage {storage.url} lives in this process only: Spark tasks "
+                         "cannot read it; use file:// or s3:// storage")
+    return CheckpointStore(storage, job)
+
+
+def plan_read(store: CheckpointStore, checkpoint: str | int, state: str,
+              options: ReadOptions = ReadOptions()) -> ReadTask:
+    """The task of a read of ``state`` from ``checkpoint``: one-line errors for an unknown
+    job, checkpoint or state, and for columns that cannot be built."""
+    meta = store.resolve(checkpoint)
+    data = store.read_record(meta.checkpoint_id)
+    if data is None:
+        raise _retired(store, meta.checkpoint_id)
+    meta = store.parse(meta.checkpoint_id, data)
+    descriptors = tuple(StateDescriptor.from_json(s) for s in meta.states)
+    desc = _state(descriptors, state, meta)
+    state_schema(desc, options.shape)  # a record field named like a column: refused now
+    return ReadTask(
+        storage_url=store.root_storage.url, storage_options=store.root_storage.options,
+        job=store.job, checkpoint_id=meta.checkpoint_id, record_digest=digest_of(data),
+        max_parallelism=meta.max_parallelism, descriptors=descriptors, state=state,
+        handles=tuple(meta.subtasks), now=_clock(desc, meta), options=options)
+
+
+def _state(descriptors: tuple[StateDescriptor, ...], name: str,
+           meta: CheckpointMetadata) -> StateDescriptor:
+    own = sorted(d.name for d in descriptors if d.kind in STATE_KINDS)
+    found = next((d for d in descriptors if d.name == name and d.kind in STATE_KINDS), None)
+    if found is None:
+        raise UsageError(f"state {name!r} is not in checkpoint {meta.checkpoint_id} of job "
+                         f"{meta.job!r}; its states: {', '.join(own) or '(none)'}")
+    return found
+
+
+def _clock(desc: StateDescriptor, meta: CheckpointMetadata) -> int | None:
+    """The time TTL expiry is judged at: the checkpoint's clock of the TTL's domain."""
+    if desc.ttl is None:
+        return None
+    return meta.watermark if desc.ttl.time == "event" else meta.processing_time
+
+
+def read_schema(task: ReadTask) -> pa.Schema:
+    return state_schema(_descriptor(task), task.options.shape)
+
+
+def _descriptor(task: ReadTask) -> StateDescriptor:
+    return next(d for d in task.descriptors if d.name == task.state)
+
+
+def _retired(store: CheckpointStore, checkpoint_id: int) -> CheckpointNotFoundError:
+    return CheckpointNotFoundError(
+        f"checkpoint {checkpoint_id} of job {store.job!r} was retired or replaced after "
+        "read_state planned the read; read it again (`ckpt list` shows what is kept)")
+
+
+# -- executors ----------------------------------------------------------------------------
+
+def read_batches(task: ReadTask, ids: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """mapInArrow function: the batches of every subtask whose index arrives."""
+    for batch in ids:
+        for subtask in batch.column(0).to_pylist():
+            with named_failure("subtask", subtask):
+                yield from read_subtask(task, subtask)
+
+
+def read_subtask(task: ReadTask, subtask: int) -> Iterator[pa.RecordBatch]:
+    """One subtask's state, read while this task holds the checkpoint (module doc)."""
+    store = CheckpointStore(open_storage(task.storage_url, **task.storage_options), task.job)
+    handle = task.handles[subtask]
+    cid = task.checkpoint_id
+    with hold(store.storage, f"read_state {task.state!r} of checkpoint {cid}, subtask "
+                             f"{subtask}", [cid]):
+        _pause(task.options.pause_file, subtask)
+        data = store.read_record(cid)
+        if data is None or digest_of(data) != task.record_digest:
+            raise _retired(store, cid)
+        instance = instance_dir(task.storage_url, task.job, subtask, task.options.local_dir)
+        with restored_copy(store.storage, handle, task.descriptors, task.max_parallelism,
+                           instance, label=f"subtask {subtask} of checkpoint {cid}") as backend:
+            read = StateRead(_descriptor(task), subtask, task.now, task.options.shape)
+            yield from state_batches(backend, read, handle.row_counts.get(task.state))
+
+
+def _pause(pause_file: str | None, subtask: int) -> None:
+    """Test hook (`ReadOptions.pause_file`)."""
+    if pause_file is None:
+        return
+    with open(f"{pause_file}.paused-{subtask}", "w"):
+        pass
+    deadline = time.monotonic() + PAUSE_TIMEOUT_S
+    while not os.path.exists(pause_file):
+        if time.monotonic() > deadline:
+            raise UsageError(f"read paused for {PAUSE_TIMEOUT_S:g} s: {pause_file} never "
+                             "appeared")
+        time.sleep(0.05)
