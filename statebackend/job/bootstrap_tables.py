@@ -58,7 +58,6 @@ UNIQUE, APPEND, COLLAPSE = "unique", "append", "collapse"
 _FIELD_ARROW = {"int32": pa.int32(), "int64": pa.int64(), "float32": pa.float32(),
                 "float64": pa.float64(), "bool": pa.bool_()}
 _BINARY = pa.binary()
-_EMPTY = pa.scalar(b"", _BINARY)
 SPARK_ROW_BITS = 33  # monotonically_increasing_id: partition << 33 | row in the partition
 _FORMAT = {JsonCodec: b"\x01", BytesCodec: b"\x03", StrCodec: b"\x04"}
 
@@ -458,7 +457,8 @@ def _domain_codes(plan: TablePlan, table: pa.Table, rows: np.ndarray) -> np.ndar
 
 def _join(*parts: pa.Array | pa.Scalar) -> pa.Array:
     """Element-wise concatenation of binary arrays (and scalars)."""
-    return pc.binary_join_element_wise(*parts, _EMPTY)
+    # the separator as a scalar made here: pa.scalar imports pandas (keep it off imports)
+    return pc.binary_join_element_wise(*parts, pa.scalar(b"", _BINARY))
 
 
 def _u32_lengths(values: pa.Array) -> pa.Array:
