@@ -8,7 +8,7 @@ One *step* is one operation on the job ``chaos`` of a storage root (file:// in C
     gc               collect_garbage(grace_seconds=0)
     retain           retain(keep=k), k in 1..3
     savepoint        create_savepoint(latest) under a fresh name
-    rescale          rescale(latest) to another parallelism (Spark tasks)
+    rescale          rescale(latest) to another parallelism (on the seed's engine)
     wait             sleep until every stale lease has expired
     check-savepoint  restore a savepoint, compare it with the reference of its creation
     tamper           bad luck or an operator between steps (issue 20): delete the newest or
@@ -496,7 +496,8 @@ class Chaos:
         fail_at = self.rng.randrange(q) if fail else None
         detail, outcome = self.attempt(
             "rescale", lambda: rescale(self.store, "latest", q, spark=self.spark,
-                                       options=RescaleOptions(fail_subtask=fail_at)),
+                                       options=RescaleOptions(engine=self.config.engine,
+                                                              fail_subtask=fail_at)),
             kill, (SnapshotError,) if fail else ())
         self.sync_ledger()
         return f"{latest.parallelism}->{q}" + (" fail" if fail else "") + detail, outcome

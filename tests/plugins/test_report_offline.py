@@ -18,6 +18,7 @@ from urllib.parse import unquote, urlparse
 
 import pytest
 
+from statebackend.validation.options import ValidationOptions
 from statebackend.validation.validate import validate_checkpoint
 from tests.statebackend.validation.test_validate_support import build_checkpoint
 
@@ -50,7 +51,7 @@ def report(tmp_path_factory):
     base = tmp_path_factory.mktemp("report")
     store, meta = build_checkpoint(f"file://{base}/store", str(base / "w"), parallelism=2,
                                    n_keys=100)
-    result = validate_checkpoint(store, deep=True)
+    result = validate_checkpoint(store, "latest", ValidationOptions(level="deep"))
     assert result.success
     return result, urlparse(result.report_location).path
 
