@@ -59,7 +59,7 @@ def counting(upgrade_on_read: bool):
     def fold(batch: pa.Table, ctx) -> None:
         keys = batch["key"].to_pylist()
         profile = ctx.state("profile")
-        old = profile.get(keys)
+        old = profile.value(keys)
         new = []
         for value in old:
             value = value or {"n": 0}
@@ -69,7 +69,7 @@ def counting(upgrade_on_read: bool):
             if "tier" in value:
                 value["tier"] = "gold" if value["n"] >= 2 else "basic"
             new.append(value)
-        profile.put(keys, new)
+        profile.update(keys, new)
     return Vectorized(fold)
 
 
