@@ -27,7 +27,6 @@ import os
 import shutil
 import tempfile
 import time
-from collections import deque
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -36,7 +35,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from rocksdict import DBCompressionType, IngestExternalFileOptions, SstFileWriter
+from rocksdict import DBCompressionType
 
 from statebackend.checkpoint.attempt import record_uploads
 from statebackend.checkpoint.dump import split_body
@@ -50,6 +49,7 @@ from statebackend.job.task import tune
 from statebackend.lifecycle.savepoint import verify_stored
 from statebackend.state.backend import KeyedStateBackend, LocalSnapshot, rocks_options
 from statebackend.state.keygroups import key_group_range_for_subtask
+from statebackend.state.sst import ingest, write_sst
 from statebackend.storage import Storage, StorageOptions, child_storage, open_storage
 
 SCRATCH_ENV = "CKPT_LOCAL_DIR"  # where scratch instances go (default: the temp folder)
@@ -160,11 +160,7 @@ def _write_ssts(task: BootstrapTask, by_family: dict[str, list[EntryChunk]], wor
                              f"{task.job.name!r} does not open")
         keys, values = merged(family, kinds[family], chunks)
         path = os.path.join(work, f"{family}.sst")
-        writer = SstFileWriter(options=options)
-        writer.open(path)
-        # one C-level loop over the pairs (SstFileWriter takes one entry per call)
-        deque(map(writer.__setitem__, keys.to_pylist(), values.to_pylist()), maxlen=0)
-        writer.finish()
+        write_sst(path, keys.to_pylist(), values.to_pylist(), options)
         out[family] = (path, len(keys))
     return out
 
@@ -231,11 +227,7 @@ def _ingested(task: BootstrapTask, subtask: int, ssts: dict[str, tuple[str, int]
                                 task.max_parallelism, kg)
     try:
         tune(backend, task.job.compression)
-        for family, (path, _) in ssts.items():
-            opts = IngestExternalFileOptions()
-            opts.set_move_files(True)
-            backend.column_family(family).ingest_external_file([path], opts)
-        backend.mark_dirty()
+        ingest(backend, {family: [path] for family, (path, _) in ssts.items()})
     except BaseException:
         backend.close()
         raise

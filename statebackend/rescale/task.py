@@ -37,9 +37,6 @@ from dataclasses import dataclass, field, replace
 from rocksdict import (
     BottommostLevelCompaction,
     CompactOptions,
-    IngestExternalFileOptions,
-    Options,
-    SstFileWriter,
 )
 
 from statebackend.checkpoint.attempt import record_uploads
@@ -53,6 +50,7 @@ from statebackend.spark.dispatch import task_context
 from statebackend.state.backend import KeyedStateBackend, StoredInstance
 from statebackend.state.keygroups import KeyGroupRange, key_group_of_rocks_key, key_group_prefix
 from statebackend.state.kinds import StateDescriptor
+from statebackend.state.sst import ingest, write_sst
 from statebackend.storage import Storage, StorageOptions, child_storage, open_storage
 from statebackend.subtasks import named_failure
 
@@ -279,12 +277,7 @@ class _NewSubtask:
                     per_family.setdefault(cf_name, []).append(path)
                     entries += n
                     rows[cf_name] = rows.get(cf_name, 0) + n
-            for cf_name, paths in per_family.items():
-                opts = IngestExternalFileOptions()
-                opts.set_move_files(True)
-                backend.column_family(cf_name).ingest_external_file(paths, opts)
-            if per_family:
-                backend.mark_dirty()
+            ingest(backend, per_family)
         return entries
 
     def _upload(self, backend: KeyedStateBackend, rows: dict[str, int]) -> SnapshotResult:
@@ -345,13 +338,7 @@ def export_key_groups(source: KeyedStateBackend, key_groups: KeyGroupRange, out_
             continue
         if values is None:  # asked with values: never None (read_raw's type cannot say so)
             raise RuntimeError(f"column family {name!r}: keys read without their values")
-        writer = SstFileWriter(options=Options(raw_mode=True))
-        writer.open(path)
-        put = writer.__setitem__
-        for key, value in zip(keys, values, strict=True):
-            put(key, value)
-        writer.finish()
-        out[name] = (path, len(keys))
+        out[name] = (path, write_sst(path, keys, values))
     return out
 
 
