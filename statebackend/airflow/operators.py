@@ -44,6 +44,7 @@ from statebackend.airflow.steps import (
     RUN_KEY_TEMPLATE,
     gc_store,
     make_run_config,
+    migrate_storage,
     publish_extra,
     rescale_store,
     retain_store,
@@ -241,6 +242,40 @@ class CkptRescaleOperator(_CheckpointOperator):
         return rescale_store(self.hook.get_store(), parallelism=_as_int(self.parallelism),
                              checkpoint=_as_int(self.checkpoint),
                              dry_run=self.yes_no("dry_run"), master=self.master)
+
+
+class CkptMigrateOperator(_CheckpointOperator):
+    """Transform ``source``'s state (``<job>:latest``, ``<job>:<id>``,
+    ``<job>/savepoints/<name>``) through ``transform_ref`` (module:attr of a StateTransform
+    or a per-key function) into savepoint ``savepoint`` of ``target_ref``'s job, in the
+    folder ``job`` (`ckpt migrate`); on Spark with ``master``. The result's
+    ``start_from`` is what the new job's first run starts from."""
+
+    ARGUMENTS: ClassVar[Mapping[str, Any]] = {
+        "source": REQUIRED, "transform_ref": REQUIRED, "target_ref": REQUIRED,
+        "savepoint": REQUIRED, "parallelism": None, "max_parallelism": None, "master": None,
+        "dry_run": False}
+    template_fields: Sequence[str] = ("storage", "source", "savepoint", "parallelism",
+                                      "dry_run")
+    # the ARGUMENTS, set by the base's __init__ (templates render them to text)
+    source: str
+    transform_ref: str
+    target_ref: str
+    savepoint: str
+    parallelism: int | str | None
+    max_parallelism: int | str | None
+    master: str | None
+
+    def execute(self, context) -> dict:
+        # the job package only when a task runs: DAG files import this module
+        from statebackend.job.transform import TransformOptions
+
+        options = TransformOptions(
+            target_job=self.job, parallelism=_as_int(self.parallelism) or None,
+            max_parallelism=_as_int(self.max_parallelism) or None, master=self.master,
+            dry_run=self.yes_no("dry_run"))
+        return migrate_storage(self.hook.get_storage(), self.source, self.transform_ref,
+                               self.target_ref, self.savepoint, options)
 
 
 def _interval_end_ms(context) -> int | None:

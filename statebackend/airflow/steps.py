@@ -334,6 +334,22 @@ def rescale_store(store, *, parallelism: int, checkpoint: str | int = "latest",
     return result
 
 
+def migrate_storage(storage, source: str, transform_ref: str, target_ref: str, savepoint: str,
+                    options) -> dict:
+    """`ckpt migrate` as a task: ``source``'s state through the transform ``transform_ref``
+    (module:attr) into savepoint ``savepoint`` of the job ``target_ref`` (a built-in name
+    or module:attr); ``options``: a `TransformOptions` (on Spark with its ``master``)."""
+    # the job package (pyarrow, RocksDB) only when a task runs: DAG files import this module
+    from statebackend.job.transform import load_transform, transform_state, transform_summary_lines
+
+    transform = load_transform(transform_ref)
+    target = load_configured_job(target_ref, options.target_job or target_ref)
+    result = transform_state(storage, source, transform, target, savepoint, options)
+    if options.dry_run:
+        print("\n".join(transform_summary_lines(result)))
+    return result
+
+
 def rescale_step(spec: JobSpec, *, parallelism: int, checkpoint: str | int = "latest",
                  dry_run: bool = False, spark=None,
                  storage_options: Mapping[str, Any] | None = None) -> dict:

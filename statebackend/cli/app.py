@@ -47,6 +47,7 @@ COMMAND_MODULES = (
     "statebackend.cli.doctor",
     "statebackend.cli.check",
     "statebackend.cli.bootstrap",
+    "statebackend.cli.migrate",
     "statebackend.cli.run",  # `ckpt run` (job API); skipped until installed
 )
 DISTRIBUTION = "ckpt-lifecycle"

@@ -61,6 +61,8 @@ from statebackend.job.publish import run_dir_name
 from statebackend.job.run import run_job
 from statebackend.job.summary import format_summary
 from statebackend.job.testing import JobTester, TesterRun
+from statebackend.job.transform import TransformOptions, transform_state
+from statebackend.job.transform_apply import StateTransform
 from statebackend.spark.state_reader import ReadOptions, read_state
 from statebackend.state.codecs import BytesCodec, JsonCodec, RecordCodec, StrCodec
 from statebackend.state.kinds import AggregateFunction, StateDescriptor
@@ -77,5 +79,6 @@ __all__ = [
     "load_job", "map_state", "not_empty", "not_null", "open_state", "parses", "process", "record",
     "reducing_state", "run_dir_name", "run_job", "split_rows", "value_state",
     # in process, and state as data
-    "JobTester", "TesterRun", "ReadOptions", "read_state",
+    "JobTester", "TesterRun", "ReadOptions", "read_state", "StateTransform", "TransformOptions",
+    "transform_state",
 ]

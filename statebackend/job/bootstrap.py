@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -71,6 +71,17 @@ ENCODE_ROWS = 250_000  # rows encoded at a time (one thread each)
 
 
 @dataclass(frozen=True)
+class Origin:
+    """What a savepoint's record says of where its state came from besides the tables:
+    ``source`` (kept under the record's ``source``, e.g. ``{"transform": {...}}``) and
+    the clocks the new lineage continues from (watermark, processing time)."""
+
+    source: Mapping[str, Any] = field(default_factory=dict)
+    watermark: int | None = None
+    processing_time: int | None = None
+
+
+@dataclass(frozen=True)
 class _Table:
     """One table to bootstrap: its plan and its rows (an Arrow table, Parquet files or
     a Spark DataFrame)."""
@@ -90,17 +101,45 @@ def bootstrap_state(job: Job, storage: str | Storage | CheckpointStore, name: st
     ``storage``: a storage root (URL or `Storage`; the job's folder is ``job.name``) or
     a `CheckpointStore` (a job folder of its own choice).
     """
-    started = time.perf_counter()
     check_savepoint_name(name)
-    store = storage if isinstance(storage, CheckpointStore) else \
-        CheckpointStore(open_storage(storage) if isinstance(storage, str) else storage,
-                        job.name)
-    task = _task(job, store, parallelism, max_parallelism, Destination(savepoint=name))
-    inputs, timings = _inputs(job, store, tables)
+    store = job_store(job, storage)
+    task = bootstrap_task(job, store, parallelism, max_parallelism,
+                          Destination(savepoint=name))
+    return write_tables(task, store, tables, {"bootstrap": sorted(tables)}, Origin())
+
+
+def write_tables(task: BootstrapTask, store: CheckpointStore, tables: Mapping[str, Any],
+                 claim: Mapping[str, Any], origin: Origin) -> dict[str, Any]:
+    """The savepoint of ``task``'s destination written from ``tables`` (module doc);
+    its summary with ``timings``."""
+    started = time.perf_counter()
+    name = task.destination.savepoint
+    assert name is not None, "a bootstrap from tables writes a savepoint"
+    inputs, timings = _inputs(task.job, store, tables)
     chunks = _encode_local(task, inputs, timings)
-    with claimed_savepoint(store, name, {"bootstrap": sorted(tables)}) as base:
-        results = _write(task, inputs, chunks)
-        meta = _record(task, store, results, name)
+    summary, results = write_savepoint(task, store, name, lambda: _write(task, inputs, chunks),
+                                       claim, origin)
+    return dict(summary, timings=_timings(timings, results, started))
+
+
+def job_store(job: Job, storage: str | Storage | CheckpointStore) -> CheckpointStore:
+    """``storage`` as the job's store: a root (URL or `Storage`: the folder ``job.name``)
+    or a `CheckpointStore` as it is."""
+    if isinstance(storage, CheckpointStore):
+        return storage
+    return CheckpointStore(open_storage(storage) if isinstance(storage, str) else storage,
+                           job.name)
+
+
+def write_savepoint(task: BootstrapTask, store: CheckpointStore, name: str,
+                    write: Callable[[], Sequence[SubtaskWritten]], claim: Mapping[str, Any],
+                    origin: Origin = Origin()
+                    ) -> tuple[dict[str, Any], Sequence[SubtaskWritten]]:
+    """Savepoint ``name`` written by ``write`` (every subtask's files) under a claim of
+    its name, checked and committed (module doc, step 4); (its summary, the results)."""
+    with claimed_savepoint(store, name, claim) as base:
+        results = write()
+        meta = _record(task, store, results, name, origin)
         store.verify_files(meta)  # sizes; each upload was read back against its checksum
         commit_savepoint(store, name, meta)
     kept = {f.path for f in meta.files}
@@ -110,8 +149,7 @@ def bootstrap_state(job: Job, storage: str | Storage | CheckpointStore, name: st
     path = f"{store.job}/{base}"
     return dict(meta.summary(), savepoint=name, path=path, start_from=path,
                 url=f"{store.root_storage.url}/{path}",
-                entries=meta.source["bootstrap"]["entries"] if meta.source else {},
-                timings=_timings(timings, results, started))
+                entries=meta.source["bootstrap"]["entries"] if meta.source else {}), results
 
 
 def initial_state(job: Job, config: RunConfig, store: CheckpointStore,
@@ -129,14 +167,14 @@ def initial_state(job: Job, config: RunConfig, store: CheckpointStore,
         raise UsageError("--initial-state needs --parallelism: the new lineage's subtasks")
     tables = parse_tables(config.initial_state or "")
     attempt = Attempt(store, 1)
-    task = _task(job, store, config.parallelism, config.max_parallelism,
-                 Destination(checkpoint_id=1, attempt_token=attempt.token))
+    task = bootstrap_task(job, store, config.parallelism, config.max_parallelism,
+                          Destination(checkpoint_id=1, attempt_token=attempt.token))
     inputs, timings = _inputs(job, store, tables)
     chunks = _encode_local(task, inputs, timings)
     try:
         results = _write(task, inputs, chunks)
         attempt.add_uploaded(p for r in results for p in r.uploaded)
-        meta = _record(task, store, results, None)
+        meta = _record(task, store, results, None, Origin())
     except BaseException:
         attempt.discard()
         raise
@@ -171,8 +209,9 @@ def parse_tables(spec: str) -> dict[str, str]:
 
 # -- steps -----------------------------------------------------------------------------
 
-def _task(job: Job, store: CheckpointStore, parallelism: int, max_parallelism: int,
-          destination: Destination) -> BootstrapTask:
+def bootstrap_task(job: Job, store: CheckpointStore, parallelism: int, max_parallelism: int,
+                   destination: Destination) -> BootstrapTask:
+    """What every subtask of a write of ``job``'s state into ``store`` needs."""
     check_parallelism(parallelism, max_parallelism)
     root = store.root_storage
     return BootstrapTask(job, root.url, store.job, parallelism, max_parallelism, destination,
@@ -293,7 +332,7 @@ def _workers(count: int) -> int:
 
 
 def _record(task: BootstrapTask, store: CheckpointStore, results: Sequence[SubtaskWritten],
-            savepoint: str | None) -> CheckpointMetadata:
+            savepoint: str | None, origin: Origin) -> CheckpointMetadata:
     """The record of the bootstrapped state: a savepoint's, or a lineage's first
     checkpoint's (module doc)."""
     entries: dict[str, int] = {}
@@ -303,13 +342,14 @@ def _record(task: BootstrapTask, store: CheckpointStore, results: Sequence[Subta
     extra: dict[str, Any] = {"key": task.job.key}
     if savepoint is not None:
         extra["savepoint"] = savepoint
-    return build_metadata(MetadataParts(
+    meta = build_metadata(MetadataParts(
         job=store.job, checkpoint_id=1, parent=None, max_parallelism=task.max_parallelism,
         states=new_lineage_plan(task.job).states, handles=[r.handle for r in results],
         kind="checkpoint" if savepoint is None else "savepoint",
-        source={"job": None, "checkpoint": None, "savepoint": None,
+        source={"job": None, "checkpoint": None, "savepoint": None, **origin.source,
                 "bootstrap": {"entries": dict(sorted(entries.items()))}},
         extra=extra))
+    return replace(meta, watermark=origin.watermark, processing_time=origin.processing_time)
 
 
 def _timings(timings: dict[str, float], results: Sequence[SubtaskWritten],

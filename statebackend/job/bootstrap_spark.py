@@ -62,7 +62,13 @@ def write_with_spark(task: BootstrapTask, tables: Sequence[tuple[TablePlan, Any]
         frames.append(rows.mapInArrow(
             functools.partial(encode_rows, plan, task.max_parallelism, values),
             f"{ENTRY_DDL}, {dispatch.PARTITION_COLUMN} int"))
-    entries = functools.reduce(lambda a, b: a.unionByName(b), frames)
+    return write_entries(task, spark, functools.reduce(lambda a, b: a.unionByName(b), frames))
+
+
+def write_entries(task: BootstrapTask, spark: Any, entries: Any) -> list[SubtaskWritten]:
+    """Entry rows (`ENTRY_SCHEMA`: each with its subtask's ``_p``) shuffled into one
+    partition per subtask, each written by its task; results in subtask order."""
+    values = tuple(dispatch.partition_values(task.parallelism))
     tasks = dispatch.with_markers(spark, entries, ENTRY_DDL,
                                   lambda _v: (MARKER, None, None, None), task.parallelism, ())
     written = tasks.mapInArrow(functools.partial(write_partition, task, values),
@@ -74,7 +80,7 @@ def write_with_spark(task: BootstrapTask, tables: Sequence[tuple[TablePlan, Any]
 
 
 @contextmanager
-def _as_task_failure() -> Iterator[None]:
+def as_task_failure() -> Iterator[None]:
     """A refused row fails its task with the refusal's own line (no class name)."""
     try:
         yield
@@ -85,21 +91,27 @@ def _as_task_failure() -> Iterator[None]:
 def encode_rows(plan: TablePlan, max_parallelism: int, part_values: tuple[int, ...],
                 batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """``mapInArrow`` body: a state's rows as entry rows with their subtask's ``_p``."""
-    p = len(part_values)
-    shuffle = np.asarray(part_values, dtype=np.int32)
     for batch in batches:
         if not len(batch):
             continue
         rows = batch.column(ROW).to_numpy(zero_copy_only=False)
         table = pa.Table.from_batches([batch.drop_columns([ROW])])
-        with _as_task_failure():
+        with as_task_failure():
             chunks = encode_batch(plan, table, max_parallelism, rows)
-        for c in chunks:
-            yield pa.RecordBatch.from_arrays(
-                [pa.array([c.family] * len(c.keys), pa.string()), c.keys, c.values,
-                 pa.array(c.rows, pa.int64()),
-                 pa.array(shuffle[c.key_groups * p // max_parallelism], pa.int32())],
-                schema=ENTRY_SCHEMA)
+        yield from entry_batches(chunks, max_parallelism, part_values)
+
+
+def entry_batches(chunks: Sequence[EntryChunk], max_parallelism: int,
+                  part_values: tuple[int, ...]) -> Iterator[pa.RecordBatch]:
+    """Entry chunks as entry rows (`ENTRY_SCHEMA`), each with its subtask's ``_p``."""
+    p = len(part_values)
+    shuffle = np.asarray(part_values, dtype=np.int32)
+    for c in chunks:
+        yield pa.RecordBatch.from_arrays(
+            [pa.array([c.family] * len(c.keys), pa.string()), c.keys, c.values,
+             pa.array(c.rows, pa.int64()),
+             pa.array(shuffle[c.key_groups * p // max_parallelism], pa.int32())],
+            schema=ENTRY_SCHEMA)
 
 
 def write_partition(task: BootstrapTask, part_values: tuple[int, ...],

@@ -13,11 +13,15 @@ Columns (the key column is ``key``, or the job's key column when the table has n
 strings, or integers as their decimal text)::
 
     value, reducing,   ``value``; with a record codec its fields as columns, or a
-    aggregating        struct column ``value`` (aggregating: the accumulator)
+    aggregating        struct column ``value`` (aggregating: the accumulator); a json
+                       state's ``value`` of strings tagged `JSON_TEXT` (what
+                       `read_state` gives), or ``value_json``, holds JSON text
     map                ``user_key`` (string) and the value as above
     list               ``value``: one element per row (a key's elements in row order),
                        or a list column: a key's elements in one row
-    with a TTL         ``expires_at``: the entry's expiry, epoch ms or a timestamp
+    with a TTL         ``expires_at``: the entry's expiry, epoch ms or a timestamp (a
+                       list column's elements: one per row, or a list of expiries
+                       aligned with ``value``, as `read_state` gives them)
     _timers            ``time`` (epoch ms or a timestamp), optional ``domain``
                        (``event``, the default, or ``processing``) and ``tag``
 
@@ -30,6 +34,7 @@ collapse (a timer is unique by key, time, domain and tag).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,9 +54,11 @@ from statebackend.state.codecs import (
 )
 from statebackend.state.families import TIMER_KEYS, TIMERS, TTL_INDEX
 from statebackend.state.keygroups_bulk import key_groups
+from statebackend.state.state_table import JSON_TEXT
 from statebackend.state.ttl import StateTtl, state_tag
 
 KEY, VALUE, USER_KEY, EXPIRES_AT = "key", "value", "user_key", "expires_at"
+VALUE_JSON = "value_json"
 TIME, DOMAIN, TAG = "time", "domain", "tag"
 TIMER_KIND = "timers"
 UNIQUE, APPEND, COLLAPSE = "unique", "append", "collapse"
@@ -67,7 +74,9 @@ class TablePlan:
     """How one table becomes one state's entries (checked against the job by `plan_table`).
 
     ``value``: the value column (None: a record's fields are columns of their own, or
-    timers); ``lists``: a list state's table holds a key's whole list per row.
+    timers); ``lists``: a list state's table holds a key's whole list per row;
+    ``json_text``: the values are JSON text; ``element_expiry``: ``expires_at`` holds a
+    list of expiries per row, one per element.
     """
 
     state: str
@@ -78,6 +87,8 @@ class TablePlan:
     lists: bool = False
     ttl: StateTtl | None = None
     columns: tuple[str, ...] = ()  # what is read of the table
+    json_text: bool = False
+    element_expiry: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,11 +137,25 @@ def plan_table(job: Job, state: str, schema: pa.Schema) -> TablePlan:
         _require(state, schema, USER_KEY, _is_key_type, "a string")
         columns.append(USER_KEY)
     value, lists = _value_columns(state, desc.kind, desc.codec, schema, columns)
+    element_expiry = False
     if desc.ttl is not None:
-        _require(state, schema, EXPIRES_AT, _is_time_type, "epoch ms or a timestamp")
+        element_expiry = lists and EXPIRES_AT in schema.names and \
+            _is_list(schema.field(EXPIRES_AT).type)
+        _require(state, schema, EXPIRES_AT,
+                 (lambda t: _is_time_type(t.value_type)) if element_expiry else _is_time_type,
+                 "epoch ms or a timestamp" + (" per element" if element_expiry else ""))
         columns.append(EXPIRES_AT)
+    json_text = value is not None and isinstance(desc.codec, JsonCodec) and (
+        value == VALUE_JSON or _tagged_json(schema.field(value)))
     return TablePlan(state, desc.kind, key, desc.codec, value, lists, desc.ttl,
-                     tuple(columns))
+                     tuple(columns), json_text, element_expiry)
+
+
+def _tagged_json(field: pa.Field) -> bool:
+    """A string field tagged as holding JSON text (`JSON_TEXT`; its elements for a list)."""
+    t = field.type.value_type if _is_list(field.type) else field.type
+    return _is_text(t) and all((field.metadata or {}).get(k) == v
+                               for k, v in JSON_TEXT.items())
 
 
 def _timers_plan(job: Job, schema: pa.Schema) -> TablePlan:
@@ -157,14 +182,18 @@ def _value_columns(state: str, kind: str, codec: Codec, schema: pa.Schema,
                    columns: list[str]) -> tuple[str | None, bool]:
     """(value column or None, lists) of a state's table; appends what it reads."""
     names = schema.names
-    if VALUE in names:
-        t = schema.field(VALUE).type
+    column = VALUE_JSON if VALUE not in names and VALUE_JSON in names and \
+        isinstance(codec, JsonCodec) else VALUE
+    if column in names:
+        t = schema.field(column).type
         lists = kind == "list" and _is_list(t)
         if lists:
             t = t.value_type
-        _check_value_type(state, VALUE, codec, t, whole=not lists)
-        columns.append(VALUE)
-        return VALUE, lists
+        if column == VALUE_JSON and not _is_text(t):
+            raise _fail(state, f"column {VALUE_JSON!r} is {t}, expected a string (JSON text)")
+        _check_value_type(state, column, codec, t, whole=not lists)
+        columns.append(column)
+        return column, lists
     if isinstance(codec, RecordCodec):
         for name, ftype in codec.fields:
             _require(state, schema, name, _field_check(ftype), _field_wanted(ftype))
@@ -271,14 +300,18 @@ def encode_batch(plan: TablePlan, table: pa.Table, max_parallelism: int,
     body = key_bytes
     if plan.kind == "map":
         body = _join(_u32_lengths(key_bytes), key_bytes, _keys(plan, table, USER_KEY, rows))
-    expiry = _millis(plan, table, EXPIRES_AT, rows) if plan.ttl is not None else None
+    expiry = _millis(plan, table, EXPIRES_AT, rows) \
+        if plan.ttl is not None and not plan.element_expiry else None
+    indexed: tuple[np.ndarray, np.ndarray] | None = None  # (entry, expiry) per element
     if plan.lists:
-        values, keep = _list_values(plan, table, expiry, rows)
+        values, keep, indexed = _list_values(plan, table, expiry, rows)
         if not keep.all():  # an empty list holds no entry
             mask = pa.array(keep)
             body, prefix, values = body.filter(mask), prefix.filter(mask), values.filter(mask)
+            renumber = np.cumsum(keep) - 1
             kgs, rows = kgs[keep], rows[keep]
             expiry = expiry[keep] if expiry is not None else None
+            indexed = (renumber[indexed[0]], indexed[1]) if indexed is not None else None
     else:
         values = _codec_bytes(plan, _value_source(plan, table), rows)
         if expiry is not None:
@@ -286,7 +319,14 @@ def encode_batch(plan: TablePlan, table: pa.Table, max_parallelism: int,
         if plan.kind == "list":
             values = _framed(values)
     out = [EntryChunk(plan.state, _join(prefix, body), values, kgs, rows)]
-    if plan.ttl is not None and expiry is not None:
+    if plan.ttl is not None and indexed is not None:  # an index entry per element expiry
+        owner = pa.array(indexed[0])
+        index = _join(prefix.take(owner), pa.scalar(TIME_DOMAINS[plan.ttl.time], _BINARY),
+                      _time_bytes(indexed[1]), pa.scalar(state_tag(plan.state), _BINARY),
+                      body.take(owner))
+        out.append(EntryChunk(TTL_INDEX, index, _empty_values(len(index)), kgs[indexed[0]],
+                              rows[indexed[0]]))
+    elif plan.ttl is not None and expiry is not None:
         index = _join(prefix, pa.scalar(TIME_DOMAINS[plan.ttl.time], _BINARY),
                       _time_bytes(expiry), pa.scalar(state_tag(plan.state), _BINARY), body)
         out.append(EntryChunk(TTL_INDEX, index, _empty_values(len(index)), kgs, rows))
@@ -345,12 +385,26 @@ def _codec_bytes(plan: TablePlan, source: pa.Array | pa.Table, rows: np.ndarray
         _null_error(plan, plan.value or VALUE, source, rows)
     if isinstance(codec, JsonCodec):
         encode = codec.encode
-        return pa.array([encode(v) for v in source.to_pylist()], _BINARY)
+        values = source.to_pylist()
+        if plan.json_text:
+            values = _parsed_json(plan, values, rows)
+        return pa.array([encode(v) for v in values], _BINARY)
     if pa.types.is_dictionary(source.type):
         source = source.cast(source.type.value_type)
     data = source.cast(pa.string()).view(_BINARY) if _is_text(source.type) \
         else source.cast(_BINARY)
     return _join(pa.scalar(_FORMAT[type(codec)], _BINARY), data)
+
+
+def _parsed_json(plan: TablePlan, texts: list[str], rows: np.ndarray) -> list[object]:
+    out = []
+    for i, text in enumerate(texts):
+        try:
+            out.append(json.loads(text))
+        except ValueError as exc:
+            raise _fail(plan.state, f"column {plan.value!r} holds text that is not JSON in "
+                                    f"{row_name(rows[i])}: {exc}") from None
+    return out
 
 
 def _record_bytes(plan: TablePlan, codec: RecordCodec, source: pa.Array | pa.Table,
@@ -382,15 +436,23 @@ def _record_bytes(plan: TablePlan, codec: RecordCodec, source: pa.Array | pa.Tab
 
 
 def _list_values(plan: TablePlan, table: pa.Table, expiry: np.ndarray | None,
-                 rows: np.ndarray) -> tuple[pa.Array, np.ndarray]:
+                 rows: np.ndarray
+                 ) -> tuple[pa.Array, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
     """A list per row: (list bytes, rows that hold an element: an empty list stores no
-    entry). With a TTL every element of a row gets the row's expiry."""
+    entry, and with expiries per element each element's (row, expiry) for the TTL index).
+    With a row's expiry every element of the row gets it."""
     col = _column(plan, table, plan.value or VALUE, rows)
     offsets = col.offsets.to_numpy().astype(np.int64)
     offsets -= offsets[0]
     lengths = np.diff(offsets)
     elements = _codec_bytes(plan, col.flatten(), np.repeat(rows, lengths))
-    if expiry is not None:
+    indexed = None
+    if plan.element_expiry:
+        owner = np.repeat(np.arange(len(col)), lengths)
+        times = _element_expiries(plan, table, lengths, rows)
+        elements = _join(_time_bytes(times), elements)
+        indexed = (owner, times)
+    elif expiry is not None:
         elements = _join(_time_bytes(np.repeat(expiry, lengths)), elements)
     framed = _framed(elements)
     ends = np.frombuffer(framed.buffers()[1], np.int32, len(framed) + 1, framed.offset)
@@ -398,7 +460,20 @@ def _list_values(plan: TablePlan, table: pa.Table, expiry: np.ndarray | None,
     lists = pa.BinaryArray.from_buffers(
         _BINARY, len(col), [None, pa.py_buffer(ends[offsets].astype(np.int32).tobytes()),
                             data])
-    return lists, lengths > 0
+    return lists, lengths > 0, indexed
+
+
+def _element_expiries(plan: TablePlan, table: pa.Table, lengths: np.ndarray,
+                      rows: np.ndarray) -> np.ndarray:
+    """A list column's expiries, one per element (``expires_at`` a list per row)."""
+    col = _column(plan, table, EXPIRES_AT, rows)
+    have = np.diff(col.offsets.to_numpy().astype(np.int64))
+    if (have != lengths).any():
+        i = int(np.flatnonzero(have != lengths)[0])
+        raise _fail(plan.state, f"column {EXPIRES_AT!r} holds {have[i]} expiries in "
+                                f"{row_name(rows[i])} for {lengths[i]} elements")
+    flat = pa.table({EXPIRES_AT: col.flatten()})
+    return _millis(plan, flat, EXPIRES_AT, np.repeat(rows, lengths))
 
 
 def _millis(plan: TablePlan, table: pa.Table, column: str, rows: np.ndarray) -> np.ndarray:

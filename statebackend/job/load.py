@@ -1,4 +1,4 @@
-"""Load a job named by the caller: ``load_job("pkg.module:attr")``.
+"""Load a job (or a transform) named by the caller: ``load_job("pkg.module:attr")``.
 
 The reference comes only from the caller (a CLI argument, the deployment's
 configuration), never from checkpoint storage: a `_metadata` names no code, and
@@ -26,25 +26,33 @@ def is_job_ref(text: str) -> bool:
 
 def load_job(ref: str) -> Job:
     """Import ``module`` of ``"module:attr"`` and return its `Job` ``attr``."""
+    obj = load_object(ref, "job", "examples.user_activity:job")
+    if not isinstance(obj, Job):
+        raise UsageError(f"job {ref!r} is a {type(obj).__name__}, not a statebackend.job.Job")
+    return obj
+
+
+def load_object(ref: str, what: str, example: str) -> object:
+    """Import ``module`` of ``"module:attr"`` and return ``attr`` (``what`` names it in
+    errors; ``example`` shows the form)."""
     found = _REF.match(ref or "")
     if found is None:
-        raise UsageError(f"job {ref!r} is not of the form package.module:attribute "
-                         "(e.g. examples.user_activity:job)")
+        raise UsageError(f"{what} {ref!r} is not of the form package.module:attribute "
+                         f"(e.g. {example})")
     module_name, attr = found.groups()
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name and module_name.startswith(exc.name):
-            raise UsageError(f"job {ref!r}: module {module_name!r} not found on the Python path "
-                             f"(cwd {os.getcwd()}); install it or set PYTHONPATH") from exc
+            raise UsageError(f"{what} {ref!r}: module {module_name!r} not found on the Python "
+                             f"path (cwd {os.getcwd()}); install it or set PYTHONPATH") from exc
         raise
-    obj = module
+    obj: object = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise UsageError(f"job {ref!r}: module {module_name!r} has no attribute {attr!r}")
+            raise UsageError(f"{what} {ref!r}: module {module_name!r} has no attribute "
+                             f"{attr!r}")
         obj = getattr(obj, part)
-    if not isinstance(obj, Job):
-        raise UsageError(f"job {ref!r} is a {type(obj).__name__}, not a statebackend.job.Job")
     return obj
 
 

@@ -40,6 +40,7 @@ from statebackend.checkpoint.local_copy import instance_dir, restored_copy
 from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskHandle
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import CheckpointNotFoundError, UsageError
+from statebackend.state.families import TIMERS
 from statebackend.state.kinds import STATE_KINDS, StateDescriptor
 from statebackend.state.state_table import (
     BATCH_ROWS,
@@ -145,8 +146,8 @@ def plan_read(store: CheckpointStore, checkpoint: str | int, state: str,
 
 def _state(descriptors: tuple[StateDescriptor, ...], name: str,
            meta: CheckpointMetadata) -> StateDescriptor:
-    own = sorted(d.name for d in descriptors if d.kind in STATE_KINDS)
-    found = next((d for d in descriptors if d.name == name and d.kind in STATE_KINDS), None)
+    own = sorted(d.name for d in descriptors if d.kind in STATE_KINDS or d.name == TIMERS)
+    found = next((d for d in descriptors if d.name == name and name in own), None)
     if found is None:
         raise UsageError(f"state {name!r} is not in checkpoint {meta.checkpoint_id} of job "
                          f"{meta.job!r}; its states: {', '.join(own) or '(none)'}")

@@ -52,8 +52,10 @@ if TYPE_CHECKING:
 SCHEMA_KEYS = ("schema_version", "upgrade_version", "history")
 KEY = "<key>"  # the pseudo-state of a change of the job's key column
 MIGRATE_HINT = ("no rule migrates that: keep the old declaration, or declare the changed "
-                "state under a new name (it starts empty, the old one is dropped), or run "
-                "the changed job as a new lineage (--job NEW)")
+                "state under a new name (it starts empty, the old one is dropped), or move "
+                "the state with your own function into a savepoint of the changed job "
+                "(`ckpt migrate`, docs/state-as-data.md) and start it as a new lineage "
+                "(--job NEW --start-from)")
 # Avro's promotions: the types a stored field may be read as without loss of kind.
 WIDENINGS = {"int32": ("int64", "float32", "float64"), "int64": ("float32", "float64"),
              "float32": ("float64",)}

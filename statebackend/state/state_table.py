@@ -14,6 +14,11 @@ Columns (`state_schema`), in this order:
   aligned with ``value``: list elements expire one by one);
 - ``key_group`` (int32), ``subtask`` (int32).
 
+A JSON value's field carries the metadata `JSON_TEXT`: a bootstrap table (and a
+transform's output) that keeps it hands the text back as the JSON it holds.
+The timers (``_timers``, `TIMER_SCHEMA`): ``key``, ``time`` (timestamp, UTC),
+``domain`` (``event`` or ``processing``), ``tag``, ``key_group``, ``subtask``.
+
 Record field types map one to one: int32, int64, float32, float64, bool. Reducing
 states show their stored value, aggregating states their accumulator (the result
 function is code, not state), as ``ckpt dump`` does.
@@ -58,8 +63,10 @@ from statebackend.state.codecs import (
     deserialize_key,
     split_map_key,
 )
+from statebackend.state.families import TIMERS
 from statebackend.state.keygroups import KeyGroupRange
 from statebackend.state.kinds import STATE_KINDS, StateDescriptor
+from statebackend.state.timers import parse_timer_key
 
 if TYPE_CHECKING:
     from statebackend.state.backend import KeyedStateBackend
@@ -72,6 +79,10 @@ _FIELD_TYPES = {"int32": pa.int32(), "int64": pa.int64(), "float32": pa.float32(
 _TIME_OFFSET = np.uint64(1 << 63)
 _MAX_MS = np.int64((2**63 - 1) // 1000)  # the widest epoch ms a timestamp[us] holds
 BATCH_ROWS = 65_536
+JSON_TEXT = {b"ckpt.encoding": b"json-text"}  # a string field of values as JSON text
+TIMER_SCHEMA = pa.schema([pa.field("key", pa.string()), pa.field("time", TIMESTAMP),
+                          pa.field("domain", pa.string()), pa.field("tag", pa.string()),
+                          pa.field("key_group", pa.int32()), pa.field("subtask", pa.int32())])
 
 
 @dataclass(frozen=True)
@@ -104,7 +115,9 @@ def _spread(desc: StateDescriptor, shape: TableShape) -> bool:
 
 def state_schema(desc: StateDescriptor, shape: TableShape = TableShape()) -> pa.Schema:
     """The columns of ``desc``'s table (module doc); UsageError for an internal state or a
-    record field named like another column."""
+    record field named like another column. The timers: `TIMER_SCHEMA`."""
+    if desc.name == TIMERS:
+        return TIMER_SCHEMA
     if desc.kind not in STATE_KINDS:
         raise UsageError(f"state {desc.name!r} is internal ({desc.kind}); read one of the "
                          "job's own states")
@@ -114,6 +127,7 @@ def state_schema(desc: StateDescriptor, shape: TableShape = TableShape()) -> pa.
     if desc.kind == "list" and shape.explode:
         fields.append(pa.field("position", pa.int32()))
     vtype = value_type(desc.codec)
+    meta = JSON_TEXT if isinstance(desc.codec, JsonCodec) else None
     if _spread(desc, shape):
         assert isinstance(desc.codec, RecordCodec)
         clash = [n for n in desc.codec.names if n in RESERVED_COLUMNS]
@@ -123,9 +137,9 @@ def state_schema(desc: StateDescriptor, shape: TableShape = TableShape()) -> pa.
                              "(fields_as_columns=False)")
         fields += list(vtype)
     elif _array_mode(desc, shape):
-        fields.append(pa.field("value", pa.list_(vtype)))
+        fields.append(pa.field("value", pa.list_(vtype), metadata=meta))
     else:
-        fields.append(pa.field("value", vtype))
+        fields.append(pa.field("value", vtype, metadata=meta))
     if desc.ttl is not None:
         fields.append(pa.field("expires_at", pa.list_(TIMESTAMP) if _array_mode(desc, shape)
                                else TIMESTAMP))
@@ -150,17 +164,49 @@ def state_batches(backend: KeyedStateBackend, read: StateRead,
     ``expected_rows``: the state's entry count in this subtask (metadata), which sizes
     the key-group spans read at once; None reads the whole range at once.
     """
-    schema = state_schema(read.desc, read.shape)
     for span in key_group_spans(backend.key_group_range, expected_rows, read.shape.batch_rows):
-        keys, values = backend.read_raw(read.desc.name, span)
-        if keys:
-            try:
-                batch = _decode(keys, values, read, schema)
-            except SerializationError as exc:
-                raise SerializationError(f"state {read.desc.name!r} of {backend.label}: "
-                                         f"{exc}") from exc
-            if batch.num_rows:
-                yield batch
+        batch = read_span(backend, read, span)
+        if batch is not None:
+            yield batch
+
+
+def read_span(backend: KeyedStateBackend, read: StateRead, span: KeyGroupRange
+              ) -> pa.RecordBatch | None:
+    """The live entries of ``read``'s state in key groups ``span`` (None: none); the
+    timers when the state is ``_timers``."""
+    if read.desc.name == TIMERS:
+        return _timer_batch(backend, read.subtask, span)
+    keys, values = backend.read_raw(read.desc.name, span)
+    if not keys:
+        return None
+    try:
+        batch = _decode(keys, values, read, state_schema(read.desc, read.shape))
+    except SerializationError as exc:
+        raise SerializationError(f"state {read.desc.name!r} of {backend.label}: "
+                                 f"{exc}") from exc
+    return batch if batch.num_rows else None
+
+
+def _timer_batch(backend: KeyedStateBackend, subtask: int, span: KeyGroupRange
+                 ) -> pa.RecordBatch | None:
+    """The timers of key groups ``span`` (`TIMER_SCHEMA`), in firing order per domain."""
+    if TIMERS not in backend.column_families:
+        return None
+    keys, _ = backend.read_raw(TIMERS, span, values=False)
+    if not keys:
+        return None
+    try:
+        timers = [parse_timer_key(k) for k in keys]
+    except SerializationError as exc:
+        raise SerializationError(f"timers of {backend.label}: {exc}") from exc
+    n = len(timers)
+    return pa.RecordBatch.from_arrays([
+        pa.array([t.key for t in timers], pa.string()),
+        _timestamps(np.fromiter((t.time for t in timers), np.int64, n)),
+        pa.array([t.domain for t in timers], pa.string()),
+        pa.array([t.tag for t in timers], pa.string()),
+        pa.array(np.fromiter((t.key_group for t in timers), np.int32, n)),
+        pa.array(np.full(n, subtask, np.int32))], schema=TIMER_SCHEMA)
 
 
 def key_group_spans(whole: KeyGroupRange, expected_rows: int | None,

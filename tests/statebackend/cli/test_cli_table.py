@@ -47,12 +47,15 @@ TABLE: dict[str, tuple[list[str], list[str], list[str] | None]] = {
 ROOT_COMMANDS = {"jobs"}  # need --storage only: a bad --job does not apply
 # Commands that load a job module (MODULE:ATTR): their successful runs are tested elsewhere
 # (tests/jobs/test_run_protocol.py runs `ckpt run` as a subprocess, tests/evolution
-# `ckpt check`, tests/jobs/test_bootstrap.py `ckpt bootstrap`); their refusals here.
+# `ckpt check`, tests/jobs/test_bootstrap.py `ckpt bootstrap`, tests/jobs/test_transform.py
+# `ckpt migrate`); their refusals here.
 SPARK_COMMANDS = {"run": ["jobs.keyed_aggregation:JOB", "--input", "{tmp}", "--run-id", "r",
                           "--output", "{tmp}/out"],
                   "check": ["jobs.keyed_aggregation:JOB"],
                   "bootstrap": ["jobs.keyed_aggregation:JOB", "--state", "totals={tmp}",
-                                "--savepoint", "sp", "--parallelism", "2"]}
+                                "--savepoint", "sp", "--parallelism", "2"],
+                  "migrate": [f"{JOB}:latest", "tests.jobs.transform_data:split_per_key",
+                              "--to", "jobs.keyed_aggregation:JOB", "--savepoint", "sp"]}
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -36,13 +37,14 @@ from statebackend.checkpoint.snapshot import checkpoint_backends, snapshot
 from statebackend.checkpoint.store import CheckpointStore, MetadataParts, build_metadata
 from statebackend.cli import app as cli
 from statebackend.errors import CheckpointNotFoundError, JobNotFoundError, UsageError
-from statebackend.job import ReadOptions, read_state
+from statebackend.job import ReadOptions, RunConfig, bootstrap_state, read_state, run_job
 from statebackend.state.backend import KeyedStateBackend
 from statebackend.state.codecs import BytesCodec, JsonCodec, RecordCodec, StrCodec
 from statebackend.state.keygroups import key_group_range_for_subtask
 from statebackend.state.kinds import StateDescriptor
 from statebackend.state.ttl import StateTtl
 from statebackend.storage import open_storage
+from tests.jobs.bootstrap_data import KINDS, kinds_tables
 from tests.statebackend.helpers import DESCRIPTORS as HELPER_DESCRIPTORS
 from tests.statebackend.helpers import Average, close_all, fill, keys, open_backends, route
 
@@ -522,3 +524,25 @@ def test_the_docs_example_runs_and_matches_pandas(spark, monkeypatch, capsys):
     assert got == {k: int(v) for k, v in want.items()}
     assert namespace["counts"].count() == rows.assign(
         category=rows["category"].str.lower())[["user", "category"]].drop_duplicates().shape[0]
+
+
+def test_the_timers_read_as_a_table_equal_the_dump(spark, tmp_path):
+    """``state="_timers"``: key, time, domain, tag per timer, as `ckpt dump` lists them."""
+    root = f"file://{tmp_path}/store"
+    tables = {n: pa.Table.from_pandas(t, preserve_index=False)
+              for n, t in kinds_tables(np.random.default_rng(3)).items()}
+    seed = bootstrap_state(KINDS, root, "seed", tables, parallelism=2, max_parallelism=32)
+    (tmp_path / "in").mkdir()
+    pd.DataFrame({"k": ["u1"], "ts": [50]}).to_parquet(tmp_path / "in" / "part.parquet")
+    run_job(KINDS, RunConfig(input=str(tmp_path / "in"), storage=root, job="kinds", run_id="r",
+                             output=str(tmp_path / "out"), engine="local", logical_time_ms=0,
+                             start_from=seed["start_from"]))
+    got = read_state(spark, root, "kinds", state="_timers").toArrow()
+    assert got.schema.names == ["key", "time", "domain", "tag", "key_group", "subtask"]
+    dump = [r for r in cli_dump(root, "kinds", str(tmp_path / "dump.jsonl"))
+            if r["state"] == "_timers"]
+    want = sorted((r["key"], r["value"]["time"], r["value"]["kind"], r["user_key"] or "",
+                   r["key_group"], r["subtask"]) for r in dump)
+    assert len(want) == len(tables["_timers"]) > 0
+    assert sorted((r["key"], r["time"].timestamp() * 1000 // 1, r["domain"], r["tag"],
+                   r["key_group"], r["subtask"]) for r in got.to_pylist()) == want
