@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pandas as pd
 
@@ -39,3 +40,14 @@ def referenced_paths(store: CheckpointStore) -> set[str]:
 
 def stored_files(store: CheckpointStore, folder: str) -> set[str]:
     return {i.path for i in store.storage.walk_files(folder)}
+
+
+def run_docs_example(page: str, section: str) -> dict:
+    """Run the first Python block of ``section`` (a ``## `` heading) of docs/``page``;
+    its global names."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / page).read_text()
+    body = text.split(f"## {section}", 1)[1].split("\n## ", 1)[0]
+    code = body.split("```python\n", 1)[1].split("```", 1)[0]
+    scope: dict = {}
+    exec(compile(code, f"docs/{page}", "exec"), scope)  # noqa: S102 - our own docs
+    return scope

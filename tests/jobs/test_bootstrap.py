@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -43,7 +42,7 @@ from tests.jobs.bootstrap_data import (
     kinds_tables,
     state_tables,
 )
-from tests.jobs.helpers import store_of
+from tests.jobs.helpers import run_docs_example, store_of
 
 DAY = 86_400_000
 
@@ -177,11 +176,7 @@ def test_dump_of_a_bootstrapped_savepoint_equals_its_tables(tmp_path):
 
 
 def test_the_docs_example_runs_and_continues_the_history():
-    text = (Path(__file__).resolve().parents[2] / "docs" / "state-as-data.md").read_text()
-    section = text.split("## Bootstrap a job from tables", 1)[1].split("\n## ", 1)[0]
-    code = section.split("```python\n", 1)[1].split("```", 1)[0]
-    scope: dict = {}
-    exec(compile(code, "docs/state-as-data.md", "exec"), scope)  # noqa: S102 - our own docs
+    scope = run_docs_example("state-as-data.md", "Bootstrap a job from tables")
     store = store_of(f"file://{scope['root']}/state", "spend")
     assert store.latest().checkpoint_id == 2
     got = {r["key"]: r["value"] for r in checkpoint_rows(store, store.latest())}

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import threading
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -44,7 +43,7 @@ from tests.evolution.card_spend import VERSIONS, dumped, events
 from tests.evolution.test_evolution import same
 from tests.jobs import transform_data as data
 from tests.jobs.bootstrap_data import KINDS, kinds_tables
-from tests.jobs.helpers import store_of
+from tests.jobs.helpers import run_docs_example, store_of
 
 DAY = 86_400_000
 
@@ -221,11 +220,7 @@ def test_an_identity_transform_of_every_kind_ttl_and_timers_keeps_every_entry(tm
 
 
 def test_the_docs_example_splits_drops_and_continues():
-    text = (Path(__file__).resolve().parents[2] / "docs" / "state-as-data.md").read_text()
-    section = text.split("## Transform state into a new savepoint", 1)[1].split("\n## ", 1)[0]
-    code = section.split("```python\n", 1)[1].split("```", 1)[0]
-    scope: dict = {}
-    exec(compile(code, "docs/state-as-data.md", "exec"), scope)  # noqa: S102 - our own docs
+    scope = run_docs_example("state-as-data.md", "Transform state into a new savepoint")
     assert scope["result"]["entries"] == {"n": 1, "spend": 1}
     store = store_of(scope["storage"], "spend_v2")
     got = {(r["state"], r["key"]): r["value"] for r in checkpoint_rows(store, store.latest())}
