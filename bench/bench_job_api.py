@@ -52,9 +52,9 @@ def vectorized_totals(batch, ctx):
                                                             ("value", "sum")])
     keys = g["key"]
     totals = ctx.state("totals")
-    _, old = totals.get_columns(keys)
-    totals.put_columns(keys, {"count": old["count"] + g["value_count"].to_numpy(),
-                              "sum": old["sum"] + g["value_sum"].to_numpy()})
+    _, old = totals.value_columns(keys)
+    totals.update_columns(keys, {"count": old["count"] + g["value_count"].to_numpy(),
+                                 "sum": old["sum"] + g["value_sum"].to_numpy()})
 
 
 def per_key_categories(key, rows, state):
