@@ -28,6 +28,7 @@ RESULT_SCHEMA = pa.schema([
     ("reasons", pa.string()), ("keys_touched", pa.int64()), ("restore_mode", pa.string()),
     ("reuploaded", pa.string()), ("outputs", pa.string()), ("bytes_uploaded", pa.int64()),
     *[(f"t_{p}", pa.float64()) for p in PHASES], ("t_detail", pa.string()),
+    ("t_started", pa.float64()), ("t_finished", pa.float64()),
     ("timers_fired", pa.int64()), ("ttl_purged", pa.int64()), ("counters", pa.string()),
     ("next_times", pa.string())])
 # The JSON-text columns of a result row and the fields they carry.
@@ -56,6 +57,7 @@ class TaskResult:
     ttl_purged: int = 0
     counters: Mapping[str, int] = field(default_factory=dict)  # the job's own counters
     next_times: Mapping[str, int | None] | None = None  # None: the state was not opened
+    window: tuple[float, float] = (0.0, 0.0)  # epoch seconds the task started and ended
 
     @property
     def bytes_uploaded(self) -> int:
@@ -75,6 +77,7 @@ class TaskResult:
             row[column] = json.dumps(list(value) if isinstance(value, tuple) else dict(value),
                                      sort_keys=True)
         row.update({f"t_{p}": float(self.phases.get(p, 0.0)) for p in PHASES})
+        row["t_started"], row["t_finished"] = self.window
         return row
 
     @staticmethod
@@ -94,6 +97,7 @@ class TaskResult:
             ttl_purged=row.get("ttl_purged") or 0,
             next_times=json.loads(row["next_times"]) if row.get("next_times") else None,
             phases={p: row[f"t_{p}"] for p in PHASES},
+            window=(row.get("t_started") or 0.0, row.get("t_finished") or 0.0),
             **{**texts, "uploaded": tuple(texts["uploaded"]),
                "reuploaded": tuple(texts["reuploaded"])})
 

@@ -81,7 +81,7 @@ from statebackend.job.publish import (
     run_dir_name,
 )
 from statebackend.job.results import RunTotals, TaskResult
-from statebackend.job.summary import CommittedRun, RunSummary
+from statebackend.job.summary import CommittedRun, RunSummary, RunTimeline
 from statebackend.job.task import TaskParams
 from statebackend.progress import NO_PROGRESS, ProgressSink
 from statebackend.settings import number
@@ -214,7 +214,9 @@ class _JobRun:
         attempt = Attempt(store, plan.checkpoint_id,
                           on_discard=lambda: delete_run_outputs(job, config))
         try:
+            planning_s, called = time.perf_counter() - plan.started, time.time()
             results = engine.run_tasks(self._task_params(plan, attempt.token), self.progress)
+            returned = time.time()
             attempt.add_uploaded(p for r in results for p in r.uploaded)
             self.progress.phase(f"run {config.run_id}: committing checkpoint "
                                 f"{plan.checkpoint_id}")
@@ -236,7 +238,8 @@ class _JobRun:
         # A crash from here on leaves a committed run without _SUCCESS: its re-run is
         # skipped and finishes the publication (`skipped`).
         publish_outputs(job, config, self.progress)
-        return self._committed(plan, meta, results, totals, time.perf_counter() - t_commit)
+        return self._committed(plan, meta, results, totals, RunTimeline(
+            planning_s, called, returned, time.perf_counter() - t_commit))
 
     def _task_params(self, plan: RunPlan, token: str) -> TaskParams:
         config, store, clock = self.config, self.store, plan.clock
@@ -256,12 +259,13 @@ class _JobRun:
             attempt_token=token, migration=plan.migration)
 
     def _committed(self, plan: RunPlan, meta: CheckpointMetadata, results: list[TaskResult],
-                   totals: RunTotals, committing_s: float) -> RunSummary:
+                   totals: RunTotals, timeline: RunTimeline) -> RunSummary:
         files, clock = plan.files, plan.clock
         return self._summary(
             meta.checkpoint_id, plan.parallelism, plan.started, totals=totals,
             bytes_uploaded=meta.bytes_uploaded,
-            timings={**totals.phases, "committing": committing_s},
+            timings={**totals.phases, "committing": timeline.committing_s},
+            time_split=timeline.split(results),
             committed=CommittedRun(
                 parent=meta.parent, output=self.config.output,
                 restore_modes=tuple(r.restore_mode for r in results),

@@ -8,14 +8,50 @@ the top level (e.g. ``duplicates_dropped``) unless they would shadow a field.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from statebackend.job.input import SKIPPED_NAMES_SHOWN
-from statebackend.job.results import RunTotals
+from statebackend.job.results import RunTotals, TaskResult
 
 TIMING_KEYS = ("restoring", "processing", "snapshotting", "uploading", "committing")
+TIME_SPLIT_KEYS = ("planning", "before_subtasks", "subtasks", "after_subtasks", "committing")
+
+
+@dataclass(frozen=True)
+class RunTimeline:
+    """When a committed run's parts happened, for `time_split`: seconds of planning (from
+    the run's start to the tasks' call: listing, engine choice, Spark's start, the
+    watermark's job), the wall-clock epoch seconds the engine was called and returned,
+    and seconds of committing (checks, commit, publication)."""
+
+    planning_s: float
+    tasks_called: float
+    tasks_returned: float
+    committing_s: float
+
+    def split(self, results: Sequence[TaskResult]) -> dict[str, float]:
+        """Where the run's wall time went (`TIME_SPLIT_KEYS`, seconds):
+
+        - ``before_subtasks``: from the engine's call to the first subtask's start. On
+          Spark: scheduling, reading the input, routing and the shuffle; locally:
+          reading and routing;
+        - ``subtasks``: from the first subtask's start to the last one's end, waves
+          included (their own phases are ``timings``);
+        - ``after_subtasks``: from the last subtask's end to the results on the driver.
+
+        Subtasks on other hosts time themselves with their own clocks, so on a cluster
+        the middle parts carry the hosts' clock skew.
+        """
+        windows = [r.window for r in results if r.window[0] > 0]
+        first = min((w[0] for w in windows), default=self.tasks_returned)  # none: unknown
+        last = max((w[1] for w in windows), default=first)
+        first = min(max(first, self.tasks_called), self.tasks_returned)
+        last = min(max(last, first), self.tasks_returned)
+        parts = (self.planning_s, first - self.tasks_called, last - first,
+                 self.tasks_returned - last, self.committing_s)
+        return {k: round(max(0.0, v), 3) for k, v in zip(TIME_SPLIT_KEYS, parts, strict=True)}
 
 
 @dataclass(frozen=True)
@@ -53,6 +89,7 @@ class RunSummary:
     timings: Mapping[str, float] = field(default_factory=dict)
     committed: CommittedRun | None = None
     output_parts_missing: tuple[str, ...] = ()
+    time_split: Mapping[str, float] = field(default_factory=dict)  # committed runs
 
     def to_json(self) -> dict[str, Any]:
         t = self.totals
@@ -79,6 +116,7 @@ class RunSummary:
             input_files_skipped_names=list(c.skipped_files[:SKIPPED_NAMES_SHOWN]))
         if c.warnings:
             out["warnings"] = list(c.warnings)
+        out["time_split"] = dict(self.time_split)
         out.update(watermark=c.watermark, processing_time=c.processing_time,
                    timers_fired=t.timers_fired, ttl_purged=t.ttl_purged, late_rows=t.late,
                    counters=dict(t.counters))

@@ -141,8 +141,9 @@ def run_one_subtask(params: TaskParams, subtask: int, attempt: int,
     `row_order`); on failure its uploads are removed and its instance closed before the
     exception goes on."""
     runner = SubtaskRun(params, subtask, attempt)
+    started = time.time()  # wall clock: the driver places the task in the run's timeline
     try:
-        return runner.run(batches)
+        return replace(runner.run(batches), window=(started, time.time()))
     except BaseException as exc:
         runner.discard()
         # The failed frames hold state handles, and RocksDB keeps the instance open (its
