@@ -70,6 +70,31 @@ def murmur3_32(data: bytes) -> int:
     return mmh3.hash(data, 0, signed=False)
 
 
+def spark_hash(data: bytes) -> int:
+    """Spark SQL's ``hash()`` of a string's UTF-8 bytes, as a signed int: Murmur3 x86_32,
+    seed 42, the tail bytes mixed one at a time, each sign-extended
+    (``Murmur3_x86_32.hashUnsafeBytes``); `keygroups_bulk.spark_hash_many` over columns."""
+    def mix(h: int, k: int) -> int:
+        k = (k * 0xCC9E2D51) & 0xFFFFFFFF
+        k = ((k << 15) | (k >> 17)) & 0xFFFFFFFF
+        h ^= (k * 0x1B873593) & 0xFFFFFFFF
+        h = ((h << 13) | (h >> 19)) & 0xFFFFFFFF
+        return (h * 5 + 0xE6546B64) & 0xFFFFFFFF
+
+    h, aligned = 42, len(data) - len(data) % 4
+    for i in range(0, aligned, 4):
+        h = mix(h, int.from_bytes(data[i:i + 4], "little"))
+    for byte in data[aligned:]:
+        h = mix(h, (byte - 256 if byte >= 128 else byte) & 0xFFFFFFFF)
+    h ^= len(data)
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    h ^= h >> 16
+    return h - (1 << 32) if h >= 1 << 31 else h
+
+
 def key_group_for_bytes(serialized_key: bytes, max_parallelism: int) -> int:
     return mmh3.hash(serialized_key, 0, signed=False) % max_parallelism
 

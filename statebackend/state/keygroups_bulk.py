@@ -4,6 +4,12 @@ the scalar contract these equal value for value; tests compare them on random ke
 `murmur3_32_many` hashes every value of a string/binary array in NumPy (4-byte blocks
 of all keys at once), `key_groups` maps keys to key groups and `prefixed_keys` builds
 the RocksDB keys (2-byte big-endian key group + key bytes).
+
+`spark_hash_many` is Spark SQL's ``hash(key)`` of a string column over the same
+buffers: Murmur3 x86_32 with seed 42 whose tail bytes are mixed one by one, each
+sign-extended (``Murmur3_x86_32.hashUnsafeBytes``, kept by Spark for compatibility),
+as a signed int32. A key-group rule over it can be computed inside the JVM
+(``pmod(hash(key), M)``) and equally here (`keygroups.spark_hash` is the scalar form).
 """
 
 from __future__ import annotations
@@ -25,9 +31,20 @@ def murmur3_32_many(values: pa.Array | pa.ChunkedArray) -> np.ndarray:
     Vectorized over keys: step j mixes block j of every key that has one, so the
     Python loop runs once per 4 bytes of the longest key, never once per key.
     """
+    return _murmur3_many(values, 0, spark_tail=False)
+
+
+def spark_hash_many(values: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """Spark SQL's ``hash()`` of every value's bytes (module doc) as int32; null -> 42
+    (Spark's hash of a null is its seed)."""
+    return _murmur3_many(values, 42, spark_tail=True).view(np.int32)
+
+
+def _murmur3_many(values: pa.Array | pa.ChunkedArray, seed: int, spark_tail: bool
+                  ) -> np.ndarray:
     arr = _binary_view(values)
     n = len(arr)
-    h = np.zeros(n, dtype=np.uint32)
+    h = np.full(n, seed, dtype=np.uint32)
     if n == 0:
         return h
     offsets_buf, data_buf = arr.buffers()[1], arr.buffers()[2]
@@ -61,7 +78,15 @@ def murmur3_32_many(values: pa.Array | pa.ChunkedArray) -> np.ndarray:
             if active is not None:
                 active = active[blocks[active] > j]
         tail = length & 3
-        if tail.any():
+        if spark_tail:  # each tail byte a block of its own, sign-extended
+            for t in range(3):
+                has = np.flatnonzero(tail > t)
+                if has.size:
+                    b = padded[start[has] + 4 * blocks[has] + t].view(np.int8)
+                    x = h[has]
+                    _mix_block(x, b.astype(np.int32).view(np.uint32))
+                    h[has] = x
+        elif tail.any():
             # the tail's bytes only: mask off what follows the key (a key without tail: 0)
             k = word[np.minimum(start + 4 * blocks, len(word) - 1)]
             k &= _TAIL_MASKS[tail]
@@ -73,7 +98,7 @@ def murmur3_32_many(values: pa.Array | pa.ChunkedArray) -> np.ndarray:
         h *= np.uint32(0xC2B2AE35)
         h ^= h >> 16
     if arr.null_count:
-        h[np.asarray(arr.is_null())] = 0
+        h[np.asarray(arr.is_null())] = seed
     return h
 
 
