@@ -84,7 +84,8 @@ def ours_run(spark, spec: dict, day: int) -> dict:
         engine=spec.get("engine")), spark)
     wall = time.perf_counter() - started
     return {"wall_s": wall, "events": s["events_read"], "bytes": dir_bytes(store) - before,
-            "timings": s["timings"], "engine": s.get("engine", "spark")}
+            "timings": s["timings"], "engine": s.get("engine", "spark"),
+            "time_split": s.get("time_split", {})}
 
 
 def spark_run(spark, spec: dict, day: int) -> dict:
@@ -284,6 +285,9 @@ def _print_run(mode: str, variant: str, r: dict) -> None:
     print(f"{mode:8} {variant:19} day {r['day']}: {r['wall_s']:7.2f} s  "
           f"{r['events'] / r['wall_s']:10.0f} events/s  {r['bytes']:>12,} bytes written"
           f"{engine}{where}", flush=True)
+    if r.get("time_split"):  # where the run's wall time went (the summary's time_split)
+        print(f"{'':28} wall: " + ", ".join(f"{k} {v:.2f}" for k, v in
+                                           r["time_split"].items()), flush=True)
 
 
 def report(table: dict, args: argparse.Namespace) -> None:
