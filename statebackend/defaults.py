@@ -12,6 +12,10 @@ from __future__ import annotations
 
 # Key groups of a new lineage (fixed for its whole life; Flink's default is 128 too).
 MAX_PARALLELISM = 128
+# How a new lineage places keys in key groups (statebackend.state.keygroups): "spark",
+# Spark SQL's hash(), lets the Spark engine route rows inside the JVM; an existing
+# lineage keeps the hash its records name ("murmur3" when they name none).
+KEY_HASH = "spark"
 # A run fails (and commits nothing) when more than this fraction of its input is rejected.
 MAX_REJECT_FRACTION = 0.01
 # Retention keeps the newest N committed checkpoints (plus savepoints and leased ones).
@@ -29,7 +33,7 @@ LOCAL_ENGINE_MAX_STATE_BYTES = 256 * 2**20
 # A local-engine run holds its whole (decompressed) input in memory: at most this much.
 LOCAL_ENGINE_MAX_MEMORY_BYTES = 2**30
 
-__all__ = ["ENGINE", "ENGINES", "GC_GRACE_SECONDS", "LOCAL_ENGINE_MAX_BYTES",
+__all__ = ["ENGINE", "ENGINES", "GC_GRACE_SECONDS", "KEY_HASH", "LOCAL_ENGINE_MAX_BYTES",
            "LOCAL_ENGINE_MAX_MEMORY_BYTES", "LOCAL_ENGINE_MAX_STATE_BYTES",
            "MAX_PARALLELISM", "MAX_REJECT_FRACTION",
            "RETENTION_KEEP"]

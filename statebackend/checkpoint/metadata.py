@@ -53,6 +53,10 @@ Layout of one record (format 1)::
 committed the record (`statebackend.checkpoint.leases`); records written before
 epochs have none (read as 0), and an epoch never goes down along a lineage.
 
+``key_hash`` (optional, ``spark``) names the hash that places the lineage's keys in key
+groups (`statebackend.state.keygroups`); records without it, as every record of
+earlier releases, are ``murmur3``. It never changes along a lineage.
+
 ``watermark`` (event time, epoch ms: max event time seen minus the allowed
 lateness, never decreasing) and ``processing_time`` (the logical time of the run
 that wrote the record, epoch ms) are optional: written only when set, absent or
@@ -75,7 +79,9 @@ from statebackend.checkpoint.layout import METADATA_FILE, SAVEPOINTS_DIR, SHARED
 from statebackend.errors import CkptError, MetadataError, UnsupportedFormatVersionError
 from statebackend.state.families import INTERNAL_STATES
 from statebackend.state.keygroups import (
+    KEY_HASHES,
     MAX_MAX_PARALLELISM,
+    MURMUR3,
     KeyGroupRange,
     key_group_range_for_subtask,
 )
@@ -245,6 +251,7 @@ class CheckpointMetadata:
     watermark: int | None = None
     processing_time: int | None = None
     epoch: int = 0  # fencing epoch of the writer (0: written before epochs)
+    key_hash: str = MURMUR3  # how the lineage's keys are placed in key groups
 
     # -- derived figures ---------------------------------------------------
     @property
@@ -285,6 +292,7 @@ class CheckpointMetadata:
             "rows": sum(sum(s.row_counts.values()) for s in self.subtasks),
             "watermark": self.watermark,
             "processing_time": self.processing_time,
+            "key_hash": self.key_hash,
             "states": [s["name"] for s in self.states],
             # each state's schema (statebackend.state.schema): versions and history
             "schemas": [dict(s) for s in self.states],
@@ -323,6 +331,8 @@ class CheckpointMetadata:
             out["processing_time"] = self.processing_time
         if self.epoch:
             out["epoch"] = self.epoch
+        if self.key_hash != MURMUR3:
+            out["key_hash"] = self.key_hash
         return out
 
     def to_bytes(self) -> bytes:
@@ -363,6 +373,9 @@ class CheckpointMetadata:
         for name, value in (("watermark", watermark), ("processing_time", processing_time)):
             _require(value is None or _is_int(value), where,
                      f"{name} {value!r} must be an integer (epoch ms) or null")
+        key_hash = obj.get("key_hash", MURMUR3)
+        _require(key_hash in KEY_HASHES, where,
+                 f"key_hash {key_hash!r} is not one of {list(KEY_HASHES)}")
         epoch = obj.get("epoch", 0)
         _require(_is_int(epoch) and 0 <= epoch <= MAX_COUNT, where,
                  f"epoch {epoch!r} must be an integer >= 0")
@@ -392,6 +405,7 @@ class CheckpointMetadata:
             watermark=watermark,
             processing_time=processing_time,
             epoch=epoch,
+            key_hash=key_hash,
         )
         _check_ids(meta, where)
         _check_key_groups(meta, where)

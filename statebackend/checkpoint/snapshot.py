@@ -185,7 +185,8 @@ def checkpoint_backends(store: CheckpointStore, backends: Sequence[KeyedStateBac
             job=store.job, checkpoint_id=cid, parent=parent,
             max_parallelism=first.max_parallelism,
             states=[d.to_json() for d in first.descriptors.values()],
-            handles=[r.handle for r in results], run_id=run_id, inputs=inputs, extra=extra))
+            handles=[r.handle for r in results], run_id=run_id, inputs=inputs, extra=extra,
+            key_hash=first.key_hash))
     except BaseException:
         attempt.discard()
         raise

@@ -66,7 +66,7 @@ from statebackend.errors import (
     UnsafePathError,
     UsageError,
 )
-from statebackend.state.keygroups import check_parallelism, key_group_range_for_subtask
+from statebackend.state.keygroups import MURMUR3, check_parallelism, key_group_range_for_subtask
 from statebackend.storage import Storage, child_storage, safe_relpath
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
@@ -488,6 +488,7 @@ class MetadataParts:
     rescaled_from: int | None = None
     source: dict[str, Any] | None = None
     extra: Mapping[str, Any] | None = None
+    key_hash: str = MURMUR3  # the lineage's (a new lineage's choice, else its parent's)
 
 
 def build_metadata(parts: MetadataParts) -> CheckpointMetadata:
@@ -506,4 +507,4 @@ def build_metadata(parts: MetadataParts) -> CheckpointMetadata:
         parallelism=parallelism, max_parallelism=parts.max_parallelism,
         states=tuple(dict(s) for s in parts.states), subtasks=tuple(ordered), kind=parts.kind,
         run_id=parts.run_id, input=tuple(parts.inputs), rescaled_from=parts.rescaled_from,
-        source=parts.source, extra=dict(parts.extra or {}))
+        source=parts.source, extra=dict(parts.extra or {}), key_hash=parts.key_hash)

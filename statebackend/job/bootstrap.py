@@ -13,8 +13,9 @@ table. The contract of each table and its checks: `statebackend.job.bootstrap_ta
 
 1. check every table's schema against the job (one-line UsageError naming the state
    and the column) before anything is read or written;
-2. route: a row's key group is murmur3_32 of its UTF-8 key mod M, its subtask
-   ``kg * P // M``, the rule of every job run (`statebackend.state.keygroups`);
+2. route: a row's key group is the new lineage's key hash (`defaults.KEY_HASH`) of its
+   UTF-8 key mod M, its subtask ``kg * P // M``, the rule of every later run
+   (`statebackend.state.keygroups`);
 3. Arrow and Parquet tables are encoded here, in threads, and checked row by row (a
    null key, a value its field cannot hold) before the savepoint's name is claimed;
    then every subtask writes sorted SSTs, ingests them into a new instance, snapshots
@@ -293,7 +294,8 @@ def _encode_local(task: BootstrapTask, inputs: Sequence[_Table], timings: dict[s
         t = time.thread_time()
         plan, part, start = item
         routed: list[list[EntryChunk]] = [[] for _ in range(p)]
-        for chunk in encode_batch(plan, part, m, np.arange(start, start + part.num_rows)):
+        for chunk in encode_batch(plan, part, m, np.arange(start, start + part.num_rows),
+                                  task.key_hash):
             subtask = chunk.key_groups * p // m
             order = np.argsort(subtask, kind="stable")
             bounds = np.searchsorted(subtask[order], np.arange(p + 1))
@@ -348,7 +350,7 @@ def _record(task: BootstrapTask, store: CheckpointStore, results: Sequence[Subta
         kind="checkpoint" if savepoint is None else "savepoint",
         source={"job": None, "checkpoint": None, "savepoint": None, **origin.source,
                 "bootstrap": {"entries": dict(sorted(entries.items()))}},
-        extra=extra))
+        extra=extra, key_hash=task.key_hash))
     return replace(meta, watermark=origin.watermark, processing_time=origin.processing_time)
 
 

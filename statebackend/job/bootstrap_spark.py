@@ -60,7 +60,8 @@ def write_with_spark(task: BootstrapTask, tables: Sequence[tuple[TablePlan, Any]
         rows = df.select(*(F.col(f"`{c}`") for c in plan.columns),
                          F.monotonically_increasing_id().alias(ROW))
         frames.append(rows.mapInArrow(
-            functools.partial(encode_rows, plan, task.max_parallelism, values),
+            functools.partial(encode_rows, plan, (task.max_parallelism, task.key_hash),
+                              values),
             f"{ENTRY_DDL}, {dispatch.PARTITION_COLUMN} int"))
     return write_entries(task, spark, functools.reduce(lambda a, b: a.unionByName(b), frames))
 
@@ -88,16 +89,18 @@ def as_task_failure() -> Iterator[None]:
         raise TaskFailedError(str(exc)) from exc
 
 
-def encode_rows(plan: TablePlan, max_parallelism: int, part_values: tuple[int, ...],
+def encode_rows(plan: TablePlan, key_space: tuple[int, str], part_values: tuple[int, ...],
                 batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    """``mapInArrow`` body: a state's rows as entry rows with their subtask's ``_p``."""
+    """``mapInArrow`` body: a state's rows as entry rows with their subtask's ``_p``
+    (``key_space``: max parallelism and key hash)."""
+    max_parallelism, key_hash = key_space
     for batch in batches:
         if not len(batch):
             continue
         rows = batch.column(ROW).to_numpy(zero_copy_only=False)
         table = pa.Table.from_batches([batch.drop_columns([ROW])])
         with as_task_failure():
-            chunks = encode_batch(plan, table, max_parallelism, rows)
+            chunks = encode_batch(plan, table, max_parallelism, rows, key_hash)
         yield from entry_batches(chunks, max_parallelism, part_values)
 
 

@@ -53,6 +53,7 @@ from statebackend.state.codecs import (
     StrCodec,
 )
 from statebackend.state.families import TIMER_KEYS, TIMERS, TTL_INDEX
+from statebackend.state.keygroups import MURMUR3
 from statebackend.state.keygroups_bulk import key_groups
 from statebackend.state.state_table import JSON_TEXT
 from statebackend.state.ttl import StateTtl, state_tag
@@ -287,13 +288,14 @@ def _json_type(t: pa.DataType) -> bool:
 # -- encoding --------------------------------------------------------------------------
 
 def encode_batch(plan: TablePlan, table: pa.Table, max_parallelism: int,
-                 rows: np.ndarray) -> list[EntryChunk]:
+                 rows: np.ndarray, key_hash: str = MURMUR3) -> list[EntryChunk]:
     """The entries of ``table``'s rows (``rows``: each row's number in the whole table,
-    named in errors and kept as the order of list elements)."""
+    named in errors and kept as the order of list elements), keys placed in key groups
+    by ``key_hash`` (the lineage's)."""
     if not table.num_rows:
         return []
     key_bytes = _keys(plan, table, plan.key, rows)
-    kgs = key_groups(key_bytes, max_parallelism)
+    kgs = key_groups(key_bytes, max_parallelism, key_hash)
     prefix = pa.array(kgs.astype(">u2").view("S2"), pa.binary(2)).cast(_BINARY)
     if plan.kind == TIMER_KIND:
         return _timer_entries(plan, table, key_bytes, (kgs, prefix), rows)

@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from rocksdict import DBCompressionType
 
+from statebackend import defaults
 from statebackend.checkpoint.attempt import record_uploads
 from statebackend.checkpoint.dump import split_body
 from statebackend.checkpoint.layout import savepoint_dir
@@ -79,6 +80,7 @@ class BootstrapTask:
     max_parallelism: int
     destination: Destination
     storage_options: StorageOptions = field(default_factory=StorageOptions, hash=False)
+    key_hash: str = defaults.KEY_HASH  # a new lineage's (statebackend.state.keygroups)
 
     def job_storage(self) -> Storage:
         return child_storage(open_storage(self.storage_url, **self.storage_options),

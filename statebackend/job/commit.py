@@ -55,7 +55,7 @@ def commit_record(plan: RunPlan, results: Sequence[TaskResult],
         parent=plan.parent.checkpoint_id if plan.parent else None,
         max_parallelism=plan.max_parallelism, states=plan.states, handles=handles,
         run_id=plan.config.run_id, inputs=[plan.config.input],
-        extra=record_extra(plan, ordered, totals, handles)))
+        extra=record_extra(plan, ordered, totals, handles), key_hash=plan.key_hash))
     if _keeps_time(plan):  # other jobs' records stay as they were
         meta = meta.with_changes(watermark=plan.clock.new_watermark,
                                  processing_time=plan.clock.processing_time)

@@ -17,7 +17,8 @@ code or the same rule:
   its line; docs/performance.md, "Input memory and its bound");
 - watermark: the max accepted event time over every row (`max_accepted_time`, which
   the Spark engine's top-k settles to the same value);
-- route: key group ``murmur3_32(key) mod M`` (`key_groups`, as Spark's routing pass),
+- route: key group ``hash(key) mod M`` with the lineage's key hash (`key_groups`, as
+  Spark's routing),
   subtask ``kg * P // M``; each subtask's rows sorted like Spark's
   ``sortWithinPartitions`` (`row_order`, nulls first; in the subtask's thread: the
   order columns are sorted, then the rows taken from the input table whole batches at
@@ -136,7 +137,7 @@ def subtask_rows(table: pa.Table, params: TaskParams) -> list[np.ndarray]:
     m, p = params.max_parallelism, params.parallelism
     if not table.num_rows:
         return [np.empty(0, np.int64)] * p
-    subtask = key_groups(table.column(params.job.input.key), m) * p // m
+    subtask = key_groups(table.column(params.job.input.key), m, params.key_hash) * p // m
     order = np.argsort(subtask, kind="stable")
     return np.split(order, np.cumsum(np.bincount(subtask, minlength=p))[:-1])
 

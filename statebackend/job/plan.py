@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
+from statebackend import defaults
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.defaults import MAX_PARALLELISM as DEFAULT_MAX_PARALLELISM
@@ -65,6 +66,12 @@ class RunPlan:
     def states(self) -> tuple[dict, ...]:
         """The schemas the commit records (statebackend.state.schema)."""
         return (self.evolution or new_lineage_plan(self.job)).states
+
+    @property
+    def key_hash(self) -> str:
+        """How the lineage places keys in key groups: its records', or for a new lineage
+        the default (`statebackend.defaults.KEY_HASH`)."""
+        return self.parent.key_hash if self.parent is not None else defaults.KEY_HASH
 
     @property
     def migration(self) -> EvolutionPlan | None:

@@ -256,7 +256,7 @@ class _JobRun:
             storage_options=store.root_storage.options,
             watermark=clock.watermark, new_watermark=clock.new_watermark,
             processing_time=clock.processing_time, must_run=clock.must_run,
-            attempt_token=token, migration=plan.migration)
+            attempt_token=token, migration=plan.migration, key_hash=plan.key_hash)
 
     def _committed(self, plan: RunPlan, meta: CheckpointMetadata, results: list[TaskResult],
                    totals: RunTotals, timeline: RunTimeline) -> RunSummary:

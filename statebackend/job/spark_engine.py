@@ -74,7 +74,8 @@ class SparkEngine:
         values = tuple(dispatch.partition_values(params.parallelism))
         routed = dispatch.route(
             read_input(self.spark, self.files, inp, self.reader),
-            dispatch.Routing(inp.key, params.max_parallelism, params.parallelism, values), ddl)
+            dispatch.Routing(inp.key, params.max_parallelism, params.parallelism, values,
+                             params.key_hash), ddl)
         tasks = dispatch.with_markers(self.spark, routed, ddl, lambda _v: marker_row(inp, MARKER),
                                       params.parallelism, row_order(job)).mapInArrow(
             functools.partial(run_subtask_task, params, values), RESULT_DDL)

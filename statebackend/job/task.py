@@ -50,7 +50,7 @@ from statebackend.job.arrow_input import LINE, raw_table
 from statebackend.job.core import REASON, ProcessResult, SubtaskProcessor
 from statebackend.job.results import PHASES, TaskResult
 from statebackend.state.backend import KeyedStateBackend
-from statebackend.state.keygroups import key_group_range_for_subtask
+from statebackend.state.keygroups import MURMUR3, key_group_range_for_subtask
 from statebackend.state.migrate import migrate_backend
 from statebackend.state.schema import EvolutionPlan
 from statebackend.storage import Storage, StorageOptions, child_storage, open_storage
@@ -125,6 +125,7 @@ class TaskParams:
     attempt_token: str = ""
     # A state schema evolution to apply right after the restore (state/migrate.py).
     migration: EvolutionPlan | None = None
+    key_hash: str = MURMUR3  # the lineage's (statebackend.state.keygroups)
 
     def open(self, url: str) -> Storage:
         return open_storage(url, **self.storage_options)
@@ -191,6 +192,7 @@ class SubtaskRun:
             self.backend = KeyedStateBackend(local_dir, self.job.descriptors,
                                              p.max_parallelism, kg)
             self.restore_mode = "new"
+        self.backend.place_keys_by(p.key_hash)
         tune(self.backend, self.job.compression)
         if p.migration is not None and self.parent is not None:
             clock = p.new_watermark if p.new_watermark is not None else p.watermark

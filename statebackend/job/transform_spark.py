@@ -39,16 +39,20 @@ def transform_with_spark(spark: Any, read: SourceRead, task: BootstrapTask
     n = len(read.handles)
     values = tuple(dispatch.partition_values(task.parallelism))
     entries = spark.range(0, n, 1, n).mapInArrow(
-        functools.partial(transform_partition, read, task.max_parallelism, values),
+        functools.partial(transform_partition, read, (task.max_parallelism, task.key_hash),
+                          values),
         f"{ENTRY_DDL}, {dispatch.PARTITION_COLUMN} int")
     return write_entries(task, spark, entries)
 
 
-def transform_partition(read: SourceRead, max_parallelism: int, part_values: tuple[int, ...],
-                        ids: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+def transform_partition(read: SourceRead, key_space: tuple[int, str],
+                        part_values: tuple[int, ...], ids: Iterator[pa.RecordBatch]
+                        ) -> Iterator[pa.RecordBatch]:
     """``mapInArrow`` body: each source subtask whose index arrives, transformed and
     encoded as entry rows; row numbers carry the subtask in their upper bits (list
-    elements keep the order the function gave them)."""
+    elements keep the order the function gave them; ``key_space``: the new lineage's max
+    parallelism and key hash)."""
+    max_parallelism, key_hash = key_space
     for batch in ids:
         for subtask in batch.column(0).to_pylist():
             row = subtask << SPARK_ROW_BITS
@@ -58,6 +62,7 @@ def transform_partition(read: SourceRead, max_parallelism: int, part_values: tup
                         with as_task_failure():
                             plan = plan_table(read.target, state, table.schema)
                             chunks = encode_batch(plan, table, max_parallelism,
-                                                  np.arange(row, row + table.num_rows))
+                                                  np.arange(row, row + table.num_rows),
+                                                  key_hash)
                         row += table.num_rows
                         yield from entry_batches(chunks, max_parallelism, part_values)

@@ -370,7 +370,7 @@ def _import(root: Storage, target: CheckpointStore, meta: CheckpointMetadata,
         extra={"imported_at": utc_now_iso(),
                **({"key": meta.extra["key"]} if "key" in meta.extra else {})},
         watermark=meta.watermark,
-        processing_time=meta.processing_time)
+        processing_time=meta.processing_time, key_hash=meta.key_hash)
     # copy through the common root: both jobs are folders of it
     src_job = source["job"]
     _copy_all(root, [(replace(f, path=f"{src_job}/{f.path}"), f"{target.job}/{d}")

@@ -231,7 +231,8 @@ def _record(store: CheckpointStore, meta: CheckpointMetadata,
         extra={**meta.extra, "rescale": {"from_parallelism": meta.parallelism,
                                          "to_parallelism": parallelism,
                                          "source_checkpoint_id": meta.checkpoint_id,
-                                         "compacted": options.compact}}))
+                                         "compacted": options.compact}},
+        key_hash=meta.key_hash))
     # Time is state too: the rescaled lineage keeps its watermark and clock.
     return new_meta.with_changes(watermark=meta.watermark, processing_time=meta.processing_time)
 

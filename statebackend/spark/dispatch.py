@@ -1,8 +1,11 @@
 """Task dispatch: rows to subtasks, one Spark task per subtask, failures as one line.
 
-Routing (`route`): a row's key group is murmur3_32(UTF-8 key, seed 0) mod M and
-its subtask ``kg * P // M`` (Flink's assignment, `statebackend.state.keygroups`). Spark
-places rows by hashing a column, so each row gets ``_p``: the smallest int that
+Routing (`route`): a row's key group is the lineage's key hash of its UTF-8 key mod M
+and its subtask ``kg * P // M`` (Flink's assignment, `statebackend.state.keygroups`).
+With the ``spark`` key hash that is Spark SQL's own ``pmod(hash(key), M)``: the JVM
+computes it, no Python worker sees the rows before their subtask's task; with
+``murmur3`` a ``mapInArrow`` pass computes it. Spark places rows by hashing a column,
+so each row gets ``_p``: the smallest int that
 Spark's hash partitioner sends to partition i (`partition_values`), and
 ``repartition(P, _p)`` then puts exactly subtask i's rows in partition i. One
 marker row per subtask (`with_markers`) makes every task run, also a subtask
@@ -33,6 +36,7 @@ import pyarrow as pa
 
 from statebackend.errors import TaskFailedError
 from statebackend.spark.session import is_connect
+from statebackend.state.keygroups import MURMUR3, SPARK_HASH
 from statebackend.state.keygroups_bulk import key_groups
 
 if TYPE_CHECKING:
@@ -80,6 +84,7 @@ class Routing:
     max_parallelism: int
     parallelism: int
     part_values: tuple[int, ...]
+    key_hash: str = MURMUR3
 
 
 def assign_partition(routing: Routing, batches: Iterator[pa.RecordBatch]
@@ -88,13 +93,23 @@ def assign_partition(routing: Routing, batches: Iterator[pa.RecordBatch]
     m, p = routing.max_parallelism, routing.parallelism
     values = np.asarray(routing.part_values, dtype=np.int32)
     for batch in batches:
-        kgs = key_groups(batch.column(routing.key), m)  # a null key: key group 0
+        kgs = key_groups(batch.column(routing.key), m, routing.key_hash)  # null: group 0
         yield batch.append_column(PARTITION_COLUMN,
                                   pa.array(values[kgs * p // m], pa.int32()))
 
 
 def route(df, routing: Routing, ddl: str):
-    """``df`` (schema ``ddl``) plus ``_p``, computed on the executors."""
+    """``df`` (schema ``ddl``) plus ``_p``, computed on the executors: in the JVM for the
+    ``spark`` key hash, else by a ``mapInArrow`` pass."""
+    if routing.key_hash == SPARK_HASH:
+        from pyspark.sql import functions as F
+
+        m, p, key = routing.max_parallelism, routing.parallelism, f"`{routing.key}`"
+        key_group = f"if({key} is null, 0, pmod(hash({key}), {m}))"  # a null key: group 0
+        values = F.array(*(F.lit(v) for v in routing.part_values))
+        # the subtask is kg * P div M (Flink's assignment); element_at counts from 1
+        part = F.element_at(values, F.expr(f"cast({key_group} * {p} div {m} as int) + 1"))
+        return df.withColumn(PARTITION_COLUMN, part.cast("int"))
     return df.mapInArrow(functools.partial(assign_partition, routing),
                          f"{ddl}, {PARTITION_COLUMN} int")
 

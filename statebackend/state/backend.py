@@ -30,7 +30,6 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, overload
 
-import mmh3
 import numpy as np
 import pyarrow as pa
 from rocksdict import (
@@ -48,7 +47,14 @@ from rocksdict import (
 from statebackend.errors import UsageError
 from statebackend.state.codecs import as_time, serialize_key, serialize_keys
 from statebackend.state.families import INTERNAL_STATES, TTL_INDEX
-from statebackend.state.keygroups import KeyGroupRange, check_max_parallelism, key_group_prefix
+from statebackend.state.keygroups import (
+    MURMUR3,
+    KeyGroupRange,
+    check_key_hash,
+    check_max_parallelism,
+    key_group_for_bytes,
+    key_group_prefix,
+)
 from statebackend.state.keygroups_bulk import key_groups, prefixed_keys
 from statebackend.state.kinds import (
     STATE_CLASSES,
@@ -154,6 +160,8 @@ class KeyedStateBackend:
     RocksDB read-only and never marks the instance clean.
     """
 
+    key_hash = MURMUR3  # how keys are placed in key groups (the lineage's: `place_keys_by`)
+
     def __init__(self, local_dir: str, descriptors: Sequence[StateDescriptor],
                  max_parallelism: int, key_group_range: KeyGroupRange, *,
                  read_only: bool = False, origin: StoredInstance | None = None) -> None:
@@ -229,9 +237,15 @@ class KeyedStateBackend:
         return os.path.join(self.local_dir, SNAPSHOTS_DIR)
 
     # -- keys --------------------------------------------------------------
+    def place_keys_by(self, key_hash: str) -> KeyedStateBackend:
+        """Place keys in key groups by ``key_hash`` (`keygroups.KEY_HASHES`: the
+        lineage's); returns the backend."""
+        self.key_hash = check_key_hash(key_hash)
+        return self
+
     def key_group_and_bytes(self, key: str) -> tuple[int, bytes]:
         kb = serialize_key(key)
-        kg = mmh3.hash(kb, 0, signed=False) % self.max_parallelism
+        kg = key_group_for_bytes(kb, self.max_parallelism, self.key_hash)
         r = self.key_group_range
         if kg < r.start or kg > r.end:
             raise UsageError(f"key {key!r} is in key group {kg}, outside this backend's range "
@@ -247,7 +261,7 @@ class KeyedStateBackend:
         key_bytes = serialize_keys(keys)
         if not len(key_bytes):
             return []
-        kgs = key_groups(key_bytes, self.max_parallelism)
+        kgs = key_groups(key_bytes, self.max_parallelism, self.key_hash)
         r = self.key_group_range
         outside = (kgs < r.start) | (kgs > r.end)
         if outside.any():

@@ -1,7 +1,11 @@
 """Key groups: the unit of state redistribution (never change once data exists).
 
 - ``max_parallelism`` M (1..32768) is fixed for a job's lineage; parallelism P is 1..M.
-- key group of a key = murmur3_32(serialized key bytes, seed 0, unsigned) mod M.
+- key group of a key = hash(serialized key bytes) mod M, with the lineage's key hash
+  (`KEY_HASHES`, recorded in ``_metadata`` as ``key_hash``; a record without it is
+  ``murmur3``): ``murmur3`` is murmur3_32 with seed 0, unsigned (Flink's rule);
+  ``spark`` is Spark SQL's ``hash()`` (`spark_hash`), taken ``pmod`` M, which the
+  JVM computes itself (``pmod(hash(key), M)``).
 - subtask i of P owns the contiguous, inclusive range
   ``[ceil(i*M/P), floor(((i+1)*M - 1)/P)]`` (Flink's KeyGroupRangeAssignment).
 - A RocksDB key starts with the key group as 2 bytes big-endian, so a key-group
@@ -22,6 +26,15 @@ from statebackend.errors import UsageError
 
 MAX_MAX_PARALLELISM = 1 << 15  # key group must fit the 2-byte prefix
 KEY_GROUP_PREFIX_BYTES = 2
+MURMUR3, SPARK_HASH = "murmur3", "spark"
+KEY_HASHES = (MURMUR3, SPARK_HASH)
+
+
+def check_key_hash(key_hash: str) -> str:
+    """``key_hash`` when it is one of `KEY_HASHES`; UsageError naming it otherwise."""
+    if key_hash not in KEY_HASHES:
+        raise UsageError(f"key hash {key_hash!r} is unknown; use one of {list(KEY_HASHES)}")
+    return key_hash
 
 
 @dataclass(frozen=True, order=True)
@@ -95,7 +108,11 @@ def spark_hash(data: bytes) -> int:
     return h - (1 << 32) if h >= 1 << 31 else h
 
 
-def key_group_for_bytes(serialized_key: bytes, max_parallelism: int) -> int:
+def key_group_for_bytes(serialized_key: bytes, max_parallelism: int,
+                        key_hash: str = MURMUR3) -> int:
+    """The key group of a serialized key under ``key_hash`` (module doc)."""
+    if key_hash == SPARK_HASH:
+        return spark_hash(serialized_key) % max_parallelism  # Python's % is pmod
     return mmh3.hash(serialized_key, 0, signed=False) % max_parallelism
 
 

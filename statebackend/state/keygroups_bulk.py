@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from statebackend.errors import UsageError
+from statebackend.state.keygroups import MURMUR3, SPARK_HASH
 
 _C1, _C2 = np.uint32(0xCC9E2D51), np.uint32(0x1B873593)
 _TAIL_MASKS = np.array([0, 0xFF, 0xFFFF, 0xFFFFFF], dtype=np.uint32)
@@ -102,8 +103,16 @@ def _murmur3_many(values: pa.Array | pa.ChunkedArray, seed: int, spark_tail: boo
     return h
 
 
-def key_groups(keys: pa.Array | pa.ChunkedArray, max_parallelism: int) -> np.ndarray:
-    """`key_group_for_bytes` of every key (int64); a null key is in key group 0."""
+def key_groups(keys: pa.Array | pa.ChunkedArray, max_parallelism: int,
+               key_hash: str = MURMUR3) -> np.ndarray:
+    """`key_group_for_bytes` of every key under ``key_hash`` (int64); a null key is in
+    key group 0."""
+    if key_hash == SPARK_HASH:
+        kgs: np.ndarray = spark_hash_many(keys).astype(np.int64) % max_parallelism
+        arr = _binary_view(keys)
+        if arr.null_count:
+            kgs[np.asarray(arr.is_null())] = 0
+        return kgs
     return (murmur3_32_many(keys) % np.uint32(max_parallelism)).astype(np.int64)
 
 

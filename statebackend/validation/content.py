@@ -17,7 +17,8 @@ Tables (pandas):
 
 - ``restore``: one row per subtask: restored, restore_error;
 - ``state``: one row per stored entry: subtask, state, key, user_key, key_group (the
-  stored 2-byte prefix), computed_key_group (murmur3 of the key bytes mod M),
+  stored 2-byte prefix), computed_key_group (the lineage's key hash of the key bytes
+  mod M),
   range_start/range_end (the subtask's), prefix_ok, in_range, decodes, decode_error;
   ttl_ok (states with a TTL and the ``_ttl`` index, else None);
 - ``families``: one row per (subtask, column family): first and last live key and
@@ -51,10 +52,8 @@ import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from itertools import repeat
 from typing import TypeAlias
 
-import mmh3
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -75,6 +74,7 @@ from statebackend.state.codecs import (
 )
 from statebackend.state.families import TTL_INDEX
 from statebackend.state.keygroups import KeyGroupRange
+from statebackend.state.keygroups_bulk import key_groups
 from statebackend.state.kinds import StateDescriptor
 from statebackend.state.timers import key_bytes_of, parse_reverse_key, parse_timer_key
 from statebackend.state.ttl import (
@@ -443,10 +443,9 @@ def state_rows(backend: KeyedStateBackend, desc: StateDescriptor, subtask: int,
     ttl_errors = [findings.get((desc.name, k)) for k in rks] if ttl_rows and findings \
         else None
     del rks
-    hashes = np.fromiter(map(mmh3.hash, keys.hashed, repeat(0, n), repeat(False, n)),
-                         dtype=np.uint32, count=n)
+    computed = key_groups(pa.array(keys.hashed, pa.binary()), backend.max_parallelism,
+                          backend.key_hash).astype(np.int32)  # the lineage's key hash
     keys.hashed = []
-    computed = (hashes % np.uint32(backend.max_parallelism)).astype(np.int32)
     r: KeyGroupRange = backend.key_group_range
     values, value_errors, record_cols = _value_errors(desc, values)
     errors, decodes = _first_errors(n, keys.short, [e for e in (
@@ -637,7 +636,8 @@ def _check_subtask(scope: _Scope, handle: SubtaskHandle, rng: random.Random
             with KeyedStateBackend(tmp, scope.descriptors, meta.max_parallelism,
                                    handle.key_group_range, read_only=True,
                                    origin=origin) as backend:
-                _read_subtask(scope, backend, handle.index, rng, out)
+                _read_subtask(scope, backend.place_keys_by(meta.key_hash), handle.index,
+                              rng, out)
     except Exception as exc:  # noqa: BLE001 - a damaged subtask is a finding, not a crash
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     finally:

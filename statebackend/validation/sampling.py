@@ -2,7 +2,8 @@
 
 Deep validation at the ``deep`` level (`statebackend.validation.validate`) checks every
 entry only through facts RocksDB keeps itself, and runs the per-entry checks (key group
-== murmur3(key) mod M, values decode, TTL agreement, job checks) on a bounded sample:
+== the lineage's key hash of the key mod M, values decode, TTL agreement, job checks) on
+a bounded sample:
 
 - `cf_facts`: per column family, from RocksDB properties (no entry read): the table
   properties summed over its SST files (entries, deletions, merge operands, range

@@ -98,7 +98,7 @@ _BUILTIN: dict[str, list[tuple[str, str, str, str, tuple]]] = {
     ],
     "state": [
         ("key_group_prefix_matches_hash", "each entry's stored key-group prefix equals "
-         "murmur3(key) mod M", "prefix_ok", "true", ()),
+         "the lineage's key hash of the key mod M", "prefix_ok", "true", ()),
         ("keys_in_subtask_range", "each entry's key group lies in its subtask's range",
          "in_range", "true", ()),
         ("values_decode", "every stored key and value decodes with the state's codec",

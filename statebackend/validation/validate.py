@@ -8,8 +8,8 @@ Levels (`ValidationOptions.level`):
   received) and opened read-only by RocksDB; from RocksDB's own facts, for *every*
   entry: first and last live key of each column family inside the subtask's range
   (so every key), row counts from the SST table properties when exact, else counted
-  by a checked keys-only scan; then the per-entry checks (key group ==
-  murmur3(key) mod M, values decode, TTL agreement, the job's checks) on a bounded
+  by a checked keys-only scan; then the per-entry checks (key group == the lineage's
+  key hash of the key mod M, values decode, TTL agreement, the job's checks) on a bounded
   sample: ``sample`` entries per column family and subtask (`sampling.DEFAULT_SAMPLE`),
   a column family that small is checked whole. Cost: about a restore, not a scan.
 - ``full``: every entry through every per-entry check (and every RocksDB block read

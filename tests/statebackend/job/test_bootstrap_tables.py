@@ -99,9 +99,12 @@ def _tables(rng: np.random.Generator) -> dict[str, pa.Table]:
     }
 
 
-def _through_the_api(tmp_path, tables: dict[str, pa.Table]) -> KeyedStateBackend:
-    """The same state written key by key through the state API (the reference)."""
+def _through_the_api(tmp_path, tables: dict[str, pa.Table], key_hash: str
+                     ) -> KeyedStateBackend:
+    """The same state written key by key through the state API (the reference), keys
+    placed by the lineage's ``key_hash``."""
     be = KeyedStateBackend(str(tmp_path / "api"), JOB.descriptors, M, KeyGroupRange(0, M - 1))
+    be.place_keys_by(key_hash)
     rows = {name: t.to_pylist() for name, t in tables.items()}
     for name in ("rec", "doc", "text", "raw", "total", "avg"):
         key = "k" if name == "doc" else "key"
@@ -146,7 +149,8 @@ def test_bootstrapped_entries_are_the_state_apis_bytes(tmp_path, parallelism):
         with restored_readonly(store.storage, handle, descriptors_of(meta), M) as be:
             for name, entries in _raw(be).items():
                 got.setdefault(name, []).extend(entries)
-    with _through_the_api(tmp_path, tables) as api:
+    assert meta.key_hash == "spark"  # a new lineage's (statebackend.defaults.KEY_HASH)
+    with _through_the_api(tmp_path, tables, meta.key_hash) as api:
         want = _raw(api)
     assert set(got) == set(want)
     for name in want:
