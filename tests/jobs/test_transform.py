@@ -261,3 +261,18 @@ def test_retention_and_gc_during_a_transform_keep_what_it_reads(tmp_path):
     # the hold is gone: retention now retires checkpoint 1
     assert cli.main(["--storage", storage, "--job", "card_spend", "retain", "--keep", "1"]) == 0
     assert store_of(storage, "card_spend").checkpoint_ids() == [2]
+
+
+def test_ckpt_migrate_on_spark_with_a_master(spark, tmp_path, capsys):
+    """``--master``: the transform runs as Spark tasks (the session of this process is
+    reused, and stays up: the command did not start it)."""
+    storage = f"file://{tmp_path}/store"
+    _run(tmp_path, storage, VERSIONS[1], "card_spend", 1, _day(1), ("local", None))
+    capsys.readouterr()
+    assert cli.main(["--storage", storage, "--job", "card_split", "migrate",
+                     "card_spend:latest", "tests.jobs.transform_data:SPLIT_AND_REKEY", "--to",
+                     "tests.jobs.transform_data:SPLIT_BY_ID", "--savepoint", "split",
+                     "--master", "local[2]", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["plan"]["engine"] == "spark" and summary["entries"]["n"] == 30
+    assert spark.range(1).count() == 1  # still up
