@@ -60,8 +60,7 @@ def write_with_spark(task: BootstrapTask, tables: Sequence[tuple[TablePlan, Any]
         rows = df.select(*(F.col(f"`{c}`") for c in plan.columns),
                          F.monotonically_increasing_id().alias(ROW))
         frames.append(rows.mapInArrow(
-            functools.partial(encode_rows, plan, (task.max_parallelism, task.key_hash),
-                              values),
+            functools.partial(encode_rows, task, plan, values),
             f"{ENTRY_DDL}, {dispatch.PARTITION_COLUMN} int"))
     return write_entries(task, spark, functools.reduce(lambda a, b: a.unionByName(b), frames))
 
@@ -89,31 +88,29 @@ def as_task_failure() -> Iterator[None]:
         raise TaskFailedError(str(exc)) from exc
 
 
-def encode_rows(plan: TablePlan, key_space: tuple[int, str], part_values: tuple[int, ...],
+def encode_rows(task: BootstrapTask, plan: TablePlan, part_values: tuple[int, ...],
                 batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    """``mapInArrow`` body: a state's rows as entry rows with their subtask's ``_p``
-    (``key_space``: max parallelism and key hash)."""
-    max_parallelism, key_hash = key_space
+    """``mapInArrow`` body: a state's rows as entry rows with their subtask's ``_p``."""
     for batch in batches:
-        if not len(batch):
-            continue
-        rows = batch.column(ROW).to_numpy(zero_copy_only=False)
-        table = pa.Table.from_batches([batch.drop_columns([ROW])])
-        with as_task_failure():
-            chunks = encode_batch(plan, table, max_parallelism, rows, key_hash)
-        yield from entry_batches(chunks, max_parallelism, part_values)
+        if len(batch):
+            yield from entry_rows(task, plan, pa.Table.from_batches([batch.drop_columns([ROW])]),
+                                  batch.column(ROW).to_numpy(zero_copy_only=False),
+                                  part_values)
 
 
-def entry_batches(chunks: Sequence[EntryChunk], max_parallelism: int,
-                  part_values: tuple[int, ...]) -> Iterator[pa.RecordBatch]:
-    """Entry chunks as entry rows (`ENTRY_SCHEMA`), each with its subtask's ``_p``."""
-    p = len(part_values)
+def entry_rows(task: BootstrapTask, plan: TablePlan, table: pa.Table, rows: np.ndarray,
+               part_values: tuple[int, ...]) -> Iterator[pa.RecordBatch]:
+    """``table``'s rows (numbered ``rows``) encoded by ``plan`` for ``task``'s lineage
+    (its max parallelism and key hash) as entry rows (`ENTRY_SCHEMA`), each with its
+    subtask's ``_p``; a refused row fails the task in one line."""
+    with as_task_failure():
+        chunks = encode_batch(plan, table, task.max_parallelism, rows, task.key_hash)
+    p, m = len(part_values), task.max_parallelism
     shuffle = np.asarray(part_values, dtype=np.int32)
     for c in chunks:
         yield pa.RecordBatch.from_arrays(
             [pa.array([c.family] * len(c.keys), pa.string()), c.keys, c.values,
-             pa.array(c.rows, pa.int64()),
-             pa.array(shuffle[c.key_groups * p // max_parallelism], pa.int32())],
+             pa.array(c.rows, pa.int64()), pa.array(shuffle[c.key_groups * p // m], pa.int32())],
             schema=ENTRY_SCHEMA)
 
 

@@ -53,7 +53,6 @@ from statebackend.state.codecs import (
     StrCodec,
 )
 from statebackend.state.families import TIMER_KEYS, TIMERS, TTL_INDEX
-from statebackend.state.keygroups import MURMUR3
 from statebackend.state.keygroups_bulk import key_groups
 from statebackend.state.state_table import JSON_TEXT
 from statebackend.state.ttl import StateTtl, state_tag
@@ -288,7 +287,7 @@ def _json_type(t: pa.DataType) -> bool:
 # -- encoding --------------------------------------------------------------------------
 
 def encode_batch(plan: TablePlan, table: pa.Table, max_parallelism: int,
-                 rows: np.ndarray, key_hash: str = MURMUR3) -> list[EntryChunk]:
+                 rows: np.ndarray, key_hash: str) -> list[EntryChunk]:
     """The entries of ``table``'s rows (``rows``: each row's number in the whole table,
     named in errors and kept as the order of list elements), keys placed in key groups
     by ``key_hash`` (the lineage's)."""
@@ -321,14 +320,11 @@ def encode_batch(plan: TablePlan, table: pa.Table, max_parallelism: int,
         if plan.kind == "list":
             values = _framed(values)
     out = [EntryChunk(plan.state, _join(prefix, body), values, kgs, rows)]
-    if plan.ttl is not None and indexed is not None:  # an index entry per element expiry
-        owner = pa.array(indexed[0])
-        index = _join(prefix.take(owner), pa.scalar(TIME_DOMAINS[plan.ttl.time], _BINARY),
-                      _time_bytes(indexed[1]), pa.scalar(state_tag(plan.state), _BINARY),
-                      body.take(owner))
-        out.append(EntryChunk(TTL_INDEX, index, _empty_values(len(index)), kgs[indexed[0]],
-                              rows[indexed[0]]))
-    elif plan.ttl is not None and expiry is not None:
+    if indexed is not None:  # expiries per element: an index entry each, on its entry
+        owner, expiry = indexed
+        picked = pa.array(owner)
+        prefix, body, kgs, rows = prefix.take(picked), body.take(picked), kgs[owner], rows[owner]
+    if plan.ttl is not None and expiry is not None:
         index = _join(prefix, pa.scalar(TIME_DOMAINS[plan.ttl.time], _BINARY),
                       _time_bytes(expiry), pa.scalar(state_tag(plan.state), _BINARY), body)
         out.append(EntryChunk(TTL_INDEX, index, _empty_values(len(index)), kgs, rows))

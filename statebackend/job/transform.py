@@ -35,7 +35,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from statebackend.checkpoint.layout import savepoint_dir, savepoint_metadata_path
+from statebackend.checkpoint.layout import savepoint_dir
 from statebackend.checkpoint.leases import hold
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.store import CheckpointStore
@@ -51,11 +51,17 @@ from statebackend.job.transform_apply import (
     transformed_spans,
 )
 from statebackend.lifecycle.registry import check_savepoint_name, load_savepoint
-from statebackend.lifecycle.savepoint import parse_start_spec, savepoint_purpose
+from statebackend.lifecycle.savepoint import (
+    check_savepoint_free,
+    load_start_point,
+    parse_start_spec,
+    savepoint_purpose,
+)
 from statebackend.progress import NO_PROGRESS, ProgressSink
 from statebackend.state.families import TIMERS
 from statebackend.state.keygroups import check_parallelism
-from statebackend.state.kinds import STATE_KINDS, StateDescriptor
+from statebackend.state.kinds import StateDescriptor
+from statebackend.state.state_table import readable
 from statebackend.storage import Storage, open_storage
 from statebackend.subtasks import run_in_threads
 
@@ -152,12 +158,10 @@ def plan_transform(storage: Storage, source: str, transform: StateTransform, tar
     """The plan of a transform (module doc, step 1); one-line errors for an unknown
     source, a taken savepoint name or a bad parallelism."""
     check_savepoint_name(savepoint)
-    meta, kind, what = _source_record(storage, source)
+    kind, job, what = parse_start_spec(storage, source)
+    meta = load_start_point(storage, kind, job, what)
     target_store = CheckpointStore(storage, options.target_job or target.name)
-    if target_store.storage.exists(savepoint_metadata_path(savepoint)) or \
-            target_store.storage.list_dir(savepoint_dir(savepoint)):
-        raise UsageError(f"savepoint {savepoint!r} of job {target_store.job!r} already exists; "
-                         "choose another name or delete it (`ckpt savepoint delete`)")
+    check_savepoint_free(target_store, savepoint)
     p = options.parallelism or meta.parallelism
     m = options.max_parallelism or meta.max_parallelism
     check_parallelism(p, m)
@@ -190,7 +194,8 @@ def transform_state(storage: str | Storage, source: str,
         raise UsageError(f"storage {root.url} lives in this process only: Spark tasks cannot "
                          "read it; use file:// or s3:// storage")
     plan = plan_transform(root, source, fn, target, savepoint, options)
-    out: dict[str, Any] = {"plan": plan.to_json(), "dry_run": options.dry_run}
+    out: dict[str, Any] = {"plan": plan.to_json(), "plan_text": plan.lines(),
+                           "dry_run": options.dry_run}
     if options.dry_run:
         return out
     source_store = CheckpointStore(root, plan.source_job)
@@ -228,25 +233,16 @@ def _write(store: CheckpointStore, plan: TransformPlan, read: SourceRead, origin
         if options.spark is None:
             progress.phase("starting Spark")
         spark = options.spark or get_spark(options.master, app_name="ckpt-migrate")
-        progress.phase(f"{LABEL} (Spark tasks)", total=plan.source_parallelism)
+        progress.phase(f"{LABEL} (Spark tasks)")
         summary, _ = write_savepoint(task, store, plan.savepoint,
                                      lambda: transform_with_spark(spark, read, task), claim,
                                      origin)
     return summary
 
 
-def _source_record(storage: Storage, source: str) -> tuple[CheckpointMetadata, str, str]:
-    kind, job, what = parse_start_spec(storage, source)
-    store = CheckpointStore(storage, job)
-    store.require_job()
-    meta = load_savepoint(store, what) if kind == "savepoint" else store.resolve(what)
-    return meta, kind, what
-
-
 def _states(meta: CheckpointMetadata) -> tuple[str, ...]:
     """The source's states the function sees (the job's own, and the timers)."""
-    return tuple(s["name"] for s in meta.states
-                 if s.get("kind") in STATE_KINDS or s.get("name") == TIMERS)
+    return tuple(d.name for d in readable(StateDescriptor.from_json(s) for s in meta.states))
 
 
 def _source_read(plan: TransformPlan, meta: CheckpointMetadata, root: Storage,
@@ -293,10 +289,7 @@ def _empty(read: SourceRead) -> dict[str, pa.Table]:
 
 def transform_summary_lines(result: Mapping[str, Any]) -> list[str]:
     """What `ckpt migrate` prints of a result."""
-    plan = TransformPlan(**{**result["plan"],
-                            "source_states": tuple(result["plan"]["source_states"]),
-                            "target_states": tuple(result["plan"]["target_states"])})
-    lines = plan.lines()
+    lines = list(result["plan_text"])
     if result.get("dry_run"):
         return ["dry run: nothing read or written", *lines]
     entries = result.get("entries", {})

@@ -45,7 +45,7 @@ from statebackend.errors import UsageError
 from statebackend.job.api import Job
 from statebackend.state.codecs import BytesCodec, JsonCodec, RecordCodec, StrCodec
 from statebackend.state.families import TIMERS
-from statebackend.state.kinds import STATE_KINDS, StateDescriptor
+from statebackend.state.kinds import StateDescriptor
 from statebackend.state.state_table import (
     BATCH_ROWS,
     JSON_TEXT,
@@ -53,6 +53,7 @@ from statebackend.state.state_table import (
     TableShape,
     key_group_spans,
     read_span,
+    readable,
     state_schema,
     value_type,
 )
@@ -102,7 +103,7 @@ class SourceRead:
     @property
     def states(self) -> tuple[StateDescriptor, ...]:
         """What the function sees: the job's states, and the timers when there are any."""
-        return tuple(d for d in self.descriptors if d.kind in STATE_KINDS or d.name == TIMERS)
+        return readable(self.descriptors)
 
 
 def transformed_spans(source: SourceRead, subtask: int) -> Iterator[dict[str, pa.Table]]:
@@ -140,12 +141,10 @@ def apply(source: SourceRead, tables: Mapping[str, pa.Table]) -> dict[str, pa.Ta
         if not isinstance(result, Mapping):
             raise UsageError(f"transform {transform.name}: returned a {type(result).__name__}; "
                              "return a dict of state name -> table")
-        out = {state: _as_table(state, t) for state, t in result.items() if t is not None}
-    else:
-        out = _per_key(source, tables)
-    for state in out:
-        _declared(source.target, state, transform)
-    return out
+        for state in result:
+            _declared(source.target, state, transform)
+        return {state: _as_table(state, t) for state, t in result.items() if t is not None}
+    return _per_key(source, tables)
 
 
 def _declared(target: Job, state: str, transform: StateTransform) -> None:

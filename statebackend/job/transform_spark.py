@@ -23,10 +23,10 @@ import pyarrow as pa
 from statebackend.job.bootstrap_spark import (
     ENTRY_DDL,
     as_task_failure,
-    entry_batches,
+    entry_rows,
     write_entries,
 )
-from statebackend.job.bootstrap_tables import SPARK_ROW_BITS, encode_batch, plan_table
+from statebackend.job.bootstrap_tables import SPARK_ROW_BITS, plan_table
 from statebackend.job.bootstrap_write import BootstrapTask, SubtaskWritten
 from statebackend.job.transform_apply import SourceRead, transformed_spans
 from statebackend.spark import dispatch
@@ -39,20 +39,16 @@ def transform_with_spark(spark: Any, read: SourceRead, task: BootstrapTask
     n = len(read.handles)
     values = tuple(dispatch.partition_values(task.parallelism))
     entries = spark.range(0, n, 1, n).mapInArrow(
-        functools.partial(transform_partition, read, (task.max_parallelism, task.key_hash),
-                          values),
+        functools.partial(transform_partition, read, task, values),
         f"{ENTRY_DDL}, {dispatch.PARTITION_COLUMN} int")
     return write_entries(task, spark, entries)
 
 
-def transform_partition(read: SourceRead, key_space: tuple[int, str],
-                        part_values: tuple[int, ...], ids: Iterator[pa.RecordBatch]
-                        ) -> Iterator[pa.RecordBatch]:
+def transform_partition(read: SourceRead, task: BootstrapTask, part_values: tuple[int, ...],
+                        ids: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """``mapInArrow`` body: each source subtask whose index arrives, transformed and
-    encoded as entry rows; row numbers carry the subtask in their upper bits (list
-    elements keep the order the function gave them; ``key_space``: the new lineage's max
-    parallelism and key hash)."""
-    max_parallelism, key_hash = key_space
+    encoded for the new lineage (``task``) as entry rows; row numbers carry the subtask in
+    their upper bits (list elements keep the order the function gave them)."""
     for batch in ids:
         for subtask in batch.column(0).to_pylist():
             row = subtask << SPARK_ROW_BITS
@@ -61,8 +57,6 @@ def transform_partition(read: SourceRead, key_space: tuple[int, str],
                     for state, table in sorted(tables.items()):
                         with as_task_failure():
                             plan = plan_table(read.target, state, table.schema)
-                            chunks = encode_batch(plan, table, max_parallelism,
-                                                  np.arange(row, row + table.num_rows),
-                                                  key_hash)
+                        yield from entry_rows(task, plan, table,
+                                              np.arange(row, row + table.num_rows), part_values)
                         row += table.num_rows
-                        yield from entry_batches(chunks, max_parallelism, part_values)

@@ -223,6 +223,17 @@ def create_savepoint(store: CheckpointStore, ref: str | int | None,
     return saved
 
 
+def check_savepoint_free(store: CheckpointStore, name: str) -> None:
+    """UsageError unless ``name`` is a valid savepoint name that no savepoint (complete,
+    or the folder an interrupted attempt left) of the job has."""
+    check_savepoint_name(name)
+    storage, base = store.storage, savepoint_dir(name)
+    if storage.exists(savepoint_metadata_path(name)) or storage.list_dir(base):
+        raise UsageError(f"savepoint {name!r} of job {store.job!r} already exists (or an "
+                         f"interrupted attempt left {storage.url}/{base}); choose another name "
+                         "or delete that folder")
+
+
 @contextmanager
 def claimed_savepoint(store: CheckpointStore, name: str,
                       claim: Mapping[str, Any]) -> Iterator[str]:
@@ -232,13 +243,9 @@ def claimed_savepoint(store: CheckpointStore, name: str,
     A failure inside frees the name again: unless its `_metadata` was written, the
     folder goes with whatever was written into it.
     """
-    check_savepoint_name(name)
+    check_savepoint_free(store, name)
     storage = store.storage
     base = savepoint_dir(name)
-    if storage.exists(savepoint_metadata_path(name)) or storage.list_dir(base):
-        raise UsageError(f"savepoint {name!r} of job {store.job!r} already exists (or an "
-                         f"interrupted attempt left {storage.url}/{base}); choose another name "
-                         "or delete that folder")
     try:
         storage.write_exclusive(f"{base}/{CLAIM_FILE}", json.dumps(
             {"holder": default_holder(), **claim, "created_at": utc_now_iso()}).encode())
@@ -321,8 +328,13 @@ def _relative_to_root(storage: Storage, location: str) -> str:
 def read_start_point(storage: Storage, spec: str) -> CheckpointMetadata:
     """The record ``spec`` names (a savepoint or another job's checkpoint), read only:
     what a first run's compatibility check compares with before anything is copied."""
-    kind, source_job, what = parse_start_spec(storage, spec)
-    source = CheckpointStore(storage, source_job)
+    return load_start_point(storage, *parse_start_spec(storage, spec))
+
+
+def load_start_point(storage: Storage, kind: str, job: str, what: str) -> CheckpointMetadata:
+    """The record of a parsed start point (`parse_start_spec`): savepoint ``what`` of
+    ``job``, or its checkpoint ``what`` (an id or ``latest``)."""
+    source = CheckpointStore(storage, job)
     source.require_job()
     return load_savepoint(source, what) if kind == "savepoint" else source.resolve(what)
 

@@ -40,12 +40,12 @@ from statebackend.checkpoint.local_copy import instance_dir, restored_copy
 from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskHandle
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import CheckpointNotFoundError, UsageError
-from statebackend.state.families import TIMERS
-from statebackend.state.kinds import STATE_KINDS, StateDescriptor
+from statebackend.state.kinds import StateDescriptor
 from statebackend.state.state_table import (
     BATCH_ROWS,
     StateRead,
     TableShape,
+    readable,
     state_batches,
     state_schema,
 )
@@ -146,8 +146,8 @@ def plan_read(store: CheckpointStore, checkpoint: str | int, state: str,
 
 def _state(descriptors: tuple[StateDescriptor, ...], name: str,
            meta: CheckpointMetadata) -> StateDescriptor:
-    own = sorted(d.name for d in descriptors if d.kind in STATE_KINDS or d.name == TIMERS)
-    found = next((d for d in descriptors if d.name == name and name in own), None)
+    own = sorted(d.name for d in readable(descriptors))
+    found = next((d for d in readable(descriptors) if d.name == name), None)
     if found is None:
         raise UsageError(f"state {name!r} is not in checkpoint {meta.checkpoint_id} of job "
                          f"{meta.job!r}; its states: {', '.join(own) or '(none)'}")

@@ -108,9 +108,9 @@ def key_groups(keys: pa.Array | pa.ChunkedArray, max_parallelism: int,
     """`key_group_for_bytes` of every key under ``key_hash`` (int64); a null key is in
     key group 0."""
     if key_hash == SPARK_HASH:
-        kgs: np.ndarray = spark_hash_many(keys).astype(np.int64) % max_parallelism
         arr = _binary_view(keys)
-        if arr.null_count:
+        kgs: np.ndarray = spark_hash_many(arr).astype(np.int64) % max_parallelism
+        if arr.null_count:  # Spark hashes a null to its seed; a null key is in group 0
             kgs[np.asarray(arr.is_null())] = 0
         return kgs
     return (murmur3_32_many(keys) % np.uint32(max_parallelism)).astype(np.int64)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -111,6 +111,12 @@ def _spread(desc: StateDescriptor, shape: TableShape) -> bool:
     """Whether the record's fields become columns of their own."""
     return isinstance(desc.codec, RecordCodec) and shape.fields_as_columns \
         and not _array_mode(desc, shape)
+
+
+def readable(descriptors: Iterable[StateDescriptor]) -> tuple[StateDescriptor, ...]:
+    """The states a table can be read of: the job's own, and the timers (not the TTL
+    index or the timers' reverse family)."""
+    return tuple(d for d in descriptors if d.kind in STATE_KINDS or d.name == TIMERS)
 
 
 def state_schema(desc: StateDescriptor, shape: TableShape = TableShape()) -> pa.Schema:

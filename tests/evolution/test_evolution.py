@@ -44,6 +44,18 @@ def same(a, b) -> bool:
     return a == b
 
 
+def check_latest(storage: str, job_dir: str, want: dict) -> None:
+    """The latest checkpoint of ``job_dir`` holds ``want`` (state -> key -> value, floats
+    compared with `same`); a failure names the first few keys that differ per state."""
+    store = store_of(storage, job_dir)
+    got = dumped(checkpoint_rows(store, store.latest()))
+    bad = {s: [k for k in set(got.get(s, {})) | set(want.get(s, {}))
+               if not same(got.get(s, {}).get(k), want.get(s, {}).get(k))][:3]
+           for s in set(got) | set(want)}
+    assert not any(bad.values()), {s: [(k, got.get(s, {}).get(k), want.get(s, {}).get(k))
+                                       for k in ks] for s, ks in bad.items() if ks}
+
+
 class Lineage:
     def __init__(self, tmp_path, storage: str, engine: str, spark) -> None:
         self.tmp, self.storage, self.engine, self.spark = tmp_path, storage, engine, spark
@@ -67,13 +79,7 @@ class Lineage:
         return summary
 
     def check(self, job_dir: str = "card_spend") -> None:
-        store = store_of(self.storage, job_dir)
-        got, want = dumped(checkpoint_rows(store, store.latest())), reference(self.days)
-        bad = {s: [k for k in set(got.get(s, {})) | set(want.get(s, {}))
-                   if not same(got.get(s, {}).get(k), want.get(s, {}).get(k))][:3]
-               for s in set(got) | set(want)}
-        assert not any(bad.values()), {s: [(k, got.get(s, {}).get(k), want.get(s, {}).get(k))
-                                           for k in ks] for s, ks in bad.items() if ks}
+        check_latest(self.storage, job_dir, reference(self.days))
 
     def refused(self, d: int, version, job_dir: str, fragment: str, **kw) -> None:
         """``version`` cannot continue the lineage: one line, nothing written."""

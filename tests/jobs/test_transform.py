@@ -40,7 +40,7 @@ from statebackend.job import (
 from statebackend.lifecycle.registry import load_savepoint
 from statebackend.storage import open_storage
 from tests.evolution.card_spend import VERSIONS, dumped, events
-from tests.evolution.test_evolution import same
+from tests.evolution.test_evolution import check_latest, same
 from tests.jobs import transform_data as data
 from tests.jobs.bootstrap_data import KINDS, kinds_tables
 from tests.jobs.helpers import run_docs_example, store_of
@@ -61,16 +61,6 @@ def _run(tmp_path, storage: str, job, job_dir: str, d: int, frame: pd.DataFrame,
     return run_job(job, RunConfig(input=str(folder), storage=storage, job=job_dir,
                                   run_id=f"day{d}", output=str(tmp_path / f"out-{job_dir}"),
                                   parallelism=2, engine=name, **kw), spark)
-
-
-def _check(storage: str, job_dir: str, want: dict) -> None:
-    store = store_of(storage, job_dir)
-    got = dumped(checkpoint_rows(store, store.latest()))
-    bad = {s: [k for k in set(got.get(s, {})) | set(want.get(s, {}))
-               if not same(got.get(s, {}).get(k), want.get(s, {}).get(k))][:3]
-           for s in set(got) | set(want)}
-    assert not any(bad.values()), {s: [(k, got.get(s, {}).get(k), want.get(s, {}).get(k))
-                                       for k in ks] for s, ks in bad.items() if ks}
 
 
 @pytest.fixture(params=["local", "spark"])
@@ -100,7 +90,7 @@ def test_split_and_rekey_then_run_a_day_equals_pandas(tmp_path, engine):
     _run(tmp_path, storage, data.SPLIT_BY_ID, "card_split", 3, day3, engine,
          start_from=result["start_from"])
     days = pd.concat([data.with_new_ids(_day(1)), data.with_new_ids(_day(2)), day3])
-    _check(storage, "card_split", data.split_reference(days))
+    check_latest(storage, "card_split", data.split_reference(days))
     assert cli.main(["--storage", storage, "--job", "card_split", "validate", "1", "--full",
                      "--report", "none"]) == 0
 
@@ -121,7 +111,7 @@ def test_per_key_drops_and_splits_then_continues_as_pandas_says(tmp_path):
     _run(tmp_path, storage, data.SPLIT, "card_split", 3, _day(3), local,
          start_from=result["start_from"])
     days = pd.concat([before.assign(_last=False), _day(3).assign(_last=True)])
-    _check(storage, "card_split", data.split_reference(days, "card", dropped))
+    check_latest(storage, "card_split", data.split_reference(days, "card", dropped))
 
 
 def test_ckpt_migrate_plans_then_writes(tmp_path, capsys):
