@@ -48,11 +48,15 @@ sys.path.insert(0, ROOT)
 from bench.process_env import child_env  # noqa: E402
 
 ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
-VARIANTS = ("ours", "ours-spark", "before", "spark-changelog", "spark-no-changelog")
+VARIANTS = ("ours", "ours-spark", "ours-memory", "ours-spark-memory", "before",
+            "spark-changelog", "spark-no-changelog")
 DEFAULT_VARIANTS = ("ours", "ours-spark", "spark-changelog", "spark-no-changelog")
 # ours: the default engine choice (auto: the local engine for these inputs, no JVM);
-# ours-spark: the same job with --engine spark (statebackend.job.engine)
-OURS = {"ours": "auto", "ours-spark": "spark"}
+# ours-spark: the same job with --engine spark (statebackend.job.engine); the -memory
+# variants keep the state in the memory backend (statebackend.state.memory) instead of
+# RocksDB: variant -> (engine, backend)
+OURS = {"ours": ("auto", None), "ours-spark": ("spark", None),
+        "ours-memory": ("auto", "memory"), "ours-spark-memory": ("spark", "memory")}
 PRE_PORT = "fa6e095"  # the last commit before the job API port
 
 
@@ -81,7 +85,7 @@ def ours_run(spark, spec: dict, day: int) -> dict:
         input=spec["days"][day], storage=f"file://{store}", job="bench", run_id=f"day-{day}",
         output=os.path.join(spec["work"], "output"), parallelism=spec["parallelism"],
         master=spec["master"], local_dir=os.path.join(spec["work"], "local"),
-        engine=spec.get("engine")), spark)
+        engine=spec.get("engine"), backend=spec.get("backend")), spark)
     wall = time.perf_counter() - started
     return {"wall_s": wall, "events": s["events_read"], "bytes": dir_bytes(store) - before,
             "timings": s["timings"], "engine": s.get("engine", "spark"),
@@ -213,7 +217,8 @@ def spawn(spec: dict) -> tuple[list[dict], float]:
         env["PYTHONPATH"] = cwd
         spec = {**spec, "variant": "ours"}
     elif spec["variant"] in OURS:
-        spec = {**spec, "variant": "ours", "engine": OURS[spec["variant"]]}
+        engine, backend = OURS[spec["variant"]]
+        spec = {**spec, "variant": "ours", "engine": engine, "backend": backend}
     proc = subprocess.run([sys.executable, script, "--worker", json.dumps(spec)], env=env,
                           capture_output=True, text=True, cwd=cwd)
     wall = time.perf_counter() - started
@@ -311,6 +316,7 @@ def report(table: dict, args: argparse.Namespace) -> None:
             print(f"{mode:8} ours vs before          events/s x{ours[0] / before[0]:.2f} "
                   f"(incremental runs x{ours[1] / before[1]:.2f}), bytes per incremental run "
                   f"x{ours[2] / before[2]:.2f}")
+    report_backends(agg, table)
     peers = [v for v in args.variants if v.startswith("spark")]
     mine = [v for v in args.variants if v in OURS]
     if not peers or not mine:
@@ -325,6 +331,25 @@ def report(table: dict, args: argparse.Namespace) -> None:
                 print(f"{mode:8} {name:10} vs {variant:19} events/s x{ours[0] / sp[0]:.2f} "
                       f"(incremental runs x{ours[1] / sp[1]:.2f}), bytes per incremental run "
                       f"x{ours[2] / sp[2]:.2f}")
+
+
+def report_backends(agg: dict, table: dict) -> None:
+    """The memory backend against RocksDB, same engine (issue 25: events/s >= 2x in a
+    warm run, bytes per incremental run <= 1.2x)."""
+    lines = []
+    for mode in table:
+        for base in ("ours", "ours-spark"):
+            mem = f"{base}-memory"
+            if (mode, mem) not in agg or (mode, base) not in agg:
+                continue
+            m, b = agg[(mode, mem)], agg[(mode, base)]
+            lines.append(f"{mode:8} {mem:19} vs {base:10} events/s x{m[0] / b[0]:.2f} "
+                         f"(incremental runs x{m[1] / b[1]:.2f}), bytes per incremental run "
+                         f"x{m[2] / b[2]:.2f}")
+    if lines:
+        print("\nratios memory backend / RocksDB (events/s: goal >= 2 in a warm session; "
+              "bytes per incremental run: goal <= 1.2)")
+        print("\n".join(lines))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,13 +60,18 @@ class Run:
     checkpoint_bytes: int
 
 
+# Our runs' state backend (--backend), read by `ours_config` and `ours_process`.
+BACKEND_ENV = "BENCH_STATE_BACKEND"
+
+
 # -- ours --------------------------------------------------------------------------------
 def ours_config(job_name: str, day: str, i: int, work: str, options: dict):
     from statebackend.job import RunConfig
 
     return RunConfig(input=day, storage=f"file://{work}/ckpt", run_id=f"d{i}",
                      output=f"{work}/out", parallelism=P, local_dir=f"{work}/local",
-                     max_reject_fraction=1.0, options=options, job=job_name)
+                     max_reject_fraction=1.0, options=options, job=job_name,
+                     backend=os.environ.get(BACKEND_ENV) or None)
 
 
 def _ours_run(s: dict, wall: float, emitted_key: str) -> Run:
@@ -96,7 +101,8 @@ def ours_process(module: str, days: list[str], work: str, options: dict,
         cmd = [sys.executable, "-m", module, "--input", day, "--storage", f"file://{work}/ckpt",
                "--run-id", f"d{i}", "--output", f"{work}/out", "--parallelism", str(P),
                "--local-dir", f"{work}/local", *where, "--max-reject-fraction",
-               "1", "--json", *flags]
+               "1", "--json", *flags,
+               *(["--backend", os.environ[BACKEND_ENV]] if os.environ.get(BACKEND_ENV) else [])]
         started = time.perf_counter()
         done = subprocess.run(cmd, env=env(), capture_output=True, text=True, check=False)
         wall = time.perf_counter() - started
@@ -177,8 +183,11 @@ def parse(argv: list[str] | None, doc: str) -> argparse.Namespace:
     p.add_argument("--engine", choices=("auto", "spark", "local"), default="auto",
                    help="our runs' engine (statebackend.job.engine; default %(default)s: the "
                         "local engine for these inputs)")
+    p.add_argument("--backend", choices=("rocksdb", "memory"), default="rocksdb",
+                   help="our runs' state backend (statebackend.state.backend_kinds)")
     args = p.parse_args(argv)
     os.environ["CKPT_ENGINE"] = args.engine  # our runs in this process and in child processes
+    os.environ[BACKEND_ENV] = args.backend
     return args
 
 
@@ -195,7 +204,8 @@ def bench(args, name: str, job, module: str, options: dict, peer_module: str,
           goals: dict[str, float]) -> list[dict]:
     work = args.work or tempfile.mkdtemp(prefix=f"bench-{name}-")
     days = make_input(args, work)
-    print(f"{name}: {len(days)} days under {work}, our engine {args.engine} (machine shared "
+    print(f"{name}: {len(days)} days under {work}, our engine {args.engine}, backend "
+          f"{args.backend}, load average {os.getloadavg()[0]:.2f} (machine shared "
           "with other jobs: figures are indicative)")
     emitted = lambda s, w: output_rows(w, s["run_id"])  # noqa: E731
     out = []

@@ -33,7 +33,15 @@ LOCAL_ENGINE_MAX_STATE_BYTES = 256 * 2**20
 # A local-engine run holds its whole (decompressed) input in memory: at most this much.
 LOCAL_ENGINE_MAX_MEMORY_BYTES = 2**30
 
-__all__ = ["ENGINE", "ENGINES", "GC_GRACE_SECONDS", "KEY_HASH", "LOCAL_ENGINE_MAX_BYTES",
-           "LOCAL_ENGINE_MAX_MEMORY_BYTES", "LOCAL_ENGINE_MAX_STATE_BYTES",
-           "MAX_PARALLELISM", "MAX_REJECT_FRACTION",
-           "RETENTION_KEEP"]
+# Where a job's keyed state lives (statebackend.state.backend_kinds): embedded RocksDB
+# (out of core), or in memory (hash tables per key group, for states that fit; each
+# subtask fails past MEMORY_LIMIT_MB, never swaps). A job's `backend`, its ckpt_jobs
+# entry or `ckpt run --backend` choose it; an existing lineage keeps its records'.
+BACKENDS = ("rocksdb", "memory")
+BACKEND = "rocksdb"
+MEMORY_LIMIT_MB = 2048
+
+__all__ = ["BACKEND", "BACKENDS", "ENGINE", "ENGINES", "GC_GRACE_SECONDS", "KEY_HASH",
+           "LOCAL_ENGINE_MAX_BYTES", "LOCAL_ENGINE_MAX_MEMORY_BYTES",
+           "LOCAL_ENGINE_MAX_STATE_BYTES", "MAX_PARALLELISM", "MAX_REJECT_FRACTION",
+           "MEMORY_LIMIT_MB", "RETENTION_KEEP"]

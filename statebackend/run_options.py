@@ -163,6 +163,15 @@ class RunOptions:
         None, metavar="MS", spec=False,
         help="the run's processing time (epoch ms) for processing-time timers and TTL; "
              "Airflow passes the data interval's end (default: now)")
+    backend: str | None = option(
+        None, choices=defaults.BACKENDS, argument="backend",
+        help="state backend: rocksdb (out of core) or memory (hash tables, for states that "
+             "fit: --memory-limit-mb per subtask); default: the job's, else the lineage's, "
+             "else rocksdb; a lineage on another backend is converted at restore "
+             "(docs/state-backends.md)")
+    memory_limit_mb: int = option(
+        defaults.MEMORY_LIMIT_MB, metavar="MIB", argument="memory_limit_mb",
+        help="memory backend: a subtask whose state grows past this fails (never swaps)")
     input_reader: str = option("auto", help="how input is read (statebackend.job.input)",
                                choices=("spark", "arrow", "auto"), flag=False, spec=False)
     engine: str | None = option(

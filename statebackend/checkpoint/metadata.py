@@ -53,6 +53,8 @@ Layout of one record (format 1)::
 committed the record (`statebackend.checkpoint.leases`); records written before
 epochs have none (read as 0), and an epoch never goes down along a lineage.
 
+A subtask's ``backend`` (optional, ``memory``) names the state backend whose files it
+lists (`statebackend.state.backend_kinds`); without it, ``rocksdb``.
 ``key_hash`` (optional, ``spark``) names the hash that places the lineage's keys in key
 groups (`statebackend.state.keygroups`); records without it, as every record of
 earlier releases, are ``murmur3``. It never changes along a lineage.
@@ -76,6 +78,7 @@ from functools import cache
 from typing import Any, TypeAlias
 
 from statebackend.checkpoint.layout import METADATA_FILE, SAVEPOINTS_DIR, SHARED_DIR, chk_id_of
+from statebackend.defaults import BACKENDS
 from statebackend.errors import CkptError, MetadataError, UnsupportedFormatVersionError
 from statebackend.state.families import INTERNAL_STATES
 from statebackend.state.keygroups import (
@@ -153,6 +156,7 @@ class SubtaskHandle:
     private_files: tuple[FileRef, ...]
     row_counts: dict[str, int] = field(default_factory=dict)
     bytes_uploaded: int = 0
+    backend: str = "rocksdb"  # the state backend whose files these are (state.backend_kinds)
 
     @property
     def key_group_range(self) -> KeyGroupRange:
@@ -177,6 +181,7 @@ class SubtaskHandle:
             "shared_files": [f.to_json() for f in self.shared_files],
             "private_files": [f.to_json() for f in self.private_files],
             "row_counts": dict(self.row_counts),
+            **({} if self.backend == "rocksdb" else {"backend": self.backend}),
         }
 
     @staticmethod
@@ -194,6 +199,8 @@ class SubtaskHandle:
         uploaded = data.get("bytes_uploaded", 0)
         _require(_is_int(uploaded) and 0 <= uploaded <= MAX_COUNT, w,
                  f"bytes_uploaded {uploaded!r} must be an integer >= 0 (at most 2**53)")
+        backend = data.get("backend", "rocksdb")
+        _require(backend in BACKENDS, w, f"backend {backend!r} is not one of {list(BACKENDS)}")
         handle = SubtaskHandle(
             index=index,
             key_group_start=_get(data, "key_group_start", int, w),
@@ -204,6 +211,7 @@ class SubtaskHandle:
             private_files=tuple(FileRef.from_json(f, w) for f in private),
             row_counts=dict(counts),
             bytes_uploaded=uploaded,
+            backend=backend,
         )
         check_local_names(handle, w)
         return handle
@@ -254,6 +262,11 @@ class CheckpointMetadata:
     key_hash: str = MURMUR3  # how the lineage's keys are placed in key groups
 
     # -- derived figures ---------------------------------------------------
+    @property
+    def state_backend(self) -> str:
+        """The state backend of this checkpoint (its subtasks' files): rocksdb or memory."""
+        return self.subtasks[0].backend if self.subtasks else "rocksdb"
+
     @property
     def files(self) -> tuple[FileRef, ...]:
         return tuple(f for s in self.subtasks for f in s.files)

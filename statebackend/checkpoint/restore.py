@@ -9,6 +9,11 @@ Three named cases, cheapest first:
 3. ``download``: fetch every file of the handle in parallel into a temp folder,
    check size and checksum, then move it into place and open it.
 
+The memory backend's handles (`statebackend.state.memory`) place their key-group files in
+``files/``, downloading only those this machine has no copy of (``local-snapshot`` when
+none is missing). A handle of another backend than ``RestoreOptions.backend`` is
+converted: restored read-only in a temp folder, every entry copied into a new instance.
+
 Downloads land in a temp folder removed in ``finally``; parallel failures are
 reported as one error listing the distinct causes. Restore is two-phase
 (download everything, then open) so a half-downloaded instance is never opened.
@@ -35,8 +40,9 @@ from statebackend.state.backend import (
     StoredInstance,
     read_instance_marker,
 )
-from statebackend.state.keygroups import KeyGroupRange
+from statebackend.state.backend_kinds import BACKEND_CLASSES, convert, new_backend
 from statebackend.state.kinds import StateDescriptor
+from statebackend.state.memory import FILES_DIR as MEMORY_FILES_DIR
 from statebackend.storage import Storage, checksum_algorithm, format_checksum
 from statebackend.storage.checksums import crc_local_file
 
@@ -105,6 +111,7 @@ class RestoreOptions:
     allow_local: bool = True  # reuse this machine's copy (local recovery) when it matches
     label: str | None = None  # names the instance in scan errors
     reuse_check: ReuseCheck | None = DEFAULT_REUSE_CHECK  # None: reused files unchecked
+    backend: str | None = None  # convert into this backend kind (None: the handle's)
 
 
 FROM_STORAGE = RestoreOptions(allow_local=False)  # always download
@@ -113,44 +120,28 @@ FROM_STORAGE = RestoreOptions(allow_local=False)  # always download
 def restore_subtask(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
                     descriptors: Sequence[StateDescriptor], max_parallelism: int,
                     options: RestoreOptions = RestoreOptions()) -> KeyedStateBackend:
-    """Open the state of ``handle`` in ``local_dir`` (created or replaced).
+    """Open the state of ``handle`` in ``local_dir`` (created or replaced), on the backend
+    that wrote it, or converted into ``options.backend``.
 
     After a local restore (not read-only), the stored shared files are checked with
     ``options.reuse_check`` (None: not checked); see `verify_reused_files`.
     """
-    read_only, allow_local, label = options.read_only, options.allow_local, options.label
-    reuse_check = options.reuse_check
     local_dir = os.path.abspath(local_dir)
-    kg_range = KeyGroupRange(handle.key_group_start, handle.key_group_end)
-    marker = read_instance_marker(local_dir) if allow_local else None
-    db_path = os.path.join(local_dir, DB_DIR)
-    if marker and marker.get("clean_snapshot_id") == handle.snapshot_id \
-            and os.path.isdir(db_path):
-        mode = "local-instance"
+    if options.backend not in (None, handle.backend):
+        return _converted(job_storage, handle, local_dir, (descriptors, max_parallelism),
+                          options)
+    if handle.backend == "memory":
+        mode = _place_memory_files(job_storage, handle, local_dir, options.allow_local)
     else:
-        local_snapshot = os.path.join(local_dir, SNAPSHOTS_DIR, handle.snapshot_id)
-        staging = os.path.join(local_dir, f".restore-{uuid.uuid4().hex}")
-        try:
-            if allow_local and _matches(local_snapshot, handle.files):
-                mode = "local-snapshot"
-                os.makedirs(staging)
-                for ref in handle.files:
-                    _link_or_copy(os.path.join(local_snapshot, ref.local_name),
-                                  os.path.join(staging, ref.local_name))
-            else:
-                mode = "download"
-                download_files(job_storage, handle.files, staging)
-            shutil.rmtree(db_path, ignore_errors=True)
-            os.replace(staging, db_path)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        mode = _place_rocksdb_files(job_storage, handle, local_dir, options.allow_local)
     report = ReuseReport()
-    if mode != "download" and not read_only and reuse_check is not None:
-        report = verify_reused_files(job_storage, handle, local_dir, reuse_check)
-    backend = KeyedStateBackend(
-        local_dir, descriptors, max_parallelism, kg_range, read_only=read_only,
-        origin=StoredInstance(handle.backend_id, label, {f.local_name: f.path
-                                                          for f in handle.files}))
+    if mode != "download" and not options.read_only and options.reuse_check is not None:
+        report = verify_reused_files(job_storage, handle, local_dir, options.reuse_check)
+    backend = BACKEND_CLASSES[handle.backend](
+        local_dir, descriptors, max_parallelism, handle.key_group_range,
+        read_only=options.read_only,
+        origin=StoredInstance(handle.backend_id, options.label,
+                              {f.local_name: f.path for f in handle.files}))
     bad = {d.split(": ", 1)[0] for d in report.damaged}
     # A damaged stored file is not referenced again: the next snapshot uploads the
     # (verified) local copy under a new shared name.
@@ -160,6 +151,74 @@ def restore_subtask(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
     backend.restore_mode = mode
     backend._last_snapshot_id = handle.snapshot_id
     return backend
+
+
+def _place_rocksdb_files(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
+                         allow_local: bool) -> str:
+    """Put the handle's RocksDB instance in ``local_dir/db``; returns the restore mode."""
+    marker = read_instance_marker(local_dir) if allow_local else None
+    db_path = os.path.join(local_dir, DB_DIR)
+    if marker and marker.get("clean_snapshot_id") == handle.snapshot_id \
+            and os.path.isdir(db_path):
+        return "local-instance"
+    local_snapshot = os.path.join(local_dir, SNAPSHOTS_DIR, handle.snapshot_id)
+    staging = os.path.join(local_dir, f".restore-{uuid.uuid4().hex}")
+    try:
+        if allow_local and _matches(local_snapshot, handle.files):
+            mode = "local-snapshot"
+            os.makedirs(staging)
+            for ref in handle.files:
+                _link_or_copy(os.path.join(local_snapshot, ref.local_name),
+                              os.path.join(staging, ref.local_name))
+        else:
+            mode = "download"
+            download_files(job_storage, handle.files, staging)
+        shutil.rmtree(db_path, ignore_errors=True)
+        os.replace(staging, db_path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return mode
+
+
+def _place_memory_files(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
+                        allow_local: bool) -> str:
+    """Put the handle's key-group files in ``local_dir/files``, downloading only those
+    this machine has no copy of (files are immutable); returns the restore mode."""
+    files_dir = os.path.join(local_dir, MEMORY_FILES_DIR)
+    # A key-group file has no block checksums of its own: a local copy is used only when
+    # its bytes have the recorded checksum (cheap next to decoding it), else downloaded.
+    missing = [ref for ref in handle.files
+               if not (allow_local and _is_intact(os.path.join(files_dir, ref.local_name),
+                                                  ref))]
+    if not missing:
+        return "local-snapshot"
+    staging = os.path.join(local_dir, f".restore-{uuid.uuid4().hex}")
+    try:
+        download_files(job_storage, missing, staging)
+        os.makedirs(files_dir, exist_ok=True)
+        for ref in missing:
+            os.replace(os.path.join(staging, ref.local_name),
+                       os.path.join(files_dir, ref.local_name))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return "download"
+
+
+def _converted(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
+               states: tuple[Sequence[StateDescriptor], int], options: RestoreOptions
+               ) -> KeyedStateBackend:
+    """Restore ``handle`` read-only beside ``local_dir`` and copy every entry into a new
+    instance of ``options.backend`` there (a lineage moving to another backend)."""
+    descriptors, max_parallelism = states
+    assert options.backend is not None
+    shutil.rmtree(local_dir, ignore_errors=True)
+    target = new_backend(options.backend, local_dir, descriptors, max_parallelism,
+                         handle.key_group_range)
+    with restored_readonly(job_storage, handle, descriptors, max_parallelism,
+                           label=options.label) as source:
+        convert(source, target)
+    target.restore_mode = f"converted-from-{handle.backend}"
+    return target
 
 
 def verify_reused_files(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
@@ -209,7 +268,8 @@ def verify_reused_files(job_storage: Storage, handle: SubtaskHandle, local_dir: 
 
 def _require_good_local_copy(ref: FileRef, why: str, local_dir: str, snapshot_id: str) -> None:
     for path in (os.path.join(local_dir, DB_DIR, ref.local_name),
-                 os.path.join(local_dir, SNAPSHOTS_DIR, snapshot_id, ref.local_name)):
+                 os.path.join(local_dir, SNAPSHOTS_DIR, snapshot_id, ref.local_name),
+                 os.path.join(local_dir, MEMORY_FILES_DIR, ref.local_name)):
         if not os.path.exists(path):
             continue
         size, checksum = _local_checksum(path, checksum_algorithm(ref.checksum))
@@ -224,6 +284,14 @@ def _require_good_local_copy(ref: FileRef, why: str, local_dir: str, snapshot_id
 def _matches(directory: str, files: Sequence[FileRef]) -> bool:
     try:
         return all(os.path.getsize(os.path.join(directory, f.local_name)) == f.size for f in files)
+    except OSError:
+        return False
+
+
+def _is_intact(path: str, ref: FileRef) -> bool:
+    try:
+        return _local_checksum(path, checksum_algorithm(ref.checksum)) == (ref.size,
+                                                                            ref.checksum)
     except OSError:
         return False
 

@@ -62,9 +62,10 @@ def upload_snapshot(job_storage: Storage, snapshot: LocalSnapshot, *, checkpoint
     to_upload: list[tuple[str, str, bool]] = []  # (local name, remote path, shared)
     for name, size in snapshot.files:
         known = backend.uploaded.get(name)
-        if name.endswith(".sst") and known is not None and known.size == size:
+        shared = backend.is_shared_file(name)
+        if shared and known is not None and known.size == size:
             reused.append(known)
-        elif name.endswith(".sst"):
+        elif shared:
             to_upload.append((name, shared_path(f"{uuid.uuid4().hex}-{name}"), True))
         else:
             prefix = private_dir(checkpoint_id, subtask, snapshot.snapshot_id)
@@ -107,6 +108,7 @@ def upload_snapshot(job_storage: Storage, snapshot: LocalSnapshot, *, checkpoint
         private_files=tuple(sorted(private, key=lambda f: f.local_name)),
         row_counts=dict(snapshot.row_counts),
         bytes_uploaded=sum(ref.size for ref, _ in done),
+        backend=backend.kind,
     )
     return SnapshotResult(handle, uploaded_paths, time.perf_counter() - started, len(reused))
 

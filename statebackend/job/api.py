@@ -64,6 +64,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from statebackend.defaults import BACKENDS
 from statebackend.errors import UsageError
 from statebackend.state.codecs import Codec, JsonCodec, RecordCodec
 from statebackend.state.families import TTL_INDEX
@@ -285,6 +286,8 @@ class Job:
     expectations: Mapping[str, Callable[[StateDescriptor], Any]] = field(
         default_factory=dict, compare=False)
     compression: str | None = None  # RocksDB block compression of every state
+    # The state backend (statebackend.defaults.BACKENDS; None: the lineage's, else rocksdb)
+    backend: str | None = None
     on_timer: Vectorized | PerKey | None = None  # the timer handler (see the docstring)
     configure: Callable[[Job, Mapping[str, Any]], Job] | None = field(default=None,
                                                                        compare=False)
@@ -307,6 +310,9 @@ class Job:
         _check_options(self)
         _check_expectations(self)
         _check_evolution(self)
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise _fail(self, f"backend {self.backend!r} is not one of "
+                        f"{list(BACKENDS)}")
         if self.compression not in COMPRESSIONS:
             raise _fail(self, f"compression {self.compression!r} is not one of "
                         f"{list(COMPRESSIONS)}")

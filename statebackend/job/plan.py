@@ -74,6 +74,16 @@ class RunPlan:
         return self.parent.key_hash if self.parent is not None else defaults.KEY_HASH
 
     @property
+    def backend(self) -> str:
+        """The state backend of this run: the run's choice (--backend), else the job's,
+        else the lineage's, else `statebackend.defaults.BACKEND`. A choice other than
+        the lineage's converts its state at restore."""
+        chosen = self.config.backend or self.job.backend
+        if chosen:
+            return chosen
+        return self.parent.state_backend if self.parent is not None else defaults.BACKEND
+
+    @property
     def migration(self) -> EvolutionPlan | None:
         """The evolution the subtasks apply after restoring, when it rewrites entries."""
         return self.evolution if self.evolution is not None and self.evolution.rewrites \

@@ -256,7 +256,8 @@ class _JobRun:
             storage_options=store.root_storage.options,
             watermark=clock.watermark, new_watermark=clock.new_watermark,
             processing_time=clock.processing_time, must_run=clock.must_run,
-            attempt_token=token, migration=plan.migration, key_hash=plan.key_hash)
+            attempt_token=token, migration=plan.migration, key_hash=plan.key_hash,
+            backend=plan.backend, memory_limit_mb=config.memory_limit_mb)
 
     def _committed(self, plan: RunPlan, meta: CheckpointMetadata, results: list[TaskResult],
                    totals: RunTotals, timeline: RunTimeline) -> RunSummary:

@@ -42,7 +42,7 @@ import pyarrow.compute as pc
 from statebackend.checkpoint.attempt import record_uploads
 from statebackend.checkpoint.local_copy import instance_dir
 from statebackend.checkpoint.metadata import SubtaskHandle
-from statebackend.checkpoint.restore import restore_subtask
+from statebackend.checkpoint.restore import RestoreOptions, restore_subtask
 from statebackend.checkpoint.snapshot import snapshot
 from statebackend.errors import UsageError
 from statebackend.job.api import Job
@@ -50,7 +50,9 @@ from statebackend.job.arrow_input import LINE, raw_table
 from statebackend.job.core import REASON, ProcessResult, SubtaskProcessor
 from statebackend.job.results import PHASES, TaskResult
 from statebackend.state.backend import KeyedStateBackend
+from statebackend.state.backend_kinds import new_backend
 from statebackend.state.keygroups import MURMUR3, key_group_range_for_subtask
+from statebackend.state.memory import MemoryStateBackend
 from statebackend.state.migrate import migrate_backend
 from statebackend.state.schema import EvolutionPlan
 from statebackend.storage import Storage, StorageOptions, child_storage, open_storage
@@ -126,6 +128,8 @@ class TaskParams:
     # A state schema evolution to apply right after the restore (state/migrate.py).
     migration: EvolutionPlan | None = None
     key_hash: str = MURMUR3  # the lineage's (statebackend.state.keygroups)
+    backend: str = "rocksdb"  # the run's state backend (statebackend.state.backend_kinds)
+    memory_limit_mb: int | None = None  # the memory backend's limit per subtask
 
     def open(self, url: str) -> Storage:
         return open_storage(url, **self.storage_options)
@@ -181,7 +185,8 @@ class SubtaskRun:
         local_dir = local_instance_dir(p, self.subtask)
         if self.parent is not None:
             self.backend = restore_subtask(self.job_storage, self.parent, local_dir,
-                                           self.job.descriptors, p.max_parallelism)
+                                           self.job.descriptors, p.max_parallelism,
+                                           RestoreOptions(backend=p.backend))
             self.restore_mode = self.backend.restore_mode
             # Stored files local recovery found damaged: this checkpoint uploads them anew.
             self.reuploaded = self.backend.reuploaded
@@ -189,11 +194,13 @@ class SubtaskRun:
             # First checkpoint of the lineage: whatever is on disk belongs to no checkpoint.
             shutil.rmtree(local_dir, ignore_errors=True)
             kg = key_group_range_for_subtask(p.max_parallelism, p.parallelism, self.subtask)
-            self.backend = KeyedStateBackend(local_dir, self.job.descriptors,
-                                             p.max_parallelism, kg)
+            self.backend = new_backend(p.backend, local_dir, self.job.descriptors,
+                                       p.max_parallelism, kg)
             self.restore_mode = "new"
         self.backend.place_keys_by(p.key_hash)
         tune(self.backend, self.job.compression)
+        if isinstance(self.backend, MemoryStateBackend):
+            self.backend.set_memory_limit(p.memory_limit_mb)
         if p.migration is not None and self.parent is not None:
             clock = p.new_watermark if p.new_watermark is not None else p.watermark
             self.migrated = migrate_backend(
@@ -321,6 +328,9 @@ def tune(backend: KeyedStateBackend, compression: str | None) -> None:
     """Apply the job's compression to every column family (a mutable option: restored
     instances switch too; RocksDB reads blocks of any compression)."""
     if compression is None:
+        return
+    if isinstance(backend, MemoryStateBackend):  # its key-group files' compression
+        backend.compression = compression
         return
     for name in backend.column_families:
         backend.column_family(name).set_options({"compression": COMPRESSION[compression]})

@@ -34,6 +34,9 @@ Order and failure handling (upload first, commit last):
 4. else commit ``chk-<source + 1>/_metadata`` (`statebackend.checkpoint.attempt.Attempt`,
    the commit-or-discard every checkpoint writer shares), release the leases.
 
+A memory-backend checkpoint needs no task: its key-group files change hands
+(`statebackend.rescale.memory`).
+
 The base's SSTs are referenced, not uploaded again: they belong to the committed
 source checkpoint, which GC keeps while anything references them; each new handle
 is still restorable on its own.
@@ -59,6 +62,7 @@ from statebackend.engines import (
 )
 from statebackend.errors import CkptError, SnapshotError, TaskFailedError, UsageError
 from statebackend.progress import NO_PROGRESS, ProgressSink
+from statebackend.rescale import memory as memory_rescale
 from statebackend.rescale import task as rescale_task
 from statebackend.rescale.plan import RescalePlan, plan_rescale
 from statebackend.rescale.task import (
@@ -107,11 +111,13 @@ def rescale(store: CheckpointStore, ref: str | int | None = "latest",
     started = time.perf_counter()
     meta = store.resolve(ref)
     plan = plan_rescale(meta, parallelism)  # fail fast, before taking any lease
+    in_memory = meta.state_backend == "memory"
     if options.dry_run:
         return {"dry_run": True, "job": store.job, "source_checkpoint_id": meta.checkpoint_id,
                 "from_parallelism": plan.from_parallelism, "to_parallelism": parallelism,
-                "bytes_to_download": plan.bytes_to_download, "plan": plan.to_json(),
-                "plan_text": plan.describe()}
+                "bytes_to_download": 0 if in_memory else plan.bytes_to_download,
+                "plan": plan.to_json(),
+                "plan_text": memory_rescale.describe(plan) if in_memory else plan.describe()}
     purpose = f"rescale of checkpoint {meta.checkpoint_id} to parallelism {parallelism}"
     with store.writer(purpose, checkpoint_ids=[meta.checkpoint_id]) as session, \
             hold(store.storage, purpose, [meta.checkpoint_id]):
@@ -123,8 +129,9 @@ def rescale(store: CheckpointStore, ref: str | int | None = "latest",
         attempt = Attempt(store, meta.checkpoint_id + 1)  # lineage.py: parent + 1
         try:
             t_tasks = time.perf_counter()
-            results = _run_tasks(_tasks(store, meta, plan, options, attempt.token), store,
-                                 choice, spark, options, progress)
+            results = memory_rescale.regrouped(meta, plan) if in_memory else _run_tasks(
+                _tasks(store, meta, plan, options, attempt.token), store, choice, spark,
+                options, progress)
             tasks_seconds = time.perf_counter() - t_tasks
             attempt.add_uploaded(p for r in results for p in r.uploaded_paths)
             new_meta = attempt.commit(_record(store, meta, results, options),

@@ -161,6 +161,10 @@ class KeyedStateBackend:
     """
 
     key_hash = MURMUR3  # how keys are placed in key groups (the lineage's: `place_keys_by`)
+    kind = "rocksdb"  # the backend kind each handle records (`state.backend_kinds`)
+    # Column families by name: Rdict families here, `MemoryTable`s in the memory backend.
+    _cfs: dict[str, Any]
+    _handles: dict[str, Any]
 
     def __init__(self, local_dir: str, descriptors: Sequence[StateDescriptor],
                  max_parallelism: int, key_group_range: KeyGroupRange, *,
@@ -198,6 +202,11 @@ class KeyedStateBackend:
         self._dirty = False
         self._last_snapshot_id: str | None = None
         self._states: dict[str, _State] = {}
+        self._open_instance(read_only)
+        self._forget_clean_marker()
+
+    def _open_instance(self, read_only: bool) -> None:
+        """Open (or create) the RocksDB instance with one column family per state."""
         os.makedirs(self.db_path, exist_ok=True)
         names = set(self.descriptors)
         if os.path.exists(os.path.join(self.db_path, "CURRENT")):
@@ -218,7 +227,15 @@ class KeyedStateBackend:
         for cf in self._cfs.values():
             cf.set_write_options(no_wal())
         self._handles = {n: db.get_column_family_handle(n) for n in self._cf_names}
-        self._forget_clean_marker()
+
+    def write_batch(self) -> WriteBatch:
+        """An empty write batch for `write` (raw mode: keys and values are bytes)."""
+        return WriteBatch(raw_mode=True)
+
+    def is_shared_file(self, name: str) -> bool:
+        """Whether a snapshot file goes to ``shared/`` (immutable, referenced by later
+        checkpoints) rather than the checkpoint's private folder."""
+        return name.endswith(".sst")
 
     @property
     def db(self) -> Rdict:
@@ -322,7 +339,10 @@ class KeyedStateBackend:
         return st
 
     def column_family(self, name: str) -> Rdict:
-        return self._cfs[name]
+        """Family ``name``: an Rdict here; the memory backend's `MemoryTable` has the part
+        of its API the state code uses (statebackend.state.memory_table)."""
+        cf: Rdict = self._cfs[name]
+        return cf
 
     def drop_column_family(self, name: str) -> None:
         """Drop a stored family no declared state uses any more (a dropped or renamed
@@ -338,8 +358,22 @@ class KeyedStateBackend:
         self.db.drop_column_family(name)
         self._dirty = True
 
+    def ensure_family(self, name: str) -> None:
+        """Create column family ``name`` if the instance has none of that name (a
+        conversion from another backend brings every stored family)."""
+        if name in self._cfs:
+            return
+        if name in INTERNAL_STATES:
+            self.descriptors.setdefault(name, internal_descriptor(name))
+        cf = self.db.create_column_family(name, rocks_options())
+        cf.set_write_options(no_wal())
+        self._cfs[name] = cf
+        self._handles[name] = self.db.get_column_family_handle(name)
+        self._cf_names = sorted(self._cfs)
+
     def column_family_handle(self, name: str) -> ColumnFamily:
-        return self._handles[name]
+        handle: ColumnFamily = self._handles[name]
+        return handle
 
     @property
     def column_families(self) -> list[str]:

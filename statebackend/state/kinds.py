@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-from rocksdict import WriteBatch
 
 from statebackend.errors import UsageError
 from statebackend.state.codecs import (
@@ -148,7 +147,7 @@ class _State:
         self._ttl = TtlAccess(backend, descriptor) if descriptor.ttl is not None else None
 
     def _write(self, pairs: Iterable[tuple[bytes, bytes]]) -> None:
-        wb = WriteBatch(raw_mode=True)
+        wb = self.backend.write_batch()
         wb.set_default_column_family(self.cf_handle)
         for k, v in pairs:
             wb.put(k, v)
@@ -176,7 +175,7 @@ class _State:
         if self._ttl is not None:
             self._ttl.write(puts, deletes, timestamps)
             return
-        wb = WriteBatch(raw_mode=True)
+        wb = self.backend.write_batch()
         wb.set_default_column_family(self.cf_handle)
         for k, v in puts:
             wb.put(k, v)
@@ -195,7 +194,7 @@ class _State:
         if self._ttl is not None:
             self._ttl.write((), self.backend.rocks_keys(keys))
             return
-        wb = WriteBatch(raw_mode=True)
+        wb = self.backend.write_batch()
         wb.set_default_column_family(self.cf_handle)
         for k in self.backend.rocks_keys(keys):
             wb.delete(k)

@@ -29,8 +29,6 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from rocksdict import WriteBatch
-
 from statebackend.errors import SerializationError, UsageError
 from statebackend.state.codecs import (
     TIME_BYTES,
@@ -111,7 +109,7 @@ def _migrate_state(backend: KeyedStateBackend, m: StateMigration,
     # a scan sees the family as it was when it started (RocksDB's implicit snapshot), so
     # rewriting in place while scanning reads every stored entry once
     for chunk in batched(backend.iter_raw(m.source, backend.key_group_range), BATCH):
-        wb = WriteBatch(raw_mode=True)
+        wb = backend.write_batch()
         for rk, raw in chunk:
             pieces = decode_list(raw) if is_list else [raw]
             out = []
@@ -187,7 +185,7 @@ def _drop_ttl_index(backend: KeyedStateBackend, state: str) -> None:
     if TTL_INDEX not in backend.column_families:
         return
     index = backend.column_family_handle(TTL_INDEX)
-    wb = WriteBatch(raw_mode=True)
+    wb = backend.write_batch()
     n = 0
     for ik in backend.iter_raw(TTL_INDEX, backend.key_group_range, values=False):
         if parse_index_key(ik).state == state:

@@ -25,6 +25,7 @@ from rocksdict import Rdict, RdictIter, ReadOptions
 from statebackend.errors import CorruptStateError
 from statebackend.state.codecs import decode_time
 from statebackend.state.keygroups import key_group_prefix
+from statebackend.state.memory_table import MemoryTable
 
 if TYPE_CHECKING:
     from statebackend.state.backend import KeyedStateBackend
@@ -62,22 +63,22 @@ def _check_scan_status(it: RdictIter, where: str, file_paths: Mapping[str, str] 
 
 
 @overload
-def checked_scan(cf: Rdict, where: str, lower: bytes | None = None,
+def checked_scan(cf: Rdict | MemoryTable, where: str, lower: bytes | None = None,
                  upper: bytes | None = None, *, values: Literal[True] = True,
                  file_paths: Mapping[str, str] | None = None
                  ) -> Iterator[tuple[bytes, bytes]]: ...
 @overload
-def checked_scan(cf: Rdict, where: str, lower: bytes | None = None,
+def checked_scan(cf: Rdict | MemoryTable, where: str, lower: bytes | None = None,
                  upper: bytes | None = None, *, values: Literal[False],
                  file_paths: Mapping[str, str] | None = None) -> Iterator[bytes]: ...
 @overload
-def checked_scan(cf: Rdict, where: str, lower: bytes | None = None,
+def checked_scan(cf: Rdict | MemoryTable, where: str, lower: bytes | None = None,
                  upper: bytes | None = None, *, values: bool,
                  file_paths: Mapping[str, str] | None = None
                  ) -> Iterator[tuple[bytes, bytes]] | Iterator[bytes]: ...
 
 
-def checked_scan(cf: Rdict, where: str, lower: bytes | None = None,
+def checked_scan(cf: Rdict | MemoryTable, where: str, lower: bytes | None = None,
                  upper: bytes | None = None, *, values: bool = True,
                  file_paths: Mapping[str, str] | None = None
                  ) -> Iterator[tuple[bytes, bytes] | bytes]:
@@ -85,7 +86,11 @@ def checked_scan(cf: Rdict, where: str, lower: bytes | None = None,
 
     Raises `CorruptStateError` naming ``where`` (column family, subtask, checkpoint) and
     RocksDB's message when the scan ends on an error instead of at the end of the data.
+    A `MemoryTable` (the memory backend) has no blocks to damage: its own scan.
     """
+    if isinstance(cf, MemoryTable):
+        yield from cf.scan(lower, upper, values=values)
+        return
     it = _scan_iter(cf, lower, upper)
     valid, key, nxt = it.valid, it.key, it.next
     if values:
@@ -100,10 +105,12 @@ def checked_scan(cf: Rdict, where: str, lower: bytes | None = None,
     _check_scan_status(it, where, file_paths)
 
 
-def checked_count(cf: Rdict, where: str, lower: bytes | None = None,
+def checked_count(cf: Rdict | MemoryTable, where: str, lower: bytes | None = None,
                   upper: bytes | None = None, *,
                   file_paths: Mapping[str, str] | None = None) -> int:
     """Number of live entries of ``cf`` in [lower, upper); same checks as `checked_scan`."""
+    if isinstance(cf, MemoryTable):
+        return cf.count(lower, upper)
     it = _scan_iter(cf, lower, upper)
     valid, nxt = it.valid, it.next
     n = 0
@@ -115,23 +122,23 @@ def checked_count(cf: Rdict, where: str, lower: bytes | None = None,
 
 
 @overload
-def checked_entries(cf: Rdict, where: str, lower: bytes | None = None,
+def checked_entries(cf: Rdict | MemoryTable, where: str, lower: bytes | None = None,
                     upper: bytes | None = None, *, values: Literal[True] = True,
                     file_paths: Mapping[str, str] | None = None
                     ) -> tuple[list[bytes], list[bytes]]: ...
 @overload
-def checked_entries(cf: Rdict, where: str, lower: bytes | None = None,
+def checked_entries(cf: Rdict | MemoryTable, where: str, lower: bytes | None = None,
                     upper: bytes | None = None, *, values: Literal[False],
                     file_paths: Mapping[str, str] | None = None
                     ) -> tuple[list[bytes], None]: ...
 @overload
-def checked_entries(cf: Rdict, where: str, lower: bytes | None = None,
+def checked_entries(cf: Rdict | MemoryTable, where: str, lower: bytes | None = None,
                     upper: bytes | None = None, *, values: bool,
                     file_paths: Mapping[str, str] | None = None
                     ) -> tuple[list[bytes], list[bytes] | None]: ...
 
 
-def checked_entries(cf: Rdict, where: str, lower: bytes | None = None,
+def checked_entries(cf: Rdict | MemoryTable, where: str, lower: bytes | None = None,
                     upper: bytes | None = None, *, values: bool = True,
                     file_paths: Mapping[str, str] | None = None
                     ) -> tuple[list[bytes], list[bytes] | None]:
@@ -144,6 +151,10 @@ def checked_entries(cf: Rdict, where: str, lower: bytes | None = None,
     same error and raises `CorruptStateError`. Any other disagreement falls back to the
     checked scan.
     """
+    if isinstance(cf, MemoryTable):
+        pairs = list(cf.scan(lower, upper))
+        return [k for k, _ in pairs], [v for _, v in pairs] if values else None
+
     def options() -> ReadOptions:
         ro = ReadOptions()
         ro.set_verify_checksums(True)
@@ -168,7 +179,7 @@ def checked_entries(cf: Rdict, where: str, lower: bytes | None = None,
     return [k for k, _ in pairs], [v for _, v in pairs] if values else None
 
 
-def multi_get(cf: Rdict, keys: Iterable[bytes]) -> list[bytes | None]:
+def multi_get(cf: Rdict | MemoryTable, keys: Iterable[bytes]) -> list[bytes | None]:
     """One multi-get of raw values: the stored bytes of each key, None where absent."""
     wanted: list[_RdictKey] = list(keys)
     # rocksdict's stub types the result as one value; a list of keys gets a list back

@@ -34,8 +34,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from rocksdict import WriteBatch
-
 from statebackend.errors import SerializationError, UsageError
 from statebackend.state.codecs import (
     DOMAIN_NAMES,
@@ -190,7 +188,7 @@ def _set_timers(backend: KeyedStateBackend, keys: Sequence[str], times: Sequence
     dom = domain_byte(domain)
     fwd, rev = backend.column_family_handle(TIMERS), backend.column_family_handle(TIMER_KEYS)
     firing = backend.timer_firings.get(domain)
-    wb = WriteBatch(raw_mode=True)
+    wb = backend.write_batch()
     for key, t, tag in zip(keys, times, tags, strict=True):
         kg, kb = backend.key_group_and_bytes(key)
         t = as_time(t)
@@ -338,7 +336,7 @@ class TimerFiring:
                     popped.append(tk)
             if not popped:
                 continue
-            wb = WriteBatch(raw_mode=True)
+            wb = self.backend.write_batch()
             for tk, stored in zip(popped, multi_get(self._cf, popped), strict=True):
                 if stored is None:
                     continue

@@ -52,7 +52,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from rocksdict import WriteBatch
 
 from statebackend.errors import SerializationError, UsageError
 from statebackend.state.codecs import (
@@ -256,7 +255,7 @@ class TtlAccess:
                elements: Sequence[Sequence[tuple[bytes, int]]]) -> None:
         """List state: append (codec bytes, expiry) elements per key, in order; one batch."""
         old = multi_get(self.cf, rocks_keys) if rocks_keys else []
-        wb = WriteBatch(raw_mode=True)
+        wb = self.backend.write_batch()
         cf, ix, dom, tag = self.cf_handle, self.index_handle, self.domain, self.tag
         for rk, els, o in zip(rocks_keys, elements, old, strict=True):
             have = set() if o is None else stored_expiries(o, True)
@@ -283,7 +282,7 @@ class TtlAccess:
                                if puts else [], old, old_deleted)
             return
         exps = self.expiries(timestamps, len(puts)) if puts else []
-        wb = WriteBatch(raw_mode=True)
+        wb = self.backend.write_batch()
         cf, ix, dom, tag = self.cf_handle, self.index_handle, self.domain, self.tag
         indexed: dict[bytes, set[int]] = {}  # what the index holds per key after this batch
         stored: dict[bytes, bytes] = {}
@@ -348,7 +347,7 @@ class TtlAccess:
                       old_deleted: list[bytes | None]) -> None:
         """`write` of a value-like state (one expiry per entry): on expiry bytes, no
         decoding (their byte order is time order)."""
-        wb = WriteBatch(raw_mode=True)
+        wb = self.backend.write_batch()
         cf, ix, dom, tag = self.cf_handle, self.index_handle, self.domain, self.tag
         stored: dict[bytes, bytes | None] = {}  # what a key holds after this batch so far
         for (rk, value), eb, o in zip(puts, expiries, old, strict=True):
@@ -446,7 +445,7 @@ def purge_expired(backend: KeyedStateBackend, domain: str, now: int,
         # Every entry of these ranges was read and handled above: one range tombstone
         # per key group instead of a point tombstone per index entry (fewer bytes to
         # write, flush and upload).
-        wb = WriteBatch(raw_mode=True)
+        wb = backend.write_batch()
         ix = backend.column_family_handle(TTL_INDEX)
         for lo, hi in due_ranges:
             wb.delete_range(lo, hi, ix)
@@ -476,7 +475,7 @@ def _purge_batch(backend: KeyedStateBackend, index_keys: list[bytes], now: int,
                 by_tag[tag], sample[tag] = [], ik
             bodies = by_tag[tag]
         bodies.append(ik[:2] + ik[end:])
-    wb = WriteBatch(raw_mode=True)
+    wb = backend.write_batch()
     deleted = dropped = 0
     for tag, keys in by_tag.items():
         name = parse_index_key(sample[tag]).state

@@ -62,6 +62,7 @@ from statebackend.checkpoint.metadata import CheckpointMetadata, FileRef, Subtas
 from statebackend.errors import CkptError, StorageError
 from statebackend.progress import NO_PROGRESS, ProgressSink
 from statebackend.state.backend import DB_DIR, KeyedStateBackend, StoredInstance
+from statebackend.state.backend_kinds import BACKEND_CLASSES
 from statebackend.state.codecs import (
     RECORD_FORMAT,
     TIME_BYTES,
@@ -76,6 +77,7 @@ from statebackend.state.families import TTL_INDEX
 from statebackend.state.keygroups import KeyGroupRange
 from statebackend.state.keygroups_bulk import key_groups
 from statebackend.state.kinds import StateDescriptor
+from statebackend.state.memory import FILES_DIR as MEMORY_FILES_DIR
 from statebackend.state.timers import key_bytes_of, parse_reverse_key, parse_timer_key
 from statebackend.state.ttl import (
     index_key,
@@ -625,7 +627,9 @@ def _check_subtask(scope: _Scope, handle: SubtaskHandle, rng: random.Random
     out = _SubtaskContent(restore_row={})
     error = None
     try:
-        out.facts = download_checked(scope.storage, handle.files, os.path.join(tmp, DB_DIR))
+        in_memory = handle.backend == "memory"
+        out.facts = download_checked(scope.storage, handle.files,
+                                     os.path.join(tmp, MEMORY_FILES_DIR if in_memory else DB_DIR))
         bad = _bad_files(handle, out.facts)
         if bad:
             error = f"not opened: {len(bad)} damaged file(s): " + "; ".join(bad[:3])
@@ -633,9 +637,9 @@ def _check_subtask(scope: _Scope, handle: SubtaskHandle, rng: random.Random
             origin = StoredInstance(handle.backend_id,
                                     f"subtask {handle.index} of checkpoint {meta.checkpoint_id}",
                                     {f.local_name: f.path for f in handle.files})
-            with KeyedStateBackend(tmp, scope.descriptors, meta.max_parallelism,
-                                   handle.key_group_range, read_only=True,
-                                   origin=origin) as backend:
+            with BACKEND_CLASSES[handle.backend](
+                    tmp, scope.descriptors, meta.max_parallelism, handle.key_group_range,
+                    read_only=True, origin=origin) as backend:
                 _read_subtask(scope, backend.place_keys_by(meta.key_hash), handle.index,
                               rng, out)
     except Exception as exc:  # noqa: BLE001 - a damaged subtask is a finding, not a crash

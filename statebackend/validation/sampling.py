@@ -52,6 +52,7 @@ from statebackend.state.backend import KeyedStateBackend
 from statebackend.state.codecs import time_upper_bound
 from statebackend.state.families import TTL_INDEX
 from statebackend.state.keygroups import key_group_prefix
+from statebackend.state.memory_table import MemoryTable
 
 CHUNK = 32  # entries read per seek point
 DEFAULT_SAMPLE = 1024  # entries per column family per subtask at the ``deep`` level
@@ -115,8 +116,15 @@ def _edge_key(cf: Rdict, last: bool) -> bytes | None:
     return None
 
 
-def cf_facts(cf: Rdict) -> ColumnFamilyFacts:
-    """The facts of ``cf`` (module doc): properties, SST ranges and the edge keys."""
+def cf_facts(cf: Rdict | MemoryTable) -> ColumnFamilyFacts:
+    """The facts of ``cf`` (module doc): properties, SST ranges and the edge keys. A
+    memory-backend table knows its exact count and holds one version per key."""
+    if isinstance(cf, MemoryTable):
+        edges = cf.edge_keys()
+        return ColumnFamilyFacts(entries=len(cf), deletions=0, merge_operands=0,
+                                 range_deletions=0, memtable_entries=0, files=(),
+                                 first_key=edges[0] if edges else None,
+                                 last_key=edges[1] if edges else None)
     props = dict((k, int(v)) for k, v in _PROPERTY.findall(
         cf.property_value("rocksdb.aggregated-table-properties") or ""))
     active = _int_property(cf, "rocksdb.num-entries-active-mem-table")
@@ -142,11 +150,16 @@ def exact_count(facts: ColumnFamilyFacts) -> int | None:
     return facts.entries
 
 
-def _seek_target(cf: Rdict, key_group: int, rng: random.Random) -> bytes | None:
+def _seek_target(cf: Rdict | MemoryTable, key_group: int, rng: random.Random) -> bytes | None:
     """A random key between the first and the last key of ``key_group`` (as numbers of
     equal width), so seeks spread over the group's keys however their bytes are
     distributed; None when the group holds no key."""
     prefix = key_group.to_bytes(2, "big")
+    if isinstance(cf, MemoryTable):
+        edges = cf.edge_keys(prefix)
+        if edges is None:
+            return None
+        return _between(*edges, rng)
     it = cf.iter()
     it.seek(prefix)
     if not it.valid():
@@ -160,7 +173,10 @@ def _seek_target(cf: Rdict, key_group: int, rng: random.Random) -> bytes | None:
         it.prev()  # a key of the group that sorts after 16 0xff bytes: rare
     if not it.valid():
         it.status()
-    hi = it.key() if it.valid() else lo
+    return _between(lo, it.key() if it.valid() else lo, rng)
+
+
+def _between(lo: bytes, hi: bytes, rng: random.Random) -> bytes:
     width = max(len(lo), len(hi))
     a = int.from_bytes(lo.ljust(width, b"\x00"), "big")
     b = int.from_bytes(hi.ljust(width, b"\x00"), "big")

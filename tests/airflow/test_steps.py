@@ -52,6 +52,17 @@ def test_build_run_config_renders_the_interval(tmp_path):
     assert local.engine == "local"
 
 
+def test_a_spec_chooses_the_state_backend(tmp_path):
+    spec = make_spec(tmp_path, backend="memory", memory_limit_mb=512)
+    cfg = steps.build_run_config(spec, logical_date=datetime(2027, 1, 2, tzinfo=UTC),
+                                 airflow_run_id="manual__1")
+    assert (cfg.backend, cfg.memory_limit_mb) == ("memory", 512)
+    args = steps.spark_submit_args(spec)
+    assert args[args.index("--backend") + 1] == "memory"
+    with pytest.raises(CkptError, match=r"backend 'disk' is not one of \['rocksdb', 'memory'\]"):
+        make_spec(tmp_path, backend="disk")
+
+
 def test_unknown_template_field_is_a_clear_error():
     with pytest.raises(CkptError, match="available fields"):
         steps.render("/in/{{ nope }}", {"ds": "x"})

@@ -27,7 +27,7 @@ Faults (the only mocks):
   on every storage mutation of this process is a no-op until the step ends: a dead
   process runs no cleanup, releases no lease and renews no lease, so its writer
   lease stays behind and must expire (short TTL via ``CKPT_LEASE_TTL_SECONDS``).
-- *executor*: ``JobConfig.fail_subtask`` / rescale's ``_fail_subtask``: a task
+- *executor*: ``RunConfig.fail_subtask`` / rescale's ``_fail_subtask``: a task
   fails after its upload (a failed attempt, cleaned up by the driver).
 - *torn upload*: after a killed run, one upload that no checkpoint references is
   truncated (an executor that died mid-upload).
@@ -94,6 +94,7 @@ from statebackend.errors import (
     MetadataError,
     SnapshotError,
 )
+from statebackend.job import RunConfig
 from statebackend.job import run as run_protocol
 from statebackend.lifecycle import doctor
 from statebackend.lifecycle.gc import collect_garbage
@@ -272,6 +273,7 @@ class ChaosConfig:
     # The job runs' engine: "spark" (tasks in Python workers, out of the faults' reach) or
     # "local" (subtasks in this process: kills also hit restores, snapshots and uploads)
     engine: str = "spark"
+    backend: str | None = None  # the job runs' state backend (None: rocksdb)
     pause_probability: float = 0.06  # a run freezes past its lease in its commit path
 
 
@@ -395,10 +397,11 @@ class Chaos:
              pause: bool = False) -> tuple[str, str]:
         p = self.model.parallelism or self.rng.randint(1, 3)
         fail_subtask = self.rng.randrange(p) if fail else None
-        cfg = ka.JobConfig(input=self.model.interval(run_id).input_dir,
+        cfg = RunConfig(input=self.model.interval(run_id).input_dir,
                            storage=self.config.storage_url, job=JOB, run_id=run_id,
                            output=self.output, parallelism=p, local_dir=self.local_dir,
-                           fail_subtask=fail_subtask, engine=self.config.engine)
+                           fail_subtask=fail_subtask, engine=self.config.engine,
+                           backend=self.config.backend)
         detail = f"{run_id} P={p}" + (f" fail_subtask={fail_subtask}" if fail else "") + \
             (" busy-gc" if busy else "")
         allowed: tuple[type, ...] = (ka.JobRunError,) if fail else ()
@@ -437,10 +440,11 @@ class Chaos:
                         is not None and _epoch(lease.expires_at) + LEASE_SLACK_S > time.time():
                     time.sleep(_epoch(lease.expires_at) - time.time() + LEASE_SLACK_S)
             other = self.new_interval()
-            cfg = ka.JobConfig(input=other.input_dir, storage=self.config.storage_url, job=JOB,
+            cfg = RunConfig(input=other.input_dir, storage=self.config.storage_url, job=JOB,
                                run_id=other.run_id, output=self.output,
                                parallelism=self.model.parallelism or 2,
-                               local_dir=self.local_dir, engine=self.config.engine)
+                               local_dir=self.local_dir, engine=self.config.engine,
+                               backend=self.config.backend)
             result: list = []
             thread = threading.Thread(target=lambda: result.append(_outcome(
                 lambda: ka.run(cfg, self.spark))))

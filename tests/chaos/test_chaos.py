@@ -1,11 +1,12 @@
 """Randomized chaos test of issue 10: job runs, kills, GC, retain, savepoint, rescale.
 
 See harness.py for the steps, the faults and the checks after every step. The CI
-run is three seeds of 100 steps each (300 steps) on file:// storage with one warm
-local Spark session, one with the job runs on Spark and two on the local engine (whose
+run is four seeds of 100 steps each (400 steps) on file:// storage with one warm
+local Spark session, one with the job runs on Spark and three on the local engine (whose
 subtasks run in this process, so the injected deaths also hit restores, snapshots and
-uploads); ``slow`` (also run in CI) adds a seed of 100 steps and one short seed (25
-steps) on a real S3 API (moto, local engine). Every seed has paused writers
+uploads), one of them with the state in the memory backend; ``slow`` (also run in CI)
+adds a seed of 100 steps and one short seed (25 steps) on a real S3 API (moto, local
+engine). Every seed has paused writers
 (issue 20), lost, flipped and replaced records, ledgers, log entries and leases, and
 the operator's `ckpt doctor`. Longer soaks: ``CKPT_CHAOS_SEEDS=1,2,3,4,5
 CKPT_CHAOS_STEPS=200``.
@@ -29,16 +30,19 @@ from statebackend.storage import open_storage
 from tests.chaos.harness import Chaos, ChaosConfig, compare_state
 from tests.conftest import S3_BUCKET
 
-CI_SEEDS = ((101, "spark"), (202, "local"), (404, "local"))  # (seed, the job runs' engine)
-CI_STEPS = 100  # per seed: 300 steps in CI
+# (seed, the job runs' engine, their state backend)
+CI_SEEDS = ((101, "spark", None), (202, "local", None), (404, "local", None),
+            (303, "local", "memory"))
+CI_STEPS = 100  # per seed: 400 steps in CI
 
 
 def _chaos(spark, tmp_path, seed: int, steps: int, storage_url: str | None = None,
-           engine: str = "spark") -> dict:
+           engine: str = "spark", backend: str | None = None) -> dict:
     work = tmp_path / f"seed-{seed}"
     work.mkdir()
     config = ChaosConfig(seed=seed, steps=steps, work_dir=str(work),
-                         storage_url=storage_url or f"file://{work}/store", engine=engine)
+                         storage_url=storage_url or f"file://{work}/store", engine=engine,
+                         backend=backend)
     return Chaos(config, spark).run()
 
 
@@ -55,9 +59,9 @@ def _assert_covered(summary: dict) -> None:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("seed, engine", CI_SEEDS)
-def test_chaos(spark, tmp_path, short_leases, chaos_report, seed, engine):
-    summary = _chaos(spark, tmp_path, seed, CI_STEPS, engine=engine)
+@pytest.mark.parametrize("seed, engine, backend", CI_SEEDS)
+def test_chaos(spark, tmp_path, short_leases, chaos_report, seed, engine, backend):
+    summary = _chaos(spark, tmp_path, seed, CI_STEPS, engine=engine, backend=backend)
     chaos_report(summary)
     _assert_covered(summary)
 

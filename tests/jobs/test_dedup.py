@@ -28,8 +28,9 @@ SPEC = EventsSpec(days=6, events_per_day=1500, users=200, seed=3, copy_fraction=
                   resend_fraction=0.1)
 
 
-@pytest.mark.parametrize("engine", ["spark", "local"])
-def test_dedup_matches_reference_over_runs(spark, tmp_path, engine):
+@pytest.mark.parametrize(("engine", "backend"), [("spark", None), ("local", None),
+                                                 ("local", "memory")])
+def test_dedup_matches_reference_over_runs(spark, tmp_path, engine, backend):
     days = generate_days(SPEC)
     dirs = write_days(days, str(tmp_path / "in"))
     ref = dedup(days, ttl_ms=DAY, lateness_ms=LATENESS_MIN * 60_000)
@@ -41,7 +42,7 @@ def test_dedup_matches_reference_over_runs(spark, tmp_path, engine):
     def config(d: int, **kw) -> RunConfig:
         return RunConfig(input=dirs[d], storage=storage, run_id=f"d{d}", output=output,
                          local_dir=str(tmp_path / "local"), max_reject_fraction=0.0,
-                         engine=engine,
+                         engine=engine, backend=backend,
                          options={"ttl_days": 1, "allowed_lateness_minutes": LATENESS_MIN},
                          **kw)
 

@@ -44,16 +44,18 @@ def out_url(storage_url: str, tmp_path) -> str:
 
 
 def scenario(spark, tmp_path, storage_url: str, job, days, reference, check_output,
-             check_state, engine: str = "spark") -> None:
+             check_state, engine: str = "spark", backend: str | None = None) -> None:
     """runs d0, d1; re-run d0; crash d2; rescale 3 -> 2; run d2: all against pandas,
-    with the runs' tasks on ``engine`` (statebackend.job.engine)."""
+    with the runs' tasks on ``engine`` (statebackend.job.engine) and the state on
+    ``backend`` (None: the default, rocksdb)."""
     output = out_url(storage_url, tmp_path)
     store = CheckpointStore(open_storage(storage_url), job.name)
     expected_outputs, expected_state = reference
 
     def config(d: int, **kw) -> RunConfig:
         return RunConfig(input=str(tmp_path / f"in{d}"), storage=storage_url, run_id=f"d{d}",
-                         output=output, local_dir=str(tmp_path / "local"), engine=engine, **kw)
+                         output=output, local_dir=str(tmp_path / "local"), engine=engine,
+                         backend=backend, **kw)
 
     s0 = run_job(job, config(0, parallelism=3), spark)
     s1 = run_job(job, config(1), spark)
@@ -82,6 +84,7 @@ def scenario(spark, tmp_path, storage_url: str, job, days, reference, check_outp
     check_state(final_state(storage_url, job.name), expected_state)
     assert [(m.kind, m.run_id) for m in store.load_all()] == [
         ("checkpoint", "d0"), ("checkpoint", "d1"), ("rescale", None), ("checkpoint", "d2")]
+    assert {m.state_backend for m in store.load_all()} == {backend or "rocksdb"}
 
 
 def check_activity_output(got: pd.DataFrame, want: pd.DataFrame) -> None:
@@ -148,6 +151,27 @@ def test_local_engine_matches_pandas(spark, tmp_path, durable_storage_url, job):
         days = activity_days(tmp_path)
         scenario(spark, tmp_path, durable_storage_url, job, days, activity_reference(days),
                  check_activity_output, _assert_equal, engine="local")
+
+
+@pytest.mark.parametrize(("job", "engine"), [(ka.JOB, "spark"), (ka.JOB, "local"),
+                                             (user_activity.job, "local"),
+                                             (user_activity.job_vectorized, "spark")],
+                         ids=["keyed_aggregation-spark", "keyed_aggregation-local",
+                              "user_activity-local", "user_activity_vectorized-spark"])
+def test_memory_backend_matches_pandas(spark, tmp_path, job, engine):
+    """The same scenario with the state in memory (statebackend.state.memory): a crashed
+    attempt, a rescale that moves key-group files and one more run, against pandas."""
+    storage_url = f"file://{tmp_path}/store"
+    if job is ka.JOB:
+        days = totals_days(str(tmp_path), 3, seed=302)
+        scenario(spark, tmp_path, storage_url, job, days, totals_reference(days),
+                 check_totals_output,
+                 lambda got, want: assert_totals_equal(got["totals"], want["totals"]),
+                 engine=engine, backend="memory")
+    else:
+        days = activity_days(tmp_path)
+        scenario(spark, tmp_path, storage_url, job, days, activity_reference(days),
+                 check_activity_output, _assert_equal, engine=engine, backend="memory")
 
 
 def test_quarantine_reasons_of_the_example(spark, tmp_path):

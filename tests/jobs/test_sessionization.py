@@ -43,8 +43,9 @@ def run_output(url: str, run_id: str) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else None
 
 
-@pytest.mark.parametrize("engine", ["spark", "local"])
-def test_sessionization_matches_reference_over_runs(spark, tmp_path, engine):
+@pytest.mark.parametrize(("engine", "backend"), [("spark", None), ("local", None),
+                                                 ("local", "memory")])
+def test_sessionization_matches_reference_over_runs(spark, tmp_path, engine, backend):
     days = generate_days(SPEC)
     dirs = write_days(days, str(tmp_path / "in"))
     ref = sessionize([d[["user", "ts", "value"]] for d in days], GAP_MIN * 60_000,
@@ -60,7 +61,7 @@ def test_sessionization_matches_reference_over_runs(spark, tmp_path, engine):
     def config(d: int, **kw) -> RunConfig:
         return RunConfig(input=dirs[d], storage=storage, run_id=f"d{d}", output=output,
                          local_dir=str(tmp_path / "local"), max_reject_fraction=0.0,
-                         engine=engine,
+                         engine=engine, backend=backend,
                          options={"gap_minutes": GAP_MIN,
                                   "allowed_lateness_minutes": LATENESS_MIN}, **kw)
 

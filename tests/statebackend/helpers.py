@@ -16,6 +16,7 @@ from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.restore import RestoreOptions, restore_subtask
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.state.backend import KeyedStateBackend
+from statebackend.state.backend_kinds import new_backend
 from statebackend.state.codecs import RecordCodec
 from statebackend.state.keygroups import key_group_for_bytes, key_group_range_for_subtask
 from statebackend.state.kinds import StateDescriptor
@@ -62,10 +63,11 @@ def route(keys_: Sequence[str], max_parallelism: int, parallelism: int) -> list[
 
 
 def open_backends(base_dir: str, parallelism: int, max_parallelism: int = 128,
-                  descriptors: Sequence[StateDescriptor] = DESCRIPTORS
+                  descriptors: Sequence[StateDescriptor] = DESCRIPTORS, kind: str = "rocksdb"
                   ) -> list[KeyedStateBackend]:
-    return [KeyedStateBackend(os.path.join(base_dir, f"sub-{i}"), descriptors, max_parallelism,
-                              key_group_range_for_subtask(max_parallelism, parallelism, i))
+    """New instances of backend ``kind`` (statebackend.state.backend_kinds), one per subtask."""
+    return [new_backend(kind, os.path.join(base_dir, f"sub-{i}"), descriptors, max_parallelism,
+                        key_group_range_for_subtask(max_parallelism, parallelism, i))
             for i in range(parallelism)]
 
 

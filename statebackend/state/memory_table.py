@@ -1,0 +1,227 @@
+"""In-memory column families: per-key-group hash tables with RocksDB's byte-key contract.
+
+A `MemoryTable` stands in for a raw-mode ``Rdict`` column family where the state kinds,
+timers and TTL use one (``get`` of a key or a list of keys, ``put``, ``delete``,
+``delete_range``, ordered scans), so the same state code runs on either backend. Keys
+are the backend's full keys (2-byte key-group prefix first), so a key group is one
+partition: a ``dict`` of key -> value bytes.
+
+Order is needed only by scans (map state's prefix reads, the time-ordered timer queue
+and TTL index, dumps): each partition sorts its keys on the first scan after its key
+set changed, so point reads and writes never pay for order.
+
+Every write charges `MemoryAccount`: the bytes held (keys + values + a fixed per-entry
+overhead of Python's objects) against the configured limit, and the key groups changed
+since the last snapshot (the ones the next snapshot writes). Past the limit a write
+raises `StateMemoryLimitError` at once: the backend never swaps or spills.
+
+`MemoryWriteBatch` has the subset of rocksdict's ``WriteBatch`` the state code uses and
+applies in order. This module imports nothing of the state package.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from statebackend.errors import UsageError
+
+# Bytes counted per entry beyond its key and value: two bytes objects (33 B each) and a
+# dict slot, rounded up. An estimate: the limit guards against runaway state, not bytes.
+ENTRY_OVERHEAD = 120
+_EMPTY: dict[bytes, bytes] = {}
+
+
+class StateMemoryLimitError(UsageError):
+    """The memory backend's state grew past its configured limit."""
+
+
+class MemoryAccount:
+    """Bytes held by every table of one backend, its limit, and the changed key groups."""
+
+    def __init__(self, limit_bytes: int | None, label: str) -> None:
+        self.limit_bytes = limit_bytes
+        self.label = label
+        self.bytes = 0
+        self.changed: set[bytes] = set()  # key-group prefixes written since the last snapshot
+
+    def check(self) -> None:
+        if self.limit_bytes is not None and self.bytes > self.limit_bytes:
+            raise StateMemoryLimitError(
+                f"{self.label} holds about {self.bytes / 2**20:.0f} MiB of state, over the "
+                f"memory backend's limit of {self.limit_bytes / 2**20:.0f} MiB "
+                "(--memory-limit-mb): raise it, add subtasks (rescale), or run this job "
+                "with --backend rocksdb")
+
+
+class MemoryTable:
+    """One column family in memory (module docstring)."""
+
+    def __init__(self, name: str, account: MemoryAccount) -> None:
+        self.name = name
+        self.parts: dict[bytes, dict[bytes, bytes]] = {}  # key-group prefix -> entries
+        self._sorted: dict[bytes, list[bytes]] = {}  # prefix -> sorted keys (while valid)
+        self._account = account
+
+    # -- point access (rocksdict's names) ------------------------------------------
+    def get(self, key: Any) -> Any:
+        """The value of ``key`` (None: absent), or a list of values for a list of keys."""
+        parts = self.parts
+        if isinstance(key, list):
+            return [parts.get(k[:2], _EMPTY).get(k) for k in key]
+        return parts.get(key[:2], _EMPTY).get(key)
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self._put(key, value)
+        self._account.check()
+
+    def _put(self, key: bytes, value: bytes) -> None:
+        prefix = key[:2]
+        part = self.parts.get(prefix)
+        if part is None:
+            part = self.parts[prefix] = {}
+        old = part.get(key)
+        if old is None:
+            self._sorted.pop(prefix, None)
+            self._account.bytes += len(key) + len(value) + ENTRY_OVERHEAD
+        else:
+            self._account.bytes += len(value) - len(old)
+        part[key] = value
+        self._account.changed.add(prefix)
+
+    def delete(self, key: bytes) -> None:
+        prefix = key[:2]
+        part = self.parts.get(prefix)
+        if part is None:
+            return
+        old = part.pop(key, None)
+        if old is not None:
+            self._account.bytes -= len(key) + len(old) + ENTRY_OVERHEAD
+            self._sorted.pop(prefix, None)
+            self._account.changed.add(prefix)
+
+    def delete_range(self, lower: bytes, upper: bytes) -> None:
+        """Delete every key in [lower, upper)."""
+        for key in list(self.scan(lower, upper, values=False)):
+            self.delete(key)
+
+    # -- order -------------------------------------------------------------------
+    def _sorted_keys(self, prefix: bytes) -> list[bytes]:
+        keys = self._sorted.get(prefix)
+        if keys is None:
+            keys = self._sorted[prefix] = sorted(self.parts.get(prefix, _EMPTY))
+        return keys
+
+    def _prefixes(self, lower: bytes | None, upper: bytes | None) -> list[bytes]:
+        lo = lower[:2] if lower else b""
+        return sorted(p for p in self.parts
+                      if p >= lo and (upper is None or p < upper))
+
+    def scan(self, lower: bytes | None = None, upper: bytes | None = None, *,
+             values: bool = True) -> Iterator[Any]:
+        """Entries with lower <= key < upper in key order: (key, value), or keys."""
+        for prefix in self._prefixes(lower, upper):
+            keys = self._sorted_keys(prefix)
+            part = self.parts[prefix]
+            i = bisect_left(keys, lower) if lower and lower > prefix else 0
+            end = bisect_left(keys, upper) if upper is not None and upper[:2] == prefix \
+                else len(keys)
+            for key in keys[i:end]:
+                if not values:
+                    yield key
+                elif (value := part.get(key)) is not None:  # deleted while scanning
+                    yield key, value
+
+    def count(self, lower: bytes | None = None, upper: bytes | None = None) -> int:
+        if lower is None and upper is None:
+            return len(self)
+        return sum(1 for _ in self.scan(lower, upper, values=False))
+
+    def edge_keys(self, prefix: bytes | None = None) -> tuple[bytes, bytes] | None:
+        """(first, last) key of the table, or of key group ``prefix``; None: empty."""
+        prefixes = [prefix] if prefix is not None else sorted(p for p, d in self.parts.items()
+                                                              if d)
+        if not prefixes:
+            return None
+        first, last = self._sorted_keys(prefixes[0]), self._sorted_keys(prefixes[-1])
+        return (first[0], last[-1]) if first and last else None
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.parts.values())
+
+    # -- bulk (restore) ------------------------------------------------------------
+    def load(self, prefix: bytes, keys: Sequence[bytes], values: Sequence[bytes]) -> None:
+        """Replace key group ``prefix`` with sorted ``keys`` -> ``values`` (a restore:
+        not a change for the next snapshot)."""
+        old = self.parts.pop(prefix, None)
+        if old:
+            self._account.bytes -= sum(len(k) + len(v) + ENTRY_OVERHEAD
+                                       for k, v in old.items())
+        if not keys:
+            self._sorted.pop(prefix, None)
+            return
+        self.parts[prefix] = dict(zip(keys, values, strict=True))
+        self._sorted[prefix] = list(keys)
+        self._account.bytes += sum(map(len, keys)) + sum(map(len, values)) \
+            + ENTRY_OVERHEAD * len(keys)
+        self._account.check()
+
+    def drop_part(self, prefix: bytes) -> None:
+        self.load(prefix, (), ())
+
+    # -- RocksDB's maintenance calls: nothing to do in memory ----------------------
+    def flush(self, wait: bool = True) -> None:
+        del wait
+
+    def compact_range(self, begin: bytes | None, end: bytes | None) -> None:
+        del begin, end
+
+    def set_options(self, options: dict[str, str]) -> None:
+        del options
+
+    def property_int_value(self, name: str) -> int:
+        """RocksDB's key estimate (``rocksdb.estimate-num-keys``): exact here."""
+        del name
+        return len(self)
+
+
+class MemoryWriteBatch:
+    """Puts, deletes and range deletes over `MemoryTable` handles, applied in order."""
+
+    def __init__(self) -> None:
+        self.ops: list[tuple[int, MemoryTable, bytes, bytes]] = []
+        self._default: MemoryTable | None = None
+
+    def set_default_column_family(self, handle: MemoryTable) -> None:
+        self._default = handle
+
+    def _table(self, handle: MemoryTable | None) -> MemoryTable:
+        table = handle if handle is not None else self._default
+        if table is None:
+            raise UsageError("write batch without a column family")
+        return table
+
+    def put(self, key: bytes, value: bytes, handle: MemoryTable | None = None) -> None:
+        self.ops.append((0, self._table(handle), key, value))
+
+    def delete(self, key: bytes, handle: MemoryTable | None = None) -> None:
+        self.ops.append((1, self._table(handle), key, b""))
+
+    def delete_range(self, lower: bytes, upper: bytes, handle: MemoryTable | None = None
+                     ) -> None:
+        self.ops.append((2, self._table(handle), lower, upper))
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def apply(self, account: MemoryAccount) -> None:
+        for op, table, a, b in self.ops:
+            if op == 0:
+                table._put(a, b)
+            elif op == 1:
+                table.delete(a)
+            else:
+                table.delete_range(a, b)
+        account.check()
+

@@ -1,0 +1,188 @@
+"""The memory backend (statebackend.state.memory) against RocksDB as the reference.
+
+- `MemoryTable` answers every read the state code makes (get, multi-get, bounded
+  scans, counts) exactly as a RocksDB column family after the same random writes;
+- a checkpoint of memory backends restores to the same entries (download and local),
+  and the next checkpoint uploads only the key groups written since;
+- a lineage moves between backends: rocksdb -> memory -> rocksdb keeps every entry of
+  every state kind;
+- past its limit a write fails in one line naming the limit and RocksDB; a damaged
+  key-group file is refused, naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+from rocksdict import Options, Rdict
+
+from statebackend.checkpoint.restore import RestoreOptions, restore_subtask
+from statebackend.checkpoint.snapshot import checkpoint_backends
+from statebackend.checkpoint.store import CheckpointStore
+from statebackend.errors import CorruptStateError, UsageError
+from statebackend.state.memory import MemoryStateBackend, key_group_of_file
+from statebackend.state.memory_table import (
+    MemoryAccount,
+    MemoryTable,
+    MemoryWriteBatch,
+    StateMemoryLimitError,
+)
+from statebackend.state.scan import checked_count, checked_entries, checked_scan, multi_get
+from statebackend.storage import open_storage
+from tests.statebackend.helpers import (
+    DESCRIPTORS,
+    close_all,
+    dump_backends,
+    fill,
+    keys,
+    open_backends,
+    restore_all,
+)
+
+
+def _random_key(rng: random.Random) -> bytes:
+    kg = rng.choice([0, 1, 7, 255, 256, 4095])
+    return kg.to_bytes(2, "big") + bytes(rng.randrange(256) for _ in range(rng.randint(0, 4)))
+
+
+def test_memory_table_reads_like_a_rocksdb_column_family(tmp_path):
+    rng = random.Random(7)
+    db = Rdict(str(tmp_path / "ref"), Options(raw_mode=True))
+    table = MemoryTable("t", MemoryAccount(None, "test"))
+    for step in range(3000):
+        op = rng.random()
+        key = _random_key(rng)
+        if op < 0.6:
+            value = bytes([step % 256]) * rng.randint(0, 3)
+            db.put(key, value)
+            table.put(key, value)
+        elif op < 0.9:
+            db.delete(key)
+            table.delete(key)
+        else:
+            lo, hi = sorted((key, _random_key(rng)))
+            db.delete_range(lo, hi)
+            table.delete_range(lo, hi)
+        if step % 100 == 0:
+            lo, hi = sorted((_random_key(rng), _random_key(rng)))
+            for bounds in ((None, None), (lo, None), (None, hi), (lo, hi)):
+                assert list(checked_scan(table, "t", *bounds)) == \
+                    list(checked_scan(db, "db", *bounds)), bounds
+                assert checked_count(table, "t", *bounds) == checked_count(db, "db", *bounds)
+                assert checked_entries(table, "t", *bounds, values=False)[0] == \
+                    checked_entries(db, "db", *bounds, values=False)[0]
+            probe = [_random_key(rng) for _ in range(50)]
+            assert multi_get(table, probe) == multi_get(db, probe)
+    assert len(table) == checked_count(db, "db") > 0
+    db.close()
+
+
+def test_write_batch_applies_in_order():
+    account = MemoryAccount(None, "test")
+    a, b = MemoryTable("a", account), MemoryTable("b", account)
+    wb = MemoryWriteBatch()
+    wb.set_default_column_family(a)
+    wb.put(b"\x00\x01k", b"1")
+    wb.put(b"\x00\x01k", b"2", b)
+    wb.delete(b"\x00\x01k")
+    wb.put(b"\x00\x02k", b"3")
+    wb.delete_range(b"\x00\x02", b"\x00\x03", b)
+    wb.apply(account)
+    assert (a.get(b"\x00\x01k"), a.get(b"\x00\x02k"), b.get(b"\x00\x01k")) == (None, b"3", b"2")
+    assert account.changed == {b"\x00\x01", b"\x00\x02"}
+
+
+def _store(tmp_path) -> CheckpointStore:
+    return CheckpointStore(open_storage(f"file://{tmp_path}/store"), "orders")
+
+
+def test_checkpoints_restore_and_upload_only_changed_key_groups(tmp_path):
+    store = _store(tmp_path)
+    backends = open_backends(str(tmp_path / "work"), 2, kind="memory")
+    fill(backends, keys(5000))
+    first = checkpoint_backends(store, backends, parent=None)
+    assert {h.backend for h in first.subtasks} == {"memory"}
+    assert all(f.local_name.endswith(".kgs") and not h.private_files
+               for h in first.subtasks for f in h.files)
+    # one key group changes: its file is the only upload, the others are referenced
+    touched = "k1"
+    owner = next(b for b in backends if _owns(b, touched))
+    owner.value_state("totals").put(touched, {"count": -1, "sum": 0.0, "flag": True})
+    second = checkpoint_backends(store, backends)
+    new = {f.path for h in second.subtasks for f in h.files} - \
+        {f.path for h in first.subtasks for f in h.files}
+    kg = owner.key_group_and_bytes(touched)[0]
+    assert [key_group_of_file(p.rsplit("/", 1)[-1].split("-", 1)[1]) for p in new] == [kg]
+    assert second.bytes_uploaded == sum(f.size for h in second.subtasks for f in h.files
+                                        if f.path in new)
+    want = dump_backends(backends)
+    close_all(backends)
+    for allow_local, mode in ((False, "download"), (True, "local-snapshot")):
+        restored = restore_all(store, second, str(tmp_path / "work"), allow_local=allow_local)
+        assert {b.restore_mode for b in restored} == {mode}
+        assert all(isinstance(b, MemoryStateBackend) for b in restored)
+        assert dump_backends(restored) == want
+        close_all(restored)
+
+
+def _owns(backend, key: str) -> bool:
+    try:
+        backend.key_group_and_bytes(key)  # raises outside the backend's key groups
+        return True
+    except UsageError:
+        return False
+
+
+def test_a_lineage_moves_between_backends_with_every_entry(tmp_path):
+    store = _store(tmp_path)
+    backends = open_backends(str(tmp_path / "rocks"), 2)
+    fill(backends, keys(3000))
+    fill(backends, keys(500), version=3)
+    want = dump_backends(backends)
+    meta = checkpoint_backends(store, backends, parent=None)
+    close_all(backends)
+    for kind, other in (("memory", "rocksdb"), ("rocksdb", "memory")):
+        moved = [restore_subtask(store.storage, h, str(tmp_path / f"{kind}-{h.index}"),
+                                 DESCRIPTORS, meta.max_parallelism,
+                                 RestoreOptions(backend=kind)) for h in meta.subtasks]
+        assert {b.kind for b in moved} == {kind}
+        assert {b.restore_mode for b in moved} == {f"converted-from-{other}"}
+        assert dump_backends(moved) == want
+        meta = checkpoint_backends(store, moved)
+        assert meta.state_backend == kind
+        close_all(moved)
+
+
+def test_past_the_limit_a_write_fails_in_one_line(tmp_path):
+    backend = open_backends(str(tmp_path / "work"), 1, kind="memory")[0]
+    assert isinstance(backend, MemoryStateBackend)
+    backend.set_memory_limit(1)
+    with pytest.raises(StateMemoryLimitError) as err:
+        fill([backend], keys(20_000))
+    message = str(err.value)
+    assert "\n" not in message and "limit of 1 MiB" in message and "rocksdb" in message
+    assert backend.memory_bytes > 2**20
+
+
+def test_a_damaged_local_copy_is_downloaded_again_and_garbage_is_refused(tmp_path):
+    store = _store(tmp_path)
+    backends = open_backends(str(tmp_path / "work"), 1, kind="memory")
+    fill(backends, keys(200))
+    want = dump_backends(backends)
+    meta = checkpoint_backends(store, backends, parent=None)
+    close_all(backends)
+    ref = meta.subtasks[0].files[0]
+    local = os.path.join(tmp_path, "work", "sub-0", "files", ref.local_name)
+    with open(local, "r+b") as fh:  # same size, other bytes
+        fh.write(b"\x00" * 64)
+    restored = restore_all(store, meta, str(tmp_path / "work"))
+    assert restored[0].restore_mode == "download" and dump_backends(restored) == want
+    close_all(restored)
+    with open(local, "wb") as fh:  # not a key-group file at all
+        fh.write(b"not arrow")
+    backend = open_backends(str(tmp_path / "other"), 1, kind="memory")[0]
+    os.replace(local, os.path.join(backend.local_dir, "files", ref.local_name))
+    with pytest.raises(CorruptStateError, match=ref.local_name):
+        backend.load_files([ref.local_name])
