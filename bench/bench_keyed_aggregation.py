@@ -185,7 +185,8 @@ def worker(spec: dict) -> None:
         result.update(day=day, startup_s=startup)
         print("RESULT " + json.dumps(result), flush=True)
         startup = 0.0
-    spark.stop()
+    if spark is not None:
+        spark.stop()
 
 
 @contextmanager

@@ -43,6 +43,7 @@ from statebackend.state.backend import (
 from statebackend.state.backend_kinds import BACKEND_CLASSES, convert, new_backend
 from statebackend.state.kinds import StateDescriptor
 from statebackend.state.memory import FILES_DIR as MEMORY_FILES_DIR
+from statebackend.state.memory import forget_live_instance, has_live_instance
 from statebackend.storage import Storage, checksum_algorithm, format_checksum
 from statebackend.storage.checksums import crc_local_file
 
@@ -141,7 +142,7 @@ def restore_subtask(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
         local_dir, descriptors, max_parallelism, handle.key_group_range,
         read_only=options.read_only,
         origin=StoredInstance(handle.backend_id, options.label,
-                              {f.local_name: f.path for f in handle.files}))
+                              {f.local_name: f.path for f in handle.files}, handle.snapshot_id))
     bad = {d.split(": ", 1)[0] for d in report.damaged}
     # A damaged stored file is not referenced again: the next snapshot uploads the
     # (verified) local copy under a new shared name.
@@ -149,7 +150,6 @@ def restore_subtask(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
     backend.reuploaded = tuple(sorted(bad))
     backend.reuse_report = report
     backend.restore_mode = mode
-    backend._last_snapshot_id = handle.snapshot_id
     return backend
 
 
@@ -184,6 +184,9 @@ def _place_memory_files(job_storage: Storage, handle: SubtaskHandle, local_dir: 
                         allow_local: bool) -> str:
     """Put the handle's key-group files in ``local_dir/files``, downloading only those
     this machine has no copy of (files are immutable); returns the restore mode."""
+    if allow_local and has_live_instance(local_dir, handle.snapshot_id):
+        return "local-instance"  # this process still holds the state (statebackend.state.memory)
+    forget_live_instance(local_dir)
     files_dir = os.path.join(local_dir, MEMORY_FILES_DIR)
     # A key-group file has no block checksums of its own: a local copy is used only when
     # its bytes have the recorded checksum (cheap next to decoding it), else downloaded.

@@ -151,6 +151,7 @@ class StoredInstance:
     backend_id: str | None = None
     label: str | None = None
     file_paths: Mapping[str, str] = field(default_factory=dict)
+    snapshot_id: str | None = None  # the stored snapshot these files are
 
 
 class KeyedStateBackend:
@@ -200,7 +201,7 @@ class KeyedStateBackend:
                                       f"[{key_group_range.start}, {key_group_range.end}])")
         self.file_paths: dict[str, str] = dict(origin.file_paths)
         self._dirty = False
-        self._last_snapshot_id: str | None = None
+        self._last_snapshot_id: str | None = origin.snapshot_id
         self._states: dict[str, _State] = {}
         self._open_instance(read_only)
         self._forget_clean_marker()

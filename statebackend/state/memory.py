@@ -14,15 +14,17 @@ shared file (GC, retention, savepoints and the manifest treat it like an SST), a
 - rescale moves whole key-group files: a new subtask's handle names the files of its
   key groups, nothing is clipped or rewritten.
 
-File format (``kg-<key group:05d>-<unique>.kgs``): an Arrow IPC file, LZ4 or ZSTD
-compressed, with columns ``family`` (dictionary of column-family names), ``key`` and
-``value`` (binary), sorted by family then key. Reading it decodes bytes and never runs
-code from storage.
+File format (``kg-<key group:05d>-<unique>.kgs``): `statebackend.state.memory_files`,
+ZSTD compressed (none with the job's ``compression="none"``). Reading it parses lengths
+and bytes and never runs code from storage.
 
 An instance opened from stored files (``origin.file_paths``: the handle's files, already
 in ``files/``) loads them at construction. The local folder keeps the files of the
 current and the previous snapshot (``files/``): a restore on the same machine reads
-those instead of downloading them.
+those instead of downloading them. Better still, an instance closed exactly at its last
+snapshot stays in this process (up to `LIVE_BYTES` in all): a restore of that snapshot
+here (the local engine's next run, a reused Spark Python worker) adopts it and reads
+nothing (``local-instance``).
 
 Memory is bounded (`set_memory_limit`): a write that takes the state past the limit
 fails at once with `StateMemoryLimitError` naming the limit; nothing swaps or spills.
@@ -32,13 +34,15 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
-import pyarrow as pa
-
 from statebackend.errors import CorruptStateError, UsageError
+from statebackend.state import memory_files
 from statebackend.state.backend import KeyedStateBackend, LocalSnapshot
 from statebackend.state.families import INTERNAL_STATES
 from statebackend.state.keygroups import key_group_prefix
@@ -48,9 +52,8 @@ from statebackend.state.memory_table import MemoryAccount, MemoryTable, MemoryWr
 FILES_DIR = "files"
 SUFFIX = ".kgs"
 _NAME = re.compile(r"^kg-(\d{5})-[0-9a-f]{12}\.kgs$")
-_SCHEMA = pa.schema([("family", pa.dictionary(pa.int16(), pa.string())),
-                     ("key", pa.binary()), ("value", pa.binary())])
-_IPC_COMPRESSION = {None: "lz4", "lz4": "lz4", "snappy": "lz4", "zstd": "zstd", "none": None}
+# The file codec per job compression (Job.compression): ZSTD but for "none".
+_CODEC = {None: "zstd", "lz4": "zstd", "snappy": "zstd", "zstd": "zstd", "none": None}
 
 
 def key_group_of_file(name: str) -> int:
@@ -80,6 +83,16 @@ class MemoryStateBackend(KeyedStateBackend):
         self._kg_files: dict[bytes, tuple[str, int]] = {}
         self._previous_files: set[str] = set()
         os.makedirs(self.files_path, exist_ok=True)
+        live = None if self.read_only else _take_live(self.local_dir, self._last_snapshot_id)
+        if live is not None:  # this process closed that very snapshot's state: adopt it
+            self.account, self._cfs, self._kg_files = live.account, live.tables, live.kg_files
+            self.account.label = self.label
+            self._handles = self._cfs
+            self._cf_names = sorted(self._cfs)
+            for name in set(self._cfs) & set(INTERNAL_STATES):
+                self.descriptors.setdefault(name, internal_descriptor(name))
+            self._previous_files = {n for n, _ in self._kg_files.values()}
+            return
         # A stored instance (restore, validation, dump) is the files its handle names,
         # already placed in files/ (statebackend.checkpoint.restore).
         self.load_files(self.file_paths)
@@ -143,69 +156,40 @@ class MemoryStateBackend(KeyedStateBackend):
         """Fill the tables from key-group files in ``files/`` (a restore)."""
         for name in names:
             kg = key_group_of_file(name)
+            prefix = key_group_prefix(kg)
             path = os.path.join(self.files_path, name)
             try:
-                with pa.memory_map(path) as source:
-                    table = pa.ipc.open_file(source).read_all()
-            except (OSError, pa.ArrowInvalid) as exc:
+                with open(path, "rb") as fh:
+                    data = fh.read()
+                families = memory_files.decode(data)
+            except (OSError, ValueError) as exc:
                 raise CorruptStateError(f"{self.file_paths.get(name, path)}: not a readable "
                                         f"key-group file of {self.label}: {exc}") from exc
-            if table.schema != _SCHEMA:
-                raise CorruptStateError(f"{self.file_paths.get(name, path)}: unexpected "
-                                        f"columns {table.schema.names} in {self.label}")
-            self._load_key_group(kg, table)
-            self._kg_files[key_group_prefix(kg)] = (name, os.path.getsize(path))
+            for family, keys, values in families:
+                if keys and (keys[0][:2] != prefix or keys[-1][:2] != prefix):
+                    raise CorruptStateError(
+                        f"{self.file_paths.get(name, path)}: holds keys outside key group "
+                        f"{kg} ({self.label})")
+                self._table(family).load(prefix, keys, values)
+            self._kg_files[prefix] = (name, len(data))
         self._previous_files = {n for n, _ in self._kg_files.values()}
-
-    def _load_key_group(self, kg: int, table: pa.Table) -> None:
-        prefix = key_group_prefix(kg)
-        if not table.num_rows:
-            return
-        families = table.column("family").combine_chunks()
-        names = families.dictionary.to_pylist()
-        codes = families.indices.to_numpy(zero_copy_only=False)
-        keys = table.column("key").to_pylist()
-        values = table.column("value").to_pylist()
-        start = 0
-        while start < len(keys):  # rows are sorted by family: one run per family
-            code = codes[start]
-            end = start
-            while end < len(keys) and codes[end] == code:
-                end += 1
-            if any(k[:2] != prefix for k in (keys[start], keys[end - 1])):
-                raise CorruptStateError(f"a key-group file of {self.label} for key group "
-                                        f"{kg} holds keys of another key group")
-            self._table(names[code]).load(prefix, keys[start:end], values[start:end])
-            start = end
 
     def _write_key_group(self, prefix: bytes) -> tuple[str, int] | None:
         """Write key group ``prefix``'s file (None: the key group is empty)."""
-        names: list[str] = []
-        codes: list[int] = []
-        keys: list[bytes] = []
-        values: list[bytes] = []
+        families = []
         for name in self._cf_names:
             part = self._cfs[name].parts.get(prefix)
-            if not part:
-                continue
-            ordered = sorted(part)
-            names.append(name)
-            codes.extend([len(names) - 1] * len(ordered))
-            keys.extend(ordered)
-            values.extend(part[k] for k in ordered)
-        if not keys:
+            if part:
+                ordered = sorted(part)
+                families.append((name, ordered, [part[k] for k in ordered]))
+        if not families:
             return None
         kg = int.from_bytes(prefix, "big")
         file_name = f"kg-{kg:05d}-{uuid.uuid4().hex[:12]}{SUFFIX}"
-        table = pa.table([
-            pa.DictionaryArray.from_arrays(pa.array(codes, pa.int16()), pa.array(names)),
-            pa.array(keys, pa.binary()), pa.array(values, pa.binary())], schema=_SCHEMA)
-        path = os.path.join(self.files_path, file_name)
-        options = pa.ipc.IpcWriteOptions(compression=_IPC_COMPRESSION[self.compression])
-        with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, _SCHEMA,
-                                                            options=options) as writer:
-            writer.write_table(table)
-        return file_name, os.path.getsize(path)
+        data = memory_files.encode(families, _CODEC[self.compression])
+        with open(os.path.join(self.files_path, file_name), "wb") as fh:
+            fh.write(data)
+        return file_name, len(data)
 
     # -- snapshot --------------------------------------------------------------------
     def take_local_snapshot(self, count_rows: bool = True) -> LocalSnapshot:
@@ -235,10 +219,64 @@ class MemoryStateBackend(KeyedStateBackend):
         return {name: len(table) for name, table in self._cfs.items()}
 
     def close(self) -> None:
+        """Close; state left exactly as the last snapshot stays in this process for the
+        next restore of that snapshot (module docstring), the rest is dropped."""
         if not self._open:
             return
         self._open = False
         self._states.clear()
-        self._cfs.clear()
+        clean = not self.read_only and not self._dirty and self._last_snapshot_id is not None
+        if clean:
+            _keep_live(self.local_dir, _LiveInstance(
+                self._last_snapshot_id or "", dict(self._cfs), self.account,
+                dict(self._kg_files)))
+        self._cfs = {}
         self._handles = {}
+
+
+@dataclass(frozen=True)
+class _LiveInstance:
+    """A closed instance's state, exactly its snapshot ``snapshot_id``."""
+
+    snapshot_id: str
+    tables: dict[str, MemoryTable]
+    account: MemoryAccount
+    kg_files: dict[bytes, tuple[str, int]]
+
+
+# Closed instances kept in this process, by local folder, newest last: a restore of the
+# same snapshot here adopts one instead of reading files (local-instance recovery, as
+# RocksDB's clean instance on disk). At most LIVE_BYTES in all, oldest dropped first.
+LIVE_BYTES = 2**30
+_LIVE: OrderedDict[str, _LiveInstance] = OrderedDict()
+_LIVE_LOCK = threading.Lock()
+
+
+def has_live_instance(local_dir: str, snapshot_id: str) -> bool:
+    """Whether this process holds the state of ``snapshot_id`` for ``local_dir``."""
+    with _LIVE_LOCK:
+        live = _LIVE.get(os.path.abspath(local_dir))
+        return live is not None and live.snapshot_id == snapshot_id
+
+
+def forget_live_instance(local_dir: str) -> None:
+    """Drop what this process holds for ``local_dir`` (a restore that reads the files)."""
+    with _LIVE_LOCK:
+        _LIVE.pop(os.path.abspath(local_dir), None)
+
+
+def _take_live(local_dir: str, snapshot_id: str | None) -> _LiveInstance | None:
+    with _LIVE_LOCK:
+        live = _LIVE.pop(local_dir, None)
+    return live if live is not None and live.snapshot_id == snapshot_id else None
+
+
+def _keep_live(local_dir: str, live: _LiveInstance) -> None:
+    with _LIVE_LOCK:
+        _LIVE.pop(local_dir, None)
+        if live.account.bytes > LIVE_BYTES:
+            return
+        _LIVE[local_dir] = live
+        while sum(x.account.bytes for x in _LIVE.values()) > LIVE_BYTES:
+            _LIVE.popitem(last=False)
 

@@ -22,7 +22,12 @@ from statebackend.checkpoint.restore import RestoreOptions, restore_subtask
 from statebackend.checkpoint.snapshot import checkpoint_backends
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import CorruptStateError, UsageError
-from statebackend.state.memory import MemoryStateBackend, key_group_of_file
+from statebackend.state import memory_files
+from statebackend.state.memory import (
+    MemoryStateBackend,
+    forget_live_instance,
+    key_group_of_file,
+)
 from statebackend.state.memory_table import (
     MemoryAccount,
     MemoryTable,
@@ -119,7 +124,13 @@ def test_checkpoints_restore_and_upload_only_changed_key_groups(tmp_path):
                                         if f.path in new)
     want = dump_backends(backends)
     close_all(backends)
-    for allow_local, mode in ((False, "download"), (True, "local-snapshot")):
+    # from storage; then this process's instances (closed clean); then, as a new process
+    # would, the local files
+    for allow_local, mode in ((False, "download"), (True, "local-instance"),
+                              (True, "local-snapshot")):
+        if mode == "local-snapshot":
+            for h in second.subtasks:
+                forget_live_instance(str(tmp_path / "work" / f"sub-{h.index}"))
         restored = restore_all(store, second, str(tmp_path / "work"), allow_local=allow_local)
         assert {b.restore_mode for b in restored} == {mode}
         assert all(isinstance(b, MemoryStateBackend) for b in restored)
@@ -173,6 +184,7 @@ def test_a_damaged_local_copy_is_downloaded_again_and_garbage_is_refused(tmp_pat
     want = dump_backends(backends)
     meta = checkpoint_backends(store, backends, parent=None)
     close_all(backends)
+    forget_live_instance(str(tmp_path / "work" / "sub-0"))  # as a new process
     ref = meta.subtasks[0].files[0]
     local = os.path.join(tmp_path, "work", "sub-0", "files", ref.local_name)
     with open(local, "r+b") as fh:  # same size, other bytes
@@ -186,3 +198,15 @@ def test_a_damaged_local_copy_is_downloaded_again_and_garbage_is_refused(tmp_pat
     os.replace(local, os.path.join(backend.local_dir, "files", ref.local_name))
     with pytest.raises(CorruptStateError, match=ref.local_name):
         backend.load_files([ref.local_name])
+
+
+@pytest.mark.parametrize("codec", ["zstd", None])
+def test_key_group_files_round_trip_and_refuse_damage(codec):
+    families = [("a", [b"\x00\x01k1", b"\x00\x01k2"], [b"v1", b""]), ("b", [], []),
+                ("c", [b"\x00\x01" + bytes(range(256))], [b"x" * 5000])]
+    data = memory_files.encode(families, codec)
+    assert memory_files.decode(data) == families
+    for broken in (data[:-1], data[:20], data.replace(memory_files.MAGIC, b"CKPTKGS9"),
+                   data + b"\x00"):
+        with pytest.raises(ValueError):
+            memory_files.decode(broken)

@@ -1,0 +1,105 @@
+"""The memory backend's key-group file: every column family's entries of one key group.
+
+Layout (little-endian), written once and never changed::
+
+    b"CKPTKGS1"  magic and format version
+    u8   codec: 0 none, 1 zstd
+    u64  length of the payload once decompressed
+    ...  the payload (compressed with the codec)
+
+    payload:
+    u16  number of families, then per family:
+         u16 name length, name (UTF-8), u32 entries
+    then per family: keys as an Arrow binary array (int32 offsets, entries + 1 of them,
+    then the bytes), values the same way
+
+Reading parses lengths and bytes only (no code from storage runs) and checks every
+offset (`pyarrow.Array.validate`); anything malformed raises `ValueError`. One codec call
+and one write per file: a few hundred microseconds for a key group of ~1,000 entries,
+where an Arrow IPC file took over a millisecond.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import pyarrow as pa
+
+MAGIC = b"CKPTKGS1"
+_HEADER = struct.Struct("<BQ")
+_CODECS = {0: None, 1: "zstd"}
+_CODEC_IDS = {None: 0, "zstd": 1}
+
+Family = tuple[str, list[bytes], list[bytes]]  # (name, sorted keys, values)
+
+
+def encode(families: Sequence[Family], codec: str | None) -> bytes:
+    """The file's bytes for ``families`` (``codec``: "zstd" or None)."""
+    head = [struct.pack("<H", len(families))]
+    body: list[bytes | pa.Buffer] = []
+    for name, keys, values in families:
+        raw = name.encode()
+        head.append(struct.pack("<H", len(raw)) + raw + struct.pack("<I", len(keys)))
+        for column in (keys, values):
+            _, offsets, data = pa.array(column, pa.binary()).buffers()
+            body += [offsets, data if data is not None else b""]
+            head.append(struct.pack("<Q", data.size if data is not None else 0))
+    payload = b"".join([*head, *(bytes(b) if isinstance(b, pa.Buffer) else b for b in body)])
+    packed = payload if codec is None else pa.Codec(codec).compress(payload, asbytes=True)
+    return MAGIC + _HEADER.pack(_CODEC_IDS[codec], len(payload)) + packed
+
+
+def decode(data: bytes) -> list[Family]:
+    """``encode``'s families back; ValueError when the bytes are not such a file."""
+    if data[:len(MAGIC)] != MAGIC or len(data) < len(MAGIC) + _HEADER.size:
+        raise ValueError("not a key-group file (bad magic)")
+    codec_id, size = _HEADER.unpack_from(data, len(MAGIC))
+    if codec_id not in _CODECS:
+        raise ValueError(f"unknown codec {codec_id}")
+    packed = data[len(MAGIC) + _HEADER.size:]
+    codec = _CODECS[codec_id]
+    try:
+        payload = packed if codec is None else \
+            pa.Codec(codec).decompress(packed, decompressed_size=size, asbytes=True)
+    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
+        raise ValueError(f"payload does not decompress: {exc}") from exc
+    if len(payload) != size:
+        raise ValueError(f"payload is {len(payload)} bytes, header says {size}")
+    return _families(payload)
+
+
+def _families(payload: bytes) -> list[Family]:
+    pos = 0
+
+    def take(n: int) -> bytes:
+        nonlocal pos
+        if n < 0 or pos + n > len(payload):
+            raise ValueError("truncated")
+        pos += n
+        return payload[pos - n:pos]
+
+    (count,) = struct.unpack("<H", take(2))
+    heads = []
+    for _ in range(count):
+        (length,) = struct.unpack("<H", take(2))
+        name = take(length).decode()
+        (entries,) = struct.unpack("<I", take(4))
+        sizes = struct.unpack("<QQ", take(16))
+        heads.append((name, entries, sizes))
+    out = []
+    for name, entries, sizes in heads:
+        columns = []
+        for size in sizes:
+            offsets = pa.py_buffer(take(4 * (entries + 1)))
+            array = pa.Array.from_buffers(pa.binary(), entries,
+                                          [None, offsets, pa.py_buffer(take(size))])
+            try:
+                array.validate(full=True)
+            except pa.ArrowInvalid as exc:
+                raise ValueError(f"family {name!r}: {exc}") from exc
+            columns.append(array.to_pylist())
+        out.append((name, columns[0], columns[1]))
+    if pos != len(payload):
+        raise ValueError(f"{len(payload) - pos} bytes after the last family")
+    return out
