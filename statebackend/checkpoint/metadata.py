@@ -621,6 +621,31 @@ except ImportError:  # pragma: no cover - stdlib fallback
         return json.loads(data)
 
 
+def listed_paths(data: bytes) -> list[str] | None:
+    """The ``path`` of every file reference in `_metadata` bytes, read without checking
+    the rest of the record (None: not laid out as one). Only for re-checks that spare
+    the files named: a wrong path there keeps a file, never deletes one."""
+    try:
+        obj: Any = fast_loads(data)
+    except (ValueError, RecursionError):
+        return None
+    subtasks = obj.get("subtasks") if isinstance(obj, dict) else None
+    if not isinstance(subtasks, list):
+        return None
+    paths = []
+    for sub in subtasks:
+        for key in ("shared_files", "private_files"):
+            refs = sub.get(key) if isinstance(sub, dict) else None
+            if not isinstance(refs, list):
+                return None
+            for ref in refs:
+                path = ref.get("path") if isinstance(ref, dict) else None
+                if not isinstance(path, str):
+                    return None
+                paths.append(path)
+    return paths
+
+
 def parse_metadata(data: bytes, where: str, memo: ParseMemo) -> CheckpointMetadata:
     """`CheckpointMetadata.from_bytes`, with each distinct file reference validated once.
 

@@ -16,6 +16,7 @@ from statebackend.checkpoint.metadata import (
     CheckpointMetadata,
     FileRef,
     SubtaskHandle,
+    listed_paths,
     parse_metadata,
 )
 from statebackend.checkpoint.store import CheckpointStore
@@ -75,6 +76,19 @@ def test_valid_record_round_trips_through_both_parsers():
     # the extremes of the range are fine: P = M = 1 and P = M = 32768
     for p, m in ((1, 1), (3, 3), (5, 32768)):
         assert CheckpointMetadata.from_json(valid_record(p, m), WHERE).parallelism == p
+
+
+@pytest.mark.parametrize("broken", [b"", b"[]", b'{"subtasks": {}}', b'{"subtasks": ["x"]}',
+                                    b'{"subtasks": [{"shared_files": []}]}',
+                                    b'{"subtasks": [{"shared_files": [{"path": 1}], '
+                                    b'"private_files": []}]}'])
+def test_listed_paths_reads_a_records_references_or_says_none(broken):
+    """The GC and retention re-check's reader (statebackend.lifecycle.registry): the
+    paths a strict parse finds, and None (then a strict parse) for anything else."""
+    data = json.dumps(valid_record()).encode()
+    meta = CheckpointMetadata.from_bytes(data, WHERE)
+    assert listed_paths(data) == [f.path for h in meta.subtasks for f in h.files]
+    assert listed_paths(broken) is None
 
 
 def _subtask(i: int):
