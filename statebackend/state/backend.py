@@ -380,6 +380,17 @@ class KeyedStateBackend:
     def column_families(self) -> list[str]:
         return list(self._cf_names)
 
+    def write_pairs(self, handle: ColumnFamily, puts: Iterable[tuple[bytes, bytes]],
+                    deletes: Iterable[bytes] = ()) -> None:
+        """One atomic write to one family: ``puts`` (key, value) then ``deletes``."""
+        wb = WriteBatch(raw_mode=True)
+        wb.set_default_column_family(handle)
+        for k, v in puts:
+            wb.put(k, v)
+        for k in deletes:
+            wb.delete(k)
+        self.write(wb)
+
     def write(self, batch: WriteBatch) -> None:
         self._dirty = True
         self.db.write(batch)

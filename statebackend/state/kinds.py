@@ -147,11 +147,7 @@ class _State:
         self._ttl = TtlAccess(backend, descriptor) if descriptor.ttl is not None else None
 
     def _write(self, pairs: Iterable[tuple[bytes, bytes]]) -> None:
-        wb = self.backend.write_batch()
-        wb.set_default_column_family(self.cf_handle)
-        for k, v in pairs:
-            wb.put(k, v)
-        self.backend.write(wb)
+        self.backend.write_pairs(self.cf_handle, pairs)
 
     # Raw batch access on precomputed RocksDB keys: the job API encodes a batch's
     # keys once and shares them between the reads and writes of every state.
@@ -175,13 +171,7 @@ class _State:
         if self._ttl is not None:
             self._ttl.write(puts, deletes, timestamps)
             return
-        wb = self.backend.write_batch()
-        wb.set_default_column_family(self.cf_handle)
-        for k, v in puts:
-            wb.put(k, v)
-        for k in deletes:
-            wb.delete(k)
-        self.backend.write(wb)
+        self.backend.write_pairs(self.cf_handle, puts, deletes)
 
     def delete(self, key: str) -> None:
         if self._ttl is not None:  # the index entries go too
@@ -194,11 +184,7 @@ class _State:
         if self._ttl is not None:
             self._ttl.write((), self.backend.rocks_keys(keys))
             return
-        wb = self.backend.write_batch()
-        wb.set_default_column_family(self.cf_handle)
-        for k in self.backend.rocks_keys(keys):
-            wb.delete(k)
-        self.backend.write(wb)
+        self.backend.write_pairs(self.cf_handle, (), self.backend.rocks_keys(keys))
 
 
 class ValueState(_State):

@@ -123,6 +123,11 @@ class MemoryStateBackend(KeyedStateBackend):
         self._dirty = True
         batch.apply(self.account)
 
+    def write_pairs(self, handle: Any, puts: Iterable[tuple[bytes, bytes]],
+                    deletes: Iterable[bytes] = ()) -> None:
+        self._dirty = True
+        handle.write_many(puts, deletes)
+
     def is_shared_file(self, name: str) -> bool:
         return name.endswith(SUFFIX)
 

@@ -59,10 +59,18 @@ def test_memory_table_reads_like_a_rocksdb_column_family(tmp_path):
     for step in range(3000):
         op = rng.random()
         key = _random_key(rng)
-        if op < 0.6:
+        if op < 0.45:
             value = bytes([step % 256]) * rng.randint(0, 3)
             db.put(key, value)
             table.put(key, value)
+        elif op < 0.6:  # the state kinds' batch write: puts, then deletes
+            pairs = [(_random_key(rng), bytes([step % 256])) for _ in range(rng.randint(0, 5))]
+            gone = [_random_key(rng) for _ in range(rng.randint(0, 2))]
+            for k, v in pairs:
+                db.put(k, v)
+            for k in gone:
+                db.delete(k)
+            table.write_many(pairs, gone)
         elif op < 0.9:
             db.delete(key)
             table.delete(key)
