@@ -306,6 +306,7 @@ class CheckpointMetadata:
             "watermark": self.watermark,
             "processing_time": self.processing_time,
             "key_hash": self.key_hash,
+            "state_backend": self.state_backend,
             "states": [s["name"] for s in self.states],
             # each state's schema (statebackend.state.schema): versions and history
             "schemas": [dict(s) for s in self.states],

@@ -112,7 +112,8 @@ def cmd_show(args: argparse.Namespace, store: CheckpointStore) -> int:
                  bytes_uploaded=human_bytes(s["bytes_uploaded"]))
     print(f"checkpoint {meta.checkpoint_id} of job {meta.job} ({describe(meta)})")
     for key in ("parent", "created_at", "run_id", "parallelism", "max_parallelism",
-                "files_referenced", "bytes_referenced", "bytes_uploaded", "rows"):
+                "state_backend", "files_referenced", "bytes_referenced", "bytes_uploaded",
+                "rows"):
         print(f"  {key:17} {shown[key]}")
     print("  states (schemas):")
     for state in meta.states:

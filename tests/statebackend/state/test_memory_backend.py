@@ -117,6 +117,7 @@ def test_checkpoints_restore_and_upload_only_changed_key_groups(tmp_path):
     fill(backends, keys(5000))
     first = checkpoint_backends(store, backends, parent=None)
     assert {h.backend for h in first.subtasks} == {"memory"}
+    assert first.summary()["state_backend"] == "memory"  # ckpt show / list --json
     assert all(f.local_name.endswith(".kgs") and not h.private_files
                for h in first.subtasks for f in h.files)
     # one key group changes: its file is the only upload, the others are referenced
