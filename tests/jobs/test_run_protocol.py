@@ -153,11 +153,8 @@ def test_local_engine_matches_pandas(spark, tmp_path, durable_storage_url, job):
                  check_activity_output, _assert_equal, engine="local")
 
 
-@pytest.mark.parametrize(("job", "engine"), [(ka.JOB, "spark"), (ka.JOB, "local"),
-                                             (user_activity.job, "local"),
-                                             (user_activity.job_vectorized, "spark")],
-                         ids=["keyed_aggregation-spark", "keyed_aggregation-local",
-                              "user_activity-local", "user_activity_vectorized-spark"])
+@pytest.mark.parametrize(("job", "engine"), [(ka.JOB, "spark"), (user_activity.job, "local")],
+                         ids=["keyed_aggregation-spark", "user_activity-local"])
 def test_memory_backend_matches_pandas(spark, tmp_path, job, engine):
     """The same scenario with the state in memory (statebackend.state.memory): a crashed
     attempt, a rescale that moves key-group files and one more run, against pandas."""
