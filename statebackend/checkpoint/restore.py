@@ -42,8 +42,11 @@ from statebackend.state.backend import (
 )
 from statebackend.state.backend_kinds import BACKEND_CLASSES, convert, new_backend
 from statebackend.state.kinds import StateDescriptor
-from statebackend.state.memory import FILES_DIR as MEMORY_FILES_DIR
-from statebackend.state.memory import forget_live_instance, has_live_instance
+from statebackend.state.memory import (
+    MemoryStateBackend,
+    forget_live_instance,
+    has_live_instance,
+)
 from statebackend.storage import Storage, checksum_algorithm, format_checksum
 from statebackend.storage.checksums import crc_local_file
 
@@ -187,7 +190,7 @@ def _place_memory_files(job_storage: Storage, handle: SubtaskHandle, local_dir: 
     if allow_local and has_live_instance(local_dir, handle.snapshot_id):
         return "local-instance"  # this process still holds the state (statebackend.state.memory)
     forget_live_instance(local_dir)
-    files_dir = os.path.join(local_dir, MEMORY_FILES_DIR)
+    files_dir = os.path.join(local_dir, MemoryStateBackend.files_dir)
     # A key-group file has no block checksums of its own: a local copy is used only when
     # its bytes have the recorded checksum (cheap next to decoding it), else downloaded.
     missing = [ref for ref in handle.files
@@ -270,9 +273,9 @@ def verify_reused_files(job_storage: Storage, handle: SubtaskHandle, local_dir: 
 
 
 def _require_good_local_copy(ref: FileRef, why: str, local_dir: str, snapshot_id: str) -> None:
-    for path in (os.path.join(local_dir, DB_DIR, ref.local_name),
-                 os.path.join(local_dir, SNAPSHOTS_DIR, snapshot_id, ref.local_name),
-                 os.path.join(local_dir, MEMORY_FILES_DIR, ref.local_name)):
+    dirs = [kind.files_dir for kind in BACKEND_CLASSES.values()]
+    for path in (*(os.path.join(local_dir, d, ref.local_name) for d in dirs),
+                 os.path.join(local_dir, SNAPSHOTS_DIR, snapshot_id, ref.local_name)):
         if not os.path.exists(path):
             continue
         size, checksum = _local_checksum(path, checksum_algorithm(ref.checksum))

@@ -163,6 +163,7 @@ class KeyedStateBackend:
 
     key_hash = MURMUR3  # how keys are placed in key groups (the lineage's: `place_keys_by`)
     kind = "rocksdb"  # the backend kind each handle records (`state.backend_kinds`)
+    files_dir = DB_DIR  # where a restore places a handle's files under the local folder
     # Column families by name: Rdict families here, `MemoryTable`s in the memory backend.
     _cfs: dict[str, Any]
     _handles: dict[str, Any]
@@ -248,7 +249,7 @@ class KeyedStateBackend:
     # -- paths -------------------------------------------------------------
     @property
     def db_path(self) -> str:
-        return os.path.join(self.local_dir, DB_DIR)
+        return os.path.join(self.local_dir, self.files_dir)
 
     @property
     def snapshots_path(self) -> str:
@@ -383,7 +384,7 @@ class KeyedStateBackend:
     def write_pairs(self, handle: ColumnFamily, puts: Iterable[tuple[bytes, bytes]],
                     deletes: Iterable[bytes] = ()) -> None:
         """One atomic write to one family: ``puts`` (key, value) then ``deletes``."""
-        wb = WriteBatch(raw_mode=True)
+        wb = self.write_batch()
         wb.set_default_column_family(handle)
         for k, v in puts:
             wb.put(k, v)

@@ -69,6 +69,7 @@ class MemoryStateBackend(KeyedStateBackend):
     """Keyed state of one subtask in memory (module docstring)."""
 
     kind = "memory"
+    files_dir = FILES_DIR
 
     def _open_instance(self, read_only: bool) -> None:
         del read_only  # nothing on disk is opened: a read-only instance just never snapshots
@@ -99,7 +100,7 @@ class MemoryStateBackend(KeyedStateBackend):
 
     @property
     def files_path(self) -> str:
-        return os.path.join(self.local_dir, FILES_DIR)
+        return os.path.join(self.local_dir, self.files_dir)
 
     @property
     def db(self) -> Any:

@@ -73,22 +73,7 @@ class MemoryTable:
         return parts.get(key[:2], _EMPTY).get(key)
 
     def put(self, key: bytes, value: bytes) -> None:
-        self._put(key, value)
-        self._account.check()
-
-    def _put(self, key: bytes, value: bytes) -> None:
-        prefix = key[:2]
-        part = self.parts.get(prefix)
-        if part is None:
-            part = self.parts[prefix] = {}
-        old = part.get(key)
-        if old is None:
-            self._sorted.pop(prefix, None)
-            self._account.bytes += len(key) + len(value) + ENTRY_OVERHEAD
-        else:
-            self._account.bytes += len(value) - len(old)
-        part[key] = value
-        self._account.changed.add(prefix)
+        self.write_many(((key, value),))
 
     def write_many(self, puts: Iterable[tuple[bytes, bytes]], deletes: Iterable[bytes] = ()
                    ) -> None:
@@ -244,7 +229,7 @@ class MemoryWriteBatch:
     def apply(self, account: MemoryAccount) -> None:
         for op, table, a, b in self.ops:
             if op == 0:
-                table._put(a, b)
+                table.write_many(((a, b),))
             elif op == 1:
                 table.delete(a)
             else:

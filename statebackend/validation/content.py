@@ -61,7 +61,7 @@ import pyarrow as pa
 from statebackend.checkpoint.metadata import CheckpointMetadata, FileRef, SubtaskHandle
 from statebackend.errors import CkptError, StorageError
 from statebackend.progress import NO_PROGRESS, ProgressSink
-from statebackend.state.backend import DB_DIR, KeyedStateBackend, StoredInstance
+from statebackend.state.backend import KeyedStateBackend, StoredInstance
 from statebackend.state.backend_kinds import BACKEND_CLASSES
 from statebackend.state.codecs import (
     RECORD_FORMAT,
@@ -77,7 +77,6 @@ from statebackend.state.families import TTL_INDEX
 from statebackend.state.keygroups import KeyGroupRange
 from statebackend.state.keygroups_bulk import key_groups
 from statebackend.state.kinds import StateDescriptor
-from statebackend.state.memory import FILES_DIR as MEMORY_FILES_DIR
 from statebackend.state.timers import key_bytes_of, parse_reverse_key, parse_timer_key
 from statebackend.state.ttl import (
     index_key,
@@ -627,9 +626,9 @@ def _check_subtask(scope: _Scope, handle: SubtaskHandle, rng: random.Random
     out = _SubtaskContent(restore_row={})
     error = None
     try:
-        in_memory = handle.backend == "memory"
+        kind = BACKEND_CLASSES[handle.backend]
         out.facts = download_checked(scope.storage, handle.files,
-                                     os.path.join(tmp, MEMORY_FILES_DIR if in_memory else DB_DIR))
+                                     os.path.join(tmp, kind.files_dir))
         bad = _bad_files(handle, out.facts)
         if bad:
             error = f"not opened: {len(bad)} damaged file(s): " + "; ".join(bad[:3])
@@ -637,7 +636,7 @@ def _check_subtask(scope: _Scope, handle: SubtaskHandle, rng: random.Random
             origin = StoredInstance(handle.backend_id,
                                     f"subtask {handle.index} of checkpoint {meta.checkpoint_id}",
                                     {f.local_name: f.path for f in handle.files})
-            with BACKEND_CLASSES[handle.backend](
+            with kind(
                     tmp, scope.descriptors, meta.max_parallelism, handle.key_group_range,
                     read_only=True, origin=origin) as backend:
                 _read_subtask(scope, backend.place_keys_by(meta.key_hash), handle.index,
