@@ -37,7 +37,7 @@ LOCAL_ENGINE_MAX_MEMORY_BYTES = 2**30
 # (out of core), or in memory (hash tables per key group, for states that fit; each
 # subtask fails past MEMORY_LIMIT_MB, never swaps). A job's `backend`, its ckpt_jobs
 # entry or `ckpt run --backend` choose it; an existing lineage keeps its records'.
-BACKENDS = ("rocksdb", "memory")
+BACKENDS = ("rocksdb", "memory", "external")
 BACKEND = "rocksdb"
 MEMORY_LIMIT_MB = 2048
 

@@ -94,14 +94,14 @@ class RunOption:
 
 
 def option(default: Any = MISSING, *, help: str, factory: type | None = None,
-           **surfaces: Any) -> Any:
+           secret: bool = False, **surfaces: Any) -> Any:
     """A `RunOptions` field: its default (none: required; ``factory`` for a mapping) and
     its `RunOption` record (``surfaces``: flag, metavar, choices, spec, argument,
-    templated)."""
+    templated); a ``secret`` one is left out of the repr (it may hold a password)."""
     metadata = {_METADATA_KEY: RunOption(help=help, **surfaces)}
     if factory is not None:
         return field(default_factory=factory, hash=False, metadata=metadata)
-    return field(default=default, metadata=metadata)
+    return field(default=default, metadata=metadata, repr=not secret)
 
 
 @dataclass(frozen=True)
@@ -165,10 +165,19 @@ class RunOptions:
              "Airflow passes the data interval's end (default: now)")
     backend: str | None = option(
         None, choices=defaults.BACKENDS, argument="backend",
-        help="state backend: rocksdb (out of core) or memory (hash tables, for states that "
-             "fit: --memory-limit-mb per subtask); default: the job's, else the lineage's, "
+        help="state backend: rocksdb (out of core), memory (hash tables, for states that "
+             "fit: --memory-limit-mb per subtask) or external (a PostgreSQL database, "
+             "--state-db; versioned per checkpoint); default: the job's, else the lineage's, "
              "else rocksdb; a lineage on another backend is converted at restore "
              "(docs/state-backends.md)")
+    state_db: str | None = option(
+        None, metavar="URL", argument="state_db", secret=True,
+        help="external backend: its PostgreSQL database, postgresql://user@host:port/db "
+             "(never logged; keep a password in ~/.pgpass, not on the command line)")
+    state_table: str = option(
+        "ckpt_state", metavar="NAME", argument="state_table",
+        help="external backend: the table of the state rows (with <name>_versions, "
+             "<name>_head and the readers' view <name>_committed)")
     memory_limit_mb: int = option(
         defaults.MEMORY_LIMIT_MB, metavar="MIB", argument="memory_limit_mb",
         help="memory backend: a subtask whose state grows past this fails (never swaps)")

@@ -138,3 +138,16 @@ def pytest_runtest_makereport(item, call):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
         report.outcome = "failed"
         report.longrepr = f"skipped under CI=true (a missing tool fails in CI): {reason}"
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A PostgreSQL server on 127.0.0.1 for the external state backend (Debian's package)."""
+    from tests.postgres_server import PostgresServer, available
+
+    if not available():
+        pytest.skip("PostgreSQL server binaries (initdb, postgres) are not installed")
+    server = PostgresServer()
+    server.start()
+    yield server
+    server.cleanup()

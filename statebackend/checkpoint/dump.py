@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 from typing import IO, TYPE_CHECKING, Any, Literal, TypeAlias, TypedDict
 
 from statebackend.checkpoint.metadata import CheckpointMetadata
-from statebackend.checkpoint.restore import restored_readonly
+from statebackend.checkpoint.restore import RestoreOptions, external_read, restored_readonly
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import UsageError
 from statebackend.state.backend import KeyedStateBackend
@@ -33,6 +33,7 @@ from statebackend.state.codecs import (
     deserialize_key,
     split_map_key,
 )
+from statebackend.state.external_store import ExternalStore
 from statebackend.state.families import TIMER_KEYS
 from statebackend.state.keygroups import key_group_of_rocks_key
 from statebackend.state.kinds import StateDescriptor
@@ -112,12 +113,15 @@ def backend_rows(backend: KeyedStateBackend, subtask: int) -> Iterator[DumpRow]:
                    "key_group": key_group_of_rocks_key(rk), "subtask": subtask}
 
 
-def checkpoint_rows(store: CheckpointStore, meta: CheckpointMetadata) -> Iterator[DumpRow]:
+def checkpoint_rows(store: CheckpointStore, meta: CheckpointMetadata,
+                    state_db: ExternalStore | None = None) -> Iterator[DumpRow]:
+    """Every entry of ``meta`` (``state_db``: an external-backend checkpoint's database)."""
     descriptors = descriptors_of(meta)
+    external = external_read(meta, state_db)
     for handle in meta.subtasks:
+        label = f"subtask {handle.index} of checkpoint {meta.checkpoint_id}"
         with restored_readonly(store.storage, handle, descriptors, meta.max_parallelism,
-                               label=f"subtask {handle.index} of checkpoint "
-                                     f"{meta.checkpoint_id}") as be:
+                               options=RestoreOptions(label=label, external=external)) as be:
             yield from backend_rows(be, handle.index)
 
 

@@ -53,8 +53,11 @@ Layout of one record (format 1)::
 committed the record (`statebackend.checkpoint.leases`); records written before
 epochs have none (read as 0), and an epoch never goes down along a lineage.
 
-A subtask's ``backend`` (optional, ``memory``) names the state backend whose files it
-lists (`statebackend.state.backend_kinds`); without it, ``rocksdb``.
+A subtask's ``backend`` (optional, ``memory`` or ``external``) names the state backend
+whose files it lists (`statebackend.state.backend_kinds`); without it, ``rocksdb``.
+An external-backend checkpoint has ``"external": {"store": "postgresql://user@host:port/db
+#table", "job": "...", "version": 7, "parent": 6}``: the committed database version its
+state is (`ExternalVersion`; the store named without credentials).
 ``key_hash`` (optional, ``spark``) names the hash that places the lineage's keys in key
 groups (`statebackend.state.keygroups`); records without it, as every record of
 earlier releases, are ``murmur3``. It never changes along a lineage.
@@ -238,6 +241,33 @@ def _printable(text: str) -> bool:
 
 
 @dataclass(frozen=True)
+class ExternalVersion:
+    """The database version an external-backend checkpoint's state is
+    (statebackend.state.external_store): ``version`` of ``job`` in ``store`` (the URL
+    without credentials, ``#table``), written over ``parent`` (None: the first)."""
+
+    store: str
+    job: str
+    version: int
+    parent: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"store": self.store, "job": self.job, "version": self.version,
+                "parent": self.parent}
+
+    @staticmethod
+    def from_json(obj: Any, where: str) -> ExternalVersion:
+        _require(isinstance(obj, dict), where, "external must be an object")
+        parent = obj.get("parent")
+        _require(parent is None or (_is_int(parent) and parent >= 0), where,
+                 "external.parent must be a version or null")
+        version = _get(obj, "version", int, where)
+        _require(0 <= version <= MAX_COUNT, where, f"external.version {version} is out of range")
+        return ExternalVersion(_get(obj, "store", str, where), _get(obj, "job", str, where),
+                               version, parent)
+
+
+@dataclass(frozen=True)
 class CheckpointMetadata:
     """The commit record of one checkpoint (or savepoint)."""
 
@@ -260,6 +290,7 @@ class CheckpointMetadata:
     processing_time: int | None = None
     epoch: int = 0  # fencing epoch of the writer (0: written before epochs)
     key_hash: str = MURMUR3  # how the lineage's keys are placed in key groups
+    external: ExternalVersion | None = None  # the external backend's version
 
     # -- derived figures ---------------------------------------------------
     @property
@@ -307,6 +338,7 @@ class CheckpointMetadata:
             "processing_time": self.processing_time,
             "key_hash": self.key_hash,
             "state_backend": self.state_backend,
+            "external": None if self.external is None else self.external.to_json(),
             "states": [s["name"] for s in self.states],
             # each state's schema (statebackend.state.schema): versions and history
             "schemas": [dict(s) for s in self.states],
@@ -347,6 +379,8 @@ class CheckpointMetadata:
             out["epoch"] = self.epoch
         if self.key_hash != MURMUR3:
             out["key_hash"] = self.key_hash
+        if self.external is not None:
+            out["external"] = self.external.to_json()
         return out
 
     def to_bytes(self) -> bytes:
@@ -420,9 +454,13 @@ class CheckpointMetadata:
             processing_time=processing_time,
             epoch=epoch,
             key_hash=key_hash,
+            external=None if obj.get("external") is None
+            else ExternalVersion.from_json(obj["external"], where),
         )
         _check_ids(meta, where)
         _check_key_groups(meta, where)
+        _require((meta.state_backend == "external") == (meta.external is not None), where,
+                 "an external-backend checkpoint (and only one) records its external version")
         check_file_scope(meta, where)
         return meta
 

@@ -29,10 +29,10 @@ import uuid
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from statebackend.checkpoint.metadata import FileRef, SubtaskHandle
-from statebackend.errors import StorageError
+from statebackend.checkpoint.metadata import CheckpointMetadata, FileRef, SubtaskHandle
+from statebackend.errors import StorageError, UsageError
 from statebackend.state.backend import (
     DB_DIR,
     SNAPSHOTS_DIR,
@@ -41,6 +41,8 @@ from statebackend.state.backend import (
     read_instance_marker,
 )
 from statebackend.state.backend_kinds import BACKEND_CLASSES, convert, new_backend
+from statebackend.state.external import ExternalStateBackend
+from statebackend.state.external_store import ExternalRead, ExternalStore
 from statebackend.state.kinds import StateDescriptor
 from statebackend.state.memory import (
     MemoryStateBackend,
@@ -116,6 +118,8 @@ class RestoreOptions:
     label: str | None = None  # names the instance in scan errors
     reuse_check: ReuseCheck | None = DEFAULT_REUSE_CHECK  # None: reused files unchecked
     backend: str | None = None  # convert into this backend kind (None: the handle's)
+    # The external backend's database and the version to read (statebackend.state.external)
+    external: ExternalRead | None = None
 
 
 FROM_STORAGE = RestoreOptions(allow_local=False)  # always download
@@ -134,6 +138,8 @@ def restore_subtask(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
     if options.backend not in (None, handle.backend):
         return _converted(job_storage, handle, local_dir, (descriptors, max_parallelism),
                           options)
+    if handle.backend == "external":
+        return _restore_external(handle, local_dir, (descriptors, max_parallelism), options)
     if handle.backend == "memory":
         mode = _place_memory_files(job_storage, handle, local_dir, options.allow_local)
     else:
@@ -210,6 +216,49 @@ def _place_memory_files(job_storage: Storage, handle: SubtaskHandle, local_dir: 
     return "download"
 
 
+def external_read(meta: CheckpointMetadata, store: ExternalStore | None
+                  ) -> ExternalRead | None:
+    """What restoring ``meta``'s subtasks reads from the external backend's database
+    ``store`` (None: not an external checkpoint); refused in one line without the
+    database or with another one than the record names."""
+    ext = meta.external
+    if ext is None:
+        return None
+    if store is None:
+        raise UsageError(f"checkpoint {meta.checkpoint_id} keeps its state in {ext.store}: "
+                         "pass that database (--state-db)")
+    if store.identity != ext.store:
+        raise UsageError(f"checkpoint {meta.checkpoint_id} keeps its state in {ext.store}, "
+                         f"not {store.identity}")
+    return ExternalRead(store, ext.job, ext.version)
+
+
+def _restore_external(handle: SubtaskHandle, local_dir: str,
+                      states: tuple[Sequence[StateDescriptor], int], options: RestoreOptions
+                      ) -> KeyedStateBackend:
+    """Open an external-backend subtask: this process's instance at exactly that
+    snapshot (``local-instance``), else a query of its key groups at the checkpoint's
+    version (``query``); nothing comes from checkpoint storage."""
+    read = options.external
+    if read is None:
+        raise UsageError(f"{options.label or f'subtask {handle.index}'} keeps its state in "
+                         "an external database: pass the database (--state-db)")
+    live = options.allow_local and not options.read_only \
+        and has_live_instance(local_dir, handle.snapshot_id)
+    if not live:
+        forget_live_instance(local_dir)
+    backend = ExternalStateBackend(
+        local_dir, states[0], states[1], handle.key_group_range, read_only=options.read_only,
+        origin=StoredInstance(handle.backend_id, options.label, {}, handle.snapshot_id))
+    backend.attach(read.store, read.job)
+    if live:
+        backend.version = read.version
+    else:
+        backend.load_version(read.version)
+    backend.restore_mode = "local-instance" if live else "query"
+    return backend
+
+
 def _converted(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
                states: tuple[Sequence[StateDescriptor], int], options: RestoreOptions
                ) -> KeyedStateBackend:
@@ -221,7 +270,7 @@ def _converted(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
     target = new_backend(options.backend, local_dir, descriptors, max_parallelism,
                          handle.key_group_range)
     with restored_readonly(job_storage, handle, descriptors, max_parallelism,
-                           label=options.label) as source:
+                           options=options) as source:
         convert(source, target)
     target.restore_mode = f"converted-from-{handle.backend}"
     return target
@@ -317,15 +366,16 @@ def _link_or_copy(src: str, dst: str) -> None:
 @contextmanager
 def restored_readonly(job_storage: Storage, handle: SubtaskHandle,
                       descriptors: Sequence[StateDescriptor], max_parallelism: int,
-                      work_dir: str | None = None, label: str | None = None
+                      work_dir: str | None = None, options: RestoreOptions = RestoreOptions()
                       ) -> Iterator[KeyedStateBackend]:
-    """Download one subtask into a temp folder and open it read-only (removed after)."""
+    """Download one subtask into a temp folder and open it read-only (removed after);
+    ``options`` give its label and an external backend's database."""
     tmp = tempfile.mkdtemp(prefix=f"ckpt-read-{handle.index}-", dir=work_dir)
     backend = None
     try:
         backend = restore_subtask(job_storage, handle, tmp, descriptors, max_parallelism,
-                                  RestoreOptions(read_only=True, allow_local=False,
-                                                 label=label))
+                                  replace(options, read_only=True, allow_local=False,
+                                          backend=None))
         yield backend
     finally:
         if backend is not None:

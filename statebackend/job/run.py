@@ -57,6 +57,7 @@ from statebackend.errors import (
     TaskFailedError,
     UsageError,
 )
+from statebackend.job import external_commit
 from statebackend.job.api import Job
 from statebackend.job.arrow_input import check_parquet
 from statebackend.job.bootstrap import check_initial_state, initial_state
@@ -85,6 +86,7 @@ from statebackend.job.summary import CommittedRun, RunSummary, RunTimeline
 from statebackend.job.task import TaskParams
 from statebackend.progress import NO_PROGRESS, ProgressSink
 from statebackend.settings import number
+from statebackend.state.external_store import ExternalStore
 
 
 def run_job(job: Job, config: RunConfig, spark=None,
@@ -215,7 +217,12 @@ class _JobRun:
                           on_discard=lambda: delete_run_outputs(job, config))
         try:
             planning_s, called = time.perf_counter() - plan.started, time.time()
-            results = engine.run_tasks(self._task_params(plan, attempt.token), self.progress)
+            external = self._prepare_external(plan)
+            params = self._task_params(plan, attempt.token)
+            if external is not None:
+                params = replace(params, external_store=external[0],
+                                 external_parent=external[1].parent_version)
+            results = engine.run_tasks(params, self.progress)
             returned = time.time()
             attempt.add_uploaded(p for r in results for p in r.uploaded)
             self.progress.phase(f"run {config.run_id}: committing checkpoint "
@@ -224,8 +231,12 @@ class _JobRun:
             totals = check_results(plan, results)
             # Discards the attempt if the commit fails; records the run in the commit
             # log and the ledger (checkpoint/lineage.py).
-            meta = attempt.commit(commit_record(plan, results, totals),
-                                  winners=[(r.subtask, r.attempt) for r in results])
+            record = commit_record(plan, results, totals)
+            if external is not None:  # _metadata names the version: the commit decision
+                record = record.with_changes(external=external_commit.version_of(
+                    external[0], store.job, plan.checkpoint_id,
+                    external[1].parent_version))
+            meta = attempt.commit(record, winners=[(r.subtask, r.attempt) for r in results])
         except TaskFailedError as exc:
             attempt.discard()
             where = f"checkpoint {plan.parent.checkpoint_id} stays latest" if plan.parent \
@@ -235,11 +246,27 @@ class _JobRun:
         except (JobRunError, RejectThresholdError):
             attempt.discard()
             raise
+        if external is not None:  # a crash before this is finished by the next prepare
+            external_commit.commit(external[0], meta)
         # A crash from here on leaves a committed run without _SUCCESS: its re-run is
         # skipped and finishes the publication (`skipped`).
         publish_outputs(job, config, self.progress)
         return self._committed(plan, meta, results, totals, RunTimeline(
             planning_s, called, returned, time.perf_counter() - t_commit))
+
+    def _prepare_external(self, plan: RunPlan
+                          ) -> tuple[ExternalStore, external_commit.Prepared] | None:
+        """The external backend's database, prepared for this run (None: another backend)."""
+        if plan.backend != "external":
+            return None
+        config = self.config
+        ext = external_commit.store_of(config.state_db, config.state_table,
+                                       f"job {self.store.job!r}")
+        self.progress.phase(f"run {config.run_id}: preparing the state database "
+                            f"{ext.identity}")
+        prepared = external_commit.prepare(ext, self.store.job, self.store.latest(),
+                                           plan.parent)
+        return ext, prepared
 
     def _task_params(self, plan: RunPlan, token: str) -> TaskParams:
         config, store, clock = self.config, self.store, plan.clock

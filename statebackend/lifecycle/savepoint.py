@@ -365,6 +365,10 @@ def import_start_point(storage: Storage, target_job: str, spec: str) -> Checkpoi
 
 def _import(root: Storage, target: CheckpointStore, meta: CheckpointMetadata,
             source: dict[str, Any]) -> CheckpointMetadata:
+    if meta.external is not None:
+        raise UsageError(f"checkpoint {meta.checkpoint_id} of job {source['job']!r} keeps its "
+                         f"state in {meta.external.store} under that job: it cannot start "
+                         f"job {target.job!r} (run the job on another backend first)")
     cid = target.next_checkpoint_id()
     copies: list[tuple[FileRef, str]] = []
     subtasks = []

@@ -111,7 +111,7 @@ def rescale(store: CheckpointStore, ref: str | int | None = "latest",
     started = time.perf_counter()
     meta = store.resolve(ref)
     plan = plan_rescale(meta, parallelism)  # fail fast, before taking any lease
-    in_memory = meta.state_backend == "memory"
+    in_memory = meta.state_backend in ("memory", "external")
     if options.dry_run:
         return {"dry_run": True, "job": store.job, "source_checkpoint_id": meta.checkpoint_id,
                 "from_parallelism": plan.from_parallelism, "to_parallelism": parallelism,
@@ -241,7 +241,9 @@ def _record(store: CheckpointStore, meta: CheckpointMetadata,
                                          "compacted": options.compact}},
         key_hash=meta.key_hash))
     # Time is state too: the rescaled lineage keeps its watermark and clock.
-    return new_meta.with_changes(watermark=meta.watermark, processing_time=meta.processing_time)
+    # ... and an external-backend checkpoint its database version (no state moved).
+    return new_meta.with_changes(watermark=meta.watermark, processing_time=meta.processing_time,
+                                 external=meta.external)
 
 
 def _failure(meta: CheckpointMetadata, parallelism: int, exc: BaseException) -> BaseException:

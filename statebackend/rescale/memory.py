@@ -28,7 +28,7 @@ def regrouped(meta: CheckpointMetadata, plan: RescalePlan) -> list[RescaleTaskRe
             index=s.index, key_group_start=s.key_groups.start,
             key_group_end=s.key_groups.end, backend_id=uuid.uuid4().hex,
             snapshot_id=uuid.uuid4().hex, shared_files=files, private_files=(),
-            backend="memory")  # row counts are per old subtask: the next run records them
+            backend=meta.state_backend)  # row counts: the next run records them
         results.append(RescaleTaskResult(
             index=s.index, attempt=0, handle=handle, uploaded_paths=(), bytes_downloaded=0,
             files_reused=len(files), entries_imported=0, clipped_share=0.0, compacted=False,
@@ -40,8 +40,9 @@ def describe(plan: RescalePlan) -> list[str]:
     """``--dry-run`` lines of a memory-backend rescale."""
     lines = [f"rescale plan: job {plan.job} checkpoint {plan.source_checkpoint_id} from "
              f"parallelism {plan.from_parallelism} to {plan.to_parallelism} (memory "
-             "backend: each new subtask names the key-group files of its range; 0 bytes "
-             "to download or upload)"]
+             "backend: each new subtask names the key-group files of its range; external "
+             "backend: its range is a query at the same version; 0 bytes to download or "
+             "upload)"]
     lines += [f"  new subtask {s.index}: key groups [{s.key_groups.start}, "
               f"{s.key_groups.end}]" for s in plan.subtasks]
     return lines

@@ -3,9 +3,11 @@
 - ``rocksdb`` (`statebackend.state.backend.KeyedStateBackend`): embedded RocksDB, out of
   core, incremental checkpoints of SST files;
 - ``memory`` (`statebackend.state.memory.MemoryStateBackend`): hash tables per key group,
-  copy-on-write snapshots per key group, bounded by a memory limit.
+  copy-on-write snapshots per key group, bounded by a memory limit;
+- ``external`` (`statebackend.state.external.ExternalStateBackend`): the memory backend's
+  tables, restored from and pre-committed to a PostgreSQL database per epoch (MVCC).
 
-Both keep the same keys and the same state API, so a job's code runs on either and a
+All keep the same keys and the same state API, so a job's code runs on either and a
 lineage can move from one to the other (`convert`: a restore copies every entry).
 """
 
@@ -16,12 +18,14 @@ from collections.abc import Sequence
 from statebackend.defaults import BACKENDS
 from statebackend.errors import UsageError
 from statebackend.state.backend import KeyedStateBackend
+from statebackend.state.external import ExternalStateBackend
 from statebackend.state.keygroups import KeyGroupRange
 from statebackend.state.kinds import StateDescriptor
 from statebackend.state.memory import MemoryStateBackend
 
 BACKEND_CLASSES: dict[str, type[KeyedStateBackend]] = {
-    "rocksdb": KeyedStateBackend, "memory": MemoryStateBackend}
+    "rocksdb": KeyedStateBackend, "memory": MemoryStateBackend,
+    "external": ExternalStateBackend}
 assert tuple(BACKEND_CLASSES) == BACKENDS
 
 

@@ -70,12 +70,13 @@ class MemoryStateBackend(KeyedStateBackend):
 
     kind = "memory"
     files_dir = FILES_DIR
+    table_class: type[MemoryTable] = MemoryTable  # one per column family
 
     def _open_instance(self, read_only: bool) -> None:
         del read_only  # nothing on disk is opened: a read-only instance just never snapshots
         self.account = MemoryAccount(None, self.label)
         self._cf_names = sorted(self.descriptors)
-        self._cfs = {n: MemoryTable(n, self.account) for n in self._cf_names}
+        self._cfs = {n: self.table_class(n, self.account) for n in self._cf_names}
         self._handles = self._cfs
         self.compression: str | None = None
         self._db = None
@@ -136,7 +137,7 @@ class MemoryStateBackend(KeyedStateBackend):
         if name not in self._cfs:
             if name in INTERNAL_STATES:
                 self.descriptors.setdefault(name, internal_descriptor(name))
-            self._cfs[name] = MemoryTable(name, self.account)
+            self._cfs[name] = self.table_class(name, self.account)
             self._cf_names = sorted(self._cfs)
 
     def _table(self, name: str) -> MemoryTable:

@@ -71,11 +71,12 @@ def activity_reference(days: list[pd.DataFrame], normalize: bool = True
     return outputs, state
 
 
-def final_state(storage_url: str, job: str) -> dict:
-    """{state: {(key, user_key): value}} of the latest checkpoint (the dump path)."""
+def final_state(storage_url: str, job: str, state_db=None) -> dict:
+    """{state: {(key, user_key): value}} of the latest checkpoint (the dump path;
+    ``state_db``: the external backend's database)."""
     store = CheckpointStore(open_storage(storage_url), job)
     out: dict[str, dict] = {}
-    for row in checkpoint_rows(store, store.resolve("latest")):
+    for row in checkpoint_rows(store, store.resolve("latest"), state_db):
         out.setdefault(row["state"], {})[(row["key"], row["user_key"])] = row["value"]
     return out
 

@@ -24,6 +24,7 @@ from statebackend.errors import UsageError
 from statebackend.job import JobRunError, RunConfig, load_job, run_job
 from statebackend.job.publish import run_dir_name
 from statebackend.rescale.executor import rescale
+from statebackend.state.external_store import ExternalStore
 from statebackend.storage import open_storage
 from tests.jobs.run_reference import (
     BAD_LINES,
@@ -44,10 +45,11 @@ def out_url(storage_url: str, tmp_path) -> str:
 
 
 def scenario(spark, tmp_path, storage_url: str, job, days, reference, check_output,
-             check_state, engine: str = "spark", backend: str | None = None) -> None:
+             check_state, engine: str = "spark", backend: str | None = None,
+             state_db: ExternalStore | None = None) -> None:
     """runs d0, d1; re-run d0; crash d2; rescale 3 -> 2; run d2: all against pandas,
     with the runs' tasks on ``engine`` (statebackend.job.engine) and the state on
-    ``backend`` (None: the default, rocksdb)."""
+    ``backend`` (None: the default, rocksdb; external: in ``state_db``)."""
     output = out_url(storage_url, tmp_path)
     store = CheckpointStore(open_storage(storage_url), job.name)
     expected_outputs, expected_state = reference
@@ -55,7 +57,8 @@ def scenario(spark, tmp_path, storage_url: str, job, days, reference, check_outp
     def config(d: int, **kw) -> RunConfig:
         return RunConfig(input=str(tmp_path / f"in{d}"), storage=storage_url, run_id=f"d{d}",
                          output=output, local_dir=str(tmp_path / "local"), engine=engine,
-                         backend=backend, **kw)
+                         backend=backend, state_db=state_db and state_db.url,
+                         state_table=state_db.table if state_db else "ckpt_state", **kw)
 
     s0 = run_job(job, config(0, parallelism=3), spark)
     s1 = run_job(job, config(1), spark)
@@ -81,7 +84,7 @@ def scenario(spark, tmp_path, storage_url: str, job, days, reference, check_outp
     s2 = run_job(job, config(2), spark)
     assert (s2["checkpoint_id"], s2["parallelism"], s2["parent"]) == (4, 2, 3)
     check_output(read_output(output, run_dir_name("d2")), expected_outputs[2])
-    check_state(final_state(storage_url, job.name), expected_state)
+    check_state(final_state(storage_url, job.name, state_db), expected_state)
     assert [(m.kind, m.run_id) for m in store.load_all()] == [
         ("checkpoint", "d0"), ("checkpoint", "d1"), ("rescale", None), ("checkpoint", "d2")]
     assert {m.state_backend for m in store.load_all()} == {backend or "rocksdb"}
@@ -169,6 +172,26 @@ def test_memory_backend_matches_pandas(spark, tmp_path, job, engine):
         days = activity_days(tmp_path)
         scenario(spark, tmp_path, storage_url, job, days, activity_reference(days),
                  check_activity_output, _assert_equal, engine=engine, backend="memory")
+
+
+@pytest.mark.parametrize(("job", "engine"), [(ka.JOB, "spark"), (user_activity.job, "local")],
+                         ids=["keyed_aggregation-spark", "user_activity-local"])
+def test_external_backend_matches_pandas(spark, tmp_path, postgres_server, job, engine):
+    """The same scenario with the state in PostgreSQL (statebackend.state.external): the
+    Spark tasks restore by a query and pre-commit their epoch; the rescale moves nothing."""
+    storage_url = f"file://{tmp_path}/store"
+    state_db = ExternalStore(postgres_server.url, f"rp_{engine}")
+    if job is ka.JOB:
+        days = totals_days(str(tmp_path), 3, seed=304)
+        scenario(spark, tmp_path, storage_url, job, days, totals_reference(days),
+                 check_totals_output,
+                 lambda got, want: assert_totals_equal(got["totals"], want["totals"]),
+                 engine=engine, backend="external", state_db=state_db)
+    else:
+        days = activity_days(tmp_path)
+        scenario(spark, tmp_path, storage_url, job, days, activity_reference(days),
+                 check_activity_output, _assert_equal, engine=engine, backend="external",
+                 state_db=state_db)
 
 
 def test_quarantine_reasons_of_the_example(spark, tmp_path):

@@ -1,0 +1,97 @@
+"""The driver's half of the external backend's two-phase commit (MVCC in PostgreSQL).
+
+A run on the external backend (statebackend.state.external_store for the tables):
+
+- `prepare`, under the writer lease before any task: create the tables if missing,
+  finish the commit of the latest checkpoint if a crash came between its ``_metadata``
+  and the database (the record names the version: that is the decision), then delete
+  the rows of epochs no committed version names (failed or discarded attempts);
+  returns the version the run restores (the parent checkpoint's) and checks that the
+  lineage's state is in this database;
+- the subtasks pre-commit their changes under the run's epoch (its checkpoint id);
+- `version_of` is what the commit record says (`CheckpointMetadata.external`);
+- `commit` (after ``_metadata``) adds the version and moves the head in one
+  transaction. A crash before it is finished by the next run's `prepare`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from statebackend.checkpoint.metadata import CheckpointMetadata, ExternalVersion
+from statebackend.errors import UsageError
+from statebackend.state.external_store import (
+    ExternalRead,
+    ExternalStore,
+    commit_version,
+    discard_uncommitted,
+    ensure_schema,
+)
+
+
+def store_of(state_db: str | None, table: str, what: str) -> ExternalStore:
+    """The configured database, or a one-line refusal naming ``what`` needs it."""
+    if not state_db:
+        raise UsageError(f"{what} runs on the external backend: pass its database with "
+                         "--state-db postgresql://user@host:port/db (ckpt_jobs: state_db)")
+    return ExternalStore(state_db, table)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What `prepare` found: the run's parent version (None: first external run)."""
+
+    parent_version: int | None
+    finished_commit: int | None  # the version a crash left uncommitted, now committed
+    rows_discarded: int
+
+
+def prepare(store: ExternalStore, job: str, latest: CheckpointMetadata | None,
+            parent: CheckpointMetadata | None) -> Prepared:
+    """Before a run's tasks (module docstring)."""
+    for meta in (latest, parent):
+        if meta is not None and meta.external is not None \
+                and meta.external.store != store.identity:
+            raise UsageError(f"checkpoint {meta.checkpoint_id} of job {job!r} keeps its "
+                             f"state in {meta.external.store}, not {store.identity}: pass "
+                             "that database (--state-db, --state-table)")
+    conn = store.connect()
+    try:
+        ensure_schema(store, conn)
+        finished = None
+        if latest is not None and latest.external is not None:
+            ext = latest.external
+            if commit_version(store, conn, job, ext.version, ext.parent):
+                finished = ext.version
+        discarded = discard_uncommitted(store, conn, job)
+    finally:
+        conn.close()
+    parent_version = parent.external.version if parent is not None \
+        and parent.external is not None else None
+    return Prepared(parent_version, finished, discarded)
+
+
+def version_of(store: ExternalStore, job: str, checkpoint_id: int,
+               parent_version: int | None) -> ExternalVersion:
+    """The version a run's checkpoint records: its epoch (the checkpoint id)."""
+    return ExternalVersion(store.identity, job, checkpoint_id, parent_version)
+
+
+def restore_read(store: ExternalStore | None, job: str, parent_version: int | None
+                 ) -> ExternalRead | None:
+    """What a subtask restores: the parent's version (None: nothing to read)."""
+    if store is None or parent_version is None:
+        return None
+    return ExternalRead(store, job, parent_version)
+
+
+def commit(store: ExternalStore, meta: CheckpointMetadata) -> None:
+    """Second phase: make ``meta``'s version committed and the head (idempotent)."""
+    if meta.external is None:
+        return
+    conn = store.connect()
+    try:
+        commit_version(store, conn, meta.external.job, meta.external.version,
+                       meta.external.parent)
+    finally:
+        conn.close()

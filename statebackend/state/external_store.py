@@ -1,0 +1,278 @@
+"""The external backend's database: keyed state as versioned rows in PostgreSQL (MVCC).
+
+Tables (``<table>`` is `ExternalStore.table`, ``ckpt_state`` by default):
+
+- ``<table>``: one row per written entry and epoch,
+  ``(job, key_group, state, key, user_key, value, epoch)``; ``value`` NULL is a delete.
+  ``key`` is the state key's encoded bytes, ``user_key`` a map state's user key (UTF-8,
+  empty for other kinds), ``value`` the state codec's bytes (JSON by default).
+- ``<table>_versions``: the committed versions of each job, ``(job, version, parent)``:
+  a version is the checkpoint id of the run that wrote it, its parent the version that
+  run restored. A version's state is, per key, the newest row along its parent chain.
+- ``<table>_head``: each job's committed version (what readers see).
+- ``<table>_committed`` (view): every job's state at its head: the version another
+  service reads, consistent with the job's latest checkpoint.
+
+Protocol (statebackend.state.external, statebackend.job.external_commit):
+
+1. before a run: `sync_head` makes the head the latest checkpoint's version (finishing
+   a commit a crash interrupted: the version is recorded in ``_metadata`` first), then
+   `discard_uncommitted` deletes rows of epochs no committed version names (a failed or
+   discarded attempt: never visible, since no version names them);
+2. each subtask writes its changed entries under the run's epoch (`write_epoch`,
+   one transaction per subtask, replacing what an earlier attempt of that subtask wrote);
+3. the driver commits ``_metadata`` (recording the version), then `commit_version`
+   adds the version and moves the head in one transaction: readers switch atomically;
+4. retention keeps the versions its checkpoints name: `vacuum` deletes rows no retained
+   version reads and versions outside their chains.
+
+Restore and rescale move no state bytes: a subtask's state is `load_range` (a query of
+its key groups at a version). Only this module writes SQL; identifiers are checked.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from statebackend.errors import UsageError
+
+DEFAULT_TABLE = "ckpt_state"
+_TABLE = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
+SCHEMES = ("postgresql", "postgres")
+# Rows are (key_group, state, key, user_key, value): the COPY columns after job and epoch.
+Row = tuple[int, str, bytes, bytes, bytes | None]
+
+
+@dataclass(frozen=True)
+class ExternalStore:
+    """Where a job's external state lives: a PostgreSQL URL and a table name.
+
+    ``url`` may carry a password (from an Airflow connection or the option): it is never
+    shown (`identity` and the repr leave it out) nor written to ``_metadata``.
+    """
+
+    url: str = field(repr=False)
+    table: str = DEFAULT_TABLE
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.url)
+        if parts.scheme not in SCHEMES or not parts.hostname:
+            raise UsageError(f"state database {self.identity!r} is not a postgresql://"
+                             "user@host:port/database URL")
+        if not _TABLE.match(self.table):
+            raise UsageError(f"state table {self.table!r} is not a plain lower-case SQL "
+                             "name (letters, digits, _)")
+
+    @property
+    def identity(self) -> str:
+        """The URL without its password, then ``#table``: what records and logs name."""
+        parts = urlsplit(self.url)
+        host = parts.hostname or ""
+        netloc = (f"{parts.username}@" if parts.username else "") + host \
+            + (f":{parts.port}" if parts.port else "")
+        return urlunsplit((parts.scheme, netloc, parts.path, "", "")) + f"#{self.table}"
+
+    def __repr__(self) -> str:
+        return f"ExternalStore({self.identity!r})"
+
+    def connect(self) -> Any:
+        """A new connection (psycopg, imported here: only external runs need it)."""
+        import psycopg  # the external extra: other backends never import it
+
+        try:
+            # autocommit: each `conn.transaction()` is a real transaction (not a
+            # savepoint of an implicit one), reads hold no transaction open
+            return psycopg.connect(self.url, connect_timeout=10, autocommit=True,
+                                   application_name="ckpt-state")
+        except psycopg.OperationalError as exc:
+            reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else "refused"
+            raise UsageError(f"state database {self.identity} cannot be reached: "
+                             f"{reason}") from None
+
+
+@dataclass(frozen=True)
+class ExternalRead:
+    """A job's state in ``store`` at committed ``version`` (what a restore reads)."""
+
+    store: ExternalStore
+    job: str
+    version: int
+
+
+def _sql(store: ExternalStore, text: str) -> str:
+    """``text`` with ``{t}`` as the checked table name (only `ExternalStore.table`)."""
+    return text.replace("{t}", store.table)
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS {t} (
+  job text NOT NULL, key_group integer NOT NULL, state text NOT NULL, key bytea NOT NULL,
+  user_key bytea NOT NULL DEFAULT '', value bytea, epoch bigint NOT NULL,
+  PRIMARY KEY (job, state, key, user_key, epoch));
+CREATE INDEX IF NOT EXISTS {t}_by_group ON {t} (job, key_group, epoch);
+CREATE TABLE IF NOT EXISTS {t}_versions (
+  job text NOT NULL, version bigint NOT NULL, parent bigint,
+  committed_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (job, version));
+CREATE TABLE IF NOT EXISTS {t}_head (job text PRIMARY KEY, version bigint NOT NULL);
+CREATE OR REPLACE VIEW {t}_committed AS
+WITH RECURSIVE chain(job, version, parent) AS (
+  SELECT h.job, v.version, v.parent FROM {t}_head h
+    JOIN {t}_versions v ON v.job = h.job AND v.version = h.version
+  UNION ALL
+  SELECT c.job, v.version, v.parent FROM chain c
+    JOIN {t}_versions v ON v.job = c.job AND v.version = c.parent)
+SELECT job, key_group, state, key, user_key, value, epoch FROM (
+  SELECT DISTINCT ON (s.job, s.state, s.key, s.user_key) s.*
+  FROM {t} s JOIN chain c ON c.job = s.job AND c.version = s.epoch
+  ORDER BY s.job, s.state, s.key, s.user_key, s.epoch DESC) newest
+WHERE value IS NOT NULL;
+"""
+
+# The chain of versions a version reads: itself, its parent, ... (recursive).
+_CHAIN = """
+WITH RECURSIVE chain(version, parent) AS (
+  SELECT version, parent FROM {t}_versions WHERE job = %(job)s AND version = %(version)s
+  UNION ALL
+  SELECT v.version, v.parent FROM chain c
+    JOIN {t}_versions v ON v.job = %(job)s AND v.version = c.parent)
+"""
+
+
+def ensure_schema(store: ExternalStore, conn: Any) -> None:
+    """Create the tables and the view if missing (the driver, once per run)."""
+    with conn.transaction():
+        # One creator at a time: CREATE ... IF NOT EXISTS races on the catalog otherwise.
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (store.table,))
+        conn.execute(_sql(store, _SCHEMA))
+
+
+def head_version(store: ExternalStore, conn: Any, job: str) -> int | None:
+    row = conn.execute(_sql(store, "SELECT version FROM {t}_head WHERE job = %s"),
+                       (job,)).fetchone()
+    return None if row is None else int(row[0])
+
+
+def versions(store: ExternalStore, conn: Any, job: str) -> dict[int, int | None]:
+    """Every committed version of ``job`` -> its parent."""
+    rows = conn.execute(_sql(store, "SELECT version, parent FROM {t}_versions "
+                                    "WHERE job = %s"), (job,)).fetchall()
+    return {int(v): (None if p is None else int(p)) for v, p in rows}
+
+
+def chain_of(all_versions: dict[int, int | None], version: int) -> list[int]:
+    """``version``, its parent, its parent's parent ... (as far as recorded)."""
+    out: list[int] = []
+    current: int | None = version
+    while current is not None and current in all_versions and current not in out:
+        out.append(current)
+        current = all_versions[current]
+    return out
+
+
+def load_range(store: ExternalStore, conn: Any, job: str, version: int,
+               key_groups: tuple[int, int]) -> Iterator[Row]:
+    """The entries of key groups [start, end] at ``version`` (deleted ones left out),
+    ordered by state then key; UsageError if the version is not committed."""
+    if version not in versions(store, conn, job):
+        raise UsageError(f"state version {version} of job {job!r} is not committed in "
+                         f"{store.identity} (vacuumed, or another database)")
+    query = _sql(store, _CHAIN + """
+      SELECT DISTINCT ON (s.state, s.key, s.user_key)
+             s.key_group, s.state, s.key, s.user_key, s.value
+      FROM {t} s WHERE s.job = %(job)s AND s.key_group BETWEEN %(lo)s AND %(hi)s
+        AND s.epoch IN (SELECT version FROM chain)
+      ORDER BY s.state, s.key, s.user_key, s.epoch DESC""")
+    params = {"job": job, "version": version, "lo": key_groups[0], "hi": key_groups[1]}
+    with conn.cursor(binary=True) as cur:
+        cur.execute(query, params)
+        while rows := cur.fetchmany(20_000):
+            for kg, state, key, user_key, value in rows:
+                if value is not None:
+                    yield kg, state, bytes(key), bytes(user_key), bytes(value)
+
+
+def write_epoch(store: ExternalStore, conn: Any, job: str, epoch: int,
+                key_groups: tuple[int, int], rows: Iterable[Row]) -> int:
+    """Pre-commit: replace what ``epoch`` holds in key groups [start, end] with ``rows``
+    (a retried subtask overwrites its earlier attempt), in one transaction; returns
+    the rows written. Invisible to readers until `commit_version` names the epoch."""
+    written = 0
+    with conn.transaction():
+        conn.execute(_sql(store, "DELETE FROM {t} WHERE job = %s AND epoch = %s AND "
+                                 "key_group BETWEEN %s AND %s"),
+                     (job, epoch, key_groups[0], key_groups[1]))
+        copy_sql = _sql(store, "COPY {t} (job, key_group, state, key, user_key, value, "
+                               "epoch) FROM STDIN (FORMAT BINARY)")
+        with conn.cursor() as cur, cur.copy(copy_sql) as copy:
+            copy.set_types(["text", "int4", "text", "bytea", "bytea", "bytea", "int8"])
+            for kg, state, key, user_key, value in rows:
+                copy.write_row((job, kg, state, key, user_key, value, epoch))
+                written += 1
+    return written
+
+
+def commit_version(store: ExternalStore, conn: Any, job: str, version: int,
+                   parent: int | None) -> bool:
+    """Name ``version`` (its rows become a version) and make it the head, in one
+    transaction; idempotent (True: this call added the version)."""
+    with conn.transaction():
+        added = conn.execute(
+            _sql(store, "INSERT INTO {t}_versions (job, version, parent) VALUES (%s, %s, %s) "
+                        "ON CONFLICT DO NOTHING"), (job, version, parent)).rowcount
+        conn.execute(_sql(store, "INSERT INTO {t}_head (job, version) VALUES (%s, %s) "
+                                 "ON CONFLICT (job) DO UPDATE SET version = EXCLUDED.version"),
+                     (job, version))
+    return bool(added)
+
+
+def discard_uncommitted(store: ExternalStore, conn: Any, job: str) -> int:
+    """Delete the rows of epochs no committed version names; returns the rows deleted."""
+    with conn.transaction():
+        return int(conn.execute(_sql(store, """
+            DELETE FROM {t} s WHERE s.job = %(job)s AND NOT EXISTS (
+              SELECT 1 FROM {t}_versions v WHERE v.job = %(job)s AND v.version = s.epoch)"""),
+            {"job": job}).rowcount)
+
+
+@dataclass(frozen=True)
+class VacuumResult:
+    rows_deleted: int
+    versions_deleted: tuple[int, ...]
+
+
+def vacuum(store: ExternalStore, conn: Any, job: str, retained: Sequence[int]
+           ) -> VacuumResult:
+    """Keep what the ``retained`` versions read (each one's newest row per key along its
+    chain); delete every other committed row and the versions outside their chains."""
+    known = versions(store, conn, job)
+    pairs = [(root, v) for root in sorted(set(retained)) for v in chain_of(known, root)]
+    keep = {v for _, v in pairs}
+    head = head_version(store, conn, job)
+    if head is not None and head not in retained:  # readers' version stays readable
+        pairs += [(head, v) for v in chain_of(known, head)]
+        keep |= {v for _, v in pairs}
+    with conn.transaction():
+        conn.execute("CREATE TEMP TABLE ckpt_keep (root bigint, version bigint) "
+                     "ON COMMIT DROP")
+        with conn.cursor() as cur, cur.copy("COPY ckpt_keep FROM STDIN") as copy:
+            for pair in pairs:
+                copy.write_row(pair)
+        deleted = int(conn.execute(_sql(store, """
+            DELETE FROM {t} s WHERE s.job = %(job)s
+              AND EXISTS (SELECT 1 FROM {t}_versions v WHERE v.job = %(job)s
+                          AND v.version = s.epoch)
+              AND NOT EXISTS (
+                SELECT 1 FROM ckpt_keep k WHERE k.version = s.epoch AND NOT EXISTS (
+                  SELECT 1 FROM {t} n JOIN ckpt_keep k2 ON k2.root = k.root
+                    AND k2.version = n.epoch
+                  WHERE n.job = s.job AND n.state = s.state AND n.key = s.key
+                    AND n.user_key = s.user_key AND n.epoch > s.epoch))"""),
+            {"job": job}).rowcount)
+        dropped = sorted(set(known) - keep)
+        conn.execute(_sql(store, "DELETE FROM {t}_versions WHERE job = %s AND "
+                                 "version = ANY(%s)"), (job, dropped))
+    return VacuumResult(deleted, tuple(dropped))

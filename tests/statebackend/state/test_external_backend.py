@@ -1,0 +1,239 @@
+"""The external backend (statebackend.state.external): state in a real PostgreSQL server.
+
+Runs of the keyed aggregation on the local engine against pandas, through the public
+API: a failed attempt's pre-committed rows stay invisible and are deleted; a driver
+killed between ``_metadata`` and the database commit is finished by the next run (each
+epoch applied once); a reader on another connection never sees a run's writes before
+its commit; a database restart during a run fails it in one line and loses nothing;
+restore and rescale move no state bytes; vacuum keeps exactly what retained versions read.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import psycopg
+import pytest
+
+from demo.sample_data import DAY_MS, DEFAULT_START_TS_MS, expected_totals, generate_events
+from jobs import keyed_aggregation as ka
+from statebackend.checkpoint.store import CheckpointStore
+from statebackend.errors import UsageError
+from statebackend.job import JobRunError, RunConfig, external_commit, run_job
+from statebackend.rescale.executor import rescale
+from statebackend.state.external import ExternalStateBackend
+from statebackend.state.external_store import (
+    ExternalStore,
+    commit_version,
+    discard_uncommitted,
+    ensure_schema,
+    load_range,
+    vacuum,
+    write_epoch,
+)
+from statebackend.storage import open_storage
+from tests.jobs.run_reference import assert_totals_equal, final_state
+
+JOB = "keyed_aggregation"
+CODEC = {d.name: d for d in ka.JOB.descriptors}["totals"].codec
+
+
+def test_the_store_names_no_password_and_refuses_bad_names():
+    store = ExternalStore("postgresql://app:s3cret@127.0.0.1:5432/state")
+    assert store.identity == "postgresql://app@127.0.0.1:5432/state#ckpt_state"
+    assert "s3cret" not in repr(store) and "s3cret" not in repr(RunConfig(
+        input="i", storage="file:///s", run_id="r", state_db=store.url))
+    with pytest.raises(UsageError, match="is not a postgresql://"):
+        ExternalStore("mysql://127.0.0.1/x")
+    with pytest.raises(UsageError, match="plain lower-case SQL name"):
+        ExternalStore("postgresql://127.0.0.1/x", table="state; DROP TABLE x")
+
+
+@pytest.fixture
+def table(postgres_server, request):
+    """A fresh table name per test on the session's server."""
+    name = "t_" + request.node.name.lower().replace("[", "_").replace("]", "")[:30]
+    store = ExternalStore(postgres_server.url, name.replace("-", "_"))
+    with store.connect() as conn:
+        for suffix in ("_committed",):
+            conn.execute(f"DROP VIEW IF EXISTS {store.table}{suffix}")
+        for suffix in ("", "_versions", "_head"):
+            conn.execute(f"DROP TABLE IF EXISTS {store.table}{suffix}")
+    return store
+
+
+def _rows(store, conn, version, kgs=(0, 127)):
+    return {(r[1], r[2], r[3]): r[4] for r in load_range(store, conn, JOB, version, kgs)}
+
+
+def test_versions_read_their_chain_and_vacuum_keeps_what_retained_versions_read(table):
+    store = table
+    with store.connect() as conn:
+        ensure_schema(store, conn)
+        write_epoch(store, conn, JOB, 1, (0, 127), [(0, "s", b"a", b"", b"1"),
+                                                    (5, "s", b"b", b"", b"1")])
+        commit_version(store, conn, JOB, 1, None)
+        write_epoch(store, conn, JOB, 2, (0, 127), [(0, "s", b"a", b"", b"2"),
+                                                    (5, "s", b"b", b"", None)])
+        assert _rows(store, conn, 1) == {("s", b"a", b""): b"1", ("s", b"b", b""): b"1"}
+        with pytest.raises(UsageError, match="version 2 .* is not committed"):
+            _rows(store, conn, 2)  # pre-committed only
+        commit_version(store, conn, JOB, 2, 1)
+        assert not commit_version(store, conn, JOB, 2, 1)  # idempotent: applied once
+        assert _rows(store, conn, 2) == {("s", b"a", b""): b"2"}
+        # a branch from version 1 (a restore of checkpoint 1) does not see version 2
+        write_epoch(store, conn, JOB, 3, (0, 127), [(5, "s", b"c", b"u", b"3")])
+        commit_version(store, conn, JOB, 3, 1)
+        assert _rows(store, conn, 3) == {("s", b"a", b""): b"1", ("s", b"b", b""): b"1",
+                                         ("s", b"c", b"u"): b"3"}
+        write_epoch(store, conn, JOB, 4, (0, 63), [(1, "s", b"x", b"", b"9")])  # a failure
+        assert discard_uncommitted(store, conn, JOB) == 1
+        before = {v: _rows(store, conn, v) for v in (2, 3)}
+        result = vacuum(store, conn, JOB, [2, 3])
+        assert result.rows_deleted == 0 and result.versions_deleted == ()
+        assert {v: _rows(store, conn, v) for v in (2, 3)} == before
+        result = vacuum(store, conn, JOB, [3])  # checkpoint 2 retired; head (3) kept
+        assert (result.rows_deleted, result.versions_deleted) == (2, (2,))
+        assert _rows(store, conn, 3) == before[3]
+        assert _rows(store, conn, 3, (5, 5)) == {("s", b"b", b""): b"1",
+                                                 ("s", b"c", b"u"): b"3"}
+
+
+def _days(tmp_path, n: int, keys: int = 400, events: int = 3000):
+    return [generate_events(str(tmp_path / f"in{d}"), n_events=events, n_keys=keys,
+                            seed=70 + d, start_ts_ms=DEFAULT_START_TS_MS + d * DAY_MS)
+            for d in range(n)]
+
+
+def _want(days) -> dict:
+    final = expected_totals(days)
+    return {(k, None): {"count": int(r["count"]), "sum": float(r["sum"]),
+                        "min_ts": int(r["min_ts"]), "max_ts": int(r["max_ts"])}
+            for k, r in final.iterrows()}
+
+
+def _config(tmp_path, store: ExternalStore, d: int, **kw) -> RunConfig:
+    return RunConfig(input=str(tmp_path / f"in{d}"), storage=f"file://{tmp_path}/store",
+                     run_id=f"d{d}", output=str(tmp_path / "out"),
+                     local_dir=str(tmp_path / "local"), engine="local", backend="external",
+                     state_db=store.url, state_table=store.table, **kw)
+
+
+def _committed_view(store: ExternalStore, conn) -> tuple[int | None, int, int]:
+    """(head version, keys, total count) of the readers' view, in one statement."""
+    rows = conn.execute(f"SELECT h.version, c.value FROM {store.table}_head h "
+                        f"LEFT JOIN {store.table}_committed c ON c.job = h.job "
+                        "WHERE h.job = %s", (JOB,)).fetchall()
+    if not rows:
+        return None, 0, 0
+    counts = [CODEC.decode(bytes(v))["count"] for _, v in rows if v is not None]
+    return int(rows[0][0]), len(counts), sum(counts)
+
+
+def test_runs_match_pandas_across_failures_kills_rescale_and_a_database_restart(
+        tmp_path, table, postgres_server, monkeypatch):
+    store, days = table, _days(tmp_path, 4)
+    state = CheckpointStore(open_storage(f"file://{tmp_path}/store"), JOB)
+    run_job(ka.JOB, _config(tmp_path, store, 0, parallelism=3))
+    assert_totals_equal(_state(tmp_path, store), _want(days[:1]))
+
+    # A failed attempt pre-commits rows (subtask 1 fails after its snapshot): invisible,
+    # and deleted by the next run before its tasks.
+    with pytest.raises(JobRunError, match="injected failure in subtask 1"):
+        run_job(ka.JOB, _config(tmp_path, store, 1, fail_subtask=1))
+    reader = psycopg.connect(store.url, autocommit=True)
+    assert _committed_view(store, reader) == (1, *_summary(days[:1]))
+    assert reader.execute(f"SELECT count(*) FROM {store.table} WHERE epoch = 2"
+                          ).fetchone()[0] > 0
+
+    # The driver dies between _metadata and the database commit: the readers still see
+    # version 1; the next run finishes version 2 first, then commits its own.
+    def killed(*_a, **_kw):
+        assert _committed_view(store, reader) == (1, *_summary(days[:1]))
+        raise KeyboardInterrupt("driver killed")
+
+    monkeypatch.setattr(external_commit, "commit", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_job(ka.JOB, _config(tmp_path, store, 1))
+    monkeypatch.undo()
+    assert state.latest().external.version == 2
+    assert _committed_view(store, reader)[0] == 1
+
+    r = rescale(state, "latest", 2)  # a query per new subtask: nothing moves
+    assert (r["bytes_downloaded"], r["bytes_uploaded"], r["checkpoint_id"]) == (0, 0, 3)
+    assert state.latest().external.version == 2
+
+    # The database restarts while run d2 snapshots: the run fails in one line, nothing
+    # is committed; the next attempt of d2 succeeds.
+    real = ExternalStateBackend.take_local_snapshot
+
+    def restarted(self, *a, **kw):
+        postgres_server.restart()
+        return real(self, *a, **kw)
+
+    reader.close()
+    monkeypatch.setattr(ExternalStateBackend, "take_local_snapshot", restarted)
+    with pytest.raises(JobRunError, match="failed in"):
+        run_job(ka.JOB, _config(tmp_path, store, 2))
+    monkeypatch.undo()
+    s2 = run_job(ka.JOB, _config(tmp_path, store, 2))
+    assert (s2["checkpoint_id"], s2["parallelism"]) == (4, 2)
+    assert set(s2["restore_modes"]) <= {"query", "local-instance"}
+    reader = psycopg.connect(store.url, autocommit=True)
+    assert _committed_view(store, reader) == (4, *_summary(days[:3]))
+    versions = reader.execute(f"SELECT version, parent FROM {store.table}_versions "
+                              "WHERE job = %s ORDER BY version", (JOB,)).fetchall()
+    assert versions == [(1, None), (2, 1), (4, 2)]  # each epoch applied once
+    assert_totals_equal(_state(tmp_path, store), _want(days[:3]))
+    reader.close()
+
+
+def _state(tmp_path, store: ExternalStore) -> dict:
+    return final_state(f"file://{tmp_path}/store", JOB, store)["totals"]
+
+
+def _summary(days) -> tuple[int, int]:
+    final = expected_totals(days)
+    return len(final), int(final["count"].sum())
+
+
+def test_a_reader_never_sees_a_run_before_its_commit(tmp_path, table):
+    """Another connection reads the committed view in a loop while runs write: every
+    read is exactly one committed version's state (pandas), never a mix."""
+    store, days = table, _days(tmp_path, 4, keys=3000, events=20_000)
+    expected = {d + 1: _summary(days[: d + 1]) for d in range(len(days))}
+    run_job(ka.JOB, _config(tmp_path, store, 0, parallelism=2))
+    seen: list[tuple] = []
+    stop = threading.Event()
+
+    def read_loop() -> None:
+        with psycopg.connect(store.url, autocommit=True) as conn:
+            while not stop.is_set():
+                seen.append(_committed_view(store, conn))
+
+    thread = threading.Thread(target=read_loop)
+    thread.start()
+    try:
+        for d in range(1, len(days)):
+            run_job(ka.JOB, _config(tmp_path, store, d))
+    finally:
+        stop.set()
+        thread.join()
+    assert len(seen) > 10
+    for version, keys, total in seen:
+        assert (keys, total) == expected[version], (version, keys, total)
+    assert {v for v, _, _ in seen} >= {1, len(days)}
+
+
+def test_without_the_database_the_run_and_the_dump_refuse_in_one_line(tmp_path, table):
+    store, _ = table, _days(tmp_path, 1, keys=20, events=50)
+    cfg = _config(tmp_path, store, 0, parallelism=1)
+    with pytest.raises(UsageError, match="runs on the external backend: pass its database"):
+        run_job(ka.JOB, RunConfig(**{**cfg.__dict__, "state_db": None}))
+    run_job(ka.JOB, cfg)
+    with pytest.raises(UsageError, match=r"keeps its state in postgresql://.*pass that"):
+        final_state(f"file://{tmp_path}/store", JOB)
+    other = ExternalStore(store.url, "elsewhere")
+    with pytest.raises(UsageError, match="not postgresql://.*#elsewhere"):
+        run_job(ka.JOB, _config(tmp_path, other, 0).__class__(
+            **{**_config(tmp_path, other, 0).__dict__, "run_id": "again"}))
