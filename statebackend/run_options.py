@@ -54,6 +54,7 @@ class RunOption:
     spec: bool = True             # a key of a YAML job spec (JobSpec)
     argument: str | None = None   # the operator's keyword argument (None: not an argument)
     templated: bool = False       # Jinja-rendered per run in Airflow
+    secret: bool = False          # may hold a password: in no repr
     name: str = ""
     type: type = str
     default: Any = None
@@ -98,7 +99,7 @@ def option(default: Any = MISSING, *, help: str, factory: type | None = None,
     """A `RunOptions` field: its default (none: required; ``factory`` for a mapping) and
     its `RunOption` record (``surfaces``: flag, metavar, choices, spec, argument,
     templated); a ``secret`` one is left out of the repr (it may hold a password)."""
-    metadata = {_METADATA_KEY: RunOption(help=help, **surfaces)}
+    metadata = {_METADATA_KEY: RunOption(help=help, secret=secret, **surfaces)}
     if factory is not None:
         return field(default_factory=factory, hash=False, metadata=metadata)
     return field(default=default, metadata=metadata, repr=not secret)

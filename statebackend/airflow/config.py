@@ -101,7 +101,7 @@ def _run_field(opt: RunOption) -> Any:
         return field()
     if isinstance(opt.default, dict):
         return field(default_factory=opt.default_value)
-    return field(default=opt.default)
+    return field(default=opt.default, repr=not opt.secret)
 
 
 # JobSpec's run settings: one field per declared option, with its type and default.

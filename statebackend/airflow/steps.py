@@ -50,9 +50,11 @@ from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import CkptError, UsageError
 from statebackend.lifecycle.gc import collect_garbage
 from statebackend.lifecycle.retention import retain
-from statebackend.progress import Progress, choose_mode
+from statebackend.lifecycle.vacuum import vacuum_after_retention
+from statebackend.progress import NO_PROGRESS, Progress, choose_mode
 from statebackend.run_options import command_line, run_options
 from statebackend.spark.session import add_to_pythonpath
+from statebackend.state.external_store import ExternalStore
 from statebackend.state.keygroups import check_parallelism
 from statebackend.storage import open_storage
 
@@ -294,14 +296,23 @@ def validate_step(spec: JobSpec, *, run_id: str | None = None, ref: str | int = 
 
 
 # -- lifecycle -----------------------------------------------------------------------
-def retain_store(store, *, keep: int = defaults.RETENTION_KEEP, dry_run: bool = False) -> dict:
-    return retain(store, int(keep), dry_run=bool(dry_run)).to_json()
+def retain_store(store, *, keep: int = defaults.RETENTION_KEEP, dry_run: bool = False,
+                 state_db: ExternalStore | None = None) -> dict:
+    """Retention, then (external backend) the vacuum of its database."""
+    report = retain(store, int(keep), dry_run=bool(dry_run))
+    out = report.to_json()
+    if not report.failures:
+        vacuumed = vacuum_after_retention(store, state_db, bool(dry_run), NO_PROGRESS)
+        if vacuumed:
+            out["vacuum"] = {k: v for k, v in vacuumed.items() if k != "text"}
+    return out
 
 
 def retain_step(spec: JobSpec, *, keep: int | None = None, dry_run: bool = False,
                 storage_options: Mapping[str, Any] | None = None) -> dict:
+    state_db = ExternalStore(spec.state_db, spec.state_table) if spec.state_db else None
     return retain_store(open_store(spec, storage_options), keep=keep or spec.keep,
-                        dry_run=dry_run)
+                        dry_run=dry_run, state_db=state_db)
 
 
 def gc_store(store, *, grace_seconds: float = defaults.GC_GRACE_SECONDS,

@@ -31,9 +31,11 @@ from statebackend.checkpoint.dump import backend_rows, descriptors_of, rows_tabl
 from statebackend.checkpoint.leases import hold
 from statebackend.checkpoint.local_copy import instance_dir, restored_copy
 from statebackend.checkpoint.metadata import CheckpointMetadata
+from statebackend.checkpoint.restore import RestoreOptions, external_read
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import UsageError
 from statebackend.progress import NO_PROGRESS, ProgressSink
+from statebackend.state.external_store import ExternalStore
 from statebackend.subtasks import run_in_threads
 
 PART = re.compile(r"part-\d{5}\.parquet")
@@ -53,12 +55,15 @@ def check_parquet_target(out: str) -> None:
 
 
 def dump_parquet(store: CheckpointStore, meta: CheckpointMetadata, out: str, *,
-                 workers: int | None = None, progress: ProgressSink = NO_PROGRESS) -> int:
+                 workers: int | None = None, progress: ProgressSink = NO_PROGRESS,
+                 state_db: ExternalStore | None = None) -> int:
     """Write ``meta``'s rows to the folder ``out``, one file per subtask; the row count.
 
     ``workers``: subtasks written at once (default: one per core, at most P);
-    ``progress`` advances once per subtask written.
+    ``progress`` advances once per subtask written; ``state_db``: an external-backend
+    checkpoint's database.
     """
+    external = external_read(meta, state_db)
     check_parquet_target(out)
     out = os.path.abspath(out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -71,7 +76,9 @@ def dump_parquet(store: CheckpointStore, meta: CheckpointMetadata, out: str, *,
         handle = meta.subtasks[i]
         instance = instance_dir(store.root_storage.url, store.job, handle.index)
         with restored_copy(store.storage, handle, descriptors, meta.max_parallelism,
-                           instance, label=f"subtask {handle.index} of checkpoint {cid}") as be:
+                           instance, RestoreOptions(
+                               label=f"subtask {handle.index} of checkpoint {cid}",
+                               external=external)) as be:
             table = rows_table(backend_rows(be, handle.index))
         pq.write_table(table, os.path.join(tmp, part_name(handle.index)))
         return int(table.num_rows)

@@ -26,6 +26,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 
 from statebackend.checkpoint.metadata import SubtaskHandle
 from statebackend.checkpoint.restore import RestoreOptions, restore_subtask
@@ -48,11 +49,12 @@ def instance_dir(storage_url: str, job_dir: str, subtask: int,
 @contextmanager
 def restored_copy(job_storage: Storage, handle: SubtaskHandle,
                   descriptors: Sequence[StateDescriptor], max_parallelism: int,
-                  instance: str | None = None, label: str | None = None
+                  instance: str | None = None, read: RestoreOptions | None = None
                   ) -> Iterator[KeyedStateBackend]:
     """``handle`` opened read-only in a folder of its own, from the local snapshot in
     ``instance`` (`instance_dir`) when it holds the handle's files, else from storage;
-    ``backend.restore_mode`` says which (``local-snapshot`` or ``download``)."""
+    ``backend.restore_mode`` says which (``local-snapshot`` or ``download``). ``read``
+    gives the label and an external backend's database (`RestoreOptions`)."""
     parent = os.path.dirname(instance) if instance else None
     scratch = tempfile.mkdtemp(prefix=f".read-{handle.index}-",
                                dir=parent if parent and os.path.isdir(parent) else None)
@@ -60,8 +62,8 @@ def restored_copy(job_storage: Storage, handle: SubtaskHandle,
     try:
         seeded = instance is not None and _link_snapshot(instance, handle, scratch)
         backend = restore_subtask(job_storage, handle, scratch, descriptors, max_parallelism,
-                                  RestoreOptions(read_only=True, allow_local=seeded,
-                                                 label=label))
+                                  replace(read or RestoreOptions(), read_only=True,
+                                          allow_local=seeded))
         yield backend
     finally:
         if backend is not None:

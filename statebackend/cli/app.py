@@ -36,6 +36,7 @@ from statebackend.errors import (
     UsageError,
 )
 from statebackend.formatting import human_bytes  # noqa: F401 - cli/rescale.py imports it here
+from statebackend.state.external_store import DEFAULT_TABLE, ExternalStore
 from statebackend.storage import open_storage
 
 COMMAND_MODULES = (
@@ -90,6 +91,22 @@ def json_flag() -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
     parent.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     return parent
+
+
+def state_db_flags() -> argparse.ArgumentParser:
+    """``--state-db``/``--state-table``: where an external-backend job keeps its state."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("--state-db", metavar="URL",
+                        help="external backend: its PostgreSQL database, postgresql://user@"
+                             "host:port/db (keep a password in ~/.pgpass, not here)")
+    parent.add_argument("--state-table", metavar="NAME", default=DEFAULT_TABLE,
+                        help=f"external backend: its state table (default {DEFAULT_TABLE})")
+    return parent
+
+
+def state_db_of(args: argparse.Namespace) -> ExternalStore | None:
+    """The ``--state-db`` database (None: not given)."""
+    return ExternalStore(args.state_db, args.state_table) if args.state_db else None
 
 
 def exit_code_of(exc: BaseException) -> int:

@@ -16,7 +16,7 @@ from statebackend.checkpoint.dump import (
 from statebackend.checkpoint.dump_parquet import check_parquet_target, dump_parquet
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.store import CheckpointStore
-from statebackend.cli.app import emit_json, json_flag
+from statebackend.cli.app import emit_json, json_flag, state_db_flags, state_db_of
 from statebackend.errors import CheckpointNotFoundError, MetadataError
 from statebackend.formatting import age_of, epoch_ms, human_bytes
 from statebackend.progress import Progress
@@ -36,10 +36,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint", nargs="?", default="latest", help="ID, chk-ID or latest")
     p.set_defaults(handler=cmd_show)
 
-    p = sub.add_parser("dump", help="write every state entry as rows",
+    p = sub.add_parser("dump", parents=[state_db_flags()],
+                       help="write every state entry as rows",
                        description="Restore a checkpoint read-only into a temp folder and write "
                                    "each state entry as a row: state, key, user_key, value, "
-                                   "key_group, subtask.")
+                                   "key_group, subtask. An external-backend checkpoint is read "
+                                   "from its database (--state-db) at its version.")
     p.add_argument("checkpoint", nargs="?", default="latest", help="ID, chk-ID or latest")
     p.add_argument("--out", required=True,
                    help="output file (jsonl), folder (parquet: one part file per subtask, "
@@ -138,12 +140,13 @@ def cmd_dump(args: argparse.Namespace, store: CheckpointStore) -> int:
         if args.format == "parquet":  # one file per subtask, written in parallel
             progress.phase(f"checkpoint {meta.checkpoint_id}", total=meta.parallelism,
                            unit="subtasks")
-            count = dump_parquet(store, meta, args.out, progress=progress)
+            count = dump_parquet(store, meta, args.out, progress=progress,
+                                 state_db=state_db_of(args))
         else:
             progress.phase(f"checkpoint {meta.checkpoint_id}", total=meta.summary()["rows"],
                            unit="rows")
-            count = write_dump(progress.wrap(checkpoint_rows(store, meta)), args.out,
-                               args.format)
+            count = write_dump(progress.wrap(checkpoint_rows(store, meta, state_db_of(args))),
+                               args.out, args.format)
     where = "stdout" if args.out == STDOUT else args.out
     # with --out - stdout carries the rows: the report goes to stderr
     print(f"wrote {count} rows of checkpoint {meta.checkpoint_id} to {where}",

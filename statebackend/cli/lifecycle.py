@@ -11,7 +11,7 @@ import argparse
 
 from statebackend.checkpoint.layout import savepoint_dir
 from statebackend.checkpoint.store import CheckpointStore
-from statebackend.cli.app import emit_json, json_flag
+from statebackend.cli.app import emit_json, json_flag, state_db_flags, state_db_of
 from statebackend.errors import UsageError
 from statebackend.formatting import age_of, human_bytes
 from statebackend.lifecycle.gc import DEFAULT_GRACE_SECONDS, MAX_GRACE_SECONDS, collect_garbage
@@ -20,16 +20,20 @@ from statebackend.lifecycle.registry import build_registry
 from statebackend.lifecycle.retention import retain
 from statebackend.lifecycle.retention import summarize_text as retain_text
 from statebackend.lifecycle.savepoint import create_savepoint, delete_savepoint, list_savepoints
+from statebackend.lifecycle.vacuum import vacuum_after_retention
 from statebackend.progress import Progress
 from statebackend.settings import number
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "retain", parents=[json_flag()], help="retire all but the newest N checkpoints",
+        "retain", parents=[json_flag(), state_db_flags()],
+        help="retire all but the newest N checkpoints",
         description="Keep the newest N committed checkpoints, every savepoint and every "
                     "checkpoint held by a live lease; retire the others (their _metadata first, "
-                    "then their private files and the shared files nothing kept references).")
+                    "then their private files and the shared files nothing kept references). "
+                    "An external-backend job's database is vacuumed too (with --state-db): "
+                    "only what the kept checkpoints and savepoints read stays.")
     p.add_argument("--keep", type=int, required=True, help="checkpoints to keep (>= 1)")
     p.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")
     p.set_defaults(handler=cmd_retain)
@@ -76,12 +80,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_retain(args: argparse.Namespace, store: CheckpointStore) -> int:
     store.require_job()
     number(args.keep, "--keep", minimum=1, integer=True)
+    state_db = state_db_of(args)
     with Progress("retain") as progress:
         report = retain(store, args.keep, dry_run=args.dry_run, progress=progress)
+        vacuumed = vacuum_after_retention(store, state_db, args.dry_run, progress) \
+            if not report.failures else {}
     if args.json:
-        emit_json(report.to_json())
+        vacuum_json = {k: v for k, v in vacuumed.items() if k != "text"}
+        emit_json({**report.to_json(), **({"vacuum": vacuum_json} if vacuumed else {})})
     else:
-        print("\n".join(retain_text(report)))
+        print("\n".join(retain_text(report) + vacuumed.get("text", [])))
     return 1 if report.failures else 0
 
 

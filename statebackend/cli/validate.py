@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 
 from statebackend.checkpoint.store import CheckpointStore
-from statebackend.cli.app import emit_json, json_flag
+from statebackend.cli.app import emit_json, json_flag, state_db_flags, state_db_of
 from statebackend.errors import UsageError
 from statebackend.job.load import load_job
 from statebackend.progress import Progress
@@ -31,7 +31,8 @@ MAX_ROWS_PRINTED = 5
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "validate", parents=[json_flag()], help="validate a checkpoint, write a report",
+        "validate", parents=[json_flag(), state_db_flags()],
+        help="validate a checkpoint, write a report",
         description="Check a checkpoint with Great Expectations suites: the manifest (files "
                     "exist, sizes and checksums match, key-group ranges tile [0, M), P and M "
                     "consistent, parent present, paths inside the job root) and with --deep "
@@ -86,7 +87,7 @@ def cmd_validate(args: argparse.Namespace, store: CheckpointStore) -> int:
         state_checks = load_job(args.job_def).expectations
     options = ValidationOptions(level=level, sample=args.sample, seed=args.seed,
                                 report=args.report, report_dir=args.report_dir,
-                                state_checks=state_checks)
+                                state_checks=state_checks, state_db=state_db_of(args))
     with Progress("validate") as progress:
         result = validate_checkpoint(store, cid, options, progress)
     summary = result.summary

@@ -41,6 +41,7 @@ import pyarrow as pa
 
 from statebackend.checkpoint.local_copy import instance_dir, restored_copy
 from statebackend.checkpoint.metadata import SubtaskHandle
+from statebackend.checkpoint.restore import RestoreOptions
 from statebackend.errors import UsageError
 from statebackend.job.api import Job
 from statebackend.state.codecs import BytesCodec, JsonCodec, RecordCodec, StrCodec
@@ -117,8 +118,8 @@ def transformed_spans(source: SourceRead, subtask: int) -> Iterator[dict[str, pa
     reads = [StateRead(d, subtask, _clock(source, d), shape) for d in source.states]
     expected = max((handle.row_counts.get(d.name, 0) for d in source.states), default=0)
     with restored_copy(storage, handle, source.descriptors, source.max_parallelism, instance,
-                       label=f"subtask {subtask} of checkpoint {source.checkpoint_id}"
-                       ) as backend:
+                       RestoreOptions(label=f"subtask {subtask} of checkpoint "
+                                            f"{source.checkpoint_id}")) as backend:
         for span in key_group_spans(backend.key_group_range, expected, source.batch_rows):
             tables = {}
             for read in reads:

@@ -38,6 +38,7 @@ from statebackend.checkpoint.leases import hold
 from statebackend.checkpoint.lineage import digest_of
 from statebackend.checkpoint.local_copy import instance_dir, restored_copy
 from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskHandle
+from statebackend.checkpoint.restore import RestoreOptions
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import CheckpointNotFoundError, UsageError
 from statebackend.state.kinds import StateDescriptor
@@ -198,7 +199,8 @@ def read_subtask(task: ReadTask, subtask: int) -> Iterator[pa.RecordBatch]:
             raise _retired(store, cid)
         instance = instance_dir(task.storage_url, task.job, subtask, task.options.local_dir)
         with restored_copy(store.storage, handle, task.descriptors, task.max_parallelism,
-                           instance, label=f"subtask {subtask} of checkpoint {cid}") as backend:
+                           instance, RestoreOptions(label=f"subtask {subtask} of checkpoint "
+                                                          f"{cid}")) as backend:
             read = StateRead(_descriptor(task), subtask, task.now, task.options.shape)
             yield from state_batches(backend, read, handle.row_counts.get(task.state))
 

@@ -59,6 +59,7 @@ import pandas as pd
 import pyarrow as pa
 
 from statebackend.checkpoint.metadata import CheckpointMetadata, FileRef, SubtaskHandle
+from statebackend.checkpoint.restore import RestoreOptions, restored_readonly
 from statebackend.errors import CkptError, StorageError
 from statebackend.progress import NO_PROGRESS, ProgressSink
 from statebackend.state.backend import KeyedStateBackend, StoredInstance
@@ -73,6 +74,7 @@ from statebackend.state.codecs import (
     encode_list,
     split_map_key,
 )
+from statebackend.state.external_store import ExternalRead
 from statebackend.state.families import TTL_INDEX
 from statebackend.state.keygroups import KeyGroupRange
 from statebackend.state.keygroups_bulk import key_groups
@@ -589,6 +591,7 @@ class ContentOptions:
     sample: int | None = None
     seed: int | None = None
     threads: int | None = None
+    external: ExternalRead | None = None  # an external-backend checkpoint's rows
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "frame_states", frozenset(self.frame_states))
@@ -621,26 +624,11 @@ class _SubtaskContent:
 def _check_subtask(scope: _Scope, handle: SubtaskHandle, rng: random.Random
                    ) -> _SubtaskContent:
     """Download, open read-only and read one subtask (module doc); never raises on data."""
-    meta = scope.meta
     tmp = tempfile.mkdtemp(prefix=f"ckpt-validate-{handle.index}-", dir=scope.options.work_dir)
     out = _SubtaskContent(restore_row={})
     error = None
     try:
-        kind = BACKEND_CLASSES[handle.backend]
-        out.facts = download_checked(scope.storage, handle.files,
-                                     os.path.join(tmp, kind.files_dir))
-        bad = _bad_files(handle, out.facts)
-        if bad:
-            error = f"not opened: {len(bad)} damaged file(s): " + "; ".join(bad[:3])
-        else:
-            origin = StoredInstance(handle.backend_id,
-                                    f"subtask {handle.index} of checkpoint {meta.checkpoint_id}",
-                                    {f.local_name: f.path for f in handle.files})
-            with kind(
-                    tmp, scope.descriptors, meta.max_parallelism, handle.key_group_range,
-                    read_only=True, origin=origin) as backend:
-                _read_subtask(scope, backend.place_keys_by(meta.key_hash), handle.index,
-                              rng, out)
+        error = _open_and_read(scope, handle, tmp, rng, out)
     except Exception as exc:  # noqa: BLE001 - a damaged subtask is a finding, not a crash
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     finally:
@@ -658,6 +646,31 @@ def _check_subtask(scope: _Scope, handle: SubtaskHandle, rng: random.Random
             # None (not recorded: a snapshot taken with count_rows=False) is skipped by GE
             "counts_ok": None if rec is None else rec == counted})
     return out
+
+
+def _open_and_read(scope: _Scope, handle: SubtaskHandle, tmp: str, rng: random.Random,
+                   out: _SubtaskContent) -> str | None:
+    """Download (checked), open read-only in ``tmp`` and read one subtask into ``out``;
+    returns why it was not opened (damaged files), None once read."""
+    meta = scope.meta
+    label = f"subtask {handle.index} of checkpoint {meta.checkpoint_id}"
+    if handle.backend == "external":  # rows in a database: nothing to download
+        with restored_readonly(scope.storage, handle, scope.descriptors, meta.max_parallelism,
+                               tmp, RestoreOptions(label=label,
+                                                   external=scope.options.external)) as backend:
+            _read_subtask(scope, backend.place_keys_by(meta.key_hash), handle.index, rng, out)
+        return None
+    kind = BACKEND_CLASSES[handle.backend]
+    out.facts = download_checked(scope.storage, handle.files, os.path.join(tmp, kind.files_dir))
+    bad = _bad_files(handle, out.facts)
+    if bad:
+        return f"not opened: {len(bad)} damaged file(s): " + "; ".join(bad[:3])
+    origin = StoredInstance(handle.backend_id, label,
+                            {f.local_name: f.path for f in handle.files})
+    with kind(tmp, scope.descriptors, meta.max_parallelism, handle.key_group_range,
+              read_only=True, origin=origin) as backend:
+        _read_subtask(scope, backend.place_keys_by(meta.key_hash), handle.index, rng, out)
+    return None
 
 
 def _read_subtask(scope: _Scope, backend: KeyedStateBackend, subtask: int,

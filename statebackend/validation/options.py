@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from statebackend.errors import UsageError
+from statebackend.state.external_store import ExternalStore
 
 if TYPE_CHECKING:
     from statebackend.validation.checks import StateCheck
@@ -35,7 +36,8 @@ class ValidationOptions:
     ``DIR/chk-<id>/`` instead of the checkpoint storage; ``work_dir``: where subtasks
     are restored (default: temp folders). ``state_checks`` maps a state name to a job
     check (`statebackend.validation.checks`); it adds to / overrides the registered
-    ones.
+    ones. ``state_db``: the database of an external-backend checkpoint (its content is
+    read from there).
     """
 
     level: str = LEVEL_MANIFEST
@@ -45,6 +47,7 @@ class ValidationOptions:
     report_dir: str | None = None
     work_dir: str | None = None
     state_checks: Mapping[str, StateCheck] | None = field(default=None, compare=False)
+    state_db: ExternalStore | None = None  # an external-backend checkpoint's database
 
     def __post_init__(self) -> None:
         if self.report not in REPORT_MODES:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from statebackend.checkpoint.metadata import CheckpointMetadata, utc_now_iso
+from statebackend.checkpoint.restore import external_read
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import MetadataError
 from statebackend.progress import ProgressSink
@@ -128,7 +129,7 @@ def _check_content(store: CheckpointStore, tables: manifest.ManifestTables,
         found.figures.update(sample_per_column_family=sample, sample_seed=seed)
     tabled = content.build_content(store.storage, meta, content.ContentOptions(
         frame_states=frozenset(expectations), work_dir=options.work_dir, sample=sample,
-        seed=seed), progress)
+        seed=seed, external=external_read(meta, options.state_db)), progress)
     manifest.refresh_files(tables, tabled.facts)
     found.runs[1] = suites.builtin_run("files", tables.files)
     found.runs += [suites.builtin_run(name, frame) for name, frame in (

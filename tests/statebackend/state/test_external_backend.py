@@ -10,6 +10,7 @@ restore and rescale move no state bytes; vacuum keeps exactly what retained vers
 
 from __future__ import annotations
 
+import json
 import threading
 
 import psycopg
@@ -18,6 +19,7 @@ import pytest
 from demo.sample_data import DAY_MS, DEFAULT_START_TS_MS, expected_totals, generate_events
 from jobs import keyed_aggregation as ka
 from statebackend.checkpoint.store import CheckpointStore
+from statebackend.cli.app import main
 from statebackend.errors import UsageError
 from statebackend.job import JobRunError, RunConfig, external_commit, run_job
 from statebackend.rescale.executor import rescale
@@ -237,3 +239,41 @@ def test_without_the_database_the_run_and_the_dump_refuse_in_one_line(tmp_path, 
     with pytest.raises(UsageError, match="not postgresql://.*#elsewhere"):
         run_job(ka.JOB, _config(tmp_path, other, 0).__class__(
             **{**_config(tmp_path, other, 0).__dict__, "run_id": "again"}))
+
+
+def test_cli_dump_validate_and_retention_vacuum_through_the_database(tmp_path, table, capsys):
+    """`ckpt dump`, `validate --deep` read the rows at the checkpoint's version;
+    `ckpt retain --state-db` vacuums: the kept checkpoint still equals pandas."""
+    store, days = table, _days(tmp_path, 3, keys=200, events=1500)
+    for d in range(3):
+        run_job(ka.JOB, _config(tmp_path, store, d, **({"parallelism": 2} if d == 0 else {})))
+    root = f"file://{tmp_path}/store"
+    db = ["--state-db", store.url, "--state-table", store.table]
+
+    def ckpt(*argv: str) -> tuple[int, str, str]:
+        code = main(["--storage", root, "--job", JOB, *argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    code, _, err = ckpt("dump", "--out", str(tmp_path / "x.jsonl"))
+    assert code == 2 and "keeps its state in postgresql://" in err and len(err.splitlines()) == 1
+    code, _, _ = ckpt("dump", "--out", str(tmp_path / "rows.jsonl"), *db)
+    rows = [json.loads(x) for x in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert_totals_equal({(r["key"], None): r["value"] for r in rows}, _want(days))
+    code, out, _ = ckpt("validate", "--deep", "--report", "none", "--json", *db)
+    assert code == 0 and json.loads(out)["success"], out
+
+    with store.connect() as conn:
+        rows_before = conn.execute(f"SELECT count(*) FROM {store.table}").fetchone()[0]
+    code, out, _ = ckpt("retain", "--keep", "1", "--dry-run", "--json", *db)
+    assert json.loads(out)["vacuum"]["retained_versions"] == [1, 2, 3]  # nothing retired yet
+    code, out, _ = ckpt("retain", "--keep", "1", "--json", *db)
+    report = json.loads(out)
+    assert code == 0 and report["retired"] == [1, 2]
+    vac = report["vacuum"]
+    assert vac["vacuumed"] and vac["retained_versions"] == [3] and vac["versions_deleted"] == []
+    with store.connect() as conn:
+        rows_after = conn.execute(f"SELECT count(*) FROM {store.table}").fetchone()[0]
+    assert rows_after == rows_before - vac["rows_deleted"] and vac["rows_deleted"] > 0
+    assert rows_after == len(_want(days))  # one row per key: what version 3 reads
+    assert_totals_equal(_state(tmp_path, store), _want(days))
