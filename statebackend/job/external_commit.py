@@ -7,8 +7,8 @@ A run on the external backend (statebackend.state.external_store for the tables)
   and the database (the record names the version: that is the decision), then delete
   the rows of epochs no committed version names (failed or discarded attempts);
   returns the version the run restores (the parent checkpoint's) and checks that the
-  lineage's state is in this database;
-- the subtasks pre-commit their changes under the run's epoch (its checkpoint id);
+  lineage's state is in this database; and takes the run's fresh epoch;
+- the subtasks pre-commit their changes under that epoch;
 - `version_of` is what the commit record says (`CheckpointMetadata.external`);
 - `commit` (after ``_metadata``) adds the version and moves the head in one
   transaction. A crash before it is finished by the next run's `prepare`.
@@ -26,6 +26,7 @@ from statebackend.state.external_store import (
     commit_version,
     discard_uncommitted,
     ensure_schema,
+    new_epoch,
 )
 
 
@@ -39,9 +40,11 @@ def store_of(state_db: str | None, table: str, what: str) -> ExternalStore:
 
 @dataclass(frozen=True)
 class Prepared:
-    """What `prepare` found: the run's parent version (None: first external run)."""
+    """What `prepare` found: the run's parent version (None: first external run) and
+    the epoch its subtasks write (the version it commits)."""
 
     parent_version: int | None
+    epoch: int
     finished_commit: int | None  # the version a crash left uncommitted, now committed
     rows_discarded: int
 
@@ -64,17 +67,17 @@ def prepare(store: ExternalStore, job: str, latest: CheckpointMetadata | None,
             if commit_version(store, conn, job, ext.version, ext.parent):
                 finished = ext.version
         discarded = discard_uncommitted(store, conn, job)
+        epoch = new_epoch(store, conn)
     finally:
         conn.close()
     parent_version = parent.external.version if parent is not None \
         and parent.external is not None else None
-    return Prepared(parent_version, finished, discarded)
+    return Prepared(parent_version, epoch, finished, discarded)
 
 
-def version_of(store: ExternalStore, job: str, checkpoint_id: int,
-               parent_version: int | None) -> ExternalVersion:
-    """The version a run's checkpoint records: its epoch (the checkpoint id)."""
-    return ExternalVersion(store.identity, job, checkpoint_id, parent_version)
+def version_of(store: ExternalStore, job: str, prepared: Prepared) -> ExternalVersion:
+    """The version a run's checkpoint records: the run's epoch, over its parent's."""
+    return ExternalVersion(store.identity, job, prepared.epoch, prepared.parent_version)
 
 
 def restore_read(store: ExternalStore | None, job: str, parent_version: int | None

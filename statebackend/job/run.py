@@ -221,7 +221,8 @@ class _JobRun:
             params = self._task_params(plan, attempt.token)
             if external is not None:
                 params = replace(params, external_store=external[0],
-                                 external_parent=external[1].parent_version)
+                                 external_parent=external[1].parent_version,
+                                 external_epoch=external[1].epoch)
             results = engine.run_tasks(params, self.progress)
             returned = time.time()
             attempt.add_uploaded(p for r in results for p in r.uploaded)
@@ -234,8 +235,7 @@ class _JobRun:
             record = commit_record(plan, results, totals)
             if external is not None:  # _metadata names the version: the commit decision
                 record = record.with_changes(external=external_commit.version_of(
-                    external[0], store.job, plan.checkpoint_id,
-                    external[1].parent_version))
+                    external[0], store.job, external[1]))
             meta = attempt.commit(record, winners=[(r.subtask, r.attempt) for r in results])
         except TaskFailedError as exc:
             attempt.discard()

@@ -133,10 +133,12 @@ class TaskParams:
     key_hash: str = MURMUR3  # the lineage's (statebackend.state.keygroups)
     backend: str = "rocksdb"  # the run's state backend (statebackend.state.backend_kinds)
     memory_limit_mb: int | None = None  # the memory backend's limit per subtask
-    # The external backend's database (its repr names no credentials) and the version
-    # the subtasks restore (the parent checkpoint's; None: nothing stored there yet).
+    # The external backend's database (its repr names no credentials), the version the
+    # subtasks restore (the parent checkpoint's; None: nothing stored there yet) and the
+    # epoch they write (statebackend.job.external_commit).
     external_store: ExternalStore | None = None
     external_parent: int | None = None
+    external_epoch: int | None = None  # the run attempt's epoch: what its snapshots write
 
     def open(self, url: str) -> Storage:
         return open_storage(url, **self.storage_options)
@@ -213,7 +215,7 @@ class SubtaskRun:
             if p.external_store is None:
                 raise UsageError(f"subtask {self.subtask}: the external backend has no "
                                  "database (--state-db)")
-            self.backend.attach(p.external_store, p.job_dir, epoch=p.checkpoint_id)
+            self.backend.attach(p.external_store, p.job_dir, epoch=p.external_epoch)
         if p.migration is not None and self.parent is not None:
             clock = p.new_watermark if p.new_watermark is not None else p.watermark
             self.migrated = migrate_backend(

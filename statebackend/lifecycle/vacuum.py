@@ -29,6 +29,7 @@ class VacuumPlan:
     job: str
     store: str
     retained: tuple[int, ...]
+    parents: tuple[int | None, ...]  # each retained version's parent, as its record says
 
     def describe(self) -> list[str]:
         return [f"vacuum plan: job {self.job} in {self.store}: keep what versions "
@@ -50,8 +51,10 @@ def plan_vacuum(store: CheckpointStore) -> VacuumPlan | None:
     if len(stores) > 1:  # a lineage moved between databases: vacuum neither blindly
         raise UsageError(f"job {store.job!r} has checkpoints in several databases "
                          f"{sorted(stores)}: vacuum refused")
-    return VacuumPlan(external[0].job, external[0].store,
-                      tuple(sorted({e.version for e in external})))
+    parents = {e.version: e.parent for e in external}
+    retained = tuple(sorted(parents))
+    return VacuumPlan(external[0].job, external[0].store, retained,
+                      tuple(parents[v] for v in retained))
 
 
 def execute_vacuum(plan: VacuumPlan, state_db: ExternalStore) -> VacuumResult:
@@ -61,7 +64,8 @@ def execute_vacuum(plan: VacuumPlan, state_db: ExternalStore) -> VacuumResult:
                          f"{state_db.identity}: vacuum refused")
     conn = state_db.connect()
     try:
-        return vacuum(state_db, conn, plan.job, plan.retained)
+        return vacuum(state_db, conn, plan.job, dict(zip(plan.retained, plan.parents,
+                                                         strict=True)))
     finally:
         conn.close()
 

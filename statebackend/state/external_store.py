@@ -5,10 +5,11 @@ Tables (``<table>`` is `ExternalStore.table`, ``ckpt_state`` by default):
 - ``<table>``: one row per written entry and epoch,
   ``(job, key_group, state, key, user_key, value, epoch)``; ``value`` NULL is a delete.
   ``key`` is the state key's encoded bytes, ``user_key`` a map state's user key (UTF-8,
-  empty for other kinds), ``value`` the state codec's bytes (JSON by default).
+  empty for other kinds), ``value`` the state codec's bytes.
 - ``<table>_versions``: the committed versions of each job, ``(job, version, parent)``:
-  a version is the checkpoint id of the run that wrote it, its parent the version that
-  run restored. A version's state is, per key, the newest row along its parent chain.
+  a version is the epoch of the run attempt that wrote it (`new_epoch`: unique per
+  attempt), its parent the version that run restored. A version's state is, per key,
+  the newest row along its parent chain.
 - ``<table>_head``: each job's committed version (what readers see).
 - ``<table>_committed`` (view): every job's state at its head: the version another
   service reads, consistent with the job's latest checkpoint.
@@ -19,8 +20,10 @@ Protocol (statebackend.state.external, statebackend.job.external_commit):
    a commit a crash interrupted: the version is recorded in ``_metadata`` first), then
    `discard_uncommitted` deletes rows of epochs no committed version names (a failed or
    discarded attempt: never visible, since no version names them);
-2. each subtask writes its changed entries under the run's epoch (`write_epoch`,
-   one transaction per subtask, replacing what an earlier attempt of that subtask wrote);
+2. the run takes a fresh epoch (`new_epoch`); each subtask writes its changed entries
+   under it (`write_epoch`, one transaction per subtask, replacing what an earlier try
+   of that task wrote). A fenced or zombie attempt writes under an epoch of its own,
+   which no version will name;
 3. the driver commits ``_metadata`` (recording the version), then `commit_version`
    adds the version and moves the head in one transaction: readers switch atomically;
 4. retention keeps the versions its checkpoints name: `vacuum` deletes rows no retained
@@ -33,7 +36,7 @@ its key groups at a version). Only this module writes SQL; identifiers are check
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -118,6 +121,7 @@ CREATE TABLE IF NOT EXISTS {t}_versions (
   job text NOT NULL, version bigint NOT NULL, parent bigint,
   committed_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (job, version));
 CREATE TABLE IF NOT EXISTS {t}_head (job text PRIMARY KEY, version bigint NOT NULL);
+CREATE SEQUENCE IF NOT EXISTS {t}_epochs;
 CREATE OR REPLACE VIEW {t}_committed AS
 WITH RECURSIVE chain(job, version, parent) AS (
   SELECT h.job, v.version, v.parent FROM {t}_head h
@@ -148,6 +152,12 @@ def ensure_schema(store: ExternalStore, conn: Any) -> None:
         # One creator at a time: CREATE ... IF NOT EXISTS races on the catalog otherwise.
         conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (store.table,))
         conn.execute(_sql(store, _SCHEMA))
+
+
+def new_epoch(store: ExternalStore, conn: Any) -> int:
+    """A fresh epoch for one run attempt: never used before in this table, so a fenced
+    or zombie attempt still writing can only add rows no version will ever name."""
+    return int(conn.execute(_sql(store, "SELECT nextval('{t}_epochs')")).fetchone()[0])
 
 
 def head_version(store: ExternalStore, conn: Any, job: str) -> int | None:
@@ -244,16 +254,19 @@ class VacuumResult:
     versions_deleted: tuple[int, ...]
 
 
-def vacuum(store: ExternalStore, conn: Any, job: str, retained: Sequence[int]
+def vacuum(store: ExternalStore, conn: Any, job: str, retained: Mapping[int, int | None]
            ) -> VacuumResult:
-    """Keep what the ``retained`` versions read (each one's newest row per key along its
-    chain); delete every other committed row and the versions outside their chains."""
+    """Keep what the ``retained`` versions (version -> parent, from the records) read:
+    each one's newest row per key along its chain; delete every other committed row
+    and the versions outside their chains. A retained version whose commit a crash
+    left unfinished keeps its chain through the parent its record names."""
     known = versions(store, conn, job)
-    pairs = [(root, v) for root in sorted(set(retained)) for v in chain_of(known, root)]
+    chains = {**{v: p for v, p in retained.items() if v not in known}, **known}
+    pairs = [(root, v) for root in sorted(retained) for v in chain_of(chains, root)]
     keep = {v for _, v in pairs}
     head = head_version(store, conn, job)
     if head is not None and head not in retained:  # readers' version stays readable
-        pairs += [(head, v) for v in chain_of(known, head)]
+        pairs += [(head, v) for v in chain_of(chains, head)]
         keep |= {v for _, v in pairs}
     with conn.transaction():
         conn.execute("CREATE TEMP TABLE ckpt_keep (root bigint, version bigint) "
