@@ -27,7 +27,13 @@ from typing import Any
 from statebackend.errors import UsageError
 from statebackend.state.backend import LocalSnapshot
 from statebackend.state.codecs import map_key_suffix, split_map_key
-from statebackend.state.external_store import ExternalStore, Row, load_range, write_epoch
+from statebackend.state.external_store import (
+    ExternalRead,
+    ExternalStore,
+    Row,
+    load_range,
+    write_epoch,
+)
 from statebackend.state.keygroups import key_group_prefix
 from statebackend.state.memory import MemoryStateBackend
 from statebackend.state.memory_table import MemoryTable
@@ -91,25 +97,24 @@ class ExternalStateBackend(MemoryStateBackend):
             self._conn = self.store.connect()
         return self._conn
 
-    def load_version(self, version: int) -> int:
-        """Fill the tables with this subtask's key groups at ``version`` (a restore, not
-        a change); returns the entries read. Local state is replaced."""
-        assert self.store is not None
+    def load_version(self, read: ExternalRead) -> int:
+        """Fill the tables with this subtask's key groups at ``read.version`` (a restore,
+        not a change); returns the entries read. Local state is replaced."""
+        self.attach(read.store, read.job)
         for table in self._cfs.values():
             for prefix in list(table.parts):
                 table.load(prefix, (), ())
         kgr = self.key_group_range
-        rows = load_range(self.store, self._connection(), self.job_key, version,
-                          (kgr.start, kgr.end))
-        read = 0
+        rows = load_range(self._connection(), read, (kgr.start, kgr.end))
+        entries = 0
         for (state, prefix), keys, values in _grouped(rows, self._is_map):
             self._table(state).load(prefix, keys, values)
-            read += len(keys)
+            entries += len(keys)
         for table in self._cfs.values():
             table.written.clear()
         self.account.changed.clear()
-        self.version = version
-        return read
+        self.version = read.version
+        return entries
 
     def drop_column_family(self, name: str) -> None:
         table = self._cfs.get(name)

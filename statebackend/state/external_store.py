@@ -104,6 +104,7 @@ class ExternalRead:
     store: ExternalStore
     job: str
     version: int
+    parent: int | None = None  # as its record says (read while its commit is unfinished)
 
 
 def _sql(store: ExternalStore, text: str) -> str:
@@ -135,16 +136,6 @@ SELECT job, key_group, state, key, user_key, value, epoch FROM (
   ORDER BY s.job, s.state, s.key, s.user_key, s.epoch DESC) newest
 WHERE value IS NOT NULL;
 """
-
-# The chain of versions a version reads: itself, its parent, ... (recursive).
-_CHAIN = """
-WITH RECURSIVE chain(version, parent) AS (
-  SELECT version, parent FROM {t}_versions WHERE job = %(job)s AND version = %(version)s
-  UNION ALL
-  SELECT v.version, v.parent FROM chain c
-    JOIN {t}_versions v ON v.job = %(job)s AND v.version = c.parent)
-"""
-
 
 def ensure_schema(store: ExternalStore, conn: Any) -> None:
     """Create the tables and the view if missing (the driver, once per run)."""
@@ -183,20 +174,24 @@ def chain_of(all_versions: dict[int, int | None], version: int) -> list[int]:
     return out
 
 
-def load_range(store: ExternalStore, conn: Any, job: str, version: int,
-               key_groups: tuple[int, int]) -> Iterator[Row]:
-    """The entries of key groups [start, end] at ``version`` (deleted ones left out),
-    ordered by state then key; UsageError if the version is not committed."""
-    if version not in versions(store, conn, job):
+def load_range(conn: Any, read: ExternalRead, key_groups: tuple[int, int]) -> Iterator[Row]:
+    """The entries of key groups [start, end] at ``read.version`` (deleted ones left out),
+    ordered by state then key. A version whose commit a crash cut short (its record is
+    the decision, `statebackend.job.external_commit`) reads through the parent its
+    record names; UsageError when neither says what the version reads."""
+    store, job, version = read.store, read.job, read.version
+    known = versions(store, conn, job)
+    if version not in known and (read.parent is None or read.parent not in known):
         raise UsageError(f"state version {version} of job {job!r} is not committed in "
                          f"{store.identity} (vacuumed, or another database)")
-    query = _sql(store, _CHAIN + """
+    chain = chain_of({**known, version: known.get(version, read.parent)}, version)
+    query = _sql(store, """
       SELECT DISTINCT ON (s.state, s.key, s.user_key)
              s.key_group, s.state, s.key, s.user_key, s.value
       FROM {t} s WHERE s.job = %(job)s AND s.key_group BETWEEN %(lo)s AND %(hi)s
-        AND s.epoch IN (SELECT version FROM chain)
+        AND s.epoch = ANY(%(chain)s)
       ORDER BY s.state, s.key, s.user_key, s.epoch DESC""")
-    params = {"job": job, "version": version, "lo": key_groups[0], "hi": key_groups[1]}
+    params = {"job": job, "chain": chain, "lo": key_groups[0], "hi": key_groups[1]}
     with conn.cursor(binary=True) as cur:
         cur.execute(query, params)
         while rows := cur.fetchmany(20_000):

@@ -69,6 +69,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pandas as pd
 import pytest
@@ -101,7 +102,16 @@ from statebackend.lifecycle.gc import collect_garbage
 from statebackend.lifecycle.registry import load_savepoint
 from statebackend.lifecycle.retention import retain
 from statebackend.lifecycle.savepoint import create_savepoint
+from statebackend.lifecycle.vacuum import vacuum_after_retention
+from statebackend.progress import NO_PROGRESS
 from statebackend.rescale.executor import RescaleOptions, rescale
+from statebackend.state.external import ExternalStateBackend
+from statebackend.state.external_store import (
+    ExternalStore,
+    ensure_schema,
+    head_version,
+    versions,
+)
 from statebackend.storage import Storage, open_storage
 
 JOB = "chaos"
@@ -275,6 +285,12 @@ class ChaosConfig:
     engine: str = "spark"
     backend: str | None = None  # the job runs' state backend (None: rocksdb)
     pause_probability: float = 0.06  # a run freezes past its lease in its commit path
+    # The external backend's database and its server (tests/postgres_server.py): runs
+    # whose database restarts while they snapshot, retention with its vacuum, and the
+    # check that the database names only versions committed records name.
+    state_db: ExternalStore | None = None
+    postgres: Any = None
+    db_restart_probability: float = 0.12
 
 
 @dataclass
@@ -310,6 +326,7 @@ class Chaos:
             with open(os.path.join(self.outside, name), "w") as fh:
                 fh.write(f"seed {config.seed}: must never change\n")
         self.outside_before = _snapshot(self.outside)
+        self.named_versions: set[int] = set()  # external versions records ever named
 
     # -- driving --------------------------------------------------------------------
     def run(self) -> dict:
@@ -389,19 +406,22 @@ class Chaos:
         pause = not busy and not self.model.damaged and self.rng.random() < c.pause_probability
         kill = not busy and not pause and self.rng.random() < c.kill_probability
         fail = not busy and not pause and self.rng.random() < c.executor_failure_probability
+        restart = self.config.postgres is not None and not pause \
+            and self.rng.random() < c.db_restart_probability
         if pause:
             self.do_wait()  # the other writer meets only the paused one's lease
-        return self._run(run_id, kill=kill, fail=fail, busy=busy, pause=pause)
+        return self._run(run_id, kill=kill, fail=fail, busy=busy, pause=pause,
+                         restart=restart)
 
     def _run(self, run_id: str, *, kill: bool, fail: bool, busy: bool,
-             pause: bool = False) -> tuple[str, str]:
+             pause: bool = False, restart: bool = False) -> tuple[str, str]:
         p = self.model.parallelism or self.rng.randint(1, 3)
         fail_subtask = self.rng.randrange(p) if fail else None
         cfg = RunConfig(input=self.model.interval(run_id).input_dir,
                            storage=self.config.storage_url, job=JOB, run_id=run_id,
                            output=self.output, parallelism=p, local_dir=self.local_dir,
                            fail_subtask=fail_subtask, engine=self.config.engine,
-                           backend=self.config.backend)
+                           backend=self.config.backend, **self._db_options())
         detail = f"{run_id} P={p}" + (f" fail_subtask={fail_subtask}" if fail else "") + \
             (" busy-gc" if busy else "")
         allowed: tuple[type, ...] = (ka.JobRunError,) if fail else ()
@@ -409,7 +429,10 @@ class Chaos:
         if pause:  # frozen past its lease before a write of its commit path (SIGSTOP)
             frozen = (self.rng.randrange(COMMIT_PATH_WRITES), self.paused_writer)
             allowed = (LeaseConflictError,)  # fenced off, or its id taken: a clean refusal
-        with self._busy_gc(busy):
+        if restart:
+            detail += " db-restart"
+            allowed = (*allowed, ka.JobRunError)
+        with self._busy_gc(busy), self._db_restart(restart):
             detail2, outcome = self.attempt("run", lambda: ka.run(cfg, self.spark), kill,
                                             allowed, frozen)
         if outcome == "killed":
@@ -419,6 +442,31 @@ class Chaos:
             self.check_success_marker(run_id)
             self.model.acked.add(run_id)
         return detail + detail2, outcome
+
+    def _db_options(self) -> dict:
+        db = self.config.state_db
+        return {} if db is None else {"state_db": db.url, "state_table": db.table}
+
+    @contextmanager
+    def _db_restart(self, restart: bool) -> Iterator[None]:
+        """The database restarts while the first subtask snapshots (the others' and its
+        connections break: the run fails or, opening anew, goes on)."""
+        if not restart:
+            yield
+            return
+        real = ExternalStateBackend.take_local_snapshot
+        done: list[bool] = []
+
+        def snapshot(backend, *args, **kwargs):
+            if not done:
+                done.append(True)
+                self.config.postgres.restart()
+                self.outcomes["db-restarted"] += 1
+            return real(backend, *args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(ExternalStateBackend, "take_local_snapshot", snapshot)
+            yield
 
     def paused_writer(self) -> None:
         """While the run is frozen: its leases lapse (no heartbeat), then another writer
@@ -444,7 +492,7 @@ class Chaos:
                                run_id=other.run_id, output=self.output,
                                parallelism=self.model.parallelism or 2,
                                local_dir=self.local_dir, engine=self.config.engine,
-                               backend=self.config.backend)
+                               backend=self.config.backend, **self._db_options())
             result: list = []
             thread = threading.Thread(target=lambda: result.append(_outcome(
                 lambda: ka.run(cfg, self.spark))))
@@ -464,7 +512,12 @@ class Chaos:
     def do_retain(self) -> tuple[str, str]:
         keep = self.rng.randint(1, 3)
         kill = self.rng.random() < self.config.kill_probability
-        detail, outcome = self.attempt("retain", lambda: retain(self.store, keep=keep), kill)
+        def retention() -> None:
+            report = retain(self.store, keep=keep)
+            if self.config.state_db is not None and not report.failures:
+                vacuum_after_retention(self.store, self.config.state_db, False, NO_PROGRESS)
+
+        detail, outcome = self.attempt("retain", retention, kill)
         return f"keep={keep}" + detail, outcome
 
     def do_savepoint(self) -> tuple[str, str]:
@@ -807,6 +860,28 @@ class Chaos:
                                       f"reference over {len(self.model.committed)} runs: "
                                       f"{problems}")
         self.check_files(index)
+        self.check_versions(index, latest)
+
+    def check_versions(self, index: int, latest) -> None:
+        """External backend: each version the database holds was named by a committed
+        record (a discarded attempt's epoch is never committed, none twice); the head is
+        the latest record's version once its commit finished."""
+        db = self.config.state_db
+        if db is None:
+            return
+        self.named_versions |= {m.external.version for m in self.records() if m.external}
+        with db.connect() as conn:
+            ensure_schema(db, conn)  # before the first run made it
+            held = versions(db, conn, JOB)
+            head = head_version(db, conn, JOB)
+        stray = sorted(set(held) - self.named_versions)
+        if stray:
+            self.violation(index, f"database versions {stray} were named by no record")
+        if latest is not None and latest.external is not None:
+            if latest.external.version not in held:
+                self.outcomes["commit-pending"] += 1  # a kill between _metadata and commit
+            elif head != latest.external.version and head not in self.named_versions:
+                self.violation(index, f"head {head} is no record's version")
 
     def check_no_fork(self, index: int) -> None:
         metas = self.records()
@@ -824,7 +899,7 @@ class Chaos:
 
     def _rows(self, meta) -> dict[str, dict]:
         try:
-            rows = list(checkpoint_rows(self.store, meta))
+            rows = list(checkpoint_rows(self.store, meta, self.config.state_db))
         except Exception as exc:  # noqa: BLE001 - a restore failure is a violation
             self.violation(len(self.history), f"{meta.kind} {meta.checkpoint_id} does not "
                                               f"restore: {type(exc).__name__}: {exc}")

@@ -1,10 +1,12 @@
 """Randomized chaos test of issue 10: job runs, kills, GC, retain, savepoint, rescale.
 
 See harness.py for the steps, the faults and the checks after every step. The CI
-run is four seeds of 100 steps each (400 steps) on file:// storage with one warm
-local Spark session, one with the job runs on Spark and three on the local engine (whose
+run is five seeds of 100 steps each (500 steps) on file:// storage with one warm
+local Spark session, one with the job runs on Spark and four on the local engine (whose
 subtasks run in this process, so the injected deaths also hit restores, snapshots and
-uploads), one of them with the state in the memory backend; ``slow`` (also run in CI)
+uploads), one of them with the state in the memory backend and one in the external
+backend (a PostgreSQL server on 127.0.0.1, restarted during runs; kills also fall between
+a run's _metadata and its database commit); ``slow`` (also run in CI)
 adds a seed of 100 steps and one short seed (25 steps) on a real S3 API (moto, local
 engine). Every seed has paused writers
 (issue 20), lost, flipped and replaced records, ledgers, log entries and leases, and
@@ -26,23 +28,25 @@ from jobs.keyed_aggregation import JobConfig, run
 from statebackend.checkpoint.dump import checkpoint_rows
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.lifecycle.retention import retain
+from statebackend.state.external_store import ExternalStore
 from statebackend.storage import open_storage
 from tests.chaos.harness import Chaos, ChaosConfig, compare_state
 from tests.conftest import S3_BUCKET
 
 # (seed, the job runs' engine, their state backend)
 CI_SEEDS = ((101, "spark", None), (202, "local", None), (404, "local", None),
-            (303, "local", "memory"))
-CI_STEPS = 100  # per seed: 400 steps in CI
+            (303, "local", "memory"), (505, "local", "external"))
+CI_STEPS = 100  # per seed: 500 steps in CI
 
 
 def _chaos(spark, tmp_path, seed: int, steps: int, storage_url: str | None = None,
-           engine: str = "spark", backend: str | None = None) -> dict:
+           engine: str = "spark", backend: str | None = None, postgres=None) -> dict:
     work = tmp_path / f"seed-{seed}"
     work.mkdir()
+    state_db = ExternalStore(postgres.url, f"chaos_{seed}") if postgres else None
     config = ChaosConfig(seed=seed, steps=steps, work_dir=str(work),
                          storage_url=storage_url or f"file://{work}/store", engine=engine,
-                         backend=backend)
+                         backend=backend, state_db=state_db, postgres=postgres)
     return Chaos(config, spark).run()
 
 
@@ -60,10 +64,17 @@ def _assert_covered(summary: dict) -> None:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("seed, engine, backend", CI_SEEDS)
-def test_chaos(spark, tmp_path, short_leases, chaos_report, seed, engine, backend):
-    summary = _chaos(spark, tmp_path, seed, CI_STEPS, engine=engine, backend=backend)
+def test_chaos(spark, tmp_path, short_leases, chaos_report, seed, engine, backend, request):
+    # the external backend: a real PostgreSQL server on 127.0.0.1, restarted mid-run
+    postgres = request.getfixturevalue("postgres_server") if backend == "external" else None
+    summary = _chaos(spark, tmp_path, seed, CI_STEPS, engine=engine, backend=backend,
+                     postgres=postgres)
     chaos_report(summary)
     _assert_covered(summary)
+    if backend == "external":
+        # the database restarted under a run; a kill fell between _metadata and the commit
+        assert summary["outcomes"].get("db-restarted", 0) >= 1, summary["outcomes"]
+        assert summary["outcomes"].get("commit-pending", 0) >= 1, summary["outcomes"]
 
 
 def _env_ints(name: str, default: str) -> list[int]:

@@ -25,6 +25,7 @@ from statebackend.job import JobRunError, RunConfig, external_commit, run_job
 from statebackend.rescale.executor import rescale
 from statebackend.state.external import ExternalStateBackend
 from statebackend.state.external_store import (
+    ExternalRead,
     ExternalStore,
     commit_version,
     discard_uncommitted,
@@ -65,7 +66,8 @@ def table(postgres_server, request):
 
 
 def _rows(store, conn, version, kgs=(0, 127)):
-    return {(r[1], r[2], r[3]): r[4] for r in load_range(store, conn, JOB, version, kgs)}
+    return {(r[1], r[2], r[3]): r[4]
+            for r in load_range(conn, ExternalRead(store, JOB, version), kgs)}
 
 
 def test_versions_read_their_chain_and_vacuum_keeps_what_retained_versions_read(table):
@@ -102,8 +104,11 @@ def test_versions_read_their_chain_and_vacuum_keeps_what_retained_versions_read(
         assert _rows(store, conn, 3) == before[3]
         assert _rows(store, conn, 3, (5, 5)) == {("s", b"b", b""): b"1",
                                                  ("s", b"c", b"u"): b"3"}
+        pending = {(r[1], r[2], r[3]): r[4]  # read through the parent its record names
+                   for r in load_range(conn, ExternalRead(store, JOB, 5, 3), (0, 127))}
+        assert pending == {**before[3], ("s", b"a", b""): b"5"}
         commit_version(store, conn, JOB, 5, 3)
-        assert _rows(store, conn, 5) == {**before[3], ("s", b"a", b""): b"5"}
+        assert _rows(store, conn, 5) == pending
 
 
 def _days(tmp_path, n: int, keys: int = 400, events: int = 3000):
