@@ -19,9 +19,12 @@ $(VENV)/.installed: pyproject.toml uv.lock
 
 install: $(VENV)/.installed
 
-# Headless Chromium renders the reports and the Airflow page in tests (Debian package).
+# Headless Chromium renders the reports and the Airflow page in tests; PostgreSQL serves
+# the external state backend's tests (Debian packages).
 system-deps:
 	@command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+	@# PostgreSQL's server for the external state backend's tests (started on 127.0.0.1 by them)
+	@command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; }
 
 # ruff and mypy as the pre-commit hooks run them (.pre-commit-config.yaml).
 test: install system-deps

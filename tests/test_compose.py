@@ -107,6 +107,20 @@ def test_services_present(compose):
                 assert source in compose["volumes"], (name, source)
 
 
+def test_the_external_backends_database_is_private_and_healthy(compose):
+    """state-db (docs/state-backends.md): no port on the host, a health check the
+    Airflow services wait for, and the URL the jobs use names it without a password."""
+    db = compose["services"]["state-db"]
+    assert "ports" not in db and db["healthcheck"]["test"][:2] == ["CMD", "pg_isready"]
+    scheduler = compose["services"]["airflow-scheduler"]
+    assert scheduler["depends_on"]["state-db"]["condition"] == "service_healthy"
+    from statebackend.state.external_store import ExternalStore
+
+    url = scheduler["environment"]["CKPT_STATE_DB"]
+    store = ExternalStore(url)
+    assert store.identity == f"{url}#ckpt_state" and "@state-db:5432/" in url
+
+
 def _pinned(image: str) -> bool:
     name, _, tag = image.rpartition(":")
     return bool(name) and "/" not in tag and tag not in ("", "latest")

@@ -206,6 +206,7 @@ def checkpoint_row(spec, store, meta, summary: dict | None, files: dict[int, lis
         "created_at": meta.created_at, "t": _epoch(meta.created_at),
         "parallelism": meta.parallelism, "max_parallelism": meta.max_parallelism,
         "rescaled_from": meta.rescaled_from, "state_backend": meta.state_backend,
+        "external_version": meta.external.version if meta.external else None,
         "state_bytes": meta.bytes_referenced, "bytes_uploaded": meta.bytes_uploaded,
         "state_rows": sum(sum(s.row_counts.values()) for s in meta.subtasks),
         "files": len(meta.files),

@@ -207,7 +207,9 @@ def render_detail(job: str, r: dict, is_open: bool) -> str:
         ("parent", f"chk-{r['parent']}" if r["parent"] else "–"),
         ("parallelism", f"{r['parallelism']} of max {r['max_parallelism']}"),
         ("state", f"{human_bytes(r['state_bytes'])} in {r['files']} files, "
-                  f"{human_count(r['state_rows'])} rows, {esc(r['state_backend'])} backend"),
+                  f"{human_count(r['state_rows'])} rows, {esc(r['state_backend'])} backend"
+                  + (f" (database version {r['external_version']})"
+                     if r.get("external_version") is not None else "")),
         ("run", f"{human_duration(m['duration_s'])}: {phases}"),
         ("events", f"{human_count(m['events_read'])} read, {human_count(m['events_rejected'])} "
                    f"rejected ({reasons}), {human_count(m['keys_touched'])} keys touched"),

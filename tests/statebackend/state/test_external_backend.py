@@ -277,6 +277,8 @@ def test_cli_dump_validate_and_retention_vacuum_through_the_database(tmp_path, t
     code, _, _ = ckpt("dump", "--out", str(tmp_path / "rows.jsonl"), *db)
     rows = [json.loads(x) for x in (tmp_path / "rows.jsonl").read_text().splitlines()]
     assert_totals_equal({(r["key"], None): r["value"] for r in rows}, _want(days))
+    code, out, _ = ckpt("show")
+    assert code == 0 and f"version 3 (over 2) of {JOB} in {store.identity}" in out
     code, out, _ = ckpt("validate", "--deep", "--report", "none", "--json", *db)
     assert code == 0 and json.loads(out)["success"], out
 
