@@ -71,6 +71,17 @@ def activity_reference(days: list[pd.DataFrame], normalize: bool = True
     return outputs, state
 
 
+def backend_settings(request, backend: str | None, table: str) -> tuple[dict, object]:
+    """``RunConfig`` options of ``backend`` and the database `final_state` reads: the
+    external backend's in table ``table`` on the session's PostgreSQL server."""
+    if backend != "external":
+        return {"backend": backend}, None
+    from statebackend.state.external_store import ExternalStore
+
+    db = ExternalStore(request.getfixturevalue("postgres_server").url, table)
+    return {"backend": backend, "state_db": db.url, "state_table": db.table}, db
+
+
 def final_state(storage_url: str, job: str, state_db=None) -> dict:
     """{state: {(key, user_key): value}} of the latest checkpoint (the dump path;
     ``state_db``: the external backend's database)."""

@@ -18,7 +18,7 @@ from statebackend.checkpoint.store import CheckpointStore
 from statebackend.job import JobRunError, JobTester, RunConfig, load_job, run_job
 from statebackend.rescale.executor import rescale
 from statebackend.storage import open_storage
-from tests.jobs.run_reference import final_state
+from tests.jobs.run_reference import backend_settings, final_state
 from tests.jobs.test_sessionization import run_output
 from tests.reference.dedup import canonical, dedup
 
@@ -29,8 +29,9 @@ SPEC = EventsSpec(days=6, events_per_day=1500, users=200, seed=3, copy_fraction=
 
 
 @pytest.mark.parametrize(("engine", "backend"), [("spark", None), ("local", None),
-                                                 ("local", "memory")])
-def test_dedup_matches_reference_over_runs(spark, tmp_path, engine, backend):
+                                                 ("local", "memory"), ("local", "external")])
+def test_dedup_matches_reference_over_runs(spark, tmp_path, engine, backend, request):
+    settings, state_db = backend_settings(request, backend, "dedup")
     days = generate_days(SPEC)
     dirs = write_days(days, str(tmp_path / "in"))
     ref = dedup(days, ttl_ms=DAY, lateness_ms=LATENESS_MIN * 60_000)
@@ -42,7 +43,7 @@ def test_dedup_matches_reference_over_runs(spark, tmp_path, engine, backend):
     def config(d: int, **kw) -> RunConfig:
         return RunConfig(input=dirs[d], storage=storage, run_id=f"d{d}", output=output,
                          local_dir=str(tmp_path / "local"), max_reject_fraction=0.0,
-                         engine=engine, backend=backend,
+                         engine=engine, **settings,
                          options={"ttl_days": 1, "allowed_lateness_minutes": LATENESS_MIN},
                          **kw)
 
@@ -64,7 +65,7 @@ def test_dedup_matches_reference_over_runs(spark, tmp_path, engine, backend):
         check(d, run_job(job, config(d), spark))
 
     # The stored value is the expiry alone: first_ts = expiry - TTL, from the index rows.
-    state = final_state(storage, "dedup")
+    state = final_state(storage, "dedup", state_db)
     assert set(state["seen"].values()) == {""}  # empty payloads (the dump shows hex)
     got = pd.DataFrame([(int(k), v["expiry"] - DAY) for (k, _), v in state["_ttl"].items()
                         if v["state"] == "seen"],

@@ -22,7 +22,7 @@ from statebackend.job import JobRunError, JobTester, RunConfig, load_job, run_jo
 from statebackend.job.publish import run_dir_name
 from statebackend.rescale.executor import rescale
 from statebackend.storage import open_storage
-from tests.jobs.run_reference import final_state
+from tests.jobs.run_reference import backend_settings, final_state
 from tests.reference.sessions import SESSION_COLUMNS, canonical, sessionize
 
 GAP_MIN, LATENESS_MIN = 30, 90
@@ -44,8 +44,9 @@ def run_output(url: str, run_id: str) -> pd.DataFrame:
 
 
 @pytest.mark.parametrize(("engine", "backend"), [("spark", None), ("local", None),
-                                                 ("local", "memory")])
-def test_sessionization_matches_reference_over_runs(spark, tmp_path, engine, backend):
+                                                 ("local", "memory"), ("local", "external")])
+def test_sessionization_matches_reference_over_runs(spark, tmp_path, engine, backend, request):
+    settings, state_db = backend_settings(request, backend, "sessionization")
     days = generate_days(SPEC)
     dirs = write_days(days, str(tmp_path / "in"))
     ref = sessionize([d[["user", "ts", "value"]] for d in days], GAP_MIN * 60_000,
@@ -61,7 +62,7 @@ def test_sessionization_matches_reference_over_runs(spark, tmp_path, engine, bac
     def config(d: int, **kw) -> RunConfig:
         return RunConfig(input=dirs[d], storage=storage, run_id=f"d{d}", output=output,
                          local_dir=str(tmp_path / "local"), max_reject_fraction=0.0,
-                         engine=engine, backend=backend,
+                         engine=engine, **settings,
                          options={"gap_minutes": GAP_MIN,
                                   "allowed_lateness_minutes": LATENESS_MIN}, **kw)
 
@@ -87,12 +88,12 @@ def test_sessionization_matches_reference_over_runs(spark, tmp_path, engine, bac
         assert s["parallelism"] == 2
         check(d, s)
 
-    state = final_state(storage, "sessionization")["sessions"]
+    state = final_state(storage, "sessionization", state_db)["sessions"]
     rows = [(k, *sess) for (k, _), sessions in state.items() for sess in sessions]
     got = canonical(pd.DataFrame(rows, columns=SESSION_COLUMNS))
     pd.testing.assert_frame_equal(got, ref.open_sessions, check_dtype=False)
     # every user with open sessions has exactly its next close as a timer
-    timers = final_state(storage, "sessionization").get("_timers", {})
+    timers = final_state(storage, "sessionization", state_db).get("_timers", {})
     assert len(timers) == len(ref.open_sessions.drop_duplicates("user"))
     meta = store.load(store.checkpoint_ids()[-1])
     assert [d["name"] for d in meta.states] == ["sessions", "_timers", "_timer_keys"]
