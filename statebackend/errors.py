@@ -26,6 +26,10 @@ class StorageError(CkptError):
     exit_code = 2
 
 
+class StateDatabaseError(StorageError):
+    """The external backend's database refused or lost a statement (one line)."""
+
+
 class StorageFullError(StorageError):
     """A bounded storage (memory://) would exceed its maximum size."""
 

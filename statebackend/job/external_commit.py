@@ -17,6 +17,7 @@ A run on the external backend (statebackend.state.external_store for the tables)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from statebackend.checkpoint.metadata import CheckpointMetadata, ExternalVersion
 from statebackend.errors import UsageError
@@ -24,6 +25,7 @@ from statebackend.state.external_store import (
     ExternalRead,
     ExternalStore,
     commit_version,
+    database_errors,
     discard_uncommitted,
     ensure_schema,
     new_epoch,
@@ -60,19 +62,26 @@ def prepare(store: ExternalStore, job: str, latest: CheckpointMetadata | None,
                              "that database (--state-db, --state-table)")
     conn = store.connect()
     try:
-        ensure_schema(store, conn)
-        finished = None
-        if latest is not None and latest.external is not None:
-            ext = latest.external
-            if commit_version(store, conn, job, ext.version, ext.parent):
-                finished = ext.version
-        discarded = discard_uncommitted(store, conn, job)
-        epoch = new_epoch(store, conn)
+        with database_errors(store, f"preparing the run of job {job!r}"):
+            finished, discarded, epoch = _prepare_database(store, conn, job, latest)
     finally:
         conn.close()
     parent_version = parent.external.version if parent is not None \
         and parent.external is not None else None
     return Prepared(parent_version, epoch, finished, discarded)
+
+
+def _prepare_database(store: ExternalStore, conn: Any, job: str,
+                      latest: CheckpointMetadata | None) -> tuple[int | None, int, int]:
+    """(the version whose commit was finished, rows discarded, the new epoch)."""
+    ensure_schema(store, conn)
+    finished = None
+    if latest is not None and latest.external is not None:
+        ext = latest.external
+        if commit_version(store, conn, job, ext.version, ext.parent):
+            finished = ext.version
+    discarded = discard_uncommitted(store, conn, job)
+    return finished, discarded, new_epoch(store, conn)
 
 
 def version_of(store: ExternalStore, job: str, prepared: Prepared) -> ExternalVersion:
@@ -92,9 +101,12 @@ def commit(store: ExternalStore, meta: CheckpointMetadata) -> None:
     """Second phase: make ``meta``'s version committed and the head (idempotent)."""
     if meta.external is None:
         return
-    conn = store.connect()
-    try:
-        commit_version(store, conn, meta.external.job, meta.external.version,
-                       meta.external.parent)
-    finally:
-        conn.close()
+    ext = meta.external
+    what = (f"checkpoint {meta.checkpoint_id} is committed but the commit of its version "
+            f"{ext.version} failed (the next run of job {ext.job!r} finishes it)")
+    with database_errors(store, what):
+        conn = store.connect()
+        try:
+            commit_version(store, conn, ext.job, ext.version, ext.parent)
+        finally:
+            conn.close()

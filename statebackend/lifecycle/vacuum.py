@@ -19,7 +19,12 @@ from statebackend.errors import UsageError
 from statebackend.lifecycle.registry import load_savepoint
 from statebackend.lifecycle.savepoint import list_savepoints
 from statebackend.progress import ProgressSink
-from statebackend.state.external_store import ExternalStore, VacuumResult, vacuum
+from statebackend.state.external_store import (
+    ExternalStore,
+    VacuumResult,
+    database_errors,
+    vacuum,
+)
 
 
 @dataclass(frozen=True)
@@ -62,12 +67,13 @@ def execute_vacuum(plan: VacuumPlan, state_db: ExternalStore) -> VacuumResult:
     if state_db.identity != plan.store:
         raise UsageError(f"job {plan.job!r} keeps its state in {plan.store}, not "
                          f"{state_db.identity}: vacuum refused")
-    conn = state_db.connect()
-    try:
-        return vacuum(state_db, conn, plan.job, dict(zip(plan.retained, plan.parents,
-                                                         strict=True)))
-    finally:
-        conn.close()
+    with database_errors(state_db, f"vacuum of job {plan.job!r}"):
+        conn = state_db.connect()
+        try:
+            return vacuum(state_db, conn, plan.job, dict(zip(plan.retained, plan.parents,
+                                                             strict=True)))
+        finally:
+            conn.close()
 
 
 def vacuum_after_retention(store: CheckpointStore, state_db: ExternalStore | None,

@@ -31,6 +31,7 @@ from statebackend.state.external_store import (
     ExternalRead,
     ExternalStore,
     Row,
+    database_errors,
     load_range,
     write_epoch,
 )
@@ -105,11 +106,12 @@ class ExternalStateBackend(MemoryStateBackend):
             for prefix in list(table.parts):
                 table.load(prefix, (), ())
         kgr = self.key_group_range
-        rows = load_range(self._connection(), read, (kgr.start, kgr.end))
         entries = 0
-        for (state, prefix), keys, values in _grouped(rows, self._is_map):
-            self._table(state).load(prefix, keys, values)
-            entries += len(keys)
+        with database_errors(read.store, f"restoring {self.label}"):
+            rows = load_range(self._connection(), read, (kgr.start, kgr.end))
+            for (state, prefix), keys, values in _grouped(rows, self._is_map):
+                self._table(state).load(prefix, keys, values)
+                entries += len(keys)
         for table in self._cfs.values():
             table.written.clear()
         self.account.changed.clear()
@@ -132,8 +134,9 @@ class ExternalStateBackend(MemoryStateBackend):
         if self.read_only or self.epoch is None:
             raise UsageError(f"{self.label} is read-only or has no epoch: it cannot snapshot")
         kgr = self.key_group_range
-        write_epoch(self._store(), self._connection(), self.job_key, self.epoch,
-                    (kgr.start, kgr.end), self._changed_rows())
+        with database_errors(self._store(), f"pre-commit of {self.label}"):
+            write_epoch(self._store(), self._connection(), self.job_key, self.epoch,
+                        (kgr.start, kgr.end), self._changed_rows())
         for table in self._cfs.values():
             table.written.clear()
         self._dropped.clear()
@@ -179,13 +182,17 @@ def _joined(prefix: bytes, key: bytes, user_key: bytes, is_map: bool) -> bytes:
 
 def _grouped(rows: Iterable[Row], is_map: Any
              ) -> Iterator[tuple[tuple[str, bytes], list[bytes], list[bytes]]]:
-    """Rows (ordered by state) as sorted (keys, values) per (state, key-group prefix)."""
+    """`load_range`'s rows (oldest epoch first: a later row replaces, a NULL deletes) as
+    sorted (keys, values) per (state, key-group prefix)."""
     groups: dict[tuple[str, bytes], dict[bytes, bytes]] = {}
     for kg, state, key, user_key, value in rows:
         prefix = key_group_prefix(kg)
-        assert value is not None
-        groups.setdefault((state, prefix), {})[
-            _joined(prefix, key, user_key, is_map(state))] = value
-    for group, entries in groups.items():
+        raw = _joined(prefix, key, user_key, is_map(state))
+        group = groups.setdefault((state, prefix), {})
+        if value is None:
+            group.pop(raw, None)
+        else:
+            group[raw] = value
+    for group_key, entries in groups.items():
         ordered = sorted(entries)
-        yield group, ordered, [entries[k] for k in ordered]
+        yield group_key, ordered, [entries[k] for k in ordered]

@@ -37,11 +37,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from statebackend.errors import UsageError
+from statebackend.errors import StateDatabaseError, UsageError
 
 DEFAULT_TABLE = "ckpt_state"
 _TABLE = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
@@ -105,6 +106,19 @@ class ExternalRead:
     job: str
     version: int
     parent: int | None = None  # as its record says (read while its commit is unfinished)
+
+
+@contextmanager
+def database_errors(store: ExternalStore, what: str) -> Iterator[None]:
+    """A driver error of the database as one line naming ``what`` and the database."""
+    import psycopg  # the external extra, as in `ExternalStore.connect`
+
+    try:
+        yield
+    except psycopg.Error as exc:
+        lines = str(exc).strip().splitlines()
+        raise StateDatabaseError(f"{what}: state database {store.identity}: "
+                                 f"{lines[0] if lines else type(exc).__name__}") from None
 
 
 def _sql(store: ExternalStore, text: str) -> str:
@@ -175,29 +189,41 @@ def chain_of(all_versions: dict[int, int | None], version: int) -> list[int]:
 
 
 def load_range(conn: Any, read: ExternalRead, key_groups: tuple[int, int]) -> Iterator[Row]:
-    """The entries of key groups [start, end] at ``read.version`` (deleted ones left out),
-    ordered by state then key. A version whose commit a crash cut short (its record is
-    the decision, `statebackend.job.external_commit`) reads through the parent its
-    record names; UsageError when neither says what the version reads."""
+    """The rows of key groups [start, end] that ``read.version`` is made of: its chain's
+    epochs oldest first, so a later row replaces an earlier one of the same entry and a
+    NULL value deletes it (`newest` applies that). Each epoch is one index range scan
+    streamed from a server-side cursor: nothing is sorted or held by the server.
+
+    A version whose commit a crash cut short (its record is the decision,
+    `statebackend.job.external_commit`) reads through the parent its record names;
+    UsageError when neither says what the version reads."""
     store, job, version = read.store, read.job, read.version
     known = versions(store, conn, job)
     if version not in known and (read.parent is None or read.parent not in known):
         raise UsageError(f"state version {version} of job {job!r} is not committed in "
                          f"{store.identity} (vacuumed, or another database)")
     chain = chain_of({**known, version: known.get(version, read.parent)}, version)
-    query = _sql(store, """
-      SELECT DISTINCT ON (s.state, s.key, s.user_key)
-             s.key_group, s.state, s.key, s.user_key, s.value
-      FROM {t} s WHERE s.job = %(job)s AND s.key_group BETWEEN %(lo)s AND %(hi)s
-        AND s.epoch = ANY(%(chain)s)
-      ORDER BY s.state, s.key, s.user_key, s.epoch DESC""")
-    params = {"job": job, "chain": chain, "lo": key_groups[0], "hi": key_groups[1]}
-    with conn.cursor(binary=True) as cur:
-        cur.execute(query, params)
-        while rows := cur.fetchmany(20_000):
-            for kg, state, key, user_key, value in rows:
-                if value is not None:
-                    yield kg, state, bytes(key), bytes(user_key), bytes(value)
+    query = _sql(store, "SELECT key_group, state, key, user_key, value FROM {t} "
+                        "WHERE job = %s AND key_group BETWEEN %s AND %s AND epoch = %s")
+    with conn.transaction():  # a server-side cursor lives in a transaction
+        for epoch in reversed(chain):
+            with conn.cursor(name=f"ckpt_load_{epoch}", binary=True) as cur:
+                cur.itersize = 20_000
+                cur.execute(query, (job, key_groups[0], key_groups[1], epoch))
+                for kg, state, key, user_key, value in cur:
+                    yield kg, state, bytes(key), bytes(user_key), \
+                        None if value is None else bytes(value)
+
+
+def newest(rows: Iterable[Row]) -> dict[tuple[int, str, bytes, bytes], bytes]:
+    """`load_range`'s rows resolved: (key group, state, key, user key) -> value."""
+    out: dict[tuple[int, str, bytes, bytes], bytes] = {}
+    for kg, state, key, user_key, value in rows:
+        if value is None:
+            out.pop((kg, state, key, user_key), None)
+        else:
+            out[(kg, state, key, user_key)] = value
+    return out
 
 
 def write_epoch(store: ExternalStore, conn: Any, job: str, epoch: int,

@@ -1,0 +1,143 @@
+"""The external state backend (PostgreSQL, MVCC) against RocksDB: rescale, restore, run cost.
+
+For each state size (``--keys``, default 1M and 4M distinct keys of the keyed
+aggregation, built by one run on the local engine, P=4):
+
+- rescale 4 -> 8 of the external checkpoint (`ckpt rescale`: new handles over the same
+  database version; nothing read or written) and of the RocksDB one (clip and ingest);
+- the next run after the rescale (``--run-events`` events over the same keys): its
+  restore time and the bytes it downloaded from checkpoint storage (external: a query of
+  each subtask's key groups, 0 bytes);
+- run cost: that run's wall time and a warm run's after it (same process: the external
+  backend adopts the instance it closed), external against RocksDB (the ratios).
+
+The goal of issue 25: rescale time independent of the state size (1M and 4M within
+1.2x of each other) and restores that download 0 bytes. A PostgreSQL server (Debian's
+package) is started on 127.0.0.1 for the run, fsync off (as the tests do). Run alone on
+a quiet machine; the load average is printed.
+
+    python bench/bench_external.py [--keys 1000000,4000000] [--run-events 250000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from demo.sample_data import DAY_MS, DEFAULT_START_TS_MS, generate_events  # noqa: E402
+from jobs import keyed_aggregation as ka  # noqa: E402
+from statebackend.checkpoint.store import CheckpointStore  # noqa: E402
+from statebackend.job import RunConfig, run_job  # noqa: E402
+from statebackend.rescale.executor import RescaleOptions, rescale  # noqa: E402
+from statebackend.storage import open_storage  # noqa: E402
+from tests.postgres_server import PostgresServer  # noqa: E402
+
+JOB = "keyed_aggregation"
+
+
+def one_size(work: str, keys: int, run_events: int, backend: str, db_url: str) -> dict:
+    """Build the state (one run), rescale 4 -> 8, run once more; the figures."""
+    root = os.path.join(work, f"{backend}-{keys}")
+    storage = f"file://{root}/store"
+
+    def config(day: int, **kw) -> RunConfig:
+        extra = {"state_db": db_url, "state_table": f"bench_{keys}"} \
+            if backend == "external" else {}
+        return RunConfig(input=os.path.join(work, f"in-{keys}-{day}"), storage=storage,
+                         run_id=f"d{day}", output=os.path.join(root, "out"),
+                         local_dir=os.path.join(root, "local"), engine="local",
+                         backend=backend, **extra, **kw)
+
+    t0 = time.perf_counter()
+    first = run_job(ka.JOB, config(0, parallelism=4))
+    build_s = time.perf_counter() - t0
+    store = CheckpointStore(open_storage(storage), JOB)
+    times = []  # 4 -> 8 three times (8 -> 4 between): the median
+    for target in (8, 4, 8, 4, 8):
+        t0 = time.perf_counter()
+        r = rescale(store, "latest", target, options=RescaleOptions(engine="local"))
+        if target == 8:
+            times.append(time.perf_counter() - t0)
+    rescale_s = sorted(times)[1]
+    t0 = time.perf_counter()
+    s = run_job(ka.JOB, config(1))
+    run_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    warm = run_job(ka.JOB, config(2))  # the same process: a warm incremental run
+    warm_s = time.perf_counter() - t0
+    return {"backend": backend, "keys": keys, "build_run_s": round(build_s, 2),
+            "state_keys": first["keys_touched"],
+            "rescale_s": round(rescale_s, 3), "rescale_bytes_downloaded": r["bytes_downloaded"],
+            "rescale_bytes_uploaded": r["bytes_uploaded"],
+            "run_after_rescale_s": round(run_s, 2),
+            "restoring_s": round(s["timings"].get("restoring", 0.0), 2),
+            "restore_modes": sorted(set(s["restore_modes"])),
+            "bytes_uploaded_by_run": s["bytes_uploaded"],
+            "warm_run_s": round(warm_s, 2), "warm_restore_modes":
+            sorted(set(warm["restore_modes"])), "warm_bytes_uploaded": warm["bytes_uploaded"]}
+
+
+def make_inputs(work: str, keys: int, run_events: int) -> None:
+    generate_events(os.path.join(work, f"in-{keys}-0"), n_events=keys, n_keys=keys,
+                    seed=1, key_offset=0)
+    for day in (1, 2):
+        generate_events(os.path.join(work, f"in-{keys}-{day}"), n_events=run_events,
+                        n_keys=keys, seed=1 + day, start_ts_ms=DEFAULT_START_TS_MS + day * DAY_MS)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--keys", default="1000000,4000000")
+    ap.add_argument("--run-events", type=int, default=250_000)
+    ap.add_argument("--backends", default="external,rocksdb")
+    args = ap.parse_args()
+    work = tempfile.mkdtemp(prefix="bench-external-")
+    server = PostgresServer()
+    server.start()
+    print(f"load average at the start {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    rows = []
+    try:
+        for keys in [int(k) for k in args.keys.split(",")]:
+            make_inputs(work, keys, args.run_events)
+            for backend in args.backends.split(","):
+                row = one_size(work, keys, args.run_events, backend, server.url)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    finally:
+        server.cleanup()
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
+    print("\n| backend | keys (in state) | rescale 4->8 s (median of 3) | bytes down/up | "
+          "run after rescale s (restoring s, summed over subtasks) | restore | warm run s |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['backend']} | {r['keys']:,} ({r['state_keys']:,}) | {r['rescale_s']} | "
+              f"{r['rescale_bytes_downloaded']}/{r['rescale_bytes_uploaded']} | "
+              f"{r['run_after_rescale_s']} ({r['restoring_s']}) | "
+              f"{','.join(r['restore_modes'])} | {r['warm_run_s']} "
+              f"({','.join(r['warm_restore_modes'])}) |")
+    ext = {r["keys"]: r for r in rows if r["backend"] == "external"}
+    rocks = {r["keys"]: r for r in rows if r["backend"] == "rocksdb"}
+    if len(ext) >= 2:
+        sizes = sorted(ext)
+        small, large = ext[sizes[0]]["rescale_s"], ext[sizes[-1]]["rescale_s"]
+        print(f"external rescale time {sizes[-1]:,} keys / {sizes[0]:,} keys: "
+              f"{large / max(small, 1e-9):.2f}x (goal <= 1.2x)")
+    for keys in sorted(set(ext) & set(rocks)):
+        ratio = ext[keys]["run_after_rescale_s"] / rocks[keys]["run_after_rescale_s"]
+        warm = ext[keys]["warm_run_s"] / rocks[keys]["warm_run_s"]
+        print(f"run cost at {keys:,} keys, external / RocksDB: {warm:.2f}x warm, "
+              f"{ratio:.2f}x right after a rescale (rescale: {ext[keys]['rescale_s']}s vs "
+              f"{rocks[keys]['rescale_s']}s)")
+
+
+if __name__ == "__main__":
+    main()
