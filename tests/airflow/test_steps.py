@@ -59,8 +59,15 @@ def test_a_spec_chooses_the_state_backend(tmp_path):
     assert (cfg.backend, cfg.memory_limit_mb) == ("memory", 512)
     args = steps.spark_submit_args(spec)
     assert args[args.index("--backend") + 1] == "memory"
-    with pytest.raises(CkptError, match=r"backend 'disk' is not one of \['rocksdb', 'memory'\]"):
+    with pytest.raises(CkptError, match=r"backend 'disk' is not one of \['rocksdb', 'memory', "
+                                         r"'external'\]"):
         make_spec(tmp_path, backend="disk")
+    url = "postgresql://ckpt:s3cret@127.0.0.1:5432/state"
+    external = make_spec(tmp_path, backend="external", state_db=url, state_table="features")
+    cfg = steps.build_run_config(external, logical_date=datetime(2027, 1, 2, tzinfo=UTC),
+                                 airflow_run_id="manual__1")
+    assert (cfg.backend, cfg.state_db, cfg.state_table) == ("external", url, "features")
+    assert "s3cret" not in repr(external) and "s3cret" not in repr(cfg)
 
 
 def test_unknown_template_field_is_a_clear_error():
