@@ -13,6 +13,7 @@ Shape::
     defaults:                 # optional, merged into every job (job keys win)
       storage: s3://bucket/checkpoints
       storage_conn_id: aws_ckpt   # AWS connection: credentials as storage options
+      state_db_conn_id: ckpt_state  # postgres connection: the external backend's database
       spark: {mode: local, master: "local[*]"}
       engine: auto            # or spark / local (statebackend.job.engine)
     jobs:
@@ -119,6 +120,8 @@ class JobSpec(_RunSettings):  # type: ignore[misc,valid-type]
     name: str
     job: str = DEFAULT_JOB  # built-in job name or "pkg.module:attribute"
     storage_conn_id: str | None = None  # Airflow AWS connection -> storage options
+    # Airflow postgres connection -> the external backend's database (instead of state_db)
+    state_db_conn_id: str | None = None
     spark: SparkSettings = field(default_factory=SparkSettings)
     schedule: str = "@daily"
     maintenance_schedule: str = "@daily"
@@ -262,8 +265,12 @@ def spec_from_dict(name: str, raw: dict, defaults: dict | None = None,
                              "task, spark.mode 'submit' in a spark-submit application: "
                              "choose one")
     merged["tags"] = tuple(merged.get("tags") or ())
-    if merged.get("storage_conn_id") == "":
-        merged["storage_conn_id"] = None
+    for conn_key in ("storage_conn_id", "state_db_conn_id"):
+        if merged.get(conn_key) == "":
+            merged[conn_key] = None
+    if merged.get("state_db_conn_id") and merged.get("state_db"):
+        raise JobConfigError(f"{where}: job {name!r}: give state_db or state_db_conn_id, "
+                             "not both")
     try:
         spec = JobSpec(name=name, spark=settings, **merged)
         _check_numbers(spec)

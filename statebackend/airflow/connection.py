@@ -1,4 +1,5 @@
-"""Storage options from an Airflow AWS connection; nothing goes through ``os.environ``.
+"""Storage options from an Airflow AWS connection, and the external state backend's
+database URL from an Airflow postgres connection; nothing goes through ``os.environ``.
 
 The connection is read the way Airflow's amazon provider reads an ``aws``
 connection (that provider is not a dependency of this package, so the fields
@@ -23,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
+from urllib.parse import quote
 
 from statebackend.errors import UsageError
 
@@ -67,6 +69,34 @@ def storage_options_from_connection(conn_id: str | None,
                                   conn.password, _extra(conn))
     log.info("storage connection %r gives storage options %s", conn_id, sorted(options))
     return options
+
+
+POSTGRES_CONN_TYPES = ("postgres", "postgresql")
+
+
+def state_db_from_connection(conn_id: str | None,
+                             get_connection: Callable[[str], Any] | None = None) -> str | None:
+    """The external backend's database URL (``postgresql://login:password@host:port/
+    schema``) of postgres connection ``conn_id``; None without one. Only the id is logged."""
+    if not conn_id:
+        return None
+    getter = get_connection or default_get_connection
+    try:
+        conn = getter(conn_id)
+    except Exception as exc:  # noqa: BLE001 - any lookup failure is one line naming the id
+        raise ConnectionConfigError(
+            f"state database connection {conn_id!r} cannot be read ({type(exc).__name__}); "
+            "create it (type postgres) or fix state_db_conn_id in ckpt_jobs") from exc
+    conn_type = getattr(conn, "conn_type", None)
+    if conn_type not in POSTGRES_CONN_TYPES or not conn.host:
+        raise ConnectionConfigError(f"state database connection {conn_id!r} must be of type "
+                                    f"postgres with a host (it is {conn_type!r})")
+    user = quote(conn.login or "", safe="")
+    password = f":{quote(conn.password, safe='')}" if conn.password else ""
+    auth = f"{user}{password}@" if user else ""
+    port = f":{int(conn.port)}" if conn.port else ""
+    log.info("state database connection %r read", conn_id)
+    return f"postgresql://{auth}{conn.host}{port}/{quote(conn.schema or 'postgres', safe='')}"
 
 
 def _extra(conn) -> dict:

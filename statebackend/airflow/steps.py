@@ -42,10 +42,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import datetime
 from typing import IO, Any, cast
+from urllib.parse import urlsplit
 
 from statebackend import defaults
 from statebackend.airflow.config import SPEC_RUN_OPTIONS, JobSpec, resolve_job_ref
-from statebackend.airflow.connection import storage_options_from_connection
+from statebackend.airflow.connection import (
+    state_db_from_connection,
+    storage_options_from_connection,
+)
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import CkptError, UsageError
 from statebackend.lifecycle.gc import collect_garbage
@@ -120,6 +124,12 @@ def storage_options_for(spec: JobSpec, get_connection: Callable[[str], Any] | No
                         ) -> dict:
     """The job's storage options from its ``storage_conn_id`` ({} without one)."""
     return storage_options_from_connection(spec.storage_conn_id, get_connection)
+
+
+def state_db_for(spec: JobSpec, get_connection: Callable[[str], Any] | None = None
+                 ) -> str | None:
+    """The external backend's database URL: ``state_db``, else its connection's."""
+    return spec.state_db or state_db_from_connection(spec.state_db_conn_id, get_connection)
 
 
 def open_store(spec: JobSpec, storage_options: Mapping[str, Any] | None = None, *,
@@ -237,7 +247,7 @@ def run_pipeline_job(spec: JobSpec, *, logical_date: datetime | None, airflow_ru
     if storage_options is None:
         storage_options = storage_options_for(spec)
     config = build_run_config(spec, logical_date=logical_date, airflow_run_id=airflow_run_id,
-                              storage_options=storage_options)
+                              storage_options=storage_options, state_db=state_db_for(spec))
     return run_job_once(spec.job, config, entry=spec.name, spark=spark)
 
 
@@ -310,7 +320,8 @@ def retain_store(store, *, keep: int = defaults.RETENTION_KEEP, dry_run: bool = 
 
 def retain_step(spec: JobSpec, *, keep: int | None = None, dry_run: bool = False,
                 storage_options: Mapping[str, Any] | None = None) -> dict:
-    state_db = ExternalStore(spec.state_db, spec.state_table) if spec.state_db else None
+    url = state_db_for(spec)
+    state_db = ExternalStore(url, spec.state_table) if url else None
     return retain_store(open_store(spec, storage_options), keep=keep or spec.keep,
                         dry_run=dry_run, state_db=state_db)
 
@@ -406,8 +417,19 @@ def spark_submit_args(spec: JobSpec) -> list[str]:
     flags of the spec's run options (`statebackend.run_options.command_line`)."""
     values = {**spec_run_values(spec), "run_id": RUN_KEY_TEMPLATE,
               # spark-submit started the application: its tasks run on the cluster
-              "engine": "spark"}
+              "engine": "spark", "state_db": submitted_state_db(spec, spec.state_db)}
     return [spec.job_ref(), *command_line(values), "--json"]
+
+
+def submitted_state_db(spec: JobSpec, url: str | None) -> str | None:
+    """``url`` for spark-submit's command line: never with a password (Airflow logs the
+    command), so a password there is refused in one line."""
+    if url and urlsplit(url).password:
+        raise UsageError(f"ckpt_jobs entry {spec.name!r}: spark.mode submit would put the "
+                         "state database's password on the spark-submit command line; keep "
+                         "it in ~/.pgpass on the driver host and leave it out of "
+                         f"{'state_db' if spec.state_db else 'the connection'}")
+    return url
 
 
 def s3_environment(options: Mapping[str, Any]) -> dict[str, str]:
@@ -441,6 +463,9 @@ def spark_submit_operator(spec: JobSpec, *, task_id: str, **kwargs):
         def execute(self, context):
             self.env_vars = {**(self.env_vars or {}),
                              **s3_environment(storage_options_for(spec))}
+            if spec.state_db_conn_id:  # read when the task runs, never while parsing
+                url = submitted_state_db(spec, state_db_for(spec))
+                self.application_args = [*(self.application_args or []), "--state-db", url]
             return super().execute(context)
 
     conf = {"spark.ui.enabled": "false", **{k: str(v) for k, v in spec.spark.conf.items()}}

@@ -233,3 +233,39 @@ def test_a_changed_job_continues_its_lineage_or_fails_before_reading_input(tmp_p
                                airflow_run_id="scheduled__2", storage_options={})
     assert "state 'totals': its kind changes from value to map" in str(info.value)
     assert "\n" not in str(info.value) and store.checkpoint_ids() == [1, 2]
+
+
+def test_the_state_database_comes_from_a_postgres_connection(tmp_path, monkeypatch,
+                                                             postgres_server, caplog):
+    """`state_db_conn_id`: the pipeline's run and retention (with its vacuum) reach the
+    external backend's database through an Airflow connection (here from Airflow's
+    environment-variable secrets backend); its password is never logged, shown or put on
+    spark-submit's command line."""
+    from demo.sample_data import expected_totals, generate_events
+    from statebackend.state.external_store import ExternalStore
+    from tests.jobs.run_reference import final_state
+
+    server = postgres_server.url  # postgresql://ckpt@127.0.0.1:PORT/postgres (trust)
+    host_port = server.split("@", 1)[1].split("/", 1)[0]
+    monkeypatch.setenv("AIRFLOW_CONN_CKPT_STATE_DB",
+                       f"postgres://ckpt:pw-not-needed@{host_port}/postgres")
+    spec = make_spec(tmp_path, backend="external", state_db_conn_id="ckpt_state_db",
+                     state_table="steps_conn", engine="local")
+    assert steps.state_db_for(spec) == f"postgresql://ckpt:pw-not-needed@{host_port}/postgres"
+    days = []
+    for d in (1, 2):
+        day = datetime(2027, 1, d, tzinfo=UTC)
+        days.append(generate_events(str(tmp_path / f"in/day={day:%Y-%m-%d}"), n_events=400,
+                                    n_keys=50, seed=d))
+        with caplog.at_level("INFO"):
+            steps.run_pipeline_job(spec, logical_date=day, airflow_run_id=f"scheduled__{d}")
+    assert "pw-not-needed" not in caplog.text and "pw-not-needed" not in repr(spec)
+    report = steps.retain_step(spec, keep=1)
+    assert report["retired"] == [1] and report["vacuum"]["vacuumed"]
+    state = final_state(spec.storage, "clicks", ExternalStore(server, "steps_conn"))["totals"]
+    want = expected_totals(days)
+    assert {k: v["count"] for (k, _), v in state.items()} == want["count"].to_dict()
+    with pytest.raises(UsageError, match="password on the spark-submit command line"):
+        steps.submitted_state_db(spec, steps.state_db_for(spec))
+    with pytest.raises(CkptError, match="state_db or state_db_conn_id, not both"):
+        make_spec(tmp_path, state_db=server, state_db_conn_id="ckpt_state_db")
