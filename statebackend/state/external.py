@@ -31,6 +31,7 @@ from statebackend.state.external_store import (
     ExternalRead,
     ExternalStore,
     Row,
+    RowGroup,
     database_errors,
     load_range,
     write_epoch,
@@ -180,19 +181,24 @@ def _joined(prefix: bytes, key: bytes, user_key: bytes, is_map: bool) -> bytes:
     return prefix + (map_key_suffix(key, user_key.decode("utf-8")) if is_map else key)
 
 
-def _grouped(rows: Iterable[Row], is_map: Any
+def _grouped(groups: Iterable[RowGroup], is_map: Any
              ) -> Iterator[tuple[tuple[str, bytes], list[bytes], list[bytes]]]:
-    """`load_range`'s rows (oldest epoch first: a later row replaces, a NULL deletes) as
-    sorted (keys, values) per (state, key-group prefix)."""
-    groups: dict[tuple[str, bytes], dict[bytes, bytes]] = {}
-    for kg, state, key, user_key, value in rows:
+    """`load_range`'s groups (oldest epoch first: a later row replaces, a NULL deletes)
+    as sorted (keys, values) per (state, key-group prefix)."""
+    tables: dict[tuple[str, bytes], dict[bytes, bytes]] = {}
+    for kg, state, keys, user_keys, values in groups:
         prefix = key_group_prefix(kg)
-        raw = _joined(prefix, key, user_key, is_map(state))
-        group = groups.setdefault((state, prefix), {})
-        if value is None:
-            group.pop(raw, None)
-        else:
-            group[raw] = value
-    for group_key, entries in groups.items():
+        raws = [_joined(prefix, k, u, True) for k, u in zip(keys, user_keys, strict=True)] \
+            if is_map(state) else [prefix + k for k in keys]
+        entries = tables.setdefault((state, prefix), {})
+        if not entries and None not in values:  # the common case: one epoch, no deletes
+            entries.update(zip(raws, values, strict=True))  # type: ignore[arg-type]
+            continue
+        for raw, value in zip(raws, values, strict=True):
+            if value is None:
+                entries.pop(raw, None)
+            else:
+                entries[raw] = value
+    for table_key, entries in tables.items():
         ordered = sorted(entries)
-        yield group_key, ordered, [entries[k] for k in ordered]
+        yield table_key, ordered, [entries[k] for k in ordered]

@@ -49,6 +49,9 @@ _TABLE = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
 SCHEMES = ("postgresql", "postgres")
 # Rows are (key_group, state, key, user_key, value): the COPY columns after job and epoch.
 Row = tuple[int, str, bytes, bytes, bytes | None]
+# One key group's rows of one state in one epoch: (key_group, state, keys, user_keys,
+# values), the lists aligned (what `load_range` reads).
+RowGroup = tuple[int, str, list[bytes], list[bytes], list[bytes | None]]
 
 
 @dataclass(frozen=True)
@@ -188,11 +191,13 @@ def chain_of(all_versions: dict[int, int | None], version: int) -> list[int]:
     return out
 
 
-def load_range(conn: Any, read: ExternalRead, key_groups: tuple[int, int]) -> Iterator[Row]:
-    """The rows of key groups [start, end] that ``read.version`` is made of: its chain's
-    epochs oldest first, so a later row replaces an earlier one of the same entry and a
-    NULL value deletes it (`newest` applies that). Each epoch is one index range scan
-    streamed from a server-side cursor: nothing is sorted or held by the server.
+def load_range(conn: Any, read: ExternalRead, key_groups: tuple[int, int]
+               ) -> Iterator[RowGroup]:
+    """The rows of key groups [start, end] that ``read.version`` is made of, as one
+    `RowGroup` per (epoch, key group, state): the chain's epochs oldest first, so a later
+    row replaces an earlier one of the same entry and a NULL value deletes it (`newest`
+    applies that). The server aggregates each group into arrays (a few Python objects
+    per key group, not per row) and streams them from a server-side cursor.
 
     A version whose commit a crash cut short (its record is the decision,
     `statebackend.job.external_commit`) reads through the parent its record names;
@@ -203,26 +208,26 @@ def load_range(conn: Any, read: ExternalRead, key_groups: tuple[int, int]) -> It
         raise UsageError(f"state version {version} of job {job!r} is not committed in "
                          f"{store.identity} (vacuumed, or another database)")
     chain = chain_of({**known, version: known.get(version, read.parent)}, version)
-    query = _sql(store, "SELECT key_group, state, key, user_key, value FROM {t} "
-                        "WHERE job = %s AND key_group BETWEEN %s AND %s AND epoch = %s")
+    query = _sql(store, "SELECT key_group, state, array_agg(key), array_agg(user_key), "
+                        "array_agg(value) FROM {t} WHERE job = %s AND key_group BETWEEN %s "
+                        "AND %s AND epoch = %s GROUP BY key_group, state")
     with conn.transaction():  # a server-side cursor lives in a transaction
         for epoch in reversed(chain):
             with conn.cursor(name=f"ckpt_load_{epoch}", binary=True) as cur:
-                cur.itersize = 20_000
+                cur.itersize = 64
                 cur.execute(query, (job, key_groups[0], key_groups[1], epoch))
-                for kg, state, key, user_key, value in cur:
-                    yield kg, state, bytes(key), bytes(user_key), \
-                        None if value is None else bytes(value)
+                yield from cur
 
 
-def newest(rows: Iterable[Row]) -> dict[tuple[int, str, bytes, bytes], bytes]:
-    """`load_range`'s rows resolved: (key group, state, key, user key) -> value."""
+def newest(groups: Iterable[RowGroup]) -> dict[tuple[int, str, bytes, bytes], bytes]:
+    """`load_range`'s groups resolved: (key group, state, key, user key) -> value."""
     out: dict[tuple[int, str, bytes, bytes], bytes] = {}
-    for kg, state, key, user_key, value in rows:
-        if value is None:
-            out.pop((kg, state, key, user_key), None)
-        else:
-            out[(kg, state, key, user_key)] = value
+    for kg, state, keys, user_keys, values in groups:
+        for key, user_key, value in zip(keys, user_keys, values, strict=True):
+            if value is None:
+                out.pop((kg, state, key, user_key), None)
+            else:
+                out[(kg, state, key, user_key)] = value
     return out
 
 
