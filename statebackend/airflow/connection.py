@@ -58,13 +58,7 @@ def storage_options_from_connection(conn_id: str | None,
     """fsspec s3 options of AWS connection ``conn_id``; ``{}`` when ``conn_id`` is empty."""
     if not conn_id:
         return {}
-    getter = get_connection or default_get_connection
-    try:
-        conn = getter(conn_id)
-    except Exception as exc:  # noqa: BLE001 - any lookup failure is one line naming the id
-        raise ConnectionConfigError(
-            f"storage connection {conn_id!r} cannot be read ({type(exc).__name__}); create "
-            f"it (type aws) or fix storage_conn_id in ckpt_jobs") from exc
+    conn = _read_connection(conn_id, get_connection, "storage", "aws")
     options = options_from_fields(conn_id, getattr(conn, "conn_type", None), conn.login,
                                   conn.password, _extra(conn))
     log.info("storage connection %r gives storage options %s", conn_id, sorted(options))
@@ -80,13 +74,7 @@ def state_db_from_connection(conn_id: str | None,
     schema``) of postgres connection ``conn_id``; None without one. Only the id is logged."""
     if not conn_id:
         return None
-    getter = get_connection or default_get_connection
-    try:
-        conn = getter(conn_id)
-    except Exception as exc:  # noqa: BLE001 - any lookup failure is one line naming the id
-        raise ConnectionConfigError(
-            f"state database connection {conn_id!r} cannot be read ({type(exc).__name__}); "
-            "create it (type postgres) or fix state_db_conn_id in ckpt_jobs") from exc
+    conn = _read_connection(conn_id, get_connection, "state_db", "postgres")
     conn_type = getattr(conn, "conn_type", None)
     if conn_type not in POSTGRES_CONN_TYPES or not conn.host:
         raise ConnectionConfigError(f"state database connection {conn_id!r} must be of type "
@@ -97,6 +85,19 @@ def state_db_from_connection(conn_id: str | None,
     port = f":{int(conn.port)}" if conn.port else ""
     log.info("state database connection %r read", conn_id)
     return f"postgresql://{auth}{conn.host}{port}/{quote(conn.schema or 'postgres', safe='')}"
+
+
+def _read_connection(conn_id: str, get_connection: Callable[[str], Any] | None, use: str,
+                     conn_type: str) -> Any:
+    """Connection ``conn_id`` (``use``: the ckpt_jobs key's stem); any lookup failure is
+    one line naming the id, the type to create and the key to fix."""
+    try:
+        return (get_connection or default_get_connection)(conn_id)
+    except Exception as exc:  # noqa: BLE001 - any lookup failure is one line naming the id
+        what = use.replace("_db", " database")
+        raise ConnectionConfigError(
+            f"{what} connection {conn_id!r} cannot be read ({type(exc).__name__}); create it "
+            f"(type {conn_type}) or fix {use}_conn_id in ckpt_jobs") from exc
 
 
 def _extra(conn) -> dict:

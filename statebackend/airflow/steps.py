@@ -314,7 +314,7 @@ def retain_store(store, *, keep: int = defaults.RETENTION_KEEP, dry_run: bool = 
     if not report.failures:
         vacuumed = vacuum_after_retention(store, state_db, bool(dry_run), NO_PROGRESS)
         if vacuumed:
-            out["vacuum"] = {k: v for k, v in vacuumed.items() if k != "text"}
+            out["vacuum"] = vacuumed.to_json()
     return out
 
 

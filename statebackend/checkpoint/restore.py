@@ -252,7 +252,6 @@ def _restore_external(handle: SubtaskHandle, local_dir: str,
         origin=StoredInstance(handle.backend_id, options.label, {}, handle.snapshot_id))
     if live:
         backend.attach(read.store, read.job)
-        backend.version = read.version
     else:
         backend.load_version(read)
     backend.restore_mode = "local-instance" if live else "query"

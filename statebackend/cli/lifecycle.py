@@ -84,12 +84,12 @@ def cmd_retain(args: argparse.Namespace, store: CheckpointStore) -> int:
     with Progress("retain") as progress:
         report = retain(store, args.keep, dry_run=args.dry_run, progress=progress)
         vacuumed = vacuum_after_retention(store, state_db, args.dry_run, progress) \
-            if not report.failures else {}
+            if not report.failures else None
     if args.json:
-        vacuum_json = {k: v for k, v in vacuumed.items() if k != "text"}
-        emit_json({**report.to_json(), **({"vacuum": vacuum_json} if vacuumed else {})})
+        emit_json({**report.to_json(),
+                   **({"vacuum": vacuumed.to_json()} if vacuumed else {})})
     else:
-        print("\n".join(retain_text(report) + vacuumed.get("text", [])))
+        print("\n".join(retain_text(report) + list(vacuumed.lines if vacuumed else ())))
     return 1 if report.failures else 0
 
 

@@ -9,7 +9,7 @@ A run on the external backend (statebackend.state.external_store for the tables)
   returns the version the run restores (the parent checkpoint's) and checks that the
   lineage's state is in this database; and takes the run's fresh epoch;
 - the subtasks pre-commit their changes under that epoch;
-- `version_of` is what the commit record says (`CheckpointMetadata.external`);
+- `Prepared.version` is what the commit record says (`CheckpointMetadata.external`);
 - `commit` (after ``_metadata``) adds the version and moves the head in one
   transaction. A crash before it is finished by the next run's `prepare`.
 """
@@ -17,7 +17,6 @@ A run on the external backend (statebackend.state.external_store for the tables)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from statebackend.checkpoint.metadata import CheckpointMetadata, ExternalVersion
 from statebackend.errors import UsageError
@@ -42,13 +41,21 @@ def store_of(state_db: str | None, table: str, what: str) -> ExternalStore:
 
 @dataclass(frozen=True)
 class Prepared:
-    """What `prepare` found: the run's parent version (None: first external run) and
-    the epoch its subtasks write (the version it commits)."""
+    """A run prepared by `prepare`: its database, the parent version it restores (None:
+    the first external run) and the epoch its subtasks write (the version it commits)."""
 
+    store: ExternalStore
     parent_version: int | None
     epoch: int
-    finished_commit: int | None  # the version a crash left uncommitted, now committed
-    rows_discarded: int
+
+    def version(self, job: str) -> ExternalVersion:
+        """What the run's checkpoint records: the epoch, over the parent's version."""
+        return ExternalVersion(self.store.identity, job, self.epoch, self.parent_version)
+
+    def restore_read(self, job: str) -> ExternalRead | None:
+        """What the subtasks restore: the parent's version (None: nothing to read)."""
+        return None if self.parent_version is None \
+            else ExternalRead(self.store, job, self.parent_version)
 
 
 def prepare(store: ExternalStore, job: str, latest: CheckpointMetadata | None,
@@ -60,41 +67,19 @@ def prepare(store: ExternalStore, job: str, latest: CheckpointMetadata | None,
             raise UsageError(f"checkpoint {meta.checkpoint_id} of job {job!r} keeps its "
                              f"state in {meta.external.store}, not {store.identity}: pass "
                              "that database (--state-db, --state-table)")
-    conn = store.connect()
-    try:
-        with database_errors(store, f"preparing the run of job {job!r}"):
-            finished, discarded, epoch = _prepare_database(store, conn, job, latest)
-    finally:
-        conn.close()
-    parent_version = parent.external.version if parent is not None \
-        and parent.external is not None else None
-    return Prepared(parent_version, epoch, finished, discarded)
-
-
-def _prepare_database(store: ExternalStore, conn: Any, job: str,
-                      latest: CheckpointMetadata | None) -> tuple[int | None, int, int]:
-    """(the version whose commit was finished, rows discarded, the new epoch)."""
-    ensure_schema(store, conn)
-    finished = None
-    if latest is not None and latest.external is not None:
-        ext = latest.external
-        if commit_version(store, conn, job, ext.version, ext.parent):
-            finished = ext.version
-    discarded = discard_uncommitted(store, conn, job)
-    return finished, discarded, new_epoch(store, conn)
-
-
-def version_of(store: ExternalStore, job: str, prepared: Prepared) -> ExternalVersion:
-    """The version a run's checkpoint records: the run's epoch, over its parent's."""
-    return ExternalVersion(store.identity, job, prepared.epoch, prepared.parent_version)
-
-
-def restore_read(store: ExternalStore | None, job: str, parent_version: int | None
-                 ) -> ExternalRead | None:
-    """What a subtask restores: the parent's version (None: nothing to read)."""
-    if store is None or parent_version is None:
-        return None
-    return ExternalRead(store, job, parent_version)
+    with database_errors(store, f"preparing the run of job {job!r}"):
+        conn = store.connect()
+        try:
+            ensure_schema(store, conn)
+            if latest is not None and latest.external is not None:
+                commit_version(store, conn, job, latest.external.version,
+                               latest.external.parent)
+            discard_uncommitted(store, conn, job)
+            epoch = new_epoch(store, conn)
+        finally:
+            conn.close()
+    return Prepared(store, parent.external.version if parent is not None
+                    and parent.external is not None else None, epoch)
 
 
 def commit(store: ExternalStore, meta: CheckpointMetadata) -> None:

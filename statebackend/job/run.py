@@ -86,7 +86,6 @@ from statebackend.job.summary import CommittedRun, RunSummary, RunTimeline
 from statebackend.job.task import TaskParams
 from statebackend.progress import NO_PROGRESS, ProgressSink
 from statebackend.settings import number
-from statebackend.state.external_store import ExternalStore
 
 
 def run_job(job: Job, config: RunConfig, spark=None,
@@ -160,7 +159,7 @@ class _JobRun:
             if done is not None:
                 return self.skipped(done, started)
             plan, engine = self._plan(session, started)
-            return self._attempt(plan, engine)
+            return self._attempt(plan, engine, session.lineage.latest)
 
     def _plan(self, session: WriterSession, started: float) -> tuple[RunPlan, Engine]:
         config, store, job = self.config, self.store, self.job
@@ -207,8 +206,11 @@ class _JobRun:
                               conf=quiet)
         return SparkEngine(spark, files, config.input_reader)
 
-    def _attempt(self, plan: RunPlan, engine: Engine) -> RunSummary:
-        """The tasks, then check, commit and publish; a failure discards every upload."""
+    def _attempt(self, plan: RunPlan, engine: Engine, latest: CheckpointMetadata | None
+                 ) -> RunSummary:
+        """The tasks, then check, commit and publish; a failure discards every upload.
+        ``latest``: the lineage's latest checkpoint (the external backend finishes its
+        commit first)."""
         job, config, store = self.job, self.config, self.store
         # Leftovers of a crashed attempt of this run id must not mix with this attempt's.
         delete_run_outputs(job, config)
@@ -217,12 +219,10 @@ class _JobRun:
                           on_discard=lambda: delete_run_outputs(job, config))
         try:
             planning_s, called = time.perf_counter() - plan.started, time.time()
-            external = self._prepare_external(plan)
+            external = self._prepare_external(plan, latest)
             params = self._task_params(plan, attempt.token)
             if external is not None:
-                params = replace(params, external_store=external[0],
-                                 external_parent=external[1].parent_version,
-                                 external_epoch=external[1].epoch)
+                params = replace(params, external=external)
             results = engine.run_tasks(params, self.progress)
             returned = time.time()
             attempt.add_uploaded(p for r in results for p in r.uploaded)
@@ -234,8 +234,7 @@ class _JobRun:
             # log and the ledger (checkpoint/lineage.py).
             record = commit_record(plan, results, totals)
             if external is not None:  # _metadata names the version: the commit decision
-                record = record.with_changes(external=external_commit.version_of(
-                    external[0], store.job, external[1]))
+                record = record.with_changes(external=external.version(store.job))
             meta = attempt.commit(record, winners=[(r.subtask, r.attempt) for r in results])
         except TaskFailedError as exc:
             attempt.discard()
@@ -247,15 +246,15 @@ class _JobRun:
             attempt.discard()
             raise
         if external is not None:  # a crash before this is finished by the next prepare
-            external_commit.commit(external[0], meta)
+            external_commit.commit(external.store, meta)
         # A crash from here on leaves a committed run without _SUCCESS: its re-run is
         # skipped and finishes the publication (`skipped`).
         publish_outputs(job, config, self.progress)
         return self._committed(plan, meta, results, totals, RunTimeline(
             planning_s, called, returned, time.perf_counter() - t_commit))
 
-    def _prepare_external(self, plan: RunPlan
-                          ) -> tuple[ExternalStore, external_commit.Prepared] | None:
+    def _prepare_external(self, plan: RunPlan, latest: CheckpointMetadata | None
+                          ) -> external_commit.Prepared | None:
         """The external backend's database, prepared for this run (None: another backend)."""
         if plan.backend != "external":
             return None
@@ -264,9 +263,7 @@ class _JobRun:
                                        f"job {self.store.job!r}")
         self.progress.phase(f"run {config.run_id}: preparing the state database "
                             f"{ext.identity}")
-        prepared = external_commit.prepare(ext, self.store.job, self.store.latest(),
-                                           plan.parent)
-        return ext, prepared
+        return external_commit.prepare(ext, self.store.job, latest, plan.parent)
 
     def _task_params(self, plan: RunPlan, token: str) -> TaskParams:
         config, store, clock = self.config, self.store, plan.clock

@@ -48,12 +48,11 @@ from statebackend.errors import UsageError
 from statebackend.job.api import Job
 from statebackend.job.arrow_input import LINE, raw_table
 from statebackend.job.core import REASON, ProcessResult, SubtaskProcessor
-from statebackend.job.external_commit import restore_read
+from statebackend.job.external_commit import Prepared
 from statebackend.job.results import PHASES, TaskResult
 from statebackend.state.backend import KeyedStateBackend
 from statebackend.state.backend_kinds import new_backend
 from statebackend.state.external import ExternalStateBackend
-from statebackend.state.external_store import ExternalStore
 from statebackend.state.keygroups import MURMUR3, key_group_range_for_subtask
 from statebackend.state.memory import MemoryStateBackend
 from statebackend.state.migrate import migrate_backend
@@ -133,12 +132,9 @@ class TaskParams:
     key_hash: str = MURMUR3  # the lineage's (statebackend.state.keygroups)
     backend: str = "rocksdb"  # the run's state backend (statebackend.state.backend_kinds)
     memory_limit_mb: int | None = None  # the memory backend's limit per subtask
-    # The external backend's database (its repr names no credentials), the version the
-    # subtasks restore (the parent checkpoint's; None: nothing stored there yet) and the
-    # epoch they write (statebackend.job.external_commit).
-    external_store: ExternalStore | None = None
-    external_parent: int | None = None
-    external_epoch: int | None = None  # the run attempt's epoch: what its snapshots write
+    # The external backend's run: its database (its repr names no credentials), the
+    # version the subtasks restore and the epoch they write (job.external_commit).
+    external: Prepared | None = None
 
     def open(self, url: str) -> Storage:
         return open_storage(url, **self.storage_options)
@@ -195,8 +191,8 @@ class SubtaskRun:
         if self.parent is not None:
             self.backend = restore_subtask(
                 self.job_storage, self.parent, local_dir, self.job.descriptors,
-                p.max_parallelism, RestoreOptions(backend=p.backend, external=restore_read(
-                    p.external_store, p.job_dir, p.external_parent)))
+                p.max_parallelism, RestoreOptions(backend=p.backend, external=(
+                    p.external.restore_read(p.job_dir) if p.external else None)))
             self.restore_mode = self.backend.restore_mode
             # Stored files local recovery found damaged: this checkpoint uploads them anew.
             self.reuploaded = self.backend.reuploaded
@@ -212,10 +208,10 @@ class SubtaskRun:
         if isinstance(self.backend, MemoryStateBackend):
             self.backend.set_memory_limit(p.memory_limit_mb)
         if isinstance(self.backend, ExternalStateBackend):
-            if p.external_store is None:
+            if p.external is None:
                 raise UsageError(f"subtask {self.subtask}: the external backend has no "
                                  "database (--state-db)")
-            self.backend.attach(p.external_store, p.job_dir, epoch=p.external_epoch)
+            self.backend.attach(p.external.store, p.job_dir, epoch=p.external.epoch)
         if p.migration is not None and self.parent is not None:
             clock = p.new_watermark if p.new_watermark is not None else p.watermark
             self.migrated = migrate_backend(

@@ -76,23 +76,45 @@ def execute_vacuum(plan: VacuumPlan, state_db: ExternalStore) -> VacuumResult:
             conn.close()
 
 
+@dataclass(frozen=True)
+class VacuumReport:
+    """What `vacuum_after_retention` did: ``lines`` for people, `to_json` for machines."""
+
+    plan: VacuumPlan
+    lines: tuple[str, ...]
+    vacuumed: bool | None = None  # None: a dry run
+    result: VacuumResult | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = self.plan.to_json()
+        if self.vacuumed is not None:
+            out["vacuumed"] = self.vacuumed
+        if self.result is not None:
+            out.update(rows_deleted=self.result.rows_deleted,
+                       versions_deleted=list(self.result.versions_deleted))
+        return out
+
+
 def vacuum_after_retention(store: CheckpointStore, state_db: ExternalStore | None,
-                           dry_run: bool, progress: ProgressSink) -> dict[str, Any]:
-    """The external backend's vacuum after a retention ({}: no external checkpoint)."""
+                           dry_run: bool, progress: ProgressSink) -> VacuumReport | None:
+    """The external backend's vacuum after a retention (None: nothing external to vacuum).
+    Without ``state_db`` only a job whose latest checkpoint is external is planned (and
+    told it was not vacuumed): other jobs pay one record read, not all of them."""
+    if state_db is None:
+        latest = store.latest()
+        if latest is None or latest.external is None:
+            return None
     plan = plan_vacuum(store)
     if plan is None:
-        return {}
-    out: dict[str, Any] = {**plan.to_json(), "text": plan.describe()}
+        return None
     if dry_run:
-        return out
+        return VacuumReport(plan, tuple(plan.describe()))
     if state_db is None:
-        out["text"] = [f"external versions of job {plan.job} not vacuumed: pass --state-db "
-                       f"to delete what no retained checkpoint reads in {plan.store}"]
-        return {**out, "vacuumed": False}
+        return VacuumReport(plan, (f"external versions of job {plan.job} not vacuumed: pass "
+                                   f"--state-db to delete what no retained checkpoint reads "
+                                   f"in {plan.store}",), vacuumed=False)
     progress.phase(f"vacuuming {plan.store}")
     result = execute_vacuum(plan, state_db)
-    out["text"] = [f"vacuumed {plan.store}: {result.rows_deleted} rows and "
-                   f"{len(result.versions_deleted)} versions deleted; versions "
-                   f"{list(plan.retained)} kept"]
-    return {**out, "vacuumed": True, "rows_deleted": result.rows_deleted,
-            "versions_deleted": list(result.versions_deleted)}
+    return VacuumReport(plan, (f"vacuumed {plan.store}: {result.rows_deleted} rows and "
+                               f"{len(result.versions_deleted)} versions deleted; versions "
+                               f"{list(plan.retained)} kept",), vacuumed=True, result=result)

@@ -14,8 +14,9 @@ kinds, timers, TTL and migrations run unchanged on it, reads are dictionary look
   The epoch becomes visible when the driver commits it (`external_store.commit_version`)
   after ``_metadata``: a failed attempt's rows are never read and are deleted.
 
-`attach` gives the instance its database and the epoch it writes (the run's checkpoint
-id); an instance without one (a read-only restore) cannot snapshot.
+`attach` gives the instance its database and the epoch it writes (the run attempt's,
+`statebackend.job.external_commit`); an instance without one (a read-only restore)
+cannot snapshot.
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ from statebackend.state.external_store import (
     ExternalRead,
     ExternalStore,
     Row,
-    RowGroup,
     database_errors,
     load_range,
+    newest,
     write_epoch,
 )
-from statebackend.state.keygroups import key_group_prefix
+from statebackend.state.keygroups import key_group_of_rocks_key, key_group_prefix
 from statebackend.state.memory import MemoryStateBackend
 from statebackend.state.memory_table import MemoryTable
 
@@ -73,7 +74,6 @@ class ExternalStateBackend(MemoryStateBackend):
         self.store: ExternalStore | None = None
         self.job_key = ""
         self.epoch: int | None = None
-        self.version: int | None = None  # the committed version this state is
         self._conn: Any = None
         self._dropped: list[ExternalTable] = []  # dropped families: their keys are deleted
         super()._open_instance(read_only)
@@ -92,12 +92,13 @@ class ExternalStateBackend(MemoryStateBackend):
         self.store, self.job_key, self.epoch = store, job_key, epoch
         return self
 
-    def _connection(self) -> Any:
+    def _database(self) -> tuple[ExternalStore, Any]:
+        """The attached database and this instance's connection to it (opened once)."""
         if self.store is None:
             raise UsageError(f"{self.label} is not attached to its state database")
         if self._conn is None or self._conn.closed:
             self._conn = self.store.connect()
-        return self._conn
+        return self.store, self._conn
 
     def load_version(self, read: ExternalRead) -> int:
         """Fill the tables with this subtask's key groups at ``read.version`` (a restore,
@@ -108,16 +109,32 @@ class ExternalStateBackend(MemoryStateBackend):
                 table.load(prefix, (), ())
         kgr = self.key_group_range
         entries = 0
-        with database_errors(read.store, f"restoring {self.label}"):
-            rows = load_range(self._connection(), read, (kgr.start, kgr.end))
-            for (state, prefix), keys, values in _grouped(rows, self._is_map):
-                self._table(state).load(prefix, keys, values)
-                entries += len(keys)
+        store, conn = self._database()
+        with database_errors(store, f"restoring {self.label}"):
+            groups = load_range(conn, read, (kgr.start, kgr.end))
+            for (kg, state), table in newest(groups, self._backend_keys).items():
+                ordered = sorted(table)
+                self._table(state).load(key_group_prefix(kg), ordered,
+                                        [table[k] for k in ordered])
+                entries += len(ordered)
+        self._mark_clean()
+        return entries
+
+    def _backend_keys(self, kg: int, state: str, keys: list[bytes], user_keys: list[bytes]
+                      ) -> list[bytes]:
+        """The backend keys of one `RowGroup`'s rows (key-group prefix first)."""
+        prefix = key_group_prefix(kg)
+        if not self._is_map(state):
+            return [prefix + k for k in keys]
+        return [prefix + map_key_suffix(k, u.decode("utf-8"))
+                for k, u in zip(keys, user_keys, strict=True)]
+
+    def _mark_clean(self) -> None:
+        """What the tables hold is in the database: nothing written since."""
         for table in self._cfs.values():
             table.written.clear()
+        self._dropped.clear()
         self.account.changed.clear()
-        self.version = read.version
-        return entries
 
     def drop_column_family(self, name: str) -> None:
         table = self._cfs.get(name)
@@ -135,23 +152,16 @@ class ExternalStateBackend(MemoryStateBackend):
         if self.read_only or self.epoch is None:
             raise UsageError(f"{self.label} is read-only or has no epoch: it cannot snapshot")
         kgr = self.key_group_range
-        with database_errors(self._store(), f"pre-commit of {self.label}"):
-            write_epoch(self._store(), self._connection(), self.job_key, self.epoch,
-                        (kgr.start, kgr.end), self._changed_rows())
-        for table in self._cfs.values():
-            table.written.clear()
-        self._dropped.clear()
-        self.account.changed.clear()
+        store, conn = self._database()
+        with database_errors(store, f"pre-commit of {self.label}"):
+            write_epoch(store, conn, self.job_key, self.epoch, (kgr.start, kgr.end),
+                        self._changed_rows())
+        self._mark_clean()
         snapshot_id = uuid.uuid4().hex
         rows = self.count_rows() if count_rows else {}
         self._dirty = False
         self._last_snapshot_id = snapshot_id
-        self.version = self.epoch
         return LocalSnapshot(snapshot_id, self.files_path, (), rows)
-
-    def _store(self) -> ExternalStore:
-        assert self.store is not None
-        return self.store
 
     def _changed_rows(self) -> Iterator[Row]:
         tables = [*self._dropped, *(self._cfs[n] for n in self._cf_names)]
@@ -160,7 +170,7 @@ class ExternalStateBackend(MemoryStateBackend):
             is_map = self._is_map(name)
             for raw in sorted(table.written):
                 key, user_key = _split(raw, is_map)
-                yield int.from_bytes(raw[:2], "big"), name, key, user_key, table.get(raw)
+                yield key_group_of_rocks_key(raw), name, key, user_key, table.get(raw)
 
     def close(self) -> None:
         super().close()
@@ -175,30 +185,3 @@ def _split(raw: bytes, is_map: bool) -> tuple[bytes, bytes]:
         return raw[2:], b""
     key, user_key = split_map_key(raw[2:])
     return key, user_key.encode("utf-8")
-
-
-def _joined(prefix: bytes, key: bytes, user_key: bytes, is_map: bool) -> bytes:
-    return prefix + (map_key_suffix(key, user_key.decode("utf-8")) if is_map else key)
-
-
-def _grouped(groups: Iterable[RowGroup], is_map: Any
-             ) -> Iterator[tuple[tuple[str, bytes], list[bytes], list[bytes]]]:
-    """`load_range`'s groups (oldest epoch first: a later row replaces, a NULL deletes)
-    as sorted (keys, values) per (state, key-group prefix)."""
-    tables: dict[tuple[str, bytes], dict[bytes, bytes]] = {}
-    for kg, state, keys, user_keys, values in groups:
-        prefix = key_group_prefix(kg)
-        raws = [_joined(prefix, k, u, True) for k, u in zip(keys, user_keys, strict=True)] \
-            if is_map(state) else [prefix + k for k in keys]
-        entries = tables.setdefault((state, prefix), {})
-        if not entries and None not in values:  # the common case: one epoch, no deletes
-            entries.update(zip(raws, values, strict=True))  # type: ignore[arg-type]
-            continue
-        for raw, value in zip(raws, values, strict=True):
-            if value is None:
-                entries.pop(raw, None)
-            else:
-                entries[raw] = value
-    for table_key, entries in tables.items():
-        ordered = sorted(entries)
-        yield table_key, ordered, [entries[k] for k in ordered]

@@ -16,8 +16,9 @@ Tables (``<table>`` is `ExternalStore.table`, ``ckpt_state`` by default):
 
 Protocol (statebackend.state.external, statebackend.job.external_commit):
 
-1. before a run: `sync_head` makes the head the latest checkpoint's version (finishing
-   a commit a crash interrupted: the version is recorded in ``_metadata`` first), then
+1. before a run (`statebackend.job.external_commit.prepare`): `commit_version` of the
+   latest checkpoint's version makes it the head (finishing a commit a crash
+   interrupted: the version is recorded in ``_metadata`` first), then
    `discard_uncommitted` deletes rows of epochs no committed version names (a failed or
    discarded attempt: never visible, since no version names them);
 2. the run takes a fresh epoch (`new_epoch`); each subtask writes its changed entries
@@ -36,7 +37,7 @@ its key groups at a version). Only this module writes SQL; identifiers are check
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +53,8 @@ Row = tuple[int, str, bytes, bytes, bytes | None]
 # One key group's rows of one state in one epoch: (key_group, state, keys, user_keys,
 # values), the lists aligned (what `load_range` reads).
 RowGroup = tuple[int, str, list[bytes], list[bytes], list[bytes | None]]
+# (key_group, state, keys, user_keys) -> one hashable name per row (`newest`)
+EntryKeys = Callable[[int, str, list[bytes], list[bytes]], Iterable[Hashable]]
 
 
 @dataclass(frozen=True)
@@ -219,16 +222,30 @@ def load_range(conn: Any, read: ExternalRead, key_groups: tuple[int, int]
                 yield from cur
 
 
-def newest(groups: Iterable[RowGroup]) -> dict[tuple[int, str, bytes, bytes], bytes]:
-    """`load_range`'s groups resolved: (key group, state, key, user key) -> value."""
-    out: dict[tuple[int, str, bytes, bytes], bytes] = {}
+def _pairs(kg: int, state: str, keys: list[bytes], user_keys: list[bytes]
+           ) -> Iterable[Hashable]:
+    del kg, state
+    return zip(keys, user_keys, strict=True)
+
+
+def newest(groups: Iterable[RowGroup], entry_keys: EntryKeys = _pairs
+           ) -> dict[tuple[int, str], dict[Any, bytes]]:
+    """`load_range`'s groups resolved, oldest epoch first (a later row replaces an earlier
+    one, a NULL deletes it): (key group, state) -> entry -> value. ``entry_keys`` names
+    each row's entry (default: its (key, user_key) pair; the backend: its own key)."""
+    tables: dict[tuple[int, str], dict[Any, bytes]] = {}
     for kg, state, keys, user_keys, values in groups:
-        for key, user_key, value in zip(keys, user_keys, values, strict=True):
+        names = entry_keys(kg, state, keys, user_keys)
+        entries = tables.setdefault((kg, state), {})
+        if not entries and None not in values:  # the common case: one epoch, no deletes
+            entries.update(zip(names, values, strict=True))  # type: ignore[arg-type]
+            continue
+        for name, value in zip(names, values, strict=True):
             if value is None:
-                out.pop((kg, state, key, user_key), None)
+                entries.pop(name, None)
             else:
-                out[(kg, state, key, user_key)] = value
-    return out
+                entries[name] = value
+    return tables
 
 
 def write_epoch(store: ExternalStore, conn: Any, job: str, epoch: int,

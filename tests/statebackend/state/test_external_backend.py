@@ -67,8 +67,9 @@ def table(postgres_server, request):
 
 
 def _rows(store, conn, version, kgs=(0, 127), parent=None):
-    rows = load_range(conn, ExternalRead(store, JOB, version, parent), kgs)
-    return {(state, key, user_key): v for (_, state, key, user_key), v in newest(rows).items()}
+    groups = load_range(conn, ExternalRead(store, JOB, version, parent), kgs)
+    return {(state, key, user_key): v for (_, state), entries in newest(groups).items()
+            for (key, user_key), v in entries.items()}
 
 
 def test_versions_read_their_chain_and_vacuum_keeps_what_retained_versions_read(table):
