@@ -179,6 +179,12 @@ class RunOptions:
         "ckpt_state", metavar="NAME", argument="state_table",
         help="external backend: the table of the state rows (with <name>_versions, "
              "<name>_head and the readers' view <name>_committed)")
+    state_mode: str | None = option(
+        None, choices=("mvcc", "wal"), argument="state_mode",
+        help="external backend: mvcc (rows versioned per checkpoint: any retained "
+             "checkpoint restores) or wal (one current state; each checkpoint's "
+             "write-ahead log is applied after its commit); default: the lineage's, "
+             "else mvcc")
     memory_limit_mb: int = option(
         defaults.MEMORY_LIMIT_MB, metavar="MIB", argument="memory_limit_mb",
         help="memory backend: a subtask whose state grows past this fails (never swaps)")

@@ -57,7 +57,8 @@ A subtask's ``backend`` (optional, ``memory`` or ``external``) names the state b
 whose files it lists (`statebackend.state.backend_kinds`); without it, ``rocksdb``.
 An external-backend checkpoint has ``"external": {"store": "postgresql://user@host:port/db
 #table", "job": "...", "version": 7, "parent": 6}``: the committed database version its
-state is (`ExternalVersion`; the store named without credentials).
+state is (`ExternalVersion`; the store named without credentials); in WAL mode it adds
+``"mode": "wal"`` and its subtasks list their write-ahead logs (``wal-*`` shared files).
 ``key_hash`` (optional, ``spark``) names the hash that places the lineage's keys in key
 groups (`statebackend.state.keygroups`); records without it, as every record of
 earlier releases, are ``murmur3``. It never changes along a lineage.
@@ -240,6 +241,9 @@ def _printable(text: str) -> bool:
     return text.isprintable()
 
 
+EXTERNAL_MODES = ("mvcc", "wal")
+
+
 @dataclass(frozen=True)
 class ExternalVersion:
     """The database version an external-backend checkpoint's state is
@@ -250,10 +254,16 @@ class ExternalVersion:
     job: str
     version: int
     parent: int | None = None
+    # "mvcc" (versioned rows) or "wal" (one current state, each checkpoint's write-ahead
+    # logs applied to it after its commit: statebackend.state.external_wal)
+    mode: str = "mvcc"
 
     def to_json(self) -> dict[str, Any]:
-        return {"store": self.store, "job": self.job, "version": self.version,
-                "parent": self.parent}
+        out: dict[str, Any] = {"store": self.store, "job": self.job, "version": self.version,
+                               "parent": self.parent}
+        if self.mode != "mvcc":  # records of MVCC checkpoints read as before
+            out["mode"] = self.mode
+        return out
 
     @staticmethod
     def from_json(obj: Any, where: str) -> ExternalVersion:
@@ -263,8 +273,11 @@ class ExternalVersion:
                  "external.parent must be a version or null")
         version = _get(obj, "version", int, where)
         _require(0 <= version <= MAX_COUNT, where, f"external.version {version} is out of range")
+        mode = obj.get("mode", "mvcc")
+        _require(mode in EXTERNAL_MODES, where, f"external.mode {mode!r} is not one of "
+                 f"{list(EXTERNAL_MODES)}")
         return ExternalVersion(_get(obj, "store", str, where), _get(obj, "job", str, where),
-                               version, parent)
+                               version, parent, mode)
 
 
 @dataclass(frozen=True)

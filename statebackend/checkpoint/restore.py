@@ -230,7 +230,7 @@ def external_read(meta: CheckpointMetadata, store: ExternalStore | None
     if store.identity != ext.store:
         raise UsageError(f"checkpoint {meta.checkpoint_id} keeps its state in {ext.store}, "
                          f"not {store.identity}")
-    return ExternalRead(store, ext.job, ext.version, ext.parent)
+    return ExternalRead(store, ext.job, ext.version, ext.parent, ext.mode)
 
 
 def _restore_external(handle: SubtaskHandle, local_dir: str,
@@ -251,7 +251,7 @@ def _restore_external(handle: SubtaskHandle, local_dir: str,
         local_dir, states[0], states[1], handle.key_group_range, read_only=options.read_only,
         origin=StoredInstance(handle.backend_id, options.label, {}, handle.snapshot_id))
     if live:
-        backend.attach(read.store, read.job)
+        backend.attach(read.store, read.job, mode=read.mode)
     else:
         backend.load_version(read)
     backend.restore_mode = "local-instance" if live else "query"

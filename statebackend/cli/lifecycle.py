@@ -49,13 +49,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=cmd_gc)
 
     p = sub.add_parser(
-        "savepoint", parents=[json_flag()],
+        "savepoint", parents=[json_flag(), state_db_flags()],
         help="copy a checkpoint into a self-contained savepoint, or delete one",
         description="Copy every file of a checkpoint to <job>/savepoints/NAME/ with its own "
                     "_metadata. Never collected; a new job can start from it with "
                     "--start-from JOB/savepoints/NAME, just NAME, or the URL this command "
                     "prints. With --delete NAME: remove that savepoint (refused while a live "
-                    "lease uses it; never touches checkpoints).")
+                    "lease uses it; never touches checkpoints). An external-backend "
+                    "checkpoint in WAL mode is exported from its database (--state-db) as "
+                    "memory-backend files.")
     p.add_argument("checkpoint", nargs="?", default="latest", help="ID, chk-ID or latest")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--name", help="name of the new savepoint (letters, digits, _ - .)")
@@ -114,7 +116,8 @@ def cmd_savepoint(args: argparse.Namespace, store: CheckpointStore) -> int:
                          "existing file")
     with Progress("savepoint") as progress:
         progress.phase(f"copying checkpoint {args.checkpoint} to savepoint {args.name}")
-        meta = create_savepoint(store, args.checkpoint, args.name)
+        meta = create_savepoint(store, args.checkpoint, args.name, state_db_of(args),
+                                progress)
     path = f"{store.job}/{savepoint_dir(args.name)}"
     url = f"{store.root_storage.url}/{path}"
     copied = (meta.source or {}).get("checkpoint")  # a savepoint names its source

@@ -1,24 +1,29 @@
-"""The driver's half of the external backend's two-phase commit (MVCC in PostgreSQL).
+"""The driver's half of the external backend's two-phase commit.
 
-A run on the external backend (statebackend.state.external_store for the tables):
+A run on the external backend (statebackend.state.external_store for the MVCC tables,
+statebackend.state.external_wal for WAL mode's):
 
-- `prepare`, under the writer lease before any task: create the tables if missing,
+- `prepare`, under the writer lease before any task: create the tables if missing and
   finish the commit of the latest checkpoint if a crash came between its ``_metadata``
-  and the database (the record names the version: that is the decision), then delete
-  the rows of epochs no committed version names (failed or discarded attempts);
-  returns the version the run restores (the parent checkpoint's) and checks that the
-  lineage's state is in this database; and takes the run's fresh epoch;
-- the subtasks pre-commit their changes under that epoch;
+  and the database (the record is the decision: MVCC names its version, WAL mode lists
+  its WAL files), then (MVCC) delete the rows of epochs no committed version names
+  (failed or discarded attempts); check that the parent's state is in this database (WAL
+  mode: that the database holds exactly the parent's epoch); take the run's fresh epoch;
+- the subtasks pre-commit their changes under that epoch (MVCC: rows in the database;
+  WAL mode: WAL files in checkpoint storage);
 - `Prepared.version` is what the commit record says (`CheckpointMetadata.external`);
-- `commit` (after ``_metadata``) adds the version and moves the head in one
-  transaction. A crash before it is finished by the next run's `prepare`.
+- `commit` (after ``_metadata``): MVCC adds the version and moves the head, WAL mode
+  applies every subtask's WAL, each in one transaction and idempotent by epoch. A crash
+  before it is finished by the next run's `prepare`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from statebackend.checkpoint.metadata import CheckpointMetadata, ExternalVersion
+from statebackend.checkpoint.wal_commit import finish_wal
 from statebackend.errors import UsageError
 from statebackend.state.external_store import (
     ExternalRead,
@@ -29,6 +34,8 @@ from statebackend.state.external_store import (
     ensure_schema,
     new_epoch,
 )
+from statebackend.state.external_wal import applied_epoch, ensure_wal_schema
+from statebackend.storage import Storage
 
 
 def store_of(state_db: str | None, table: str, what: str) -> ExternalStore:
@@ -42,48 +49,90 @@ def store_of(state_db: str | None, table: str, what: str) -> ExternalStore:
 @dataclass(frozen=True)
 class Prepared:
     """A run prepared by `prepare`: its database, the parent version it restores (None:
-    the first external run) and the epoch its subtasks write (the version it commits)."""
+    nothing to read, a WAL run's WAL is then full), the epoch its subtasks write (the
+    version it commits) and the mode."""
 
     store: ExternalStore
     parent_version: int | None
     epoch: int
+    mode: str = "mvcc"
 
     def version(self, job: str) -> ExternalVersion:
         """What the run's checkpoint records: the epoch, over the parent's version."""
-        return ExternalVersion(self.store.identity, job, self.epoch, self.parent_version)
+        return ExternalVersion(self.store.identity, job, self.epoch, self.parent_version,
+                               self.mode)
 
     def restore_read(self, job: str) -> ExternalRead | None:
         """What the subtasks restore: the parent's version (None: nothing to read)."""
         return None if self.parent_version is None \
-            else ExternalRead(self.store, job, self.parent_version)
+            else ExternalRead(self.store, job, self.parent_version, mode=self.mode)
 
 
-def prepare(store: ExternalStore, job: str, latest: CheckpointMetadata | None,
-            parent: CheckpointMetadata | None) -> Prepared:
-    """Before a run's tasks (module docstring)."""
+def run_mode(requested: str | None, latest: CheckpointMetadata | None, job: str) -> str:
+    """The mode a run uses: ``requested``, else the lineage's, else MVCC; a change of
+    mode along a lineage is refused in one line."""
+    lineage = latest.external.mode if latest is not None and latest.external else None
+    if requested is not None and lineage is not None and requested != lineage:
+        raise UsageError(f"job {job!r} keeps its state in the database in {lineage} mode, "
+                         f"not {requested}: run it with --state-mode {lineage} (a new mode "
+                         "starts a new job, e.g. from a savepoint)")
+    return requested or lineage or "mvcc"
+
+
+def prepare(store: ExternalStore, job: str, lineage: tuple[CheckpointMetadata | None,
+            CheckpointMetadata | None], mode: str, storage: Storage) -> Prepared:
+    """Before a run's tasks (module docstring); ``lineage``: its latest checkpoint and
+    the parent the run restores, ``storage``: the job's (WAL files)."""
+    latest, parent = lineage
     for meta in (latest, parent):
         if meta is not None and meta.external is not None \
                 and meta.external.store != store.identity:
             raise UsageError(f"checkpoint {meta.checkpoint_id} of job {job!r} keeps its "
                              f"state in {meta.external.store}, not {store.identity}: pass "
                              "that database (--state-db, --state-table)")
+    parent_ext = parent.external if parent is not None else None
     with database_errors(store, f"preparing the run of job {job!r}"):
         conn = store.connect()
         try:
-            ensure_schema(store, conn)
-            if latest is not None and latest.external is not None:
-                commit_version(store, conn, job, latest.external.version,
-                               latest.external.parent)
-            discard_uncommitted(store, conn, job)
+            if mode == "wal":
+                ensure_wal_schema(store, conn)
+                if latest is not None and latest.external is not None:
+                    finish_wal(store, conn, latest, storage)
+                _check_current(store, conn, parent)
+            else:
+                ensure_schema(store, conn)
+                if latest is not None and latest.external is not None:
+                    commit_version(store, conn, job, latest.external.version,
+                                   latest.external.parent)
+                discard_uncommitted(store, conn, job)
             epoch = new_epoch(store, conn)
         finally:
             conn.close()
-    return Prepared(store, parent.external.version if parent is not None
-                    and parent.external is not None else None, epoch)
+    return Prepared(store, parent_ext.version if parent_ext is not None
+                    and parent_ext.mode == mode else None, epoch, mode)
 
 
-def commit(store: ExternalStore, meta: CheckpointMetadata) -> None:
-    """Second phase: make ``meta``'s version committed and the head (idempotent)."""
+class NotCurrentError(UsageError):
+    """WAL mode: the database holds another epoch than the run's parent."""
+
+
+def _check_current(store: ExternalStore, conn: Any, parent: CheckpointMetadata | None
+                   ) -> None:
+    """UsageError unless the database holds WAL-mode ``parent``'s epoch (a rollback to an
+    older checkpoint cannot be restored from the current state)."""
+    if parent is None or parent.external is None:
+        return
+    ext = parent.external
+    current = applied_epoch(store, conn, ext.job)
+    if current != ext.version:
+        raise NotCurrentError(f"checkpoint {parent.checkpoint_id} of job {ext.job!r} is epoch "
+                         f"{ext.version}, but {store.identity} holds epoch {current}: WAL "
+                         "mode restores only the latest applied checkpoint (start a new "
+                         "job from a savepoint to go back)")
+
+
+def commit(store: ExternalStore, meta: CheckpointMetadata, storage: Storage) -> None:
+    """Second phase: make ``meta``'s version the database's (idempotent)."""
     if meta.external is None:
         return
     ext = meta.external
@@ -92,6 +141,9 @@ def commit(store: ExternalStore, meta: CheckpointMetadata) -> None:
     with database_errors(store, what):
         conn = store.connect()
         try:
-            commit_version(store, conn, ext.job, ext.version, ext.parent)
+            if ext.mode == "wal":
+                finish_wal(store, conn, meta, storage)
+            else:
+                commit_version(store, conn, ext.job, ext.version, ext.parent)
         finally:
             conn.close()

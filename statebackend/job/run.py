@@ -159,7 +159,7 @@ class _JobRun:
             if done is not None:
                 return self.skipped(done, started)
             plan, engine = self._plan(session, started)
-            return self._attempt(plan, engine, session.lineage.latest)
+            return self._attempt(plan, engine, session)
 
     def _plan(self, session: WriterSession, started: float) -> tuple[RunPlan, Engine]:
         config, store, job = self.config, self.store, self.job
@@ -206,11 +206,10 @@ class _JobRun:
                               conf=quiet)
         return SparkEngine(spark, files, config.input_reader)
 
-    def _attempt(self, plan: RunPlan, engine: Engine, latest: CheckpointMetadata | None
-                 ) -> RunSummary:
+    def _attempt(self, plan: RunPlan, engine: Engine, session: WriterSession) -> RunSummary:
         """The tasks, then check, commit and publish; a failure discards every upload.
-        ``latest``: the lineage's latest checkpoint (the external backend finishes its
-        commit first)."""
+        ``session``: the writer's lease and lineage (the external backend finishes the
+        latest checkpoint's commit first)."""
         job, config, store = self.job, self.config, self.store
         # Leftovers of a crashed attempt of this run id must not mix with this attempt's.
         delete_run_outputs(job, config)
@@ -219,7 +218,7 @@ class _JobRun:
                           on_discard=lambda: delete_run_outputs(job, config))
         try:
             planning_s, called = time.perf_counter() - plan.started, time.time()
-            external = self._prepare_external(plan, latest)
+            external = self._prepare_external(plan, session)
             params = self._task_params(plan, attempt.token)
             if external is not None:
                 params = replace(params, external=external)
@@ -246,16 +245,18 @@ class _JobRun:
             attempt.discard()
             raise
         if external is not None:  # a crash before this is finished by the next prepare
-            external_commit.commit(external.store, meta)
+            external_commit.commit(external.store, meta, store.storage)
         # A crash from here on leaves a committed run without _SUCCESS: its re-run is
         # skipped and finishes the publication (`skipped`).
         publish_outputs(job, config, self.progress)
         return self._committed(plan, meta, results, totals, RunTimeline(
             planning_s, called, returned, time.perf_counter() - t_commit))
 
-    def _prepare_external(self, plan: RunPlan, latest: CheckpointMetadata | None
+    def _prepare_external(self, plan: RunPlan, session: WriterSession
                           ) -> external_commit.Prepared | None:
-        """The external backend's database, prepared for this run (None: another backend)."""
+        """The external backend's database, prepared for this run (None: another backend).
+        A database ahead of the plan's parent is first checked against the lease: a
+        writer paused while another took over is fenced off (LeaseLostError)."""
         if plan.backend != "external":
             return None
         config = self.config
@@ -263,7 +264,14 @@ class _JobRun:
                                        f"job {self.store.job!r}")
         self.progress.phase(f"run {config.run_id}: preparing the state database "
                             f"{ext.identity}")
-        return external_commit.prepare(ext, self.store.job, latest, plan.parent)
+        latest = session.lineage.latest
+        mode = external_commit.run_mode(config.state_mode, latest, self.store.job)
+        try:
+            return external_commit.prepare(ext, self.store.job, (latest, plan.parent), mode,
+                                           self.store.storage)
+        except external_commit.NotCurrentError:
+            session.lease.ensure_held()
+            raise
 
     def _task_params(self, plan: RunPlan, token: str) -> TaskParams:
         config, store, clock = self.config, self.store, plan.clock

@@ -211,7 +211,8 @@ class SubtaskRun:
             if p.external is None:
                 raise UsageError(f"subtask {self.subtask}: the external backend has no "
                                  "database (--state-db)")
-            self.backend.attach(p.external.store, p.job_dir, epoch=p.external.epoch)
+            self.backend.attach(p.external.store, p.job_dir, epoch=p.external.epoch,
+                                mode=p.external.mode)
         if p.migration is not None and self.parent is not None:
             clock = p.new_watermark if p.new_watermark is not None else p.watermark
             self.migrated = migrate_backend(

@@ -49,7 +49,9 @@ def plan_vacuum(store: CheckpointStore) -> VacuumPlan | None:
     """The job's vacuum plan (None: no committed checkpoint keeps its state externally)."""
     records = store.load_all() + [load_savepoint(store, s.name) for s in list_savepoints(store)
                                   if s.complete]
-    external = [m.external for m in records if m.external is not None]
+    # WAL mode keeps one current state, nothing versioned (statebackend.state.external_wal)
+    external = [m.external for m in records
+                if m.external is not None and m.external.mode == "mvcc"]
     if not external:
         return None
     stores = {e.store for e in external}
@@ -102,7 +104,7 @@ def vacuum_after_retention(store: CheckpointStore, state_db: ExternalStore | Non
     told it was not vacuumed): other jobs pay one record read, not all of them."""
     if state_db is None:
         latest = store.latest()
-        if latest is None or latest.external is None:
+        if latest is None or latest.external is None or latest.external.mode != "mvcc":
             return None
     plan = plan_vacuum(store)
     if plan is None:

@@ -13,17 +13,25 @@ import uuid
 from statebackend.checkpoint.metadata import CheckpointMetadata, FileRef, SubtaskHandle
 from statebackend.rescale.plan import RescalePlan
 from statebackend.rescale.task import RescaleTaskResult
+from statebackend.state.external_wal import is_wal_file
 from statebackend.state.memory import key_group_of_file
 
 
 def regrouped(meta: CheckpointMetadata, plan: RescalePlan) -> list[RescaleTaskResult]:
-    """Each new subtask of ``plan`` as a handle over the source's key-group files."""
+    """Each new subtask of ``plan`` as a handle over the source's key-group files (and,
+    for an external checkpoint in WAL mode, the WAL files of the source subtasks its
+    range overlaps: until the database holds the epoch they are what commits it)."""
     by_key_group: dict[int, FileRef] = {
-        key_group_of_file(f.local_name): f for h in meta.subtasks for f in h.files}
+        key_group_of_file(f.local_name): f for h in meta.subtasks for f in h.files
+        if not is_wal_file(f.local_name)}
+    wals = [(h.key_group_range, f) for h in meta.subtasks for f in h.files
+            if is_wal_file(f.local_name)]
     results = []
     for s in plan.subtasks:
-        files = tuple(sorted((f for kg, f in by_key_group.items() if kg in s.key_groups),
-                             key=lambda f: f.local_name))
+        files = tuple(sorted(
+            [*(f for kg, f in by_key_group.items() if kg in s.key_groups),
+             *(f for r, f in wals if len(r.intersect(s.key_groups)))],
+            key=lambda f: f.local_name))
         handle = SubtaskHandle(
             index=s.index, key_group_start=s.key_groups.start,
             key_group_end=s.key_groups.end, backend_id=uuid.uuid4().hex,

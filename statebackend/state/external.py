@@ -13,14 +13,18 @@ kinds, timers, TTL and migrations run unchanged on it, reads are dictionary look
   transaction). The snapshot has no files; its handle names only the key groups.
   The epoch becomes visible when the driver commits it (`external_store.commit_version`)
   after ``_metadata``: a failed attempt's rows are never read and are deleted.
+- **WAL mode** (statebackend.state.external_wal): a restore reads the job's current
+  state (`load_current`); the snapshot writes those entries to a WAL file instead, which
+  the driver applies to the database after ``_metadata``.
 
-`attach` gives the instance its database and the epoch it writes (the run attempt's,
-`statebackend.job.external_commit`); an instance without one (a read-only restore)
-cannot snapshot.
+`attach` gives the instance its database, the epoch it writes (the run attempt's,
+`statebackend.job.external_commit`) and the mode; an instance without an epoch (a
+read-only restore) cannot snapshot.
 """
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -37,6 +41,7 @@ from statebackend.state.external_store import (
     newest,
     write_epoch,
 )
+from statebackend.state.external_wal import is_wal_file, load_current, wal_name, write_wal
 from statebackend.state.keygroups import key_group_of_rocks_key, key_group_prefix
 from statebackend.state.memory import MemoryStateBackend
 from statebackend.state.memory_table import MemoryTable
@@ -74,6 +79,7 @@ class ExternalStateBackend(MemoryStateBackend):
         self.store: ExternalStore | None = None
         self.job_key = ""
         self.epoch: int | None = None
+        self.mode = "mvcc"
         self._conn: Any = None
         self._dropped: list[ExternalTable] = []  # dropped families: their keys are deleted
         super()._open_instance(read_only)
@@ -83,14 +89,18 @@ class ExternalStateBackend(MemoryStateBackend):
             raise UsageError(f"{self.label}: the external backend keeps no state files")
 
     # -- database ------------------------------------------------------------------
-    def attach(self, store: ExternalStore, job_key: str, epoch: int | None = None
-               ) -> ExternalStateBackend:
-        """Use ``store`` for ``job_key``'s rows; snapshots write under ``epoch``."""
+    def attach(self, store: ExternalStore, job_key: str, epoch: int | None = None,
+               mode: str = "mvcc") -> ExternalStateBackend:
+        """Use ``store`` for ``job_key``'s rows; snapshots write under ``epoch`` (in WAL
+        ``mode``: to a WAL file)."""
         if self.store is not None and self.store.identity != store.identity:
             raise UsageError(f"{self.label} is kept in {self.store.identity}, not "
                              f"{store.identity}")
-        self.store, self.job_key, self.epoch = store, job_key, epoch
+        self.store, self.job_key, self.epoch, self.mode = store, job_key, epoch, mode
         return self
+
+    def is_shared_file(self, name: str) -> bool:
+        return is_wal_file(name) or super().is_shared_file(name)
 
     def _database(self) -> tuple[ExternalStore, Any]:
         """The attached database and this instance's connection to it (opened once)."""
@@ -103,7 +113,7 @@ class ExternalStateBackend(MemoryStateBackend):
     def load_version(self, read: ExternalRead) -> int:
         """Fill the tables with this subtask's key groups at ``read.version`` (a restore,
         not a change); returns the entries read. Local state is replaced."""
-        self.attach(read.store, read.job)
+        self.attach(read.store, read.job, mode=read.mode)
         for table in self._cfs.values():
             for prefix in list(table.parts):
                 table.load(prefix, (), ())
@@ -111,7 +121,8 @@ class ExternalStateBackend(MemoryStateBackend):
         entries = 0
         store, conn = self._database()
         with database_errors(store, f"restoring {self.label}"):
-            groups = load_range(conn, read, (kgr.start, kgr.end))
+            groups = (load_current if read.mode == "wal" else load_range)(
+                conn, read, (kgr.start, kgr.end))
             for (kg, state), table in newest(groups, self._backend_keys).items():
                 ordered = sorted(table)
                 self._table(state).load(key_group_prefix(kg), ordered,
@@ -148,20 +159,36 @@ class ExternalStateBackend(MemoryStateBackend):
 
     # -- snapshot ------------------------------------------------------------------------
     def take_local_snapshot(self, count_rows: bool = True) -> LocalSnapshot:
-        """Pre-commit: write the entries changed since the last snapshot under the epoch."""
+        """Pre-commit: write the entries changed since the last snapshot under the epoch
+        (WAL mode: to the snapshot's WAL file)."""
         if self.read_only or self.epoch is None:
             raise UsageError(f"{self.label} is read-only or has no epoch: it cannot snapshot")
-        kgr = self.key_group_range
-        store, conn = self._database()
-        with database_errors(store, f"pre-commit of {self.label}"):
-            write_epoch(store, conn, self.job_key, self.epoch, (kgr.start, kgr.end),
-                        self._changed_rows())
+        files: tuple[tuple[str, int], ...] = ()
+        if self.mode == "wal":
+            files = (self._write_wal(),)
+        else:
+            kgr = self.key_group_range
+            store, conn = self._database()
+            with database_errors(store, f"pre-commit of {self.label}"):
+                write_epoch(store, conn, self.job_key, self.epoch, (kgr.start, kgr.end),
+                            self._changed_rows())
         self._mark_clean()
         snapshot_id = uuid.uuid4().hex
         rows = self.count_rows() if count_rows else {}
         self._dirty = False
         self._last_snapshot_id = snapshot_id
-        return LocalSnapshot(snapshot_id, self.files_path, (), rows)
+        return LocalSnapshot(snapshot_id, self.files_path, files, rows)
+
+    def _write_wal(self) -> tuple[str, int]:
+        """This epoch's changes as a WAL file in ``files_path``, the only file there."""
+        os.makedirs(self.files_path, exist_ok=True)
+        for entry in os.scandir(self.files_path):
+            os.unlink(entry.path)
+        kgr = self.key_group_range
+        name = wal_name(self.epoch or 0, (kgr.start, kgr.end))
+        path = os.path.join(self.files_path, name)
+        write_wal(path, self._changed_rows())
+        return name, os.path.getsize(path)
 
     def _changed_rows(self) -> Iterator[Row]:
         tables = [*self._dropped, *(self._cfs[n] for n in self._cf_names)]

@@ -112,6 +112,7 @@ class ExternalRead:
     job: str
     version: int
     parent: int | None = None  # as its record says (read while its commit is unfinished)
+    mode: str = "mvcc"  # "wal": the job's current state, which must be at ``version``
 
 
 @contextmanager
@@ -127,7 +128,7 @@ def database_errors(store: ExternalStore, what: str) -> Iterator[None]:
                                  f"{lines[0] if lines else type(exc).__name__}") from None
 
 
-def _sql(store: ExternalStore, text: str) -> str:
+def table_sql(store: ExternalStore, text: str) -> str:
     """``text`` with ``{t}`` as the checked table name (only `ExternalStore.table`)."""
     return text.replace("{t}", store.table)
 
@@ -162,24 +163,24 @@ def ensure_schema(store: ExternalStore, conn: Any) -> None:
     with conn.transaction():
         # One creator at a time: CREATE ... IF NOT EXISTS races on the catalog otherwise.
         conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (store.table,))
-        conn.execute(_sql(store, _SCHEMA))
+        conn.execute(table_sql(store, _SCHEMA))
 
 
 def new_epoch(store: ExternalStore, conn: Any) -> int:
     """A fresh epoch for one run attempt: never used before in this table, so a fenced
     or zombie attempt still writing can only add rows no version will ever name."""
-    return int(conn.execute(_sql(store, "SELECT nextval('{t}_epochs')")).fetchone()[0])
+    return int(conn.execute(table_sql(store, "SELECT nextval('{t}_epochs')")).fetchone()[0])
 
 
 def head_version(store: ExternalStore, conn: Any, job: str) -> int | None:
-    row = conn.execute(_sql(store, "SELECT version FROM {t}_head WHERE job = %s"),
+    row = conn.execute(table_sql(store, "SELECT version FROM {t}_head WHERE job = %s"),
                        (job,)).fetchone()
     return None if row is None else int(row[0])
 
 
 def versions(store: ExternalStore, conn: Any, job: str) -> dict[int, int | None]:
     """Every committed version of ``job`` -> its parent."""
-    rows = conn.execute(_sql(store, "SELECT version, parent FROM {t}_versions "
+    rows = conn.execute(table_sql(store, "SELECT version, parent FROM {t}_versions "
                                     "WHERE job = %s"), (job,)).fetchall()
     return {int(v): (None if p is None else int(p)) for v, p in rows}
 
@@ -211,7 +212,7 @@ def load_range(conn: Any, read: ExternalRead, key_groups: tuple[int, int]
         raise UsageError(f"state version {version} of job {job!r} is not committed in "
                          f"{store.identity} (vacuumed, or another database)")
     chain = chain_of({**known, version: known.get(version, read.parent)}, version)
-    query = _sql(store, "SELECT key_group, state, array_agg(key), array_agg(user_key), "
+    query = table_sql(store, "SELECT key_group, state, array_agg(key), array_agg(user_key), "
                         "array_agg(value) FROM {t} WHERE job = %s AND key_group BETWEEN %s "
                         "AND %s AND epoch = %s GROUP BY key_group, state")
     with conn.transaction():  # a server-side cursor lives in a transaction
@@ -255,10 +256,10 @@ def write_epoch(store: ExternalStore, conn: Any, job: str, epoch: int,
     the rows written. Invisible to readers until `commit_version` names the epoch."""
     written = 0
     with conn.transaction():
-        conn.execute(_sql(store, "DELETE FROM {t} WHERE job = %s AND epoch = %s AND "
+        conn.execute(table_sql(store, "DELETE FROM {t} WHERE job = %s AND epoch = %s AND "
                                  "key_group BETWEEN %s AND %s"),
                      (job, epoch, key_groups[0], key_groups[1]))
-        copy_sql = _sql(store, "COPY {t} (job, key_group, state, key, user_key, value, "
+        copy_sql = table_sql(store, "COPY {t} (job, key_group, state, key, user_key, value, "
                                "epoch) FROM STDIN (FORMAT BINARY)")
         with conn.cursor() as cur, cur.copy(copy_sql) as copy:
             copy.set_types(["text", "int4", "text", "bytea", "bytea", "bytea", "int8"])
@@ -270,22 +271,25 @@ def write_epoch(store: ExternalStore, conn: Any, job: str, epoch: int,
 
 def commit_version(store: ExternalStore, conn: Any, job: str, version: int,
                    parent: int | None) -> bool:
-    """Name ``version`` (its rows become a version) and make it the head, in one
-    transaction; idempotent (True: this call added the version)."""
+    """Name ``version`` (its rows become a version) and make it the head unless a newer
+    version is, in one transaction; idempotent (True: this call added the version)."""
     with conn.transaction():
         added = conn.execute(
-            _sql(store, "INSERT INTO {t}_versions (job, version, parent) VALUES (%s, %s, %s) "
+            table_sql(store, "INSERT INTO {t}_versions (job, version, parent) VALUES (%s, %s, %s) "
                         "ON CONFLICT DO NOTHING"), (job, version, parent)).rowcount
-        conn.execute(_sql(store, "INSERT INTO {t}_head (job, version) VALUES (%s, %s) "
-                                 "ON CONFLICT (job) DO UPDATE SET version = EXCLUDED.version"),
-                     (job, version))
+        # Epochs grow (one sequence): the head only moves forward, so a paused driver
+        # finishing its commit late never takes readers back to an older version.
+        conn.execute(table_sql(store, "INSERT INTO {t}_head (job, version) VALUES (%s, %s) "
+                                      "ON CONFLICT (job) DO UPDATE SET version = "
+                                      "EXCLUDED.version WHERE {t}_head.version < "
+                                      "EXCLUDED.version"), (job, version))
     return bool(added)
 
 
 def discard_uncommitted(store: ExternalStore, conn: Any, job: str) -> int:
     """Delete the rows of epochs no committed version names; returns the rows deleted."""
     with conn.transaction():
-        return int(conn.execute(_sql(store, """
+        return int(conn.execute(table_sql(store, """
             DELETE FROM {t} s WHERE s.job = %(job)s AND NOT EXISTS (
               SELECT 1 FROM {t}_versions v WHERE v.job = %(job)s AND v.version = s.epoch)"""),
             {"job": job}).rowcount)
@@ -317,7 +321,7 @@ def vacuum(store: ExternalStore, conn: Any, job: str, retained: Mapping[int, int
         with conn.cursor() as cur, cur.copy("COPY ckpt_keep FROM STDIN") as copy:
             for pair in pairs:
                 copy.write_row(pair)
-        deleted = int(conn.execute(_sql(store, """
+        deleted = int(conn.execute(table_sql(store, """
             DELETE FROM {t} s WHERE s.job = %(job)s
               AND EXISTS (SELECT 1 FROM {t}_versions v WHERE v.job = %(job)s
                           AND v.version = s.epoch)
@@ -329,6 +333,6 @@ def vacuum(store: ExternalStore, conn: Any, job: str, retained: Mapping[int, int
                     AND n.user_key = s.user_key AND n.epoch > s.epoch))"""),
             {"job": job}).rowcount)
         dropped = sorted(set(known) - keep)
-        conn.execute(_sql(store, "DELETE FROM {t}_versions WHERE job = %s AND "
+        conn.execute(table_sql(store, "DELETE FROM {t}_versions WHERE job = %s AND "
                                  "version = ANY(%s)"), (job, dropped))
     return VacuumResult(deleted, tuple(dropped))

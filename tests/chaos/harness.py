@@ -95,7 +95,7 @@ from statebackend.errors import (
     MetadataError,
     SnapshotError,
 )
-from statebackend.job import RunConfig
+from statebackend.job import RunConfig, external_commit
 from statebackend.job import run as run_protocol
 from statebackend.lifecycle import doctor
 from statebackend.lifecycle.gc import collect_garbage
@@ -112,6 +112,7 @@ from statebackend.state.external_store import (
     head_version,
     versions,
 )
+from statebackend.state.external_wal import applied_epoch, ensure_wal_schema
 from statebackend.storage import Storage, open_storage
 
 JOB = "chaos"
@@ -289,6 +290,7 @@ class ChaosConfig:
     # whose database restarts while they snapshot, retention with its vacuum, and the
     # check that the database names only versions committed records name.
     state_db: ExternalStore | None = None
+    state_mode: str | None = None  # "wal": the external backend's WAL mode
     postgres: Any = None
     db_restart_probability: float = 0.12
 
@@ -445,7 +447,8 @@ class Chaos:
 
     def _db_options(self) -> dict:
         db = self.config.state_db
-        return {} if db is None else {"state_db": db.url, "state_table": db.table}
+        return {} if db is None else {"state_db": db.url, "state_table": db.table,
+                                      "state_mode": self.config.state_mode}
 
     @contextmanager
     def _db_restart(self, restart: bool) -> Iterator[None]:
@@ -525,7 +528,8 @@ class Chaos:
         runs = tuple(self.model.committed)
         kill = self.rng.random() < self.config.kill_probability
         detail, outcome = self.attempt(
-            "savepoint", lambda: create_savepoint(self.store, "latest", name), kill)
+            "savepoint", lambda: create_savepoint(self.store, "latest", name,
+                                                  self.config.state_db), kill)
         if self.store.storage.exists(savepoint_metadata_path(name)):
             self.model.savepoints[name] = runs
         return name + detail, outcome
@@ -854,6 +858,7 @@ class Chaos:
                 self.violation(index, "no checkpoint left, but runs "
                                       f"{self.model.committed} were committed")
         else:
+            self.finish_wal_commit(index, latest)
             problems = compare_state(self._rows(latest), reference)
             if problems:
                 self.violation(index, f"latest chk-{latest.checkpoint_id} differs from the "
@@ -862,13 +867,31 @@ class Chaos:
         self.check_files(index)
         self.check_versions(index, latest)
 
+    def finish_wal_commit(self, index: int, latest) -> None:
+        """WAL mode: the database holds only the applied state, so a kill between
+        _metadata and the apply is finished (what the next run does first) before the
+        latest checkpoint is read; counted as commit-pending. Applying it must work: the
+        database is at its parent's epoch or already at its own."""
+        db = self.config.state_db
+        if db is None or latest.external is None or latest.external.mode != "wal":
+            return
+        with db.connect() as conn:
+            ensure_wal_schema(db, conn)
+            if applied_epoch(db, conn, JOB) != latest.external.version:
+                self.outcomes["commit-pending"] += 1
+        try:
+            external_commit.commit(db, latest, self.store.storage)
+        except CkptError as exc:
+            self.violation(index, f"the commit of chk-{latest.checkpoint_id} cannot be "
+                                  f"finished: {exc}")
+
     def check_versions(self, index: int, latest) -> None:
         """External backend: each version the database holds was named by a committed
         record (a discarded attempt's epoch is never committed, none twice); the head is
         the latest record's version once its commit finished."""
         db = self.config.state_db
-        if db is None:
-            return
+        if db is None or self.config.state_mode == "wal":
+            return  # WAL mode: finish_wal_commit checked the applied epoch
         self.named_versions |= {m.external.version for m in self.records() if m.external}
         with db.connect() as conn:
             ensure_schema(db, conn)  # before the first run made it

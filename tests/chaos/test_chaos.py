@@ -35,7 +35,7 @@ from tests.conftest import S3_BUCKET
 
 # (seed, the job runs' engine, their state backend)
 CI_SEEDS = ((101, "spark", None), (202, "local", None), (404, "local", None),
-            (303, "local", "memory"), (505, "local", "external"))
+            (303, "local", "memory"), (505, "local", "external"), (606, "local", "external-wal"))
 CI_STEPS = 100  # per seed: 500 steps in CI
 
 
@@ -44,9 +44,11 @@ def _chaos(spark, tmp_path, seed: int, steps: int, storage_url: str | None = Non
     work = tmp_path / f"seed-{seed}"
     work.mkdir()
     state_db = ExternalStore(postgres.url, f"chaos_{seed}") if postgres else None
+    backend, _, mode = (backend or "").partition("-")  # external-wal: its WAL mode
     config = ChaosConfig(seed=seed, steps=steps, work_dir=str(work),
                          storage_url=storage_url or f"file://{work}/store", engine=engine,
-                         backend=backend, state_db=state_db, postgres=postgres)
+                         backend=backend or None, state_db=state_db,
+                         state_mode=mode or None, postgres=postgres)
     return Chaos(config, spark).run()
 
 
@@ -66,12 +68,13 @@ def _assert_covered(summary: dict) -> None:
 @pytest.mark.parametrize("seed, engine, backend", CI_SEEDS)
 def test_chaos(spark, tmp_path, short_leases, chaos_report, seed, engine, backend, request):
     # the external backend: a real PostgreSQL server on 127.0.0.1, restarted mid-run
-    postgres = request.getfixturevalue("postgres_server") if backend == "external" else None
+    postgres = request.getfixturevalue("postgres_server") \
+        if backend and backend.startswith("external") else None
     summary = _chaos(spark, tmp_path, seed, CI_STEPS, engine=engine, backend=backend,
                      postgres=postgres)
     chaos_report(summary)
     _assert_covered(summary)
-    if backend == "external":
+    if postgres is not None:
         # the database restarted under a run; a kill fell between _metadata and the commit
         assert summary["outcomes"].get("db-restarted", 0) >= 1, summary["outcomes"]
         assert summary["outcomes"].get("commit-pending", 0) >= 1, summary["outcomes"]

@@ -1,0 +1,250 @@
+"""The external backend's WAL mode (statebackend.state.external_wal) on a real PostgreSQL.
+
+Runs of the keyed aggregation on the local engine against pandas, through the public
+API: pre-commits are WAL files in checkpoint storage (a failed attempt, or one that dies
+half-way through writing its WAL, leaves the database untouched); the driver killed
+between ``_metadata`` and the apply is finished by the next run, across a rescale, each
+epoch applied once; a damaged WAL is refused by name with nothing applied; a database
+restart during the pre-commit does not touch it; readers of the current state never see a run's writes
+before its apply; a savepoint exports the state and a new job starts from it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import psycopg
+import pytest
+
+from jobs import keyed_aggregation as ka
+from statebackend.checkpoint.store import CheckpointStore
+from statebackend.errors import MetadataError, StateDatabaseError, UsageError
+from statebackend.job import JobRunError, RunConfig, external_commit, run_job
+from statebackend.lifecycle.savepoint import create_savepoint
+from statebackend.rescale.executor import rescale
+from statebackend.state import external_wal
+from statebackend.state.external import ExternalStateBackend
+from statebackend.state.external_store import ExternalRead, ExternalStore, newest
+from statebackend.state.external_wal import (
+    WalCommit,
+    apply,
+    ensure_wal_schema,
+    is_wal_file,
+    load_current,
+    read_wal,
+    write_wal,
+)
+from statebackend.storage import open_storage
+from tests.jobs.run_reference import assert_totals_equal, final_state
+from tests.statebackend.state.test_external_backend import CODEC, JOB, _days, _summary, _want
+
+
+@pytest.fixture
+def table(postgres_server, request):
+    """A fresh table name per test on the session's server."""
+    store = ExternalStore(postgres_server.url, "w_" + request.node.name.lower()[:30])
+    with store.connect() as conn:
+        for suffix in ("_kv", "_applied"):
+            conn.execute(f"DROP TABLE IF EXISTS {store.table}{suffix}")
+    return store
+
+
+def _config(tmp_path, store: ExternalStore, d: int, **kw) -> RunConfig:
+    return RunConfig(**{
+        "input": str(tmp_path / f"in{d}"), "storage": f"file://{tmp_path}/store",
+        "run_id": f"d{d}", "output": str(tmp_path / "out"), "local_dir": str(tmp_path / "l"),
+        "engine": "local", "backend": "external", "state_db": store.url,
+        "state_table": store.table, "state_mode": "wal", **kw})
+
+
+def _current(store: ExternalStore, conn, job: str = JOB) -> tuple[int | None, int, int]:
+    """(applied epoch, keys, total count) of the job's current rows, in one statement."""
+    rows = conn.execute(f"SELECT a.epoch, k.value FROM {store.table}_applied a "
+                        f"LEFT JOIN {store.table}_kv k ON k.job = a.job AND k.state = 'totals' "
+                        "WHERE a.job = %s", (job,)).fetchall()
+    if not rows:
+        return None, 0, 0
+    counts = [CODEC.decode(bytes(v))["count"] for _, v in rows if v is not None]
+    return int(rows[0][0]), len(counts), sum(counts)
+
+
+def _rows(store, conn, epoch, kgs=(0, 127)) -> dict:
+    groups = load_current(conn, ExternalRead(store, JOB, epoch, mode="wal"), kgs)
+    return {(state, key, user_key): v for (_, state), entries in newest(groups).items()
+            for (key, user_key), v in entries.items()}
+
+
+def test_apply_is_idempotent_by_epoch_and_refuses_another_base(tmp_path, table):
+    store = table
+    path = str(tmp_path / "wal-1.arrow")
+    assert write_wal(path, [(0, "s", b"a", b"", b"1"), (5, "s", b"b", b"u", b"1")]) == 2
+    data = open(path, "rb").read()
+    with pytest.raises(MetadataError, match="WAL here is not a readable WAL file"):
+        read_wal(data[: len(data) // 2], "here")
+    first = read_wal(data, "here")
+    write_wal(path, [(0, "s", b"a", b"", b"2"), (5, "s", b"b", b"u", None)])
+    second = read_wal(open(path, "rb").read(), "there")
+    with store.connect() as conn:
+        ensure_wal_schema(store, conn)
+        assert apply(store, conn, WalCommit(JOB, 1, 10, None), [first])
+        assert not apply(store, conn, WalCommit(JOB, 1, 10, None), [first])  # applied once
+        with pytest.raises(StateDatabaseError, match="over 9, but .* holds epoch 10: "
+                                                     "nothing applied"):
+            apply(store, conn, WalCommit(JOB, 2, 11, 9), [second])
+        assert _rows(store, conn, 10) == {("s", b"a", b""): b"1", ("s", b"b", b"u"): b"1"}
+        assert apply(store, conn, WalCommit(JOB, 2, 11, 10), [second])
+        assert _rows(store, conn, 11) == {("s", b"a", b""): b"2"}
+        # a paused driver finishing epoch 10's commit late: superseded, nothing goes back
+        assert not apply(store, conn, WalCommit(JOB, 1, 10, None), [first])
+        assert _rows(store, conn, 11) == {("s", b"a", b""): b"2"}
+        with pytest.raises(UsageError, match="epoch 10 .* is not the current state .* "
+                                             "holds epoch 11 \\(checkpoint 2\\)"):
+            _rows(store, conn, 10)
+        assert apply(store, conn, WalCommit(JOB, 3, 12, None), [first])  # full: replaces
+        assert _rows(store, conn, 12) == {("s", b"a", b""): b"1", ("s", b"b", b"u"): b"1"}
+
+
+def _wal_refs(state: CheckpointStore, cid: int) -> list:
+    return [f for s in state.load(cid).subtasks for f in s.files if is_wal_file(f.local_name)]
+
+
+def test_runs_match_pandas_across_failures_torn_wals_kills_rescale_and_a_restart(
+        tmp_path, table, postgres_server, monkeypatch):
+    store, days = table, _days(tmp_path, 4)
+    state = CheckpointStore(open_storage(f"file://{tmp_path}/store"), JOB)
+    run_job(ka.JOB, _config(tmp_path, store, 0, parallelism=3))
+    reader = psycopg.connect(store.url, autocommit=True)
+    one = state.latest().external
+    assert (one.mode, one.parent) == ("wal", None) and len(_wal_refs(state, 1)) == 3
+    assert _current(store, reader) == (one.version, *_summary(days[:1]))
+
+    # A failed attempt and one that dies half-way through its WAL: nothing committed,
+    # the database untouched (a pre-commit never writes to it).
+    with pytest.raises(JobRunError, match="injected failure in subtask 1"):
+        run_job(ka.JOB, _config(tmp_path, store, 1, fail_subtask=1))
+    real_write = external_wal.write_wal
+
+    def torn(path, rows):
+        real_write(path, rows)
+        with open(path, "r+b") as fh:
+            fh.truncate(max(1, fh.seek(0, 2) // 2))
+        raise OSError("disk gone while writing the WAL")
+
+    monkeypatch.setattr("statebackend.state.external.write_wal", torn)
+    with pytest.raises(JobRunError, match="disk gone"):
+        run_job(ka.JOB, _config(tmp_path, store, 1))
+    monkeypatch.undo()
+    assert state.latest().checkpoint_id == 1
+    assert _current(store, reader) == (one.version, *_summary(days[:1]))
+
+    # The driver dies between _metadata and the apply: readers keep checkpoint 1's state;
+    # a rescale carries the pending WALs; the next run applies them first, then its own.
+    monkeypatch.setattr(external_commit, "commit", lambda *a, **k: (_ for _ in ()).throw(
+        KeyboardInterrupt("driver killed")))
+    with pytest.raises(KeyboardInterrupt):
+        run_job(ka.JOB, _config(tmp_path, store, 1))
+    monkeypatch.undo()
+    two = state.latest().external
+    assert (two.parent, _current(store, reader)[0]) == (one.version, one.version)
+    r = rescale(state, "latest", 2)
+    assert (r["bytes_downloaded"], r["checkpoint_id"]) == (0, 3)
+    assert {f.path for f in _wal_refs(state, 3)} == {f.path for f in _wal_refs(state, 2)}
+
+    # A damaged WAL of the pending checkpoint is refused by name; nothing is applied.
+    wal = _wal_refs(state, 3)[0]
+    path = tmp_path / "store" / JOB / wal.path
+    good = path.read_bytes()
+    path.write_bytes(good[:-7])
+    with pytest.raises(MetadataError, match=f"WAL .*{wal.path} of checkpoint 3 is torn"):
+        run_job(ka.JOB, _config(tmp_path, store, 2))
+    assert _current(store, reader)[0] == one.version
+    path.write_bytes(good)
+
+    # The database restarts while run d2 snapshots: a pre-commit needs no database, so
+    # the run commits; its apply (on a new connection) finishes checkpoint 3's first.
+    real = ExternalStateBackend.take_local_snapshot
+
+    def restarted(self, *a, **kw):
+        postgres_server.restart()
+        return real(self, *a, **kw)
+
+    reader.close()
+    monkeypatch.setattr(ExternalStateBackend, "take_local_snapshot", restarted)
+    s2 = run_job(ka.JOB, _config(tmp_path, store, 2))
+    monkeypatch.undo()
+    assert (s2["checkpoint_id"], s2["parallelism"]) == (4, 2)
+    assert state.latest().external.parent == two.version  # over the finished epoch
+    reader = psycopg.connect(store.url, autocommit=True)
+    assert _current(store, reader) == (state.latest().external.version, *_summary(days[:3]))
+    s3 = run_job(ka.JOB, _config(tmp_path, store, 3))
+    last = state.latest().external
+    assert _current(store, reader) == (last.version, *_summary(days))
+    applied = reader.execute(f"SELECT checkpoint_id FROM {store.table}_applied "
+                             "WHERE job = %s", (JOB,)).fetchone()[0]
+    assert applied == s3["checkpoint_id"] == 5
+    assert_totals_equal(final_state(f"file://{tmp_path}/store", JOB, store)["totals"],
+                        _want(days))
+    # an older checkpoint is not the database's state: refused in one line
+    with pytest.raises(UsageError, match="is not the current state .*restore older state "
+                                         "from a savepoint"):
+        from statebackend.checkpoint.dump import checkpoint_rows
+        next(iter(checkpoint_rows(state, state.load(4), store)))
+    with pytest.raises(UsageError, match="in wal mode, not mvcc: run it with --state-mode "
+                                         "wal"):
+        run_job(ka.JOB, _config(tmp_path, store, 3, run_id="again", state_mode="mvcc"))
+    reader.close()
+
+
+def test_a_reader_never_sees_a_run_before_its_apply(tmp_path, table):
+    store, days = table, _days(tmp_path, 4, keys=3000, events=20_000)
+    run_job(ka.JOB, _config(tmp_path, store, 0, parallelism=2))
+    seen: list[tuple] = []
+    stop = threading.Event()
+
+    def read_loop() -> None:
+        with psycopg.connect(store.url, autocommit=True) as conn:
+            while True:  # one more read after the stop: the last apply is seen
+                done = stop.is_set()
+                seen.append(_current(store, conn))
+                if done:
+                    return
+
+    thread = threading.Thread(target=read_loop)
+    thread.start()
+    try:
+        for d in range(1, len(days)):
+            run_job(ka.JOB, _config(tmp_path, store, d))
+    finally:
+        stop.set()
+        thread.join()
+    state = CheckpointStore(open_storage(f"file://{tmp_path}/store"), JOB)
+    expected = {state.load(d + 1).external.version: _summary(days[: d + 1])
+                for d in range(len(days))}
+    assert len(seen) > 10
+    for epoch, keys, total in seen:
+        assert (keys, total) == expected[epoch], (epoch, keys, total)
+    assert {e for e, _, _ in seen} >= {min(expected), max(expected)}
+
+
+def test_a_savepoint_exports_the_state_and_a_new_job_starts_from_it(tmp_path, table):
+    store, days = table, _days(tmp_path, 3, keys=300, events=2000)
+    for d in range(2):
+        run_job(ka.JOB, _config(tmp_path, store, d, parallelism=2))
+    state = CheckpointStore(open_storage(f"file://{tmp_path}/store"), JOB)
+    with pytest.raises(UsageError, match="pass that database"):
+        create_savepoint(state, "latest", "nodb")
+    saved = create_savepoint(state, "latest", "sp", store)
+    assert (saved.state_backend, saved.external) == ("memory", None)
+    run_job(ka.JOB, _config(tmp_path, store, 2))  # the job moves on
+    # a new job from the savepoint, at another parallelism, back in WAL mode: its
+    # first run writes a full WAL that becomes that job's rows
+    run_job(ka.JOB, _config(tmp_path, store, 2, job="copy", start_from=f"{JOB}/savepoints/sp",
+                            parallelism=3))
+    copy = CheckpointStore(open_storage(f"file://{tmp_path}/store"), "copy")
+    assert copy.latest().external.parent is None
+    want = _want(days)
+    assert_totals_equal(final_state(f"file://{tmp_path}/store", "copy", store)["totals"],
+                        want)
+    assert_totals_equal(final_state(f"file://{tmp_path}/store", JOB, store)["totals"], want)
+    with psycopg.connect(store.url, autocommit=True) as conn:
+        assert _current(store, conn, "copy")[1:] == _summary(days)
