@@ -63,10 +63,16 @@ def test_a_spec_chooses_the_state_backend(tmp_path):
                                          r"'external'\]"):
         make_spec(tmp_path, backend="disk")
     url = "postgresql://ckpt:s3cret@127.0.0.1:5432/state"
-    external = make_spec(tmp_path, backend="external", state_db=url, state_table="features")
+    external = make_spec(tmp_path, backend="external", state_db=url, state_table="features",
+                         state_mode="wal")
     cfg = steps.build_run_config(external, logical_date=datetime(2027, 1, 2, tzinfo=UTC),
                                  airflow_run_id="manual__1")
-    assert (cfg.backend, cfg.state_db, cfg.state_table) == ("external", url, "features")
+    assert (cfg.backend, cfg.state_db, cfg.state_table, cfg.state_mode) == (
+        "external", url, "features", "wal")
+    args = steps.spark_submit_args(make_spec(  # no password: submit mode refuses one
+        tmp_path, backend="external", state_db="postgresql://ckpt@127.0.0.1/state",
+        state_mode="wal"))
+    assert args[args.index("--state-mode") + 1] == "wal"
     assert "s3cret" not in repr(external) and "s3cret" not in repr(cfg)
 
 
