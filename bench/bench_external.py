@@ -1,4 +1,5 @@
-"""The external state backend (PostgreSQL, MVCC) against RocksDB: rescale, restore, run cost.
+"""The external state backend (PostgreSQL; MVCC and WAL mode) against RocksDB: rescale,
+restore, run cost.
 
 For each state size (``--keys``, default 1M and 4M distinct keys of the keyed
 aggregation, built by one run on the local engine, P=4):
@@ -16,6 +17,10 @@ The goal of issue 25: rescale time independent of the state size (1M and 4M with
 1.2x of each other) and restores that download 0 bytes. A PostgreSQL server (Debian's
 package) is started on 127.0.0.1 for the run, fsync off (as the tests do). Run alone on
 a quiet machine; the load average is printed.
+
+``--backends`` (default ``external,external-wal,rocksdb``): ``external-wal`` is the
+external backend in WAL mode (``--state-mode wal``: WAL files in checkpoint storage,
+applied to unversioned tables after each commit).
 
     python bench/bench_external.py [--keys 1000000,4000000] [--run-events 250000]
 """
@@ -46,14 +51,15 @@ def one_size(work: str, keys: int, run_events: int, backend: str, db_url: str) -
     """Build the state (one run), rescale 4 -> 8, run once more; the figures."""
     root = os.path.join(work, f"{backend}-{keys}")
     storage = f"file://{root}/store"
+    kind, _, mode = backend.partition("-")  # external-wal: the external backend's WAL mode
 
     def config(day: int, **kw) -> RunConfig:
-        extra = {"state_db": db_url, "state_table": f"bench_{keys}"} \
-            if backend == "external" else {}
+        extra = {"state_db": db_url, "state_table": f"bench_{mode or 'mvcc'}_{keys}",
+                 "state_mode": mode or None} if kind == "external" else {}
         return RunConfig(input=os.path.join(work, f"in-{keys}-{day}"), storage=storage,
                          run_id=f"d{day}", output=os.path.join(root, "out"),
                          local_dir=os.path.join(root, "local"), engine="local",
-                         backend=backend, **extra, **kw)
+                         backend=kind, **extra, **kw)
 
     t0 = time.perf_counter()
     first = run_job(ka.JOB, config(0, parallelism=4))
@@ -116,7 +122,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--keys", default="1000000,4000000")
     ap.add_argument("--run-events", type=int, default=250_000)
-    ap.add_argument("--backends", default="external,rocksdb")
+    ap.add_argument("--backends", default="external,external-wal,rocksdb")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="bench-external-")
     server = PostgresServer()
@@ -143,17 +149,22 @@ def main() -> None:
               f"{r['run_after_rescale_s']} ({r['restoring_s']}) | "
               f"{','.join(r['restore_modes'])} | {r['warm_run_s']} "
               f"({','.join(r['warm_restore_modes'])}) |")
-    ext = {r["keys"]: r for r in rows if r["backend"] == "external"}
     rocks = {r["keys"]: r for r in rows if r["backend"] == "rocksdb"}
+    for variant in ("external", "external-wal"):
+        summarize(variant, {r["keys"]: r for r in rows if r["backend"] == variant}, rocks)
+
+
+def summarize(variant: str, ext: dict[int, dict], rocks: dict[int, dict]) -> None:
+    """The goal's ratios of one external variant: rescale time across sizes, run cost."""
     if len(ext) >= 2:
         sizes = sorted(ext)
         small, large = ext[sizes[0]]["rescale_s"], ext[sizes[-1]]["rescale_s"]
-        print(f"external rescale time {sizes[-1]:,} keys / {sizes[0]:,} keys: "
+        print(f"{variant} rescale time {sizes[-1]:,} keys / {sizes[0]:,} keys: "
               f"{large / max(small, 1e-9):.2f}x (goal <= 1.2x)")
     for keys in sorted(set(ext) & set(rocks)):
         ratio = ext[keys]["run_after_rescale_s"] / rocks[keys]["run_after_rescale_s"]
         warm = ext[keys]["warm_run_s"] / rocks[keys]["warm_run_s"]
-        print(f"run cost at {keys:,} keys, external / RocksDB: {warm:.2f}x warm, "
+        print(f"run cost at {keys:,} keys, {variant} / RocksDB: {warm:.2f}x warm, "
               f"{ratio:.2f}x right after a rescale (rescale: {ext[keys]['rescale_s']}s vs "
               f"{rocks[keys]['rescale_s']}s)")
 

@@ -28,10 +28,11 @@ def regrouped(meta: CheckpointMetadata, plan: RescalePlan) -> list[RescaleTaskRe
             if is_wal_file(f.local_name)]
     results = []
     for s in plan.subtasks:
+        # a WAL reached through two source subtasks (an earlier rescale split it) once
+        carried = {f.path: f for r, f in wals if len(r.intersect(s.key_groups))}
         files = tuple(sorted(
             [*(f for kg, f in by_key_group.items() if kg in s.key_groups),
-             *(f for r, f in wals if len(r.intersect(s.key_groups)))],
-            key=lambda f: f.local_name))
+             *carried.values()], key=lambda f: f.local_name))
         handle = SubtaskHandle(
             index=s.index, key_group_start=s.key_groups.start,
             key_group_end=s.key_groups.end, backend_id=uuid.uuid4().hex,

@@ -146,22 +146,23 @@ def test_runs_match_pandas_across_failures_torn_wals_kills_rescale_and_a_restart
     monkeypatch.undo()
     two = state.latest().external
     assert (two.parent, _current(store, reader)[0]) == (one.version, one.version)
-    r = rescale(state, "latest", 2)
+    r = rescale(state, "latest", 4)
     assert (r["bytes_downloaded"], r["checkpoint_id"]) == (0, 3)
-    assert {f.path for f in _wal_refs(state, 3)} == {f.path for f in _wal_refs(state, 2)}
+    assert rescale(state, "latest", 2)["checkpoint_id"] == 4  # split WALs carried once
+    assert {f.path for f in _wal_refs(state, 4)} == {f.path for f in _wal_refs(state, 2)}
 
     # A damaged WAL of the pending checkpoint is refused by name; nothing is applied.
-    wal = _wal_refs(state, 3)[0]
+    wal = _wal_refs(state, 4)[0]
     path = tmp_path / "store" / JOB / wal.path
     good = path.read_bytes()
     path.write_bytes(good[:-7])
-    with pytest.raises(MetadataError, match=f"WAL .*{wal.path} of checkpoint 3 is torn"):
+    with pytest.raises(MetadataError, match=f"WAL .*{wal.path} of checkpoint 4 is torn"):
         run_job(ka.JOB, _config(tmp_path, store, 2))
     assert _current(store, reader)[0] == one.version
     path.write_bytes(good)
 
     # The database restarts while run d2 snapshots: a pre-commit needs no database, so
-    # the run commits; its apply (on a new connection) finishes checkpoint 3's first.
+    # the run commits; its apply (on a new connection) finishes checkpoint 4's first.
     real = ExternalStateBackend.take_local_snapshot
 
     def restarted(self, *a, **kw):
@@ -172,7 +173,7 @@ def test_runs_match_pandas_across_failures_torn_wals_kills_rescale_and_a_restart
     monkeypatch.setattr(ExternalStateBackend, "take_local_snapshot", restarted)
     s2 = run_job(ka.JOB, _config(tmp_path, store, 2))
     monkeypatch.undo()
-    assert (s2["checkpoint_id"], s2["parallelism"]) == (4, 2)
+    assert (s2["checkpoint_id"], s2["parallelism"]) == (5, 2)
     assert state.latest().external.parent == two.version  # over the finished epoch
     reader = psycopg.connect(store.url, autocommit=True)
     assert _current(store, reader) == (state.latest().external.version, *_summary(days[:3]))
@@ -181,14 +182,14 @@ def test_runs_match_pandas_across_failures_torn_wals_kills_rescale_and_a_restart
     assert _current(store, reader) == (last.version, *_summary(days))
     applied = reader.execute(f"SELECT checkpoint_id FROM {store.table}_applied "
                              "WHERE job = %s", (JOB,)).fetchone()[0]
-    assert applied == s3["checkpoint_id"] == 5
+    assert applied == s3["checkpoint_id"] == 6
     assert_totals_equal(final_state(f"file://{tmp_path}/store", JOB, store)["totals"],
                         _want(days))
     # an older checkpoint is not the database's state: refused in one line
     with pytest.raises(UsageError, match="is not the current state .*restore older state "
                                          "from a savepoint"):
         from statebackend.checkpoint.dump import checkpoint_rows
-        next(iter(checkpoint_rows(state, state.load(4), store)))
+        next(iter(checkpoint_rows(state, state.load(5), store)))
     with pytest.raises(UsageError, match="in wal mode, not mvcc: run it with --state-mode "
                                          "wal"):
         run_job(ka.JOB, _config(tmp_path, store, 3, run_id="again", state_mode="mvcc"))
