@@ -126,8 +126,8 @@ def cmd_show(args: argparse.Namespace, store: CheckpointStore) -> int:
         print(f"  {'source':17} {meta.source}")
     if meta.external is not None:
         ext = meta.external
-        print(f"  {'external':17} version {ext.version} (over {ext.parent or '-'}) of "
-              f"{ext.job} in {ext.store}")
+        print(f"  {'external':17} {ext.mode} version {ext.version} (over "
+              f"{ext.parent or '-'}) of {ext.job} in {ext.store}")
     print("  subtasks:")
     for st in s["subtasks"]:
         print(f"    {st['index']:>3}  key groups [{st['key_group_start']}, {st['key_group_end']}]  "

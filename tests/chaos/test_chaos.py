@@ -1,12 +1,14 @@
 """Randomized chaos test of issue 10: job runs, kills, GC, retain, savepoint, rescale.
 
 See harness.py for the steps, the faults and the checks after every step. The CI
-run is five seeds of 100 steps each (500 steps) on file:// storage with one warm
-local Spark session, one with the job runs on Spark and four on the local engine (whose
+run is six seeds of 100 steps each (600 steps) on file:// storage with one warm
+local Spark session, one with the job runs on Spark and five on the local engine (whose
 subtasks run in this process, so the injected deaths also hit restores, snapshots and
-uploads), one of them with the state in the memory backend and one in the external
+uploads), one of them with the state in the memory backend and two in the external
 backend (a PostgreSQL server on 127.0.0.1, restarted during runs; kills also fall between
-a run's _metadata and its database commit); ``slow`` (also run in CI)
+a run's _metadata and its database commit), in MVCC mode and in WAL mode (where a kill
+also tears WAL uploads, savepoints export the state, and a cut-short apply is finished
+before the latest checkpoint is read); ``slow`` (also run in CI)
 adds a seed of 100 steps and one short seed (25 steps) on a real S3 API (moto, local
 engine). Every seed has paused writers
 (issue 20), lost, flipped and replaced records, ledgers, log entries and leases, and
@@ -36,7 +38,7 @@ from tests.conftest import S3_BUCKET
 # (seed, the job runs' engine, their state backend)
 CI_SEEDS = ((101, "spark", None), (202, "local", None), (404, "local", None),
             (303, "local", "memory"), (505, "local", "external"), (606, "local", "external-wal"))
-CI_STEPS = 100  # per seed: 500 steps in CI
+CI_STEPS = 100  # per seed: 600 steps in CI
 
 
 def _chaos(spark, tmp_path, seed: int, steps: int, storage_url: str | None = None,

@@ -279,7 +279,7 @@ def test_cli_dump_validate_and_retention_vacuum_through_the_database(tmp_path, t
     rows = [json.loads(x) for x in (tmp_path / "rows.jsonl").read_text().splitlines()]
     assert_totals_equal({(r["key"], None): r["value"] for r in rows}, _want(days))
     code, out, _ = ckpt("show")
-    assert code == 0 and f"version 3 (over 2) of {JOB} in {store.identity}" in out
+    assert code == 0 and f"mvcc version 3 (over 2) of {JOB} in {store.identity}" in out
     code, out, _ = ckpt("validate", "--deep", "--report", "none", "--json", *db)
     assert code == 0 and json.loads(out)["success"], out
 

@@ -5,12 +5,14 @@ API: pre-commits are WAL files in checkpoint storage (a failed attempt, or one t
 half-way through writing its WAL, leaves the database untouched); the driver killed
 between ``_metadata`` and the apply is finished by the next run, across a rescale, each
 epoch applied once; a damaged WAL is refused by name with nothing applied; a database
-restart during the pre-commit does not touch it; readers of the current state never see a run's writes
-before its apply; a savepoint exports the state and a new job starts from it.
+restart during the pre-commit does not touch it; readers of the current state never see
+a run's writes before its apply; a savepoint exports the state and a new job starts
+from it.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 
 import psycopg
@@ -18,6 +20,7 @@ import pytest
 
 from jobs import keyed_aggregation as ka
 from statebackend.checkpoint.store import CheckpointStore
+from statebackend.cli.app import main
 from statebackend.errors import MetadataError, StateDatabaseError, UsageError
 from statebackend.job import JobRunError, RunConfig, external_commit, run_job
 from statebackend.lifecycle.savepoint import create_savepoint
@@ -249,3 +252,44 @@ def test_a_savepoint_exports_the_state_and_a_new_job_starts_from_it(tmp_path, ta
     assert_totals_equal(final_state(f"file://{tmp_path}/store", JOB, store)["totals"], want)
     with psycopg.connect(store.url, autocommit=True) as conn:
         assert _current(store, conn, "copy")[1:] == _summary(days)
+
+
+def test_cli_runs_exports_shows_validates_and_retains_in_wal_mode(tmp_path, table, capsys):
+    """`ckpt run --state-mode wal`, `show`, `validate --deep`, `retain` (nothing to
+    vacuum), `savepoint` (an export) and a new job from it, all through the CLI."""
+    store, days = table, _days(tmp_path, 3, keys=200, events=1500)
+    root = f"file://{tmp_path}/store"
+    db = ["--state-db", store.url, "--state-table", store.table]
+
+    def ckpt(*argv: str, job: str = JOB) -> tuple[int, str, str]:
+        code = main(["--storage", root, "--job", job, *argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    def run(d: int, *extra: str, job: str = JOB) -> None:
+        code, _, err = ckpt("run", "jobs.keyed_aggregation:JOB", "--input",
+                            str(tmp_path / f"in{d}"), "--run-id", f"d{d}", "--output",
+                            str(tmp_path / f"out-{job}"), "--engine", "local", "--backend",
+                            "external", "--state-mode", "wal", *db, *extra, job=job)
+        assert code == 0, err
+
+    run(0, "--parallelism", "2")
+    first_wals = {f.path for f in _wal_refs(CheckpointStore(open_storage(root), JOB), 1)}
+    run(1)
+    code, out, _ = ckpt("show")
+    version = CheckpointStore(open_storage(root), JOB).latest().external.version
+    assert code == 0 and f"wal version {version} (over" in out
+    code, out, _ = ckpt("validate", "--deep", "--report", "none", "--json", *db)
+    assert code == 0 and json.loads(out)["success"], out
+    code, out, _ = ckpt("retain", "--keep", "1", "--json", *db)
+    assert code == 0 and json.loads(out)["retired"] == [1] and "vacuum" not in json.loads(out)
+    code, _, err = ckpt("savepoint", "--name", "sp")
+    assert code == 2 and "pass that database" in err and len(err.splitlines()) == 1
+    code, out, _ = ckpt("savepoint", "--name", "sp", "--json", *db)
+    assert code == 0 and json.loads(out)["source_checkpoint"] == 2
+    run(2, "--start-from", f"{JOB}/savepoints/sp", "--parallelism", "3", job="copy")
+    assert_totals_equal(final_state(root, "copy", store)["totals"], _want(days))
+    code, out, err = ckpt("gc", "--grace-seconds", "0", "--json")
+    assert code == 0, err
+    stored = {f.path for f in open_storage(f"{root}/{JOB}").walk_files("")}
+    assert len(first_wals) == 2 and not first_wals & stored  # the retired run's WALs went
