@@ -65,15 +65,17 @@ CREATE SEQUENCE IF NOT EXISTS {t}_epochs;
 
 # The WAL in ``ckpt_wal`` applied to the job's rows (one statement each: psycopg sends
 # parameters with a single command).
-# Delete every entry the WAL names, then insert the live ones: 1.7x faster than an
-# upsert (INSERT ... ON CONFLICT DO UPDATE) of 250,000 entries.
+# (Measured at 250,000 entries over 2.5M: the upsert 4.9 s; deleting every named entry
+# then inserting 5.8 s; sorting the rows or a fillfactor did not help.)
 _APPLY = (
     "ANALYZE ckpt_wal",  # a temporary table has no statistics: the join plan needs them
-    """DELETE FROM {t}_kv s USING ckpt_wal w WHERE s.job = %(job)s
+    """DELETE FROM {t}_kv s USING ckpt_wal w WHERE s.job = %(job)s AND w.value IS NULL
          AND s.state = w.state AND s.key = w.key AND s.user_key = w.user_key""",
     """INSERT INTO {t}_kv (job, key_group, state, key, user_key, value)
          SELECT %(job)s, key_group, state, key, user_key, value FROM ckpt_wal
-         WHERE value IS NOT NULL""",
+         WHERE value IS NOT NULL
+       ON CONFLICT (job, state, key, user_key) DO UPDATE SET value = EXCLUDED.value,
+         key_group = EXCLUDED.key_group""",
     """INSERT INTO {t}_applied (job, epoch, checkpoint_id) VALUES
          (%(job)s, %(epoch)s, %(checkpoint)s)
        ON CONFLICT (job) DO UPDATE SET epoch = EXCLUDED.epoch,
