@@ -73,7 +73,6 @@ from statebackend.errors import (
     UnsafePathError,
     UsageError,
 )
-from statebackend.lifecycle.export import export_subtasks
 from statebackend.lifecycle.registry import (
     check_savepoint_name,
     load_savepoint,
@@ -217,6 +216,9 @@ def create_savepoint(store: CheckpointStore, ref: str | int | None, name: str,
         meta = store.load(meta.checkpoint_id)
         extra = dict(meta.extra, savepoint=name)
         if meta.external is not None and meta.external.mode == "wal":
+            # restores state (pyarrow, rocksdict): Airflow's DAG parsing imports this module
+            from statebackend.lifecycle.export import export_subtasks
+
             subtasks = export_subtasks(storage, meta, base, state_db, progress)
             extra["exported_from"] = meta.external.store
         else:

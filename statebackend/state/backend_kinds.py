@@ -5,7 +5,8 @@
 - ``memory`` (`statebackend.state.memory.MemoryStateBackend`): hash tables per key group,
   copy-on-write snapshots per key group, bounded by a memory limit;
 - ``external`` (`statebackend.state.external.ExternalStateBackend`): the memory backend's
-  tables, restored from and pre-committed to a PostgreSQL database per epoch (MVCC).
+  tables, restored from a PostgreSQL database and pre-committed to it per epoch (MVCC) or
+  to a WAL file the driver applies after the commit (WAL mode).
 
 All keep the same keys and the same state API, so a job's code runs on either and a
 lineage can move from one to the other (`convert`: a restore copies every entry).
