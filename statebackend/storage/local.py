@@ -317,8 +317,13 @@ class LocalStorage(Storage):
             try:
                 os.link(tmp, name, src_dir_fd=folder, dst_dir_fd=folder,
                         follow_symlinks=False)  # atomic, and fails if the target exists
-            except FileExistsError:
-                self._refuse_if_link(folder, name, rel)  # a symlink there: say so
+            except FileExistsError as exists:
+                try:
+                    self._refuse_if_link(folder, name, rel)  # a symlink there: say so
+                except FileNotFoundError:
+                    # removed since the link failed (a racing taker's claim): it existed,
+                    # and that is what the caller must hear
+                    raise exists from None
                 raise
             finally:
                 os.unlink(tmp, dir_fd=folder)

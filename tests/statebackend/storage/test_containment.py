@@ -193,6 +193,23 @@ def test_write_exclusive_over_a_symlink_names_it(tree):
         storage.write_exclusive("job/flink", b"x")
 
 
+def test_write_exclusive_over_a_file_removed_meanwhile_says_it_existed(tree, monkeypatch):
+    """A racing lease taker's claim can vanish between our failed link and the symlink
+    check: the caller still hears FileExistsError (a lost race), not a storage error.
+    (The removal is injected: the real race needs three threads and luck.)"""
+    storage, _, _ = tree
+    storage.write_exclusive("job/claim", b"theirs")
+    real = type(storage)._refuse_if_link
+
+    def removed_first(self, folder, name, rel):
+        os.unlink(name, dir_fd=folder)  # the other taker cleans up its claim
+        return real(self, folder, name, rel)
+
+    monkeypatch.setattr(type(storage), "_refuse_if_link", removed_first)
+    with pytest.raises(FileExistsError):
+        storage.write_exclusive("job/claim", b"ours")
+
+
 def test_symlinked_job_folder_is_refused(tree, tmp_path):
     storage, outside, _ = tree
     os.symlink(outside, tmp_path / "store" / "evil")
