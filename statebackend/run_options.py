@@ -180,7 +180,7 @@ class RunOptions:
         help="external backend: the table of the state rows (with <name>_versions, "
              "<name>_head and the readers' view <name>_committed)")
     state_mode: str | None = option(
-        None, choices=("mvcc", "wal"), argument="state_mode",
+        None, choices=defaults.EXTERNAL_MODES, argument="state_mode",
         help="external backend: mvcc (rows versioned per checkpoint: any retained "
              "checkpoint restores) or wal (one current state; each checkpoint's "
              "write-ahead log is applied after its commit); default: the lineage's, "

@@ -82,7 +82,7 @@ from functools import cache
 from typing import Any, TypeAlias
 
 from statebackend.checkpoint.layout import METADATA_FILE, SAVEPOINTS_DIR, SHARED_DIR, chk_id_of
-from statebackend.defaults import BACKENDS
+from statebackend.defaults import BACKENDS, EXTERNAL_MODES
 from statebackend.errors import CkptError, MetadataError, UnsupportedFormatVersionError
 from statebackend.state.families import INTERNAL_STATES
 from statebackend.state.keygroups import (
@@ -239,9 +239,6 @@ def is_plain_name(name: str) -> bool:
 
 def _printable(text: str) -> bool:
     return text.isprintable()
-
-
-EXTERNAL_MODES = ("mvcc", "wal")
 
 
 @dataclass(frozen=True)

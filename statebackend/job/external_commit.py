@@ -22,13 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from statebackend.checkpoint.external_finish import finish, finish_commit
 from statebackend.checkpoint.metadata import CheckpointMetadata, ExternalVersion
-from statebackend.checkpoint.wal_commit import finish_wal
 from statebackend.errors import UsageError
 from statebackend.state.external_store import (
     ExternalRead,
     ExternalStore,
-    commit_version,
     database_errors,
     discard_uncommitted,
     ensure_schema,
@@ -94,16 +93,12 @@ def prepare(store: ExternalStore, job: str, lineage: tuple[CheckpointMetadata | 
     with database_errors(store, f"preparing the run of job {job!r}"):
         conn = store.connect()
         try:
+            (ensure_wal_schema if mode == "wal" else ensure_schema)(store, conn)
+            if latest is not None and latest.external is not None:
+                finish(store, conn, latest, storage)  # its mode is the run's (run_mode)
             if mode == "wal":
-                ensure_wal_schema(store, conn)
-                if latest is not None and latest.external is not None:
-                    finish_wal(store, conn, latest, storage)
                 _check_current(store, conn, parent)
             else:
-                ensure_schema(store, conn)
-                if latest is not None and latest.external is not None:
-                    commit_version(store, conn, job, latest.external.version,
-                                   latest.external.parent)
                 discard_uncommitted(store, conn, job)
             epoch = new_epoch(store, conn)
         finally:
@@ -125,25 +120,16 @@ def _check_current(store: ExternalStore, conn: Any, parent: CheckpointMetadata |
     ext = parent.external
     current = applied_epoch(store, conn, ext.job)
     if current != ext.version:
-        raise NotCurrentError(f"checkpoint {parent.checkpoint_id} of job {ext.job!r} is epoch "
-                         f"{ext.version}, but {store.identity} holds epoch {current}: WAL "
-                         "mode restores only the latest applied checkpoint (start a new "
-                         "job from a savepoint to go back)")
+        raise NotCurrentError(
+            f"checkpoint {parent.checkpoint_id} of job {ext.job!r} is epoch {ext.version}, "
+            f"but {store.identity} holds epoch {current}: WAL mode restores only the latest "
+            "applied checkpoint (start a new job from a savepoint to go back)")
 
 
 def commit(store: ExternalStore, meta: CheckpointMetadata, storage: Storage) -> None:
     """Second phase: make ``meta``'s version the database's (idempotent)."""
-    if meta.external is None:
-        return
-    ext = meta.external
-    what = (f"checkpoint {meta.checkpoint_id} is committed but the commit of its version "
-            f"{ext.version} failed (the next run of job {ext.job!r} finishes it)")
-    with database_errors(store, what):
-        conn = store.connect()
-        try:
-            if ext.mode == "wal":
-                finish_wal(store, conn, meta, storage)
-            else:
-                commit_version(store, conn, ext.job, ext.version, ext.parent)
-        finally:
-            conn.close()
+    if meta.external is not None:
+        finish_commit(store, meta, storage, (
+            f"checkpoint {meta.checkpoint_id} is committed but the commit of its version "
+            f"{meta.external.version} failed (the next run of job {meta.external.job!r} "
+            "finishes it)"))

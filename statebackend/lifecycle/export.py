@@ -18,12 +18,12 @@ import tempfile
 import uuid
 
 from statebackend.checkpoint.dump import descriptors_of
+from statebackend.checkpoint.external_finish import finish_commit
 from statebackend.checkpoint.metadata import CheckpointMetadata, FileRef, SubtaskHandle
 from statebackend.checkpoint.restore import RestoreOptions, external_read, restored_readonly
-from statebackend.checkpoint.wal_commit import finish_wal
 from statebackend.progress import ProgressSink
 from statebackend.state.backend_kinds import convert
-from statebackend.state.external_store import ExternalStore, database_errors
+from statebackend.state.external_store import ExternalStore
 from statebackend.state.memory import MemoryStateBackend, forget_live_instance
 from statebackend.storage import Storage
 
@@ -35,12 +35,8 @@ def export_subtasks(storage: Storage, meta: CheckpointMetadata, folder: str,
     returns their handles (the caller removes ``folder`` on failure)."""
     read = external_read(meta, state_db)  # refused in one line without the database
     assert read is not None
-    with database_errors(read.store, f"exporting checkpoint {meta.checkpoint_id}"):
-        conn = read.store.connect()
-        try:  # a crash may have cut its commit short: the record is the decision
-            finish_wal(read.store, conn, meta, storage)
-        finally:
-            conn.close()
+    # a crash may have cut its commit short: the record is the decision
+    finish_commit(read.store, meta, storage, f"exporting checkpoint {meta.checkpoint_id}")
     descriptors = descriptors_of(meta)
     handles = []
     for sub in meta.subtasks:

@@ -215,12 +215,14 @@ def create_savepoint(store: CheckpointStore, ref: str | int | None, name: str,
         # the checkpoint may have been retired between resolve and hold: re-read it
         meta = store.load(meta.checkpoint_id)
         extra = dict(meta.extra, savepoint=name)
-        if meta.external is not None and meta.external.mode == "wal":
+        exported_from = meta.external.store \
+            if meta.external is not None and meta.external.mode == "wal" else None
+        if exported_from:
             # restores state (pyarrow, rocksdict): Airflow's DAG parsing imports this module
             from statebackend.lifecycle.export import export_subtasks
 
             subtasks = export_subtasks(storage, meta, base, state_db, progress)
-            extra["exported_from"] = meta.external.store
+            extra["exported_from"] = exported_from
         else:
             copies: list[tuple[FileRef, str]] = []
             subtasks = tuple(
@@ -232,7 +234,7 @@ def create_savepoint(store: CheckpointStore, ref: str | int | None, name: str,
         saved = meta.with_changes(
             kind="savepoint", parent=None, subtasks=subtasks, created_at=utc_now_iso(),
             source={"job": store.job, "checkpoint": meta.checkpoint_id, "savepoint": None},
-            extra=extra, external=None if extra.get("exported_from") else meta.external)
+            extra=extra, external=None if exported_from else meta.external)
         commit_savepoint(store, name, saved)
     return saved
 

@@ -181,7 +181,7 @@ def head_version(store: ExternalStore, conn: Any, job: str) -> int | None:
 def versions(store: ExternalStore, conn: Any, job: str) -> dict[int, int | None]:
     """Every committed version of ``job`` -> its parent."""
     rows = conn.execute(table_sql(store, "SELECT version, parent FROM {t}_versions "
-                                    "WHERE job = %s"), (job,)).fetchall()
+                                         "WHERE job = %s"), (job,)).fetchall()
     return {int(v): (None if p is None else int(p)) for v, p in rows}
 
 
@@ -213,8 +213,8 @@ def load_range(conn: Any, read: ExternalRead, key_groups: tuple[int, int]
                          f"{store.identity} (vacuumed, or another database)")
     chain = chain_of({**known, version: known.get(version, read.parent)}, version)
     query = table_sql(store, "SELECT key_group, state, array_agg(key), array_agg(user_key), "
-                        "array_agg(value) FROM {t} WHERE job = %s AND key_group BETWEEN %s "
-                        "AND %s AND epoch = %s GROUP BY key_group, state")
+                             "array_agg(value) FROM {t} WHERE job = %s AND key_group BETWEEN %s "
+                             "AND %s AND epoch = %s GROUP BY key_group, state")
     with conn.transaction():  # a server-side cursor lives in a transaction
         for epoch in reversed(chain):
             with conn.cursor(name=f"ckpt_load_{epoch}", binary=True) as cur:
@@ -257,10 +257,10 @@ def write_epoch(store: ExternalStore, conn: Any, job: str, epoch: int,
     written = 0
     with conn.transaction():
         conn.execute(table_sql(store, "DELETE FROM {t} WHERE job = %s AND epoch = %s AND "
-                                 "key_group BETWEEN %s AND %s"),
+                                      "key_group BETWEEN %s AND %s"),
                      (job, epoch, key_groups[0], key_groups[1]))
         copy_sql = table_sql(store, "COPY {t} (job, key_group, state, key, user_key, value, "
-                               "epoch) FROM STDIN (FORMAT BINARY)")
+                                    "epoch) FROM STDIN (FORMAT BINARY)")
         with conn.cursor() as cur, cur.copy(copy_sql) as copy:
             copy.set_types(["text", "int4", "text", "bytea", "bytea", "bytea", "int8"])
             for kg, state, key, user_key, value in rows:
@@ -276,7 +276,7 @@ def commit_version(store: ExternalStore, conn: Any, job: str, version: int,
     with conn.transaction():
         added = conn.execute(
             table_sql(store, "INSERT INTO {t}_versions (job, version, parent) VALUES (%s, %s, %s) "
-                        "ON CONFLICT DO NOTHING"), (job, version, parent)).rowcount
+                             "ON CONFLICT DO NOTHING"), (job, version, parent)).rowcount
         # Epochs grow (one sequence): the head only moves forward, so a paused driver
         # finishing its commit late never takes readers back to an older version.
         conn.execute(table_sql(store, "INSERT INTO {t}_head (job, version) VALUES (%s, %s) "
@@ -334,5 +334,5 @@ def vacuum(store: ExternalStore, conn: Any, job: str, retained: Mapping[int, int
             {"job": job}).rowcount)
         dropped = sorted(set(known) - keep)
         conn.execute(table_sql(store, "DELETE FROM {t}_versions WHERE job = %s AND "
-                                 "version = ANY(%s)"), (job, dropped))
+                                      "version = ANY(%s)"), (job, dropped))
     return VacuumResult(deleted, tuple(dropped))

@@ -215,8 +215,16 @@ def _summary(days) -> tuple[int, int]:
 def test_a_reader_never_sees_a_run_before_its_commit(tmp_path, table):
     """Another connection reads the committed view in a loop while runs write: every
     read is exactly one committed version's state (pandas), never a mix."""
-    store, days = table, _days(tmp_path, 4, keys=3000, events=20_000)
-    run_job(ka.JOB, _config(tmp_path, store, 0, parallelism=2))
+    assert_reads_are_committed_states(
+        tmp_path, table, lambda d, **kw: _config(tmp_path, table, d, **kw), _committed_view)
+
+
+def assert_reads_are_committed_states(tmp_path, store: ExternalStore, config, view) -> None:
+    """Runs 4 days of 20,000 events (``config(day, **options)``) while another connection
+    reads ``view(store, conn)`` -> (version, keys, total count) in a loop: every read is
+    one committed checkpoint's pandas summary, and the first and last are seen."""
+    days = _days(tmp_path, 4, keys=3000, events=20_000)
+    run_job(ka.JOB, config(0, parallelism=2))
     seen: list[tuple] = []
     stop = threading.Event()
 
@@ -224,7 +232,7 @@ def test_a_reader_never_sees_a_run_before_its_commit(tmp_path, table):
         with psycopg.connect(store.url, autocommit=True) as conn:
             while True:  # one more read after the stop: the last commit is seen
                 done = stop.is_set()
-                seen.append(_committed_view(store, conn))
+                seen.append(view(store, conn))
                 if done:
                     return
 
@@ -232,7 +240,7 @@ def test_a_reader_never_sees_a_run_before_its_commit(tmp_path, table):
     thread.start()
     try:
         for d in range(1, len(days)):
-            run_job(ka.JOB, _config(tmp_path, store, d))
+            run_job(ka.JOB, config(d))
     finally:
         stop.set()
         thread.join()

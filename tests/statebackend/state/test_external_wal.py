@@ -13,7 +13,6 @@ from it.
 from __future__ import annotations
 
 import json
-import threading
 
 import psycopg
 import pytest
@@ -39,7 +38,14 @@ from statebackend.state.external_wal import (
 )
 from statebackend.storage import open_storage
 from tests.jobs.run_reference import assert_totals_equal, final_state
-from tests.statebackend.state.test_external_backend import CODEC, JOB, _days, _summary, _want
+from tests.statebackend.state.test_external_backend import (
+    CODEC,
+    JOB,
+    _days,
+    _summary,
+    _want,
+    assert_reads_are_committed_states,
+)
 
 
 @pytest.fixture
@@ -207,34 +213,8 @@ def test_runs_match_pandas_across_failures_torn_wals_kills_rescale_and_a_restart
 
 
 def test_a_reader_never_sees_a_run_before_its_apply(tmp_path, table):
-    store, days = table, _days(tmp_path, 4, keys=3000, events=20_000)
-    run_job(ka.JOB, _config(tmp_path, store, 0, parallelism=2))
-    seen: list[tuple] = []
-    stop = threading.Event()
-
-    def read_loop() -> None:
-        with psycopg.connect(store.url, autocommit=True) as conn:
-            while True:  # one more read after the stop: the last apply is seen
-                done = stop.is_set()
-                seen.append(_current(store, conn))
-                if done:
-                    return
-
-    thread = threading.Thread(target=read_loop)
-    thread.start()
-    try:
-        for d in range(1, len(days)):
-            run_job(ka.JOB, _config(tmp_path, store, d))
-    finally:
-        stop.set()
-        thread.join()
-    state = CheckpointStore(open_storage(f"file://{tmp_path}/store"), JOB)
-    expected = {state.load(d + 1).external.version: _summary(days[: d + 1])
-                for d in range(len(days))}
-    assert len(seen) > 10
-    for epoch, keys, total in seen:
-        assert (keys, total) == expected[epoch], (epoch, keys, total)
-    assert {e for e, _, _ in seen} >= {min(expected), max(expected)}
+    assert_reads_are_committed_states(
+        tmp_path, table, lambda d, **kw: _config(tmp_path, table, d, **kw), _current)
 
 
 def test_a_savepoint_exports_the_state_and_a_new_job_starts_from_it(tmp_path, table):

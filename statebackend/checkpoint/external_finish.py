@@ -1,9 +1,10 @@
-"""The full commit of a WAL-mode external checkpoint: its WAL files applied to the
-database (statebackend.state.external_wal), from its record.
+"""The second phase of an external checkpoint's commit, from its record (the decision):
+MVCC names the version to commit (`commit_version`), WAL mode lists the WAL files to
+apply (`finish_wal`, statebackend.state.external_wal).
 
-The driver calls `finish_wal` right after ``_metadata``; the next run, and a savepoint's
-export, call it first, so a crash between the two phases is finished before any new
-work reads the database. Idempotent by epoch.
+The driver calls `finish_commit` right after ``_metadata``; the next run's prepare and a
+WAL savepoint's export call `finish` first, so a crash between the two phases is
+finished before any new work reads the database. Idempotent by epoch.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.errors import MetadataError, StorageError
-from statebackend.state.external_store import ExternalStore
+from statebackend.state.external_store import ExternalStore, commit_version, database_errors
 from statebackend.state.external_wal import WalCommit, applied_epoch, apply, is_wal_file, read_wal
 from statebackend.storage import Storage
 from statebackend.storage.checksums import checksum_algorithm, checksum_of_bytes
@@ -44,3 +45,25 @@ def finish_wal(store: ExternalStore, conn: Any, meta: CheckpointMetadata, storag
         wals.append(read_wal(data, where))
     return apply(store, conn, WalCommit(ext.job, meta.checkpoint_id, ext.version,
                                         ext.parent), wals)
+
+
+def finish(store: ExternalStore, conn: Any, meta: CheckpointMetadata, storage: Storage
+           ) -> None:
+    """Make external checkpoint ``meta``'s version the database's (module docstring)."""
+    ext = meta.external
+    assert ext is not None
+    if ext.mode == "wal":
+        finish_wal(store, conn, meta, storage)
+    else:
+        commit_version(store, conn, ext.job, ext.version, ext.parent)
+
+
+def finish_commit(store: ExternalStore, meta: CheckpointMetadata, storage: Storage,
+                  what: str) -> None:
+    """`finish` on a connection of its own; a database error is one line naming ``what``."""
+    with database_errors(store, what):
+        conn = store.connect()
+        try:
+            finish(store, conn, meta, storage)
+        finally:
+            conn.close()
