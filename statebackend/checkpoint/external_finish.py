@@ -4,16 +4,23 @@ apply (`finish_wal`, statebackend.state.external_wal).
 
 The driver calls `finish_commit` right after ``_metadata``; the next run's prepare and a
 WAL savepoint's export call `finish` first, so a crash between the two phases is
-finished before any new work reads the database. Idempotent by epoch.
+finished before any new work reads the database; `ckpt doctor --state-db` reports such a
+checkpoint (`commit_state`) and its ``--repair`` finishes it. Idempotent by epoch.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.errors import MetadataError, StorageError
-from statebackend.state.external_store import ExternalStore, commit_version, database_errors
+from statebackend.state.external_store import (
+    ExternalStore,
+    commit_version,
+    database_errors,
+    head_version,
+)
 from statebackend.state.external_wal import WalCommit, applied_epoch, apply, is_wal_file, read_wal
 from statebackend.storage import Storage
 from statebackend.storage.checksums import checksum_algorithm, checksum_of_bytes
@@ -67,3 +74,39 @@ def finish_commit(store: ExternalStore, meta: CheckpointMetadata, storage: Stora
             finish(store, conn, meta, storage)
         finally:
             conn.close()
+
+
+@dataclass(frozen=True)
+class CommitState:
+    """Where database ``store`` (its identity) stands against external checkpoint
+    ``checkpoint_id``'s ``version``: ``held`` is the job's MVCC head version or WAL
+    applied epoch (None: nothing committed yet)."""
+
+    checkpoint_id: int
+    store: str
+    mode: str
+    version: int
+    held: int | None
+
+    @property
+    def pending(self) -> bool:
+        """The record is committed but readers of the database do not see it yet."""
+        return self.held is None or self.held < self.version
+
+    def to_json(self) -> dict[str, Any]:
+        return {"checkpoint": self.checkpoint_id, "store": self.store, "mode": self.mode,
+                "version": self.version, "held": self.held, "pending": self.pending}
+
+
+def commit_state(store: ExternalStore, meta: CheckpointMetadata, what: str) -> CommitState:
+    """Read where ``store`` stands against external checkpoint ``meta`` (`CommitState`)."""
+    ext = meta.external
+    assert ext is not None
+    with database_errors(store, what):
+        conn = store.connect()
+        try:
+            held = applied_epoch(store, conn, ext.job) if ext.mode == "wal" \
+                else head_version(store, conn, ext.job)
+        finally:
+            conn.close()
+    return CommitState(meta.checkpoint_id, store.identity, ext.mode, ext.version, held)

@@ -21,6 +21,11 @@ bytes of everything it removes, so nothing is lost without a trace:
 - `plan_clear_lease` (``--clear-lease NAME``): remove one lease file; a live,
   readable lease only with ``force``.
 
+An external-backend job's latest checkpoint is checked against its database when one is
+given (``--state-db``): a commit a crash cut short after ``_metadata`` (readers of the
+database still see the older state) is a ``commit-pending`` problem, and ``--repair``
+finishes it (`statebackend.checkpoint.external_finish`), as the job's next run would.
+
 Records and log entries are removed by the doctor only: lifecycle commands never
 delete ``_metadata``, ``runs/`` or ``leases/`` files they do not own. Changing
 records and the ledger needs the writer lease (no run at the same time).
@@ -32,7 +37,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from statebackend import settings
 from statebackend.checkpoint import layout
@@ -50,6 +55,10 @@ from statebackend.checkpoint.runs import (
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import CheckpointNotFoundError, CkptError, MetadataError, UsageError
 from statebackend.storage import Storage
+
+if TYPE_CHECKING:  # the external backend's modules (pyarrow, psycopg) load when used
+    from statebackend.checkpoint.external_finish import CommitState
+    from statebackend.state.external_store import ExternalStore
 
 LIST_CAP = 20
 
@@ -83,10 +92,19 @@ class Diagnosis:
     ledger: Mapping[str, RunRecord] = field(default_factory=dict)  # read ledger records
     mismatched: frozenset[int] = frozenset()    # records replaced after their commit
     digests: Mapping[int, str] = field(default_factory=dict)  # SHA-256 of each parsed record
+    commit: CommitState | None = None  # the latest external checkpoint's, when checked
 
     @property
     def latest(self) -> int | None:
         return self.committed[-1] if self.committed else None
+
+    @property
+    def unchecked_store(self) -> str | None:
+        """The database of the latest (external) checkpoint when it was not checked."""
+        meta = self.records.get(self.latest or 0)
+        if self.commit is None and meta is not None and meta.external is not None:
+            return meta.external.store
+        return None
 
     @property
     def blocking(self) -> tuple[Problem, ...]:
@@ -97,11 +115,14 @@ class Diagnosis:
                 "malformed": {str(k): v for k, v in self.malformed.items()},
                 "leases": [x.to_json() for x in self.leases],
                 "problems": [p.to_json() for p in self.problems],
+                "external": None if self.commit is None else self.commit.to_json(),
                 "healthy": not self.problems}
 
 
-def diagnose(store: CheckpointStore, now: datetime | None = None) -> Diagnosis:
-    """Read the whole lineage (every record, every log block, every lease)."""
+def diagnose(store: CheckpointStore, now: datetime | None = None,
+             state_db: ExternalStore | None = None) -> Diagnosis:
+    """Read the whole lineage (every record, every log block, every lease) and, given the
+    external backend's database ``state_db``, where it stands against the latest record."""
     now = now or datetime.now(UTC)
     storage = store.storage
     ids = store.checkpoint_ids()
@@ -150,8 +171,36 @@ def diagnose(store: CheckpointStore, now: datetime | None = None) -> Diagnosis:
         f"if no writer of job {store.job!r} runs, `ckpt doctor --clear-lease {x.name}` "
         "(`--repair` clears it once it is older than two lease lifetimes)", True)
         for x in leases if x.state == "corrupt"]
+    commit = _commit_state(records.get(committed[-1]) if committed else None, state_db)
+    if commit is not None and commit.pending:
+        problems.append(_pending_problem(commit))
     return Diagnosis(store.job, committed, records, malformed, names, leases, tuple(problems),
-                     _ledger(storage, names), frozenset(mismatched), digests)
+                     _ledger(storage, names), frozenset(mismatched), digests, commit)
+
+
+def _commit_state(latest: CheckpointMetadata | None, state_db: ExternalStore | None
+                  ) -> CommitState | None:
+    """The database's state against the latest record (None: not external, or no database
+    given); another database than the record names is refused in one line."""
+    if latest is None or latest.external is None or state_db is None:
+        return None
+    # the external backend's modules only for an external job checked against its database
+    from statebackend.checkpoint.external_finish import commit_state
+    from statebackend.checkpoint.restore import external_read
+
+    external_read(latest, state_db)
+    return commit_state(state_db, latest, f"checking checkpoint {latest.checkpoint_id}")
+
+
+def _pending_problem(commit: CommitState) -> log.Problem:
+    held = "nothing" if commit.held is None else f"version {commit.held}"
+    return log.Problem(
+        "commit-pending", (commit.checkpoint_id,),
+        f"checkpoint {commit.checkpoint_id} is committed, but {commit.store} holds {held}, "
+        f"not its {commit.mode} version {commit.version}: readers of the database still see "
+        "older state (a crash cut the commit short)",
+        "`ckpt doctor --repair --state-db URL` finishes it (the job's next run does too)",
+        False)
 
 
 def _lease_states(storage: Storage, now: datetime) -> list[LeaseState]:
@@ -200,7 +249,7 @@ class RepairAction:
     """One change: ``action`` on ``target`` (a job-relative path), and why."""
 
     action: str   # write-entry | rebuild-ledger | mark-retired | quarantine | forget-run
-    #               | drop-log | clear-lease
+    #               | drop-log | clear-lease | finish-commit
     target: str
     why: str
     checkpoint_id: int | None = None
@@ -278,6 +327,11 @@ def plan_repair(d: Diagnosis, *, now: datetime | None = None,
                                         and x.age_seconds > 2 * ttl)
         if dead:
             acts.append(RepairAction("clear-lease", x.path, f"{x.state} lease ({x.detail})"))
+    if d.commit is not None and d.commit.pending:
+        acts.append(RepairAction(
+            "finish-commit", layout.metadata_path(d.commit.checkpoint_id),
+            f"make its {d.commit.mode} version {d.commit.version} the state of "
+            f"{d.commit.store}", d.commit.checkpoint_id))
     return RepairPlan(d.job, "repair", "safe repairs", tuple(acts))
 
 
@@ -369,10 +423,14 @@ class RepairReport:
         return dict(self.plan.to_json(), dry_run=self.dry_run, repair_record=self.record)
 
 
-def execute(store: CheckpointStore, plan: RepairPlan, d: Diagnosis) -> RepairReport:
+def execute(store: CheckpointStore, plan: RepairPlan, d: Diagnosis,
+            state_db: ExternalStore | None = None) -> RepairReport:
     """Carry out ``plan``: first the repair record (the reason and the bytes of what goes),
     then the changes in the plan's order. Holds the writer lease when the plan changes
-    records or the ledger."""
+    records or the ledger; a ``finish-commit`` writes to ``state_db``."""
+    if any(a.action == "finish-commit" for a in plan.actions) and state_db is None:
+        raise UsageError("finishing an external checkpoint's commit needs its database "
+                         "(--state-db)")
     if not plan.actions:
         return RepairReport(plan, False, None)
     if not plan.needs_writer:
@@ -383,6 +441,15 @@ def execute(store: CheckpointStore, plan: RepairPlan, d: Diagnosis) -> RepairRep
     with writer_lease(store.storage, f"ckpt doctor {plan.kind}"):
         record = _write_record(store, plan)
         _apply(store, plan, d)
+        for a in plan.actions:
+            if a.action == "finish-commit":
+                # the external backend's modules only when a commit is finished
+                from statebackend.checkpoint.external_finish import finish_commit
+
+                assert state_db is not None
+                cid = _checkpoint_of(a)
+                finish_commit(state_db, d.records[cid], store.storage,
+                              f"finishing the commit of checkpoint {cid}")
     return RepairReport(plan, False, record)
 
 

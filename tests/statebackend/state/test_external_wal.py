@@ -13,6 +13,7 @@ from it.
 from __future__ import annotations
 
 import json
+import uuid
 
 import psycopg
 import pytest
@@ -43,6 +44,7 @@ from tests.statebackend.state.test_external_backend import (
     JOB,
     _days,
     _summary,
+    _committed_view,
     _want,
     assert_reads_are_committed_states,
 )
@@ -280,3 +282,60 @@ def test_cli_runs_exports_shows_validates_and_retains_in_wal_mode(tmp_path, tabl
     assert code == 0, err
     stored = {f.path for f in open_storage(f"{root}/{JOB}").walk_files("")}
     assert len(first_wals) == 2 and not first_wals & stored  # the retired run's WALs went
+
+
+@pytest.mark.parametrize("mode", ["mvcc", "wal"])
+def test_doctor_finishes_a_commit_a_crash_cut_short(tmp_path, postgres_server, monkeypatch,
+                                                    capsys, mode):
+    """The driver dies between ``_metadata`` and the database commit: `ckpt doctor
+    --state-db` reports it (without the database: not checked), ``--repair --dry-run``
+    plans the finish and changes nothing, ``--repair`` finishes it once: readers then see
+    the pandas state of both days, and the next run continues from it."""
+    store = ExternalStore(postgres_server.url, f"doc_{mode}_{uuid.uuid4().hex[:8]}")
+    days = _days(tmp_path, 3, keys=150, events=1200)
+    root = f"file://{tmp_path}/store"
+    db = ["--state-db", store.url, "--state-table", store.table]
+    view = _current if mode == "wal" else _committed_view
+
+    def doctor(*argv: str) -> tuple[int, str]:
+        code = main(["--storage", root, "--job", JOB, "doctor", *argv])
+        out, err = capsys.readouterr()
+        assert len(err.splitlines()) <= 1, err
+        return code, out + err
+
+    run_job(ka.JOB, _config(tmp_path, store, 0, parallelism=2, state_mode=mode))
+    monkeypatch.setattr(external_commit, "commit", lambda *a, **k: (_ for _ in ()).throw(
+        KeyboardInterrupt("driver killed")))
+    with pytest.raises(KeyboardInterrupt):
+        run_job(ka.JOB, _config(tmp_path, store, 1, state_mode=mode))
+    monkeypatch.undo()
+    state = CheckpointStore(open_storage(root), JOB)
+    one, two = state.load(1).external.version, state.load(2).external.version
+    reader = psycopg.connect(store.url, autocommit=True)
+    assert view(store, reader) == (one, *_summary(days[:1]))
+
+    code, out = doctor()
+    assert code == 0 and f"external state in {store.identity}: not checked" in out
+    code, out = doctor("--json", *db)
+    report = json.loads(out)
+    assert code == 0 and [p["kind"] for p in report["problems"]] == ["commit-pending"]
+    assert report["external"] == {"checkpoint": 2, "store": store.identity, "mode": mode,
+                                  "version": two, "held": one, "pending": True}
+    code, out = doctor("--repair", "--dry-run", *db)
+    assert code == 0 and "finish-commit" in out and "nothing changed" in out
+    assert view(store, reader)[0] == one
+    code, out = doctor("--repair")  # the database is needed to finish: no such action
+    assert code == 0 and "finish-commit" not in out
+    code, out = doctor("--repair", *db)
+    assert code == 0 and "did make 1 change(s)" in out and "finish-commit" in out
+    assert view(store, reader) == (two, *_summary(days[:2]))
+    code, out = doctor(*db)
+    assert code == 0 and "healthy" in out and f"holds {mode} version {two}" in out
+
+    s = run_job(ka.JOB, _config(tmp_path, store, 2, state_mode=mode))
+    assert view(store, reader) == (state.latest().external.version, *_summary(days))
+    assert s["checkpoint_id"] == 3
+    assert_totals_equal(final_state(root, JOB, store)["totals"], _want(days))
+    code, out = doctor("--state-table", "other", "--state-db", store.url)
+    assert code == 2 and "keeps its state in" in out
+    reader.close()
