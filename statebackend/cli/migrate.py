@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from statebackend.cli.app import emit_json, json_flag
+from statebackend.cli.app import emit_json, json_flag, state_db_flags, state_db_of
 from statebackend.job.command import importable_cwd
 from statebackend.job.load import load_job
 from statebackend.job.transform import (
@@ -24,13 +24,15 @@ from statebackend.storage import Storage
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "migrate", parents=[json_flag()], help="transform state into a new job's savepoint",
+        "migrate", parents=[json_flag(), state_db_flags()],
+        help="transform state into a new job's savepoint",
         description="Read a checkpoint or savepoint (SOURCE), pass every key's state through "
                     "a function (TRANSFORM: per key, or per Arrow batch across the states of "
                     "the same keys) and write what it returns as a savepoint of the new job "
                     "(--to): split or merge states, change a state's kind or codec, drop "
                     "keys or change the key. Start a new lineage from it with `ckpt run ... "
-                    "--start-from <job>/savepoints/NAME` (docs/state-as-data.md).")
+                    "--start-from <job>/savepoints/NAME` (docs/state-as-data.md). An "
+                    "external-backend source is read from its database (--state-db).")
     p.add_argument("source", metavar="SOURCE",
                    help="<job>:latest, <job>:<id>, <job>/savepoints/<name> or a savepoint name")
     p.add_argument("transform", metavar="TRANSFORM",
@@ -65,7 +67,7 @@ def cmd_migrate(args: argparse.Namespace, storage: Storage) -> int:
                                      target_job=args.job, parallelism=args.parallelism,
                                      max_parallelism=args.max_parallelism,
                                      master=args.remote or args.master, dry_run=args.dry_run,
-                                     progress=progress))
+                                     state_db=state_db_of(args), progress=progress))
     if args.json:
         emit_json(result)
     else:

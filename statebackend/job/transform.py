@@ -38,6 +38,7 @@ import pyarrow as pa
 from statebackend.checkpoint.layout import savepoint_dir
 from statebackend.checkpoint.leases import hold
 from statebackend.checkpoint.metadata import CheckpointMetadata
+from statebackend.checkpoint.restore import external_read
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import UsageError
 from statebackend.job.api import Job
@@ -58,6 +59,8 @@ from statebackend.lifecycle.savepoint import (
     savepoint_purpose,
 )
 from statebackend.progress import NO_PROGRESS, ProgressSink
+from statebackend.state.external_store import ExternalStore
+from statebackend.state.external_wal import require_current
 from statebackend.state.families import TIMERS
 from statebackend.state.keygroups import check_parallelism
 from statebackend.state.kinds import StateDescriptor
@@ -77,7 +80,9 @@ class TransformOptions:
     to run on, or ``master`` (``local[2]``, ``spark://...``, ``sc://...``) to get one
     (stopped after if this call started it); neither: this process's threads;
     ``dry_run``: the plan only; ``local_dir``: the local-recovery root the source's
-    subtasks are looked for in; ``progress``: where progress goes.
+    subtasks are looked for in; ``state_db``: the database of an external-backend source
+    (its key groups are queried at the source's version); ``progress``: where progress
+    goes.
     """
 
     target_job: str | None = None
@@ -86,6 +91,7 @@ class TransformOptions:
     master: str | None = None
     dry_run: bool = False
     local_dir: str | None = None
+    state_db: ExternalStore | None = None
     spark: Any = field(default=None, compare=False, repr=False)
     progress: ProgressSink = field(default=NO_PROGRESS, compare=False, repr=False)
 
@@ -160,6 +166,9 @@ def plan_transform(storage: Storage, source: str, transform: StateTransform, tar
     check_savepoint_name(savepoint)
     kind, job, what = parse_start_spec(storage, source)
     meta = load_start_point(storage, kind, job, what)
+    # an external source without its database, or a WAL one not current: refused
+    require_current(external_read(meta, options.state_db),
+                    f"reading checkpoint {meta.checkpoint_id}")
     target_store = CheckpointStore(storage, options.target_job or target.name)
     check_savepoint_free(target_store, savepoint)
     p = options.parallelism or meta.parallelism
@@ -205,7 +214,7 @@ def transform_state(storage: str | Storage, source: str,
               [] if plan.source_savepoint else [plan.checkpoint_id]):
         meta = load_savepoint(source_store, plan.source_savepoint) \
             if plan.source_savepoint else source_store.load(plan.checkpoint_id)
-        read = _source_read(plan, meta, root, fn, target, options.local_dir)
+        read = _source_read(plan, meta, root, fn, target, options)
         origin = Origin({"job": plan.source_job, "checkpoint": plan.checkpoint_id,
                          "savepoint": plan.source_savepoint,
                          "transform": {"function": fn.name, "per": fn.per}},
@@ -246,7 +255,8 @@ def _states(meta: CheckpointMetadata) -> tuple[str, ...]:
 
 
 def _source_read(plan: TransformPlan, meta: CheckpointMetadata, root: Storage,
-                 transform: StateTransform, target: Job, local_dir: str | None) -> SourceRead:
+                 transform: StateTransform, target: Job, options: TransformOptions
+                 ) -> SourceRead:
     if meta.checkpoint_id != plan.checkpoint_id:
         raise UsageError(f"{plan.source_label} changed since the plan; run the transform "
                          "again")
@@ -256,7 +266,8 @@ def _source_read(plan: TransformPlan, meta: CheckpointMetadata, root: Storage,
         descriptors=tuple(StateDescriptor.from_json(s) for s in meta.states),
         handles=tuple(meta.subtasks),
         clocks={"event": meta.watermark, "processing": meta.processing_time},
-        transform=transform, target=target, local_dir=local_dir)
+        transform=transform, target=target, local_dir=options.local_dir,
+        external=external_read(meta, options.state_db))
 
 
 def _transform_local(read: SourceRead, progress: ProgressSink) -> dict[str, pa.Table]:

@@ -45,6 +45,7 @@ from statebackend.checkpoint.restore import RestoreOptions
 from statebackend.errors import UsageError
 from statebackend.job.api import Job
 from statebackend.state.codecs import BytesCodec, JsonCodec, RecordCodec, StrCodec
+from statebackend.state.external_store import ExternalRead
 from statebackend.state.families import TIMERS
 from statebackend.state.kinds import StateDescriptor
 from statebackend.state.state_table import (
@@ -100,6 +101,7 @@ class SourceRead:
     target: Job
     local_dir: str | None = None
     batch_rows: int = BATCH_ROWS
+    external: ExternalRead | None = None  # an external-backend source's database read
 
     @property
     def states(self) -> tuple[StateDescriptor, ...]:
@@ -119,7 +121,8 @@ def transformed_spans(source: SourceRead, subtask: int) -> Iterator[dict[str, pa
     expected = max((handle.row_counts.get(d.name, 0) for d in source.states), default=0)
     with restored_copy(storage, handle, source.descriptors, source.max_parallelism, instance,
                        RestoreOptions(label=f"subtask {subtask} of checkpoint "
-                                            f"{source.checkpoint_id}")) as backend:
+                                            f"{source.checkpoint_id}",
+                                      external=source.external)) as backend:
         for span in key_group_spans(backend.key_group_range, expected, source.batch_rows):
             tables = {}
             for read in reads:

@@ -38,9 +38,11 @@ from statebackend.checkpoint.leases import hold
 from statebackend.checkpoint.lineage import digest_of
 from statebackend.checkpoint.local_copy import instance_dir, restored_copy
 from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskHandle
-from statebackend.checkpoint.restore import RestoreOptions
+from statebackend.checkpoint.restore import RestoreOptions, external_read
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import CheckpointNotFoundError, UsageError
+from statebackend.state.external_store import ExternalRead, ExternalStore
+from statebackend.state.external_wal import require_current
 from statebackend.state.kinds import StateDescriptor
 from statebackend.state.state_table import (
     BATCH_ROWS,
@@ -64,7 +66,9 @@ class ReadOptions:
     instead of one row per key with an array; ``fields_as_columns``: a record's fields
     as columns, else one struct column ``value``; ``local_dir``: the executors'
     local-recovery root (default ``CKPT_LOCAL_DIR``, else ``<tmp>/ckpt-local``: where
-    job runs keep it); ``batch_rows``: about how many entries an Arrow batch holds.
+    job runs keep it); ``batch_rows``: about how many entries an Arrow batch holds;
+    ``state_db``: the database of an external-backend checkpoint (its key groups are
+    queried at the checkpoint's version; refused in one line without it).
     ``pause_file`` is a test hook: each task, once it holds the checkpoint, creates
     ``<pause_file>.paused-<subtask>`` and waits until ``pause_file`` exists.
     """
@@ -74,6 +78,7 @@ class ReadOptions:
     local_dir: str | None = None
     batch_rows: int = BATCH_ROWS
     pause_file: str | None = None
+    state_db: ExternalStore | None = None
 
     @property
     def shape(self) -> TableShape:
@@ -96,6 +101,7 @@ class ReadTask:
     handles: tuple[SubtaskHandle, ...]
     now: int | None  # the clock of the state's TTL domain at the checkpoint
     options: ReadOptions
+    external: ExternalRead | None = None  # an external-backend checkpoint's database read
 
 
 def read_state(spark, storage: str | Storage, job: str, checkpoint: str | int = "latest", *,
@@ -138,11 +144,14 @@ def plan_read(store: CheckpointStore, checkpoint: str | int, state: str,
     descriptors = tuple(StateDescriptor.from_json(s) for s in meta.states)
     desc = _state(descriptors, state, meta)
     state_schema(desc, options.shape)  # a record field named like a column: refused now
+    external = external_read(meta, options.state_db)  # one line without its database
+    require_current(external, f"reading checkpoint {meta.checkpoint_id}")
     return ReadTask(
         storage_url=store.root_storage.url, storage_options=store.root_storage.options,
         job=store.job, checkpoint_id=meta.checkpoint_id, record_digest=digest_of(data),
         max_parallelism=meta.max_parallelism, descriptors=descriptors, state=state,
-        handles=tuple(meta.subtasks), now=_clock(desc, meta), options=options)
+        handles=tuple(meta.subtasks), now=_clock(desc, meta), options=options,
+        external=external)
 
 
 def _state(descriptors: tuple[StateDescriptor, ...], name: str,
@@ -200,7 +209,8 @@ def read_subtask(task: ReadTask, subtask: int) -> Iterator[pa.RecordBatch]:
         instance = instance_dir(task.storage_url, task.job, subtask, task.options.local_dir)
         with restored_copy(store.storage, handle, task.descriptors, task.max_parallelism,
                            instance, RestoreOptions(label=f"subtask {subtask} of checkpoint "
-                                                          f"{cid}")) as backend:
+                                                          f"{cid}", external=task.external)
+                           ) as backend:
             read = StateRead(_descriptor(task), subtask, task.now, task.options.shape)
             yield from state_batches(backend, read, handle.row_counts.get(task.state))
 

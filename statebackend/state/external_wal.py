@@ -43,6 +43,7 @@ from statebackend.state.external_store import (
     ExternalStore,
     Row,
     RowGroup,
+    database_errors,
     table_sql,
 )
 
@@ -183,11 +184,7 @@ def load_current(conn: Any, read: ExternalRead, key_groups: tuple[int, int]
         row = conn.execute(table_sql(store, "SELECT epoch, checkpoint_id FROM {t}_applied "
                                             "WHERE job = %s FOR SHARE"), (job,)).fetchone()
         if row is None or int(row[0]) != read.version:
-            at = "nothing" if row is None else f"epoch {row[0]} (checkpoint {row[1]})"
-            raise UsageError(
-                f"state epoch {read.version} of job {job!r} is not the current state of "
-                f"{store.identity} (it holds {at}): WAL mode keeps only the latest applied "
-                "checkpoint; restore older state from a savepoint")
+            raise _not_current(read, row)
         with conn.cursor(name="ckpt_current", binary=True) as cur:
             cur.itersize = 64
             cur.execute(table_sql(store, "SELECT key_group, state, array_agg(key), "
@@ -196,3 +193,31 @@ def load_current(conn: Any, read: ExternalRead, key_groups: tuple[int, int]
                                          "GROUP BY key_group, state"),
                         (job, key_groups[0], key_groups[1]))
             yield from cur
+
+
+def require_current(read: ExternalRead | None, what: str) -> None:
+    """Before a read plans any work: UsageError unless a WAL-mode ``read``'s database
+    holds its version (MVCC reads any committed version; None: not external)."""
+    if read is None or read.mode != "wal":
+        return
+    with database_errors(read.store, what):
+        conn = read.store.connect()
+        try:
+            row = conn.execute(table_sql(read.store, "SELECT epoch, checkpoint_id FROM "
+                                                     "{t}_applied WHERE job = %s"),
+                               (read.job,)).fetchone()
+        finally:
+            conn.close()
+    if row is None or int(row[0]) != read.version:
+        raise _not_current(read, row)
+
+
+def _not_current(read: ExternalRead, row: tuple[Any, ...] | None) -> UsageError:
+    at = "nothing" if row is None else f"epoch {row[0]} (checkpoint {row[1]})"
+    head = (f"state epoch {read.version} of job {read.job!r} is not the current state of "
+            f"{read.store.identity} (it holds {at})")
+    if row is None or int(row[0]) < read.version:
+        return UsageError(f"{head}: its commit was cut short; `ckpt doctor --repair "
+                          "--state-db URL` (or the job's next run) finishes it")
+    return UsageError(f"{head}: WAL mode keeps only the latest applied checkpoint; restore "
+                      "older state from a savepoint")

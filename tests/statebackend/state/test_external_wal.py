@@ -22,7 +22,15 @@ from jobs import keyed_aggregation as ka
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.cli.app import main
 from statebackend.errors import MetadataError, StateDatabaseError, UsageError
-from statebackend.job import JobRunError, RunConfig, external_commit, run_job
+from statebackend.job import (
+    JobRunError,
+    ReadOptions,
+    RunConfig,
+    external_commit,
+    read_state,
+    run_job,
+)
+from statebackend.job.transform import TransformOptions, transform_state
 from statebackend.lifecycle.savepoint import create_savepoint
 from statebackend.rescale.executor import rescale
 from statebackend.state import external_wal
@@ -42,9 +50,9 @@ from tests.jobs.run_reference import assert_totals_equal, final_state
 from tests.statebackend.state.test_external_backend import (
     CODEC,
     JOB,
+    _committed_view,
     _days,
     _summary,
-    _committed_view,
     _want,
     assert_reads_are_committed_states,
 )
@@ -314,6 +322,14 @@ def test_doctor_finishes_a_commit_a_crash_cut_short(tmp_path, postgres_server, m
     reader = psycopg.connect(store.url, autocommit=True)
     assert view(store, reader) == (one, *_summary(days[:1]))
 
+    # reading it as data: by version in MVCC mode; refused in WAL mode, naming the repair
+    plan = TransformOptions(target_job="copy", dry_run=True, state_db=store)
+    if mode == "wal":
+        with pytest.raises(UsageError, match="commit was cut short; `ckpt doctor --repair"):
+            transform_state(root, f"{JOB}:latest", lambda k, s: s, ka.JOB, "sp", plan)
+    else:
+        assert transform_state(root, f"{JOB}:latest", lambda k, s: s, ka.JOB, "sp", plan
+                               )["plan"]["checkpoint_id"] == 2
     code, out = doctor()
     assert code == 0 and f"external state in {store.identity}: not checked" in out
     code, out = doctor("--json", *db)
@@ -339,3 +355,43 @@ def test_doctor_finishes_a_commit_a_crash_cut_short(tmp_path, postgres_server, m
     code, out = doctor("--state-table", "other", "--state-db", store.url)
     assert code == 2 and "keeps its state in" in out
     reader.close()
+
+
+@pytest.mark.parametrize("mode", ["mvcc", "wal"])
+def test_read_state_and_a_transform_read_the_database(tmp_path, postgres_server, spark, mode):
+    """`read_state` and `transform_state` read an external checkpoint's key groups from
+    its database: the latest equals pandas, an older one too in MVCC mode (by version)
+    and is refused in one line in WAL mode (one current state); without the database
+    both refuse in one line before any work. The transform's savepoint starts a RocksDB
+    job that continues equal to pandas."""
+    store = ExternalStore(postgres_server.url, f"rd_{mode}_{uuid.uuid4().hex[:8]}")
+    days = _days(tmp_path, 3, keys=200, events=1500)
+    root = f"file://{tmp_path}/store"
+    for d in range(2):
+        run_job(ka.JOB, _config(tmp_path, store, d, parallelism=2, state_mode=mode))
+
+    def totals(checkpoint) -> dict:
+        df = read_state(spark, root, JOB, checkpoint, state="totals",
+                        options=ReadOptions(state_db=store))
+        return {(r["key"], None): {f: r[f] for f in ("count", "sum", "min_ts", "max_ts")}
+                for r in df.collect()}
+
+    assert_totals_equal(totals("latest"), _want(days[:2]))
+    if mode == "mvcc":
+        assert_totals_equal(totals(1), _want(days[:1]))
+    else:
+        with pytest.raises(UsageError, match="keeps only the latest applied checkpoint"):
+            totals(1)
+    with pytest.raises(UsageError, match="pass that database"):
+        read_state(spark, root, JOB, state="totals")
+    with pytest.raises(UsageError, match="pass that database"):
+        transform_state(root, f"{JOB}:latest", lambda key, states: states, ka.JOB, "sp",
+                        TransformOptions(target_job="copy", dry_run=True))
+
+    out = transform_state(root, f"{JOB}:latest", lambda key, states: states, ka.JOB, "sp",
+                          TransformOptions(target_job="copy", parallelism=3, state_db=store))
+    assert out["entries"] == {"totals": _summary(days[:2])[0]}
+    run_job(ka.JOB, RunConfig(input=str(tmp_path / "in2"), storage=root, run_id="d2",
+                              output=str(tmp_path / "out-copy"), local_dir=str(tmp_path / "l"),
+                              engine="local", job="copy", start_from="copy/savepoints/sp"))
+    assert_totals_equal(final_state(root, "copy")["totals"], _want(days))
