@@ -147,6 +147,10 @@ class JobSpec(_RunSettings):  # type: ignore[misc,valid-type]
         return f"{self.name}_rescale_restore"
 
     @property
+    def reports_dag_id(self) -> str:
+        return f"{self.name}_reports"
+
+    @property
     def asset_name(self) -> str:
         return f"ckpt_{self.name}"
 

@@ -1,7 +1,10 @@
-"""The DAG factory: three DAGs per configured job (``ckpt_jobs``), built from the operators.
+"""The DAG factory: four DAGs per configured job (``ckpt_jobs``), built from the operators.
 
 - ``<job>_pipeline`` (the job's schedule, one active run): run_job (Spark, idempotent
-  by interval) -> validate (publishes the checkpoint Asset) -> retain -> gc;
+  by interval) -> validate (the verdict without Great Expectations; publishes the
+  checkpoint Asset) -> retain -> gc;
+- ``<job>_reports`` (on the checkpoint Asset): the GE Data Docs of each published
+  checkpoint, rendered off the pipeline's critical path (module `build_reports_dag`);
 - ``<job>_maintenance`` (``maintenance_schedule``): retention, GC, a full validation
   (every entry read and checked: the level too slow for each scheduled run) report of
   the latest checkpoint;
@@ -36,6 +39,7 @@ from statebackend.airflow.steps import (
     RUN_KEY_TEMPLATE,
     check_no_running_pipeline,
     open_store,
+    published_checkpoint,
     spark_submit_operator,
     spec_run_values,
     validate_store,
@@ -45,7 +49,7 @@ CHECKPOINT_PATTERN = r"^(latest|chk-[0-9]+|[0-9]+)$"
 # Manual runs are created "now": a start_date after that (the job's first interval may lie
 # in the future) would leave a triggered run with no task to run.
 MANUAL_START = datetime(2020, 1, 1, tzinfo=UTC)
-KINDS = ("pipeline", "maintenance", "rescale")
+KINDS = ("pipeline", "reports", "maintenance", "rescale")
 
 
 def default_args(spec: JobSpec) -> dict:
@@ -86,7 +90,7 @@ def build_pipeline_dag(spec: JobSpec) -> DAG:
                     f"`{spec.input}`, then validate, retain {spec.keep}, GC. "
                     f"Checkpoints: `{spec.asset_uri}`.") as dag:
         run = run_job_task(spec)
-        # The verdict of every run without GE's import; maintenance renders the report.
+        # The verdict of every run without GE's import; <job>_reports renders the report.
         validate = CkptValidateOperator(task_id="validate", run_key=RUN_KEY_TEMPLATE,
                                         job_ref=spec.job, outlets=[asset], report="none",
                                         **_storage(spec))
@@ -94,6 +98,36 @@ def build_pipeline_dag(spec: JobSpec) -> DAG:
         gc = CkptGcOperator(task_id="gc", grace_seconds=spec.gc_grace_seconds,
                             **_storage(spec))
         run >> validate >> retain >> gc
+    return dag
+
+
+def build_reports_dag(spec: JobSpec) -> DAG:
+    """The Data Docs of every checkpoint the pipeline publishes, in a DAG of their own.
+
+    Why an Asset-scheduled DAG and not a long-lived worker: the pipeline's verdict is
+    computed without GE (its ``validate`` task imports none), so only the rendering pays
+    GE's import (5-10 s per task process). A DAG on the checkpoint Asset runs beside
+    the pipeline: the pipeline's next run never waits for it (its ``max_active_runs``
+    counts its own runs only), it keeps Airflow's retries, logs and UI, and needs no
+    service outside Airflow; a long-lived worker would pay the import once but needs
+    deploying, supervising and feeding. Events that arrive while a report renders are
+    consumed together by the next run, which renders the newest.
+    """
+    asset = checkpoint_asset(spec)
+    with DAG(dag_id=spec.reports_dag_id, schedule=[asset], start_date=MANUAL_START,
+             catchup=False, max_active_runs=1, tags=["ckpt", spec.name, "reports"],
+             default_args={"owner": "ckpt", "retries": 1,
+                           "retry_delay": timedelta(minutes=1)},
+             doc_md=f"Great Expectations Data Docs of each checkpoint of **{spec.name}** "
+                    "the pipeline publishes, off the pipeline's critical path.") as dag:
+
+        @task(task_id="render_report")
+        def render_report(triggering_asset_events=None) -> dict:
+            store = open_store(spec)
+            ref = published_checkpoint(triggering_asset_events, asset, store.checkpoint_ids())
+            return validate_store(store, ref=ref, job_ref=spec.job, report="now")
+
+        render_report()
     return dag
 
 
@@ -157,8 +191,8 @@ def build_rescale_dag(spec: JobSpec) -> DAG:
     return dag
 
 
-BUILDERS = {"pipeline": build_pipeline_dag, "maintenance": build_maintenance_dag,
-            "rescale": build_rescale_dag}
+BUILDERS = {"pipeline": build_pipeline_dag, "reports": build_reports_dag,
+            "maintenance": build_maintenance_dag, "rescale": build_rescale_dag}
 
 
 def build_dags(specs: list[JobSpec] | None = None, *, kinds: tuple[str, ...] = KINDS,

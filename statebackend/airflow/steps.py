@@ -38,7 +38,7 @@ from __future__ import annotations
 import io
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 from datetime import datetime
 from typing import IO, Any, cast
@@ -394,6 +394,20 @@ def check_no_running_pipeline(dag_id: str | JobSpec, count_running: Callable[[st
             f"DAG {dag_id} has {running} active run(s); a rescale-restore would race with it. "
             f"Pause {dag_id}, wait for the run to finish, then trigger the rescale again")
     return {"pipeline_dag_id": dag_id, "active_runs": 0}
+
+
+def published_checkpoint(events: Any, asset: Any, kept: Collection[int]) -> str | int:
+    """The newest checkpoint in ``kept`` that the triggering ``events`` of ``asset``
+    published (``publish_extra``'s ``checkpoint_id``); ``"latest"`` without one (a
+    manual run, or retention retired them all)."""
+    try:
+        found = list(events[asset]) if events else []
+    except KeyError:
+        found = []
+    extras = [getattr(e, "extra", None) for e in found]
+    ids = [x.get("checkpoint_id") for x in extras if isinstance(x, dict)]
+    published = [i for i in ids if isinstance(i, int) and i in kept]
+    return max(published) if published else "latest"
 
 
 def publish_extra(validation: dict) -> dict:

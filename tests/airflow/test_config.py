@@ -29,6 +29,7 @@ def test_defaults_merge_and_job_keys_win():
     assert spec.pipeline_dag_id == "clicks_pipeline"
     assert spec.rescale_dag_id == "clicks_rescale_restore"
     assert spec.maintenance_dag_id == "clicks_maintenance"
+    assert spec.reports_dag_id == "clicks_reports"
     assert spec.asset_uri == "file:///tmp/s/clicks"
     assert spec.start_datetime().tzinfo is not None
 

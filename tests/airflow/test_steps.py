@@ -275,3 +275,20 @@ def test_the_state_database_comes_from_a_postgres_connection(tmp_path, monkeypat
         steps.submitted_state_db(spec, steps.state_db_for(spec))
     with pytest.raises(CkptError, match="state_db or state_db_conn_id, not both"):
         make_spec(tmp_path, state_db=server, state_db_conn_id="ckpt_state_db")
+
+
+def test_the_reports_dag_renders_the_newest_kept_checkpoint_its_events_published():
+    from types import SimpleNamespace
+
+    from statebackend.airflow.steps import published_checkpoint
+
+    asset = "ckpt_clicks"
+    events = {asset: [SimpleNamespace(extra={"checkpoint_id": 4}),
+                      SimpleNamespace(extra={"checkpoint_id": 6}),
+                      SimpleNamespace(extra={"checkpoint_id": "7"}),  # not an id
+                      SimpleNamespace(extra=None)]}
+    assert published_checkpoint(events, asset, [4, 5, 6]) == 6
+    assert published_checkpoint(events, asset, [4, 5]) == 4  # 6 retired meanwhile
+    assert published_checkpoint(events, asset, [8]) == "latest"
+    assert published_checkpoint(None, asset, [1]) == "latest"  # a manual run
+    assert published_checkpoint({"other": events[asset]}, asset, [6]) == "latest"

@@ -55,7 +55,8 @@ def test_every_dag_file_loads_without_errors_in_under_2s(dagbag_result):
         assert res["errors"] == {}, name
         assert res["seconds"] < 2.0, (name, res["seconds"])
     dag_ids = sorted(d for res in files.values() for d in res["dags"])
-    assert dag_ids == ["clicks_maintenance", "clicks_pipeline", "clicks_rescale_restore"]
+    assert dag_ids == ["clicks_maintenance", "clicks_pipeline", "clicks_reports",
+                       "clicks_rescale_restore"]
 
 
 def test_loading_dags_imports_nothing_heavy(dagbag_result):
@@ -100,6 +101,13 @@ def test_dag_shapes_params_and_retries():
     order = [t.task_id for t in res.topological_sort()]
     assert order.index("check_no_running_pipeline") < order.index("rescale") < order.index(
         "validate")
+    # the Data Docs off the pipeline's path: a DAG on the Asset its validate publishes,
+    # while the pipeline's verdict imports no GE
+    assert pipe.get_task("validate").report == "none"
+    reports = bag.dags["clicks_reports"]
+    assert [a.name for a in reports.timetable.asset_condition.objects] == ["ckpt_clicks"]
+    assert [t.task_id for t in reports.tasks] == ["render_report"]
+    assert reports.max_active_runs == 1 and reports.get_task("render_report").retries == 1
     maint = bag.dags["clicks_maintenance"]
     assert [t.task_id for t in maint.topological_sort()] == ["retain", "gc",
                                                              "validate_latest_deep"]

@@ -121,6 +121,19 @@ def test_rescale_dry_run_then_real(e2e):
     assert len(out["after_rescale"]) == 3  # the dry run committed nothing
 
 
+def test_reports_dag_renders_the_data_docs_the_pipeline_left_out(e2e):
+    """The pipeline's validate decides without GE (no Data Docs); the DAG scheduled on
+    its Asset renders them for the checkpoint it published, off the pipeline's path."""
+    out, _ = e2e
+    before, after = out["report_before"], out["report_after"]
+    assert before["success"] is True and not before.get("data_docs_index"), before
+    assert out["reports"]["state"] == "success", (out["reports"], out["log"])
+    assert out["reports"]["tasks"] == {"render_report": "success"}
+    assert after["success"] is True and after["checkpoint_id"] == 2
+    assert after["data_docs_index"] and os.path.exists(after["data_docs_index"]
+                                                       .removeprefix("file://")), after
+
+
 def test_maintenance_writes_full_report(e2e):
     """Maintenance validates the latest checkpoint at the full level (every entry)."""
     out, _ = e2e

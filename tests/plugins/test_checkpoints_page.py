@@ -190,7 +190,7 @@ def test_jobs_of_unreadable_dags_are_hidden(plugin, page_env):
 def test_report_content_types_are_an_allow_list(plugin):
     assert plugin.job_dag_ids(specs_from_config({"jobs": {"j": {
         "input": "/i", "output": "/o", "storage": "memory://x"}}})[0]) == (
-        "j_pipeline", "j_maintenance", "j_rescale_restore")
+        "j_pipeline", "j_reports", "j_maintenance", "j_rescale_restore")
     allowed = {"chk-1/index.html": "text/html; charset=utf-8",
                "chk-12/data_docs/static/styles/x.css": "text/css; charset=utf-8",
                "chk-1/summary.json": "application/json",

@@ -218,8 +218,8 @@ def test_links_to_airflow_and_reports(browser):
     assert unquote(links["task_log"][0]) == (f"/dags/clicks_pipeline/runs/{run}/tasks/run_job"
                                              f"?try_number={1 + N % 2}")
     assert set(links["targets"]) == {"_top"}  # out of the UI's iframe
-    assert links["dags"] == ["/dags/clicks_pipeline", "/dags/clicks_maintenance",
-                             "/dags/clicks_rescale_restore"]
+    assert links["dags"] == ["/dags/clicks_pipeline", "/dags/clicks_reports",
+                             "/dags/clicks_maintenance", "/dags/clicks_rescale_restore"]
     assert f"/ckpt/reports/clicks/chk-{ops_job.FAILED_VALIDATION}/index.html" in links["report"]
     report = out["ops"]["failed_report"]
     assert report["title"].startswith(f"Checkpoint {ops_job.FAILED_VALIDATION} of job clicks")

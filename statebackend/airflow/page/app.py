@@ -123,7 +123,8 @@ def job_history(spec, now: float | None = None) -> dict:
 # -- access (Airflow's auth manager) ----------------------------------------------
 def job_dag_ids(spec) -> tuple[str, ...]:
     """The DAGs of a job (the DAG factory's ids): reading the job means reading them all."""
-    return (spec.pipeline_dag_id, spec.maintenance_dag_id, spec.rescale_dag_id)
+    return (spec.pipeline_dag_id, spec.reports_dag_id, spec.maintenance_dag_id,
+            spec.rescale_dag_id)
 
 
 def _dag_teams(dag_ids: Iterable[str]) -> dict[str, str | None]:

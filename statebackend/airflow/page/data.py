@@ -347,8 +347,8 @@ def job_history(spec, open_store, read_summary, now: float | None = None) -> dic
     storage cannot be read at all."""
     base = {"job": spec.name, "storage": spec.storage, "rows": [], "runs": [],
             "savepoints": [], "leases": [], "errors": [], "health": None, "charts": None,
-            "dags": {"pipeline": spec.pipeline_dag_id, "maintenance": spec.maintenance_dag_id,
-                     "rescale": spec.rescale_dag_id}}
+            "dags": {"pipeline": spec.pipeline_dag_id, "reports": spec.reports_dag_id,
+                     "maintenance": spec.maintenance_dag_id, "rescale": spec.rescale_dag_id}}
     try:
         store = open_store(spec)
         metas = store.load_all()[-MAX_ROWS:]
