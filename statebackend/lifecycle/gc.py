@@ -71,7 +71,12 @@ Failure scenarios this design handles (numbered; tests name them):
 11. *Stale or tampered registry index.* An index entry is used only while the
     listed `_metadata` keeps its size and mtime, and when a plan with deletions
     used any, the executor reads the real `_metadata` of those checkpoints
-    (`registry.referenced_by_records`) and spares every file they list.
+    (`registry.referenced_by_records`) and spares every file they list. Only the
+    records that could list a planned deletion are read: a record is written once,
+    after every file it lists was uploaded, so one whose storage mtime is older than
+    the oldest planned deletion (less `RECORD_SKEW_SECONDS`) lists none of them
+    (`records_to_recheck`; a record without an mtime is read). GC after every run
+    deletes recent orphans, so it reads the few records committed since them.
 
 `plan_gc` is pure; `execute_gc` deletes best effort (batched on S3) after the
 re-checks of scenarios 3 and 10; `collect_garbage` = registry + plan + execute. Its
@@ -91,6 +96,7 @@ from statebackend.checkpoint.layout import (
     chk_id_of,
     in_gc_scope,
     is_commit_record,
+    metadata_path,
 )
 from statebackend.checkpoint.leases import WRITER_LEASE, Lease, live_leases
 from statebackend.checkpoint.store import CheckpointStore
@@ -108,6 +114,9 @@ from statebackend.settings import number
 DEFAULT_GRACE_SECONDS = 3600.0
 MAX_GRACE_SECONDS = 10 * 365 * 86400.0  # longer is a typo (or `inf`)
 WRITER_SKEW_SECONDS = 300.0
+# slack between the storage mtimes of a file and of a record listing it (scenario 11):
+# the same storage's clock, but S3 dates a multipart upload by its start
+RECORD_SKEW_SECONDS = 300.0
 
 KEEP_REFERENCED = "referenced"
 KEEP_COMMIT_RECORD = "commit-record"
@@ -156,7 +165,8 @@ class GcPlan:
     commit_records: tuple[str, ...]      # kept: _metadata of committed checkpoints
     referenced_bytes: int = 0
     commit_record_bytes: int = 0
-    indexed_ids: tuple[int, ...] = ()    # planned from the registry index: re-checked
+    indexed_ids: tuple[int, ...] = ()    # planned from the index and may list a deletion:
+    #                                      the executor reads their real records
 
     @property
     def bytes_to_delete(self) -> int:
@@ -305,7 +315,23 @@ def plan_gc(registry: Registry, *, grace_seconds: float = DEFAULT_GRACE_SECONDS)
         map(refs.position.__getitem__, unlisted))
     return GcPlan(registry.job, float(grace_seconds), tuple(deletions), tuple(pending),
                   tuple(referenced), tuple(records), referenced_bytes, record_bytes,
-                  tuple(sorted(registry.indexed_ids)))
+                  records_to_recheck(registry, deletions))
+
+
+def records_to_recheck(registry: Registry, deletions: Sequence[GcFile]) -> tuple[int, ...]:
+    """The indexed checkpoints whose real records could list a planned deletion
+    (scenario 11): those written after the oldest deletion's file, or of unknown age."""
+    if not deletions or not registry.indexed_ids:
+        return ()
+    mtimes = [f.mtime for f in deletions]
+    oldest = None if None in mtimes else min(m for m in mtimes if m is not None)
+    out = []
+    for cid in sorted(registry.indexed_ids):
+        info = registry.files.get(metadata_path(cid))
+        if oldest is None or info is None or info.mtime is None \
+                or info.mtime >= oldest - RECORD_SKEW_SECONDS:
+            out.append(cid)
+    return tuple(out)
 
 
 def execute_gc(store: CheckpointStore, plan: GcPlan, known_ids: set[int] | None = None, *,

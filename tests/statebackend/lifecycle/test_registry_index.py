@@ -222,3 +222,37 @@ def test_a_path_at_two_positions_is_one_file_to_the_planners(store):
     planned = {a.path for a in plan_retention(warm, 1).deletions}
     assert "shared/a.sst" in planned and "shared/b.sst" not in planned
     assert warm.owners_of("shared/b.sst") == ("chk-2", "chk-3", "chk-4")
+
+
+def _age(store, seconds: float, skip: tuple[str, ...] = ()) -> None:
+    for f in store.storage.walk_files(""):
+        if f.path not in skip and not f.path.startswith("_index/"):
+            path = store.storage.abspath(f.path)
+            then = os.path.getmtime(path) - seconds
+            os.utime(path, (then, then))
+
+
+def test_the_executor_reads_only_records_that_could_list_a_planned_deletion(store):
+    """Scenario 11 at scale: a record is written after the files it lists, so records
+    older than the oldest planned deletion are not read again; a tampered index still
+    cannot make GC delete a file that a newer record lists."""
+    _age(store, 5 * 3600, skip=("shared/orphan.sst",))  # the lineage 5 h old, the orphan 2 h
+    build_registry(store, update_index=True)
+    plan = plan_gc(build_registry(store), grace_seconds=3600)
+    assert [f.path for f in plan.deletions] == ["shared/orphan.sst"]
+    assert plan.indexed_ids == ()  # no record is younger than the orphan: none re-read
+
+    write_meta(store, meta(5, ["shared/c.sst", "shared/e.sst"]))  # committed now
+    build_registry(store, update_index=True)
+    rewrite_index(store, lambda obj: set_entry_paths(obj, 5, []))  # hides e.sst
+    plan = plan_gc(build_registry(store), grace_seconds=0)
+    assert {"shared/orphan.sst", "shared/e.sst"} <= {f.path for f in plan.deletions}
+    assert plan.indexed_ids == (5,)
+    read = []
+    real = store.read_record
+    store.read_record = lambda cid: read.append(cid) or real(cid)
+    report = collect_garbage(store, grace_seconds=0)
+    assert 5 in read and not {1, 2, 3, 4} & set(read)
+    assert "shared/e.sst" in report.spared and store.storage.exists("shared/e.sst")
+    assert "shared/orphan.sst" in {f.path for f in report.deleted}
+    assert all(store.storage.exists(f.path) for f in store.load(5).files)
