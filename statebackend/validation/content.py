@@ -25,7 +25,8 @@ Tables (pandas):
   their key groups against the subtask's range (``edges_in_range``), SST files,
   RocksDB's entry count (old versions included) and how the rows were counted;
 - ``counts``: one row per (subtask, state): recorded_rows (metadata) vs counted_rows,
-  counted_by ("scan", or "sst properties" when RocksDB's count is exact);
+  counted_by ("sst properties" when RocksDB's count is exact; at ``deep``, else
+  "recorded at snapshot" when the snapshot's count fits RocksDB's facts; else "scan");
 - ``frames``: per state with job checks, the decoded entries (record fields as
   columns, else a ``value`` column) for the job's own expectations.
 
@@ -98,6 +99,8 @@ DOWNLOAD_THREADS = 4
 # The ``full`` level is bound by Python work under the GIL: 2 threads were slower
 # (2.61 s vs 2.26 s), so it checks one subtask at a time.
 SUBTASK_THREADS = 2
+# ``counted_by`` of a deep count taken from the snapshot's row_counts (`sampling`)
+RECORDED = "recorded at snapshot"
 STATE_COLUMNS = ["subtask", "state", "key", "user_key", "key_group", "computed_key_group",
                  "range_start", "range_end", "prefix_ok", "in_range", "decodes", "decode_error",
                  "ttl_ok"]
@@ -681,7 +684,8 @@ def _read_subtask(scope: _Scope, backend: KeyedStateBackend, subtask: int,
     # record lists only the job's states
     declared = list(backend.descriptors.values())
     clocks = {"event": scope.meta.watermark, "processing": scope.meta.processing_time}
-    sampled = _family_facts(backend, subtask, scope.options.sample, rng, out)
+    recorded = scope.meta.subtasks[subtask].row_counts
+    sampled = _family_facts(backend, subtask, recorded, scope.options.sample, rng, out)
     if sampled is not None and TTL_INDEX in sampled:
         sampled[TTL_INDEX] = _with_due_entries(backend, declared, clocks, sampled[TTL_INDEX])
     findings = ttl_findings(backend, declared, clocks, sampled)
@@ -696,12 +700,13 @@ def _read_subtask(scope: _Scope, backend: KeyedStateBackend, subtask: int,
             out.frames[desc.name] = frame
 
 
-def _family_facts(backend: KeyedStateBackend, subtask: int, sample: int | None,
-                  rng: random.Random, out: _SubtaskContent
+def _family_facts(backend: KeyedStateBackend, subtask: int, recorded: Mapping[str, int],
+                  sample: int | None, rng: random.Random, out: _SubtaskContent
                   ) -> dict[str, tuple[list[bytes], list[bytes]]] | None:
     """RocksDB's facts on each column family (``out.family_rows``); with a ``sample``,
     the sampled (keys, values) per column family, and the counts (``out.counted``):
-    exact from the facts when provable, else a checked keys-only scan."""
+    exact from the facts when provable, else the snapshot's ``recorded`` count when it
+    fits the facts, else a checked keys-only scan."""
     r = backend.key_group_range
     sampled: dict[str, tuple[list[bytes], list[bytes]]] = {}
     for name in backend.descriptors:
@@ -712,10 +717,13 @@ def _family_facts(backend: KeyedStateBackend, subtask: int, sample: int | None,
                                                           facts.entries)
             sampled[name] = (keys, values)
             exact = len(keys) if whole else sampling.exact_count(facts)
-            if exact is None:
-                exact = backend.count_keys(name)
-            elif not whole:
+            if exact is not None and not whole:
                 out.counted_by[name] = "sst properties"
+            elif exact is None and sampling.recorded_count_fits(facts, recorded.get(name)):
+                exact = recorded[name]
+                out.counted_by[name] = RECORDED
+            elif exact is None:
+                exact = backend.count_keys(name)
             out.counted[name] = exact
         out.family_rows.append(family_row(subtask, name, facts, r, out.counted_by[name]))
     return None if sample is None else sampled

@@ -16,7 +16,10 @@ a bounded sample:
   memtable entries, no deletions, merges or range deletions, and SST key ranges that
   do not overlap, so each key is stored in one file; a file holds one version per key
   because the backend takes no RocksDB snapshots (flush and compaction keep only the
-  newest version then, and SstFileWriter writes each key once). Otherwise None, and
+  newest version then, and SstFileWriter writes each key once). Otherwise None.
+- `recorded_count_fits`: then the count the snapshot recorded (`row_counts`: a checked
+  scan of the same files when they were written) is used when it fits the facts (no
+  more than the stored non-deletion entries; zero exactly when no key is live); else
   the caller counts with a checked keys-only scan.
 - `sample_entries`: up to ``budget`` entries read in chunks of `CHUNK` from random seek
   points (a random key group of the subtask's range, then a random key between the
@@ -136,6 +139,19 @@ def cf_facts(cf: Rdict | MemoryTable) -> ColumnFamilyFacts:
         memtable_entries=None if active is None or immutable is None else active + immutable,
         files=_sst_ranges(cf.property_value("rocksdb.sstables")),
         first_key=_edge_key(cf, last=False), last_key=_edge_key(cf, last=True))
+
+
+def recorded_count_fits(facts: ColumnFamilyFacts, recorded: int | None) -> bool:
+    """Whether ``recorded`` (the count a snapshot recorded: a checked scan of these very
+    files, which the manifest check proves unchanged) agrees with ``facts``: no more
+    live entries than stored non-deletion entries, and none exactly when no live key
+    is found. False (count again) when a fact is missing."""
+    if recorded is None or facts.entries is None or facts.deletions is None \
+            or facts.memtable_entries is None:
+        return False
+    if (recorded == 0) != (facts.first_key is None):
+        return False
+    return recorded <= facts.entries - facts.deletions + facts.memtable_entries
 
 
 def exact_count(facts: ColumnFamilyFacts) -> int | None:

@@ -83,7 +83,8 @@ def test_deep_samples_rows_of_the_full_table_and_counts_every_entry(lineage):
     cols = ["subtask", "state", "recorded_rows", "counted_rows", "counts_ok"]
     pd.testing.assert_frame_equal(sample.counts[cols], full.counts[cols])
     assert sample.counts["counts_ok"].all() and sample.rows == full.rows == len(full.state)
-    assert set(sample.counts["counted_by"]) == {"scan"}  # overlapping SSTs: scanned
+    # overlapping SSTs: the snapshot's counts (a checked scan then), within RocksDB's facts
+    assert set(sample.counts["counted_by"]) == {"recorded at snapshot"}
     assert set(full.counts["counted_by"]) == {"scan"}
 
 
@@ -124,6 +125,27 @@ def test_a_wrong_recorded_count_fails_at_deep_without_a_scan(tmp_path):
     (row,) = check(result, "row_counts_match")["offending_rows"]
     assert (row["subtask"], row["state"], row["counted_by"]) == (1, "totals", "sst properties")
     assert row["recorded_rows"] == row["counted_rows"] + 1
+
+
+def test_over_overlapping_ssts_a_count_beyond_the_facts_is_counted_again(tmp_path):
+    """Deep takes the snapshot's count without a scan when it fits RocksDB's facts; a
+    count no stored data can hold (more live entries than stored ones) is counted
+    again with a checked scan, and fails the check."""
+    store, meta = build_checkpoint(f"file://{tmp_path}/store", str(tmp_path / "w"),
+                                   parallelism=2, n_keys=N_KEYS)
+    cid = meta.checkpoint_id  # incremental: overlapping SSTs
+    result = validate_checkpoint(store, cid, ValidationOptions(
+        level="deep", sample=16, seed=1, report="none", report_dir=str(tmp_path / "a")))
+    assert result.success and set(result.summary["figures"]["counted_by"]) == {
+        "recorded at snapshot"}
+    edit_metadata(store, cid, lambda o: o["subtasks"][0]["row_counts"].update(
+        totals=10 * N_KEYS))
+    result = validate_checkpoint(store, cid, ValidationOptions(
+        level="deep", sample=16, seed=1, report="none", report_dir=str(tmp_path / "b")))
+    assert failed(result) == {"row_counts_match"}
+    (row,) = check(result, "row_counts_match")["offending_rows"]
+    assert (row["subtask"], row["state"], row["counted_by"]) == (0, "totals", "scan")
+    assert row["recorded_rows"] == 10 * N_KEYS > row["counted_rows"] > 0
 
 
 def _key_of_next_subtask(backends):
