@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 from airflow.sdk import BaseOperator
 
 from statebackend import defaults
+from statebackend.airflow.connection import state_db_from_connection
 from statebackend.airflow.hook import CheckpointHook
 from statebackend.airflow.steps import (
     RUN_KEY_TEMPLATE,
@@ -53,6 +54,7 @@ from statebackend.airflow.steps import (
 )
 from statebackend.run_options import RunOption, run_options
 from statebackend.settings import boolean
+from statebackend.state.external_store import DEFAULT_TABLE, ExternalStore
 
 REQUIRED = object()  # an argument without a default
 # BaseOperator's own keyword arguments (task_id, retries, default_args ...), and the private
@@ -249,12 +251,15 @@ class CkptMigrateOperator(_CheckpointOperator):
     ``<job>/savepoints/<name>``) through ``transform_ref`` (module:attr of a StateTransform
     or a per-key function) into savepoint ``savepoint`` of ``target_ref``'s job, in the
     folder ``job`` (`ckpt migrate`); on Spark with ``master``. The result's
-    ``start_from`` is what the new job's first run starts from."""
+    ``start_from`` is what the new job's first run starts from. An external-backend
+    source is read from its database: ``state_db_conn_id`` (a postgres connection) or
+    ``state_db`` (a URL), and ``state_table``."""
 
     ARGUMENTS: ClassVar[Mapping[str, Any]] = {
         "source": REQUIRED, "transform_ref": REQUIRED, "target_ref": REQUIRED,
         "savepoint": REQUIRED, "parallelism": None, "max_parallelism": None, "master": None,
-        "dry_run": False}
+        "dry_run": False, "state_db": None, "state_db_conn_id": None,
+        "state_table": DEFAULT_TABLE}
     template_fields: Sequence[str] = ("storage", "source", "savepoint", "parallelism",
                                       "dry_run")
     # the ARGUMENTS, set by the base's __init__ (templates render them to text)
@@ -265,15 +270,20 @@ class CkptMigrateOperator(_CheckpointOperator):
     parallelism: int | str | None
     max_parallelism: int | str | None
     master: str | None
+    state_db: str | None
+    state_db_conn_id: str | None
+    state_table: str
 
     def execute(self, context) -> dict:
         # the job package only when a task runs: DAG files import this module
         from statebackend.job.transform import TransformOptions
 
+        url = self.state_db or state_db_from_connection(self.state_db_conn_id)
         options = TransformOptions(
             target_job=self.job, parallelism=_as_int(self.parallelism) or None,
             max_parallelism=_as_int(self.max_parallelism) or None, master=self.master,
-            dry_run=self.yes_no("dry_run"))
+            dry_run=self.yes_no("dry_run"),
+            state_db=ExternalStore(url, self.state_table) if url else None)
         return migrate_storage(self.hook.get_storage(), self.source, self.transform_ref,
                                self.target_ref, self.savepoint, options)
 

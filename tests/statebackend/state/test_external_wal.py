@@ -19,6 +19,7 @@ import psycopg
 import pytest
 
 from jobs import keyed_aggregation as ka
+from statebackend.airflow.operators import CkptMigrateOperator
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.cli.app import main
 from statebackend.errors import MetadataError, StateDatabaseError, UsageError
@@ -388,6 +389,15 @@ def test_read_state_and_a_transform_read_the_database(tmp_path, postgres_server,
         transform_state(root, f"{JOB}:latest", lambda key, states: states, ka.JOB, "sp",
                         TransformOptions(target_job="copy", dry_run=True))
 
+    # the provider's operator: the database as an argument (or a postgres connection)
+    common = {"storage": root, "job": "copy", "source": f"{JOB}:latest", "savepoint": "sp",
+              "transform_ref": "tests.jobs.test_transform:_identity",
+              "target_ref": "jobs.keyed_aggregation:JOB", "dry_run": True}
+    with pytest.raises(UsageError, match="pass that database"):
+        CkptMigrateOperator(task_id="nodb", **common).execute({})
+    planned = CkptMigrateOperator(task_id="plan", state_db=store.url,
+                                  state_table=store.table, **common).execute({})
+    assert planned["dry_run"] and planned["plan"]["source_job"] == JOB
     out = transform_state(root, f"{JOB}:latest", lambda key, states: states, ka.JOB, "sp",
                           TransformOptions(target_job="copy", parallelism=3, state_db=store))
     assert out["entries"] == {"totals": _summary(days[:2])[0]}
