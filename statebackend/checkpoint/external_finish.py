@@ -18,7 +18,7 @@ from statebackend.errors import MetadataError, StorageError
 from statebackend.state.external_store import (
     ExternalStore,
     commit_version,
-    database_errors,
+    connection,
     head_version,
 )
 from statebackend.state.external_wal import WalCommit, applied_epoch, apply, is_wal_file, read_wal
@@ -68,12 +68,8 @@ def finish(store: ExternalStore, conn: Any, meta: CheckpointMetadata, storage: S
 def finish_commit(store: ExternalStore, meta: CheckpointMetadata, storage: Storage,
                   what: str) -> None:
     """`finish` on a connection of its own; a database error is one line naming ``what``."""
-    with database_errors(store, what):
-        conn = store.connect()
-        try:
-            finish(store, conn, meta, storage)
-        finally:
-            conn.close()
+    with connection(store, what) as conn:
+        finish(store, conn, meta, storage)
 
 
 @dataclass(frozen=True)
@@ -102,11 +98,7 @@ def commit_state(store: ExternalStore, meta: CheckpointMetadata, what: str) -> C
     """Read where ``store`` stands against external checkpoint ``meta`` (`CommitState`)."""
     ext = meta.external
     assert ext is not None
-    with database_errors(store, what):
-        conn = store.connect()
-        try:
-            held = applied_epoch(store, conn, ext.job) if ext.mode == "wal" \
-                else head_version(store, conn, ext.job)
-        finally:
-            conn.close()
+    with connection(store, what) as conn:
+        held = applied_epoch(store, conn, ext.job) if ext.mode == "wal" \
+            else head_version(store, conn, ext.job)
     return CommitState(meta.checkpoint_id, store.identity, ext.mode, ext.version, held)

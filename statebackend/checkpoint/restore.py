@@ -43,6 +43,7 @@ from statebackend.state.backend import (
 from statebackend.state.backend_kinds import BACKEND_CLASSES, convert, new_backend
 from statebackend.state.external import ExternalStateBackend
 from statebackend.state.external_store import ExternalRead, ExternalStore
+from statebackend.state.external_wal import require_current
 from statebackend.state.kinds import StateDescriptor
 from statebackend.state.memory import (
     MemoryStateBackend,
@@ -231,6 +232,15 @@ def external_read(meta: CheckpointMetadata, store: ExternalStore | None
         raise UsageError(f"checkpoint {meta.checkpoint_id} keeps its state in {ext.store}, "
                          f"not {store.identity}")
     return ExternalRead(store, ext.job, ext.version, ext.parent, ext.mode)
+
+
+def current_external_read(meta: CheckpointMetadata, store: ExternalStore | None
+                          ) -> ExternalRead | None:
+    """`external_read` for reading ``meta``'s state as data, checked before any work: in
+    WAL mode the database must hold its version (`external_wal.require_current`)."""
+    read = external_read(meta, store)
+    require_current(read, f"reading checkpoint {meta.checkpoint_id}")
+    return read
 
 
 def _restore_external(handle: SubtaskHandle, local_dir: str,

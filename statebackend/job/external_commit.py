@@ -28,7 +28,7 @@ from statebackend.errors import UsageError
 from statebackend.state.external_store import (
     ExternalRead,
     ExternalStore,
-    database_errors,
+    connection,
     discard_uncommitted,
     ensure_schema,
     new_epoch,
@@ -90,19 +90,15 @@ def prepare(store: ExternalStore, job: str, lineage: tuple[CheckpointMetadata | 
                              f"state in {meta.external.store}, not {store.identity}: pass "
                              "that database (--state-db, --state-table)")
     parent_ext = parent.external if parent is not None else None
-    with database_errors(store, f"preparing the run of job {job!r}"):
-        conn = store.connect()
-        try:
-            (ensure_wal_schema if mode == "wal" else ensure_schema)(store, conn)
-            if latest is not None and latest.external is not None:
-                finish(store, conn, latest, storage)  # its mode is the run's (run_mode)
-            if mode == "wal":
-                _check_current(store, conn, parent)
-            else:
-                discard_uncommitted(store, conn, job)
-            epoch = new_epoch(store, conn)
-        finally:
-            conn.close()
+    with connection(store, f"preparing the run of job {job!r}") as conn:
+        (ensure_wal_schema if mode == "wal" else ensure_schema)(store, conn)
+        if latest is not None and latest.external is not None:
+            finish(store, conn, latest, storage)  # its mode is the run's (run_mode)
+        if mode == "wal":
+            _check_current(store, conn, parent)
+        else:
+            discard_uncommitted(store, conn, job)
+        epoch = new_epoch(store, conn)
     return Prepared(store, parent_ext.version if parent_ext is not None
                     and parent_ext.mode == mode else None, epoch, mode)
 

@@ -38,7 +38,7 @@ import pyarrow as pa
 from statebackend.checkpoint.layout import savepoint_dir
 from statebackend.checkpoint.leases import hold
 from statebackend.checkpoint.metadata import CheckpointMetadata
-from statebackend.checkpoint.restore import external_read
+from statebackend.checkpoint.restore import current_external_read, external_read
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import UsageError
 from statebackend.job.api import Job
@@ -60,7 +60,6 @@ from statebackend.lifecycle.savepoint import (
 )
 from statebackend.progress import NO_PROGRESS, ProgressSink
 from statebackend.state.external_store import ExternalStore
-from statebackend.state.external_wal import require_current
 from statebackend.state.families import TIMERS
 from statebackend.state.keygroups import check_parallelism
 from statebackend.state.kinds import StateDescriptor
@@ -166,9 +165,7 @@ def plan_transform(storage: Storage, source: str, transform: StateTransform, tar
     check_savepoint_name(savepoint)
     kind, job, what = parse_start_spec(storage, source)
     meta = load_start_point(storage, kind, job, what)
-    # an external source without its database, or a WAL one not current: refused
-    require_current(external_read(meta, options.state_db),
-                    f"reading checkpoint {meta.checkpoint_id}")
+    current_external_read(meta, options.state_db)  # one line if it cannot be read
     target_store = CheckpointStore(storage, options.target_job or target.name)
     check_savepoint_free(target_store, savepoint)
     p = options.parallelism or meta.parallelism

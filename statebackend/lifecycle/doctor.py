@@ -428,7 +428,8 @@ def execute(store: CheckpointStore, plan: RepairPlan, d: Diagnosis,
     """Carry out ``plan``: first the repair record (the reason and the bytes of what goes),
     then the changes in the plan's order. Holds the writer lease when the plan changes
     records or the ledger; a ``finish-commit`` writes to ``state_db``."""
-    if any(a.action == "finish-commit" for a in plan.actions) and state_db is None:
+    finishing = [a for a in plan.actions if a.action == "finish-commit"]
+    if finishing and state_db is None:
         raise UsageError("finishing an external checkpoint's commit needs its database "
                          "(--state-db)")
     if not plan.actions:
@@ -441,15 +442,14 @@ def execute(store: CheckpointStore, plan: RepairPlan, d: Diagnosis,
     with writer_lease(store.storage, f"ckpt doctor {plan.kind}"):
         record = _write_record(store, plan)
         _apply(store, plan, d)
-        for a in plan.actions:
-            if a.action == "finish-commit":
-                # the external backend's modules only when a commit is finished
-                from statebackend.checkpoint.external_finish import finish_commit
+        for a in finishing:
+            # the external backend's modules only when a commit is finished
+            from statebackend.checkpoint.external_finish import finish_commit
 
-                assert state_db is not None
-                cid = _checkpoint_of(a)
-                finish_commit(state_db, d.records[cid], store.storage,
-                              f"finishing the commit of checkpoint {cid}")
+            assert state_db is not None
+            cid = _checkpoint_of(a)
+            finish_commit(state_db, d.records[cid], store.storage,
+                          f"finishing the commit of checkpoint {cid}")
     return RepairReport(plan, False, record)
 
 

@@ -22,7 +22,7 @@ from statebackend.progress import ProgressSink
 from statebackend.state.external_store import (
     ExternalStore,
     VacuumResult,
-    database_errors,
+    connection,
     vacuum,
 )
 
@@ -69,13 +69,9 @@ def execute_vacuum(plan: VacuumPlan, state_db: ExternalStore) -> VacuumResult:
     if state_db.identity != plan.store:
         raise UsageError(f"job {plan.job!r} keeps its state in {plan.store}, not "
                          f"{state_db.identity}: vacuum refused")
-    with database_errors(state_db, f"vacuum of job {plan.job!r}"):
-        conn = state_db.connect()
-        try:
-            return vacuum(state_db, conn, plan.job, dict(zip(plan.retained, plan.parents,
-                                                             strict=True)))
-        finally:
-            conn.close()
+    with connection(state_db, f"vacuum of job {plan.job!r}") as conn:
+        return vacuum(state_db, conn, plan.job, dict(zip(plan.retained, plan.parents,
+                                                         strict=True)))
 
 
 @dataclass(frozen=True)

@@ -38,11 +38,10 @@ from statebackend.checkpoint.leases import hold
 from statebackend.checkpoint.lineage import digest_of
 from statebackend.checkpoint.local_copy import instance_dir, restored_copy
 from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskHandle
-from statebackend.checkpoint.restore import RestoreOptions, external_read
+from statebackend.checkpoint.restore import RestoreOptions, current_external_read
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import CheckpointNotFoundError, UsageError
 from statebackend.state.external_store import ExternalRead, ExternalStore
-from statebackend.state.external_wal import require_current
 from statebackend.state.kinds import StateDescriptor
 from statebackend.state.state_table import (
     BATCH_ROWS,
@@ -144,8 +143,7 @@ def plan_read(store: CheckpointStore, checkpoint: str | int, state: str,
     descriptors = tuple(StateDescriptor.from_json(s) for s in meta.states)
     desc = _state(descriptors, state, meta)
     state_schema(desc, options.shape)  # a record field named like a column: refused now
-    external = external_read(meta, options.state_db)  # one line without its database
-    require_current(external, f"reading checkpoint {meta.checkpoint_id}")
+    external = current_external_read(meta, options.state_db)  # one line if it cannot
     return ReadTask(
         storage_url=store.root_storage.url, storage_options=store.root_storage.options,
         job=store.job, checkpoint_id=meta.checkpoint_id, record_digest=digest_of(data),

@@ -128,6 +128,18 @@ def database_errors(store: ExternalStore, what: str) -> Iterator[None]:
                                  f"{lines[0] if lines else type(exc).__name__}") from None
 
 
+@contextmanager
+def connection(store: ExternalStore, what: str) -> Iterator[Any]:
+    """A new connection to ``store``, closed after; a driver error is one line naming
+    ``what`` (`database_errors`)."""
+    with database_errors(store, what):
+        conn = store.connect()
+        try:
+            yield conn
+        finally:
+            conn.close()
+
+
 def table_sql(store: ExternalStore, text: str) -> str:
     """``text`` with ``{t}`` as the checked table name (only `ExternalStore.table`)."""
     return text.replace("{t}", store.table)

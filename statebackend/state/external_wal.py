@@ -43,7 +43,7 @@ from statebackend.state.external_store import (
     ExternalStore,
     Row,
     RowGroup,
-    database_errors,
+    connection,
     table_sql,
 )
 
@@ -126,9 +126,17 @@ def ensure_wal_schema(store: ExternalStore, conn: Any) -> None:
 
 def applied_epoch(store: ExternalStore, conn: Any, job: str) -> int | None:
     """The epoch ``job``'s rows are at (None: nothing applied yet)."""
-    row = conn.execute(table_sql(store, "SELECT epoch FROM {t}_applied WHERE job = %s"),
-                       (job,)).fetchone()
+    row = _applied(store, conn, job)
     return None if row is None else int(row[0])
+
+
+def _applied(store: ExternalStore, conn: Any, job: str, lock: str = ""
+             ) -> tuple[Any, ...] | None:
+    """``job``'s (epoch, checkpoint id) row (None: nothing applied); ``lock``: a locking
+    clause (``FOR SHARE``)."""
+    row = conn.execute(table_sql(store, "SELECT epoch, checkpoint_id FROM {t}_applied "
+                                        f"WHERE job = %s {lock}"), (job,)).fetchone()
+    return None if row is None else tuple(row)
 
 
 @dataclass(frozen=True)
@@ -181,8 +189,7 @@ def load_current(conn: Any, read: ExternalRead, key_groups: tuple[int, int]
     same transaction, which holds the apply of a newer epoch off until the read ends)."""
     store, job = read.store, read.job
     with conn.transaction():
-        row = conn.execute(table_sql(store, "SELECT epoch, checkpoint_id FROM {t}_applied "
-                                            "WHERE job = %s FOR SHARE"), (job,)).fetchone()
+        row = _applied(store, conn, job, "FOR SHARE")
         if row is None or int(row[0]) != read.version:
             raise _not_current(read, row)
         with conn.cursor(name="ckpt_current", binary=True) as cur:
@@ -200,14 +207,8 @@ def require_current(read: ExternalRead | None, what: str) -> None:
     holds its version (MVCC reads any committed version; None: not external)."""
     if read is None or read.mode != "wal":
         return
-    with database_errors(read.store, what):
-        conn = read.store.connect()
-        try:
-            row = conn.execute(table_sql(read.store, "SELECT epoch, checkpoint_id FROM "
-                                                     "{t}_applied WHERE job = %s"),
-                               (read.job,)).fetchone()
-        finally:
-            conn.close()
+    with connection(read.store, what) as conn:
+        row = _applied(read.store, conn, read.job)
     if row is None or int(row[0]) != read.version:
         raise _not_current(read, row)
 

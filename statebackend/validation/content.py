@@ -661,7 +661,7 @@ def _open_and_read(scope: _Scope, handle: SubtaskHandle, tmp: str, rng: random.R
         with restored_readonly(scope.storage, handle, scope.descriptors, meta.max_parallelism,
                                tmp, RestoreOptions(label=label,
                                                    external=scope.options.external)) as backend:
-            _read_subtask(scope, backend.place_keys_by(meta.key_hash), handle.index, rng, out)
+            _read_subtask(scope, backend.place_keys_by(meta.key_hash), handle, rng, out)
         return None
     kind = BACKEND_CLASSES[handle.backend]
     out.facts = download_checked(scope.storage, handle.files, os.path.join(tmp, kind.files_dir))
@@ -672,11 +672,11 @@ def _open_and_read(scope: _Scope, handle: SubtaskHandle, tmp: str, rng: random.R
                             {f.local_name: f.path for f in handle.files})
     with kind(tmp, scope.descriptors, meta.max_parallelism, handle.key_group_range,
               read_only=True, origin=origin) as backend:
-        _read_subtask(scope, backend.place_keys_by(meta.key_hash), handle.index, rng, out)
+        _read_subtask(scope, backend.place_keys_by(meta.key_hash), handle, rng, out)
     return None
 
 
-def _read_subtask(scope: _Scope, backend: KeyedStateBackend, subtask: int,
+def _read_subtask(scope: _Scope, backend: KeyedStateBackend, handle: SubtaskHandle,
                   rng: random.Random, out: _SubtaskContent) -> None:
     """Every column family of the opened subtask into ``out``: RocksDB's facts, the TTL
     agreement, then the state rows (of the sample, or of every entry)."""
@@ -684,8 +684,9 @@ def _read_subtask(scope: _Scope, backend: KeyedStateBackend, subtask: int,
     # record lists only the job's states
     declared = list(backend.descriptors.values())
     clocks = {"event": scope.meta.watermark, "processing": scope.meta.processing_time}
-    recorded = scope.meta.subtasks[subtask].row_counts
-    sampled = _family_facts(backend, subtask, recorded, scope.options.sample, rng, out)
+    subtask = handle.index
+    sampled = _family_facts(backend, subtask, handle.row_counts, scope.options.sample, rng,
+                            out)
     if sampled is not None and TTL_INDEX in sampled:
         sampled[TTL_INDEX] = _with_due_entries(backend, declared, clocks, sampled[TTL_INDEX])
     findings = ttl_findings(backend, declared, clocks, sampled)
