@@ -57,6 +57,7 @@ from statebackend.checkpoint.store import (  # noqa: E402
     MetadataParts,
     build_metadata,
 )
+from statebackend.lifecycle import doctor  # noqa: E402
 from statebackend.rescale import executor  # noqa: E402
 from statebackend.rescale import task as rescale_task  # noqa: E402
 from statebackend.rescale.executor import rescale  # noqa: E402
@@ -104,6 +105,14 @@ def build_our_checkpoint(workdir: str, url: str, job: str, p: int,
         for b in backends:
             b.close()
     return store
+
+
+def back_to(store: CheckpointStore, checkpoint_id: int) -> None:
+    """Make the source the latest checkpoint again before a round (untimed): a rescale
+    continues the lineage from its latest checkpoint only (`ckpt doctor --rollback-to`)."""
+    if store.latest().checkpoint_id != checkpoint_id:
+        d = doctor.diagnose(store)
+        doctor.execute(store, doctor.plan_rollback(d, checkpoint_id, "bench round"), d)
 
 
 # -- naive iterate-and-put (a Spark task per new subtask, like ours) ---------------
@@ -246,17 +255,29 @@ def phase_split(summary: dict) -> dict[str, float]:
 
 # -- main --------------------------------------------------------------------------
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--keys", type=int, default=120_000)
-    ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
-    ap.add_argument("--quick", action="store_true", help="20,000 keys, one repeat")
+def bench_args(argv: list[str] | None, doc: str, full: tuple[int, int],
+               quick: tuple[int, int]) -> argparse.Namespace:
+    """The options of the state-size benches: ``keys`` and ``repeats`` (``full``, or
+    ``quick`` with --quick), ``workdir`` (created; a temp dir by default), ``json``."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--keys", type=int, default=full[0])
+    ap.add_argument("--repeats", type=int, default=full[1], help="interleaved rounds")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"{quick[0]:,} keys, {quick[1]} round(s)")
     ap.add_argument("--workdir", default=None, help="scratch folder (default: a temp dir)")
     ap.add_argument("--json", default=None, help="also write the figures to this JSON file")
     args = ap.parse_args(argv)
-    n_keys, repeats = (20_000, 1) if args.quick else (args.keys, args.repeats)
-    workdir = args.workdir or tempfile.mkdtemp(prefix="bench-rescale-")
-    os.makedirs(workdir, exist_ok=True)
+    if args.quick:
+        args.keys, args.repeats = quick
+    args.temporary = not args.workdir
+    args.workdir = args.workdir or tempfile.mkdtemp(prefix="bench-")
+    os.makedirs(args.workdir, exist_ok=True)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = bench_args(argv, __doc__, (120_000, 5), (20_000, 1))
+    n_keys, repeats, workdir = args.keys, args.repeats, args.workdir
     url = f"file://{workdir}/store"
 
     events = make_events(n_keys)
@@ -294,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         repartitioned = ""
         summaries: list[dict] = []
         for r in range(repeats):
+            back_to(store, sid)
             t = time.perf_counter()
             summaries.append(rescale(store, sid, q, spark=spark))
             times["ours"].append(time.perf_counter() - t)
@@ -302,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             rule = rescale_task.COMPACT_CLIPPED_SHARE
             rescale_task.COMPACT_CLIPPED_SHARE = 1.0  # never: clipped SSTs kept whole
             try:
+                back_to(store, sid)
                 t = time.perf_counter()
                 whole = rescale(store, sid, q, spark=spark)
                 times["ours_whole"].append(time.perf_counter() - t)
@@ -309,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                 rescale_task.COMPACT_CLIPPED_SHARE = rule
             referenced_whole = store.latest().bytes_referenced
             assert whole["rows"] == n_keys and whole["compacted_subtasks"] == 0
+            back_to(store, sid)
             t = time.perf_counter()
             naive = naive_rescale(spark, store, sid, q)
             times["naive"].append(time.perf_counter() - t)

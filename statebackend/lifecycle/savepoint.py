@@ -9,7 +9,9 @@ Savepoint layout (paths in its `_metadata` are relative to the job root)::
 - `create_savepoint(store, ref, name)` copies every file of checkpoint ``ref`` (a
   WAL-mode external checkpoint's state is exported instead: lifecycle/export.py)
   while holding a lease on it (retention and GC cannot take it away mid-copy),
-  verifies every copy's size and checksum against the record (issue 20 defect 5:
+  checks every copy's size and checksum against the record (`Storage.copy_checked`:
+  on file:// the checksum of the bytes copied, taken during the copy; elsewhere one
+  read of the copy) in a bounded pool of `COPY_THREADS` (issue 20 defect 5:
   a truncated or flipped source file fails the savepoint in one line naming it,
   and the partial copy is removed), then writes `_metadata` exclusively. Nothing in
   a savepoint points into ``shared/``; GC and retention never touch
@@ -480,19 +482,24 @@ def _copy_all(storage: Storage, copies: list[tuple[FileRef, str]], what: str) ->
 
 
 def _copy_verified(storage: Storage, ref: FileRef, dst: str) -> None:
-    """Copy ``ref`` to ``dst``, then check the copy's size and checksum against ``ref``
-    (what was recorded when the file was uploaded)."""
-    storage.copy(ref.path, dst)
-    verify_stored(storage, dst, ref, ref.path)
+    """Copy ``ref`` to ``dst`` and check the copy's size and checksum against ``ref``
+    (what was recorded when the file was uploaded; `Storage.copy_checked`)."""
+    size, checksum = storage.copy_checked(ref.path, dst, checksum_algorithm(ref.checksum))
+    _check_facts(storage, ref.path, ref, size, checksum)
 
 
 def verify_stored(storage: Storage, path: str, ref: FileRef, named: str | None = None) -> None:
     """MetadataError naming ``named`` (default ``path``) unless the stored file ``path``
     has ``ref``'s size and checksum (one read of it)."""
     size, checksum = storage.checksum(path, checksum_algorithm(ref.checksum))
+    _check_facts(storage, named or path, ref, size, checksum)
+
+
+def _check_facts(storage: Storage, named: str, ref: FileRef, size: int, checksum: str
+                 ) -> None:
     if size != ref.size or checksum != ref.checksum:
         found = f"size {size}" if size != ref.size else f"checksum {checksum}"
         wanted = f"{ref.size}" if size != ref.size else ref.checksum
         raise MetadataError(
-            f"file {storage.url_of(named or path)} is damaged: {found}, recorded {wanted} "
+            f"file {storage.url_of(named)} is damaged: {found}, recorded {wanted} "
             "(run `ckpt validate --level deep` on its checkpoint)")

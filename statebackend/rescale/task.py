@@ -8,9 +8,10 @@
    column family with a bounded iterator) start at once in threads and overlap
 2. the base's download, its open as the new instance and the clip: two
    ``delete_range`` tombstones per column family keep the base's own part of R_j;
-   then a checked count of its rows (a damaged block fails here, not in the new
-   checkpoint) and, when the base keeps more than ``COMPACT_CLIPPED_SHARE`` of its
-   bytes only for key groups it no longer owns, a compaction of the clipped ranges;
+   when the base keeps more than ``COMPACT_CLIPPED_SHARE`` of its bytes only for key
+   groups it no longer owns, a compaction of the clipped ranges; then its rows
+   (`kept_rows`: every kept block is read once, so a damaged block fails here, not in
+   the new checkpoint);
 3. the imports' SSTs are ingested (``ingest_external_file`` with move: no
    put-per-key, no memtable, no WAL), one ingestion per column family;
 4. snapshot and upload like a job run's checkpoint: the base's SSTs are unchanged by
@@ -43,13 +44,15 @@ from statebackend.checkpoint.attempt import record_uploads
 from statebackend.checkpoint.metadata import SubtaskHandle
 from statebackend.checkpoint.restore import download_files
 from statebackend.checkpoint.snapshot import SnapshotResult, upload_snapshot
-from statebackend.errors import SnapshotError
+from statebackend.errors import CorruptStateError, SnapshotError
 from statebackend.rescale.plan import SubtaskPlan
 from statebackend.rescale.scratch import scratch_parent
 from statebackend.spark.dispatch import task_context
+from statebackend.state import facts
 from statebackend.state.backend import KeyedStateBackend, StoredInstance
 from statebackend.state.keygroups import KeyGroupRange, key_group_of_rocks_key, key_group_prefix
 from statebackend.state.kinds import StateDescriptor
+from statebackend.state.scan import damaged_state
 from statebackend.state.sst import ingest, write_sst
 from statebackend.storage import Storage, StorageOptions, child_storage, open_storage
 from statebackend.subtasks import named_failure
@@ -249,14 +252,13 @@ class _NewSubtask:
             keep = task.plan.key_groups.intersect(base.key_group_range)
             clipped = clipped_share(backend.db.live_files(), keep)
             backend.delete_key_groups_outside(keep)
-            # Always count with a checked scan, even when the recorded counts would do:
-            # the scan reads (and checksums) every block of the part kept, so a damaged
-            # base fails here instead of being carried into the new checkpoint.
-            rows = {cf: count_keys(backend, cf, keep) for cf in backend.column_families}
         compacted = task.compact or clipped > task.compact_clipped_share
         if compacted and not task.compact:
             with self._timed("compact"):
                 compact_clipped(backend, base.key_group_range, keep)
+        with self._timed("count"):
+            rows = {cf: kept_rows(backend, cf, keep, compacted)
+                    for cf in backend.column_families}
         return backend, rows, clipped, compacted
 
     def _ingest(self, backend: KeyedStateBackend, pending: list[Future],
@@ -302,8 +304,14 @@ class _NewSubtask:
 
     def close(self) -> None:
         if self.backend is not None:
-            self.backend.close()
-            self.backend = None
+            backend, self.backend = self.backend, None
+            try:
+                backend.close()
+            except Exception:  # noqa: BLE001, S110
+                # A scratch instance, thrown away: its snapshot is uploaded or the task
+                # failed already (RocksDB repeats a compaction's background error on close,
+                # which would hide the error that names the damaged file).
+                pass
         shutil.rmtree(self.work, ignore_errors=True)
 
 
@@ -342,9 +350,23 @@ def export_key_groups(source: KeyedStateBackend, key_groups: KeyGroupRange, out_
     return out
 
 
-def count_keys(backend: KeyedStateBackend, cf_name: str, key_groups: KeyGroupRange) -> int:
-    """Live keys of one column family within ``key_groups`` (range tombstones apply)."""
-    return len(backend.read_raw(cf_name, key_groups, values=False)[0])
+def kept_rows(backend: KeyedStateBackend, cf_name: str, keep: KeyGroupRange,
+              compacted: bool) -> int:
+    """Live keys of one column family after the clip. Every block of the part kept is
+    read and checksummed once, so a damaged base fails here instead of being carried
+    into the new checkpoint:
+
+    - a compacted base: the compaction did that, and left one run of files without
+      tombstones, so its stored entries are the live keys (`facts.exact_count`) when
+      every key lies in ``keep``: no scan;
+    - else a checked keys-only scan of ``keep`` (range tombstones apply).
+    """
+    if compacted:
+        f = facts.cf_facts(backend.column_family(cf_name))
+        exact = facts.exact_count(f)
+        if exact is not None and facts.edges_within(f, keep) is not False:
+            return exact
+    return backend.count_keys(cf_name, keep)
 
 
 def clipped_share(files: Sequence[Mapping], keep: KeyGroupRange) -> float:
@@ -381,5 +403,20 @@ def compact_clipped(backend: KeyedStateBackend, base: KeyGroupRange,
         cf = backend.column_family(name)
         for lower, upper in ranges:
             cf.compact_range(lower, upper, opts)
+            _raise_background_error(backend, name)
     backend.mark_dirty()
+
+
+def _raise_background_error(backend: KeyedStateBackend, cf_name: str) -> None:
+    """A compaction that met a damaged block does not raise: RocksDB records a background
+    error and stops writing, and the next write reports it. Raise it here, by name."""
+    if not backend.db.property_int_value("rocksdb.background-errors"):
+        return
+    try:
+        backend.column_family(cf_name).flush(True)
+    except Exception as exc:  # noqa: BLE001 - rocksdict raises a bare Exception
+        raise damaged_state(f"a compaction of {backend.scan_where(cf_name)}", exc,
+                            backend.file_paths) from exc
+    raise CorruptStateError(f"a compaction of {backend.scan_where(cf_name)} failed; "
+                            "RocksDB reported a background error and no cause")
 

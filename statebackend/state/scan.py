@@ -52,14 +52,21 @@ def _check_scan_status(it: RdictIter, where: str, file_paths: Mapping[str, str] 
     try:
         it.status()
     except Exception as exc:  # noqa: BLE001 - rocksdict raises a bare Exception
-        cause = " ".join(str(exc).split())
-        stored = [f"{name} is stored as {path}" for name, path in sorted((file_paths or {}).items())
-                  if name in cause]
-        raise CorruptStateError(
-            f"RocksDB stopped a full scan of {where} early: {cause}"
-            + (f" ({'; '.join(stored)})" if stored else "")
-            + "; the state is damaged: restore from an earlier checkpoint or savepoint "
-              "(`ckpt list`)") from exc
+        raise damaged_state(f"a full scan of {where}", exc, file_paths) from exc
+
+
+def damaged_state(what: str, exc: BaseException, file_paths: Mapping[str, str] | None
+                  ) -> CorruptStateError:
+    """The one-line error for RocksDB's ``exc`` (a damaged block met by ``what``): its
+    message, each local file it names by stored path, and what to do."""
+    cause = " ".join(str(exc).split())
+    stored = [f"{name} is stored as {path}" for name, path in sorted((file_paths or {}).items())
+              if name in cause]
+    return CorruptStateError(
+        f"RocksDB stopped {what} early: {cause}"
+        + (f" ({'; '.join(stored)})" if stored else "")
+        + "; the state is damaged: restore from an earlier checkpoint or savepoint "
+          "(`ckpt list`)")
 
 
 @overload

@@ -266,6 +266,14 @@ class Storage:
                 self._make_parent(dst)
                 self.fs.copy(src, dst)
 
+    def copy_checked(self, src_rel: str, dst_rel: str,
+                     algorithm: str = CHECKSUM_ALGORITHM) -> tuple[int, str]:
+        """Copy a stored file; return (size, checksum) of the copy. Here: the copy
+        (server-side where the backend has one), then one read of what landed; file://
+        checksums the bytes while the kernel copies them (local.py)."""
+        self.copy(src_rel, dst_rel)
+        return self.checksum(dst_rel, algorithm)
+
     def checksum(self, rel: str, algorithm: str = CHECKSUM_ALGORITHM) -> tuple[int, str]:
         """(size, checksum) of a stored file, streamed."""
         crc_of = CRC_FUNCTIONS[algorithm]

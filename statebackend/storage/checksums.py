@@ -21,6 +21,8 @@ import crc32c as _crc32c
 from statebackend.errors import MetadataError
 
 CHECKSUM_ALGORITHM = "crc32c"
+# Files this large are checksummed in a thread beside the copy (`copy_open_file`).
+THREADED_CHECKSUM_BYTES = 8 << 20
 CRC_FUNCTIONS: dict[str, Callable[..., int]] = {"crc32": zlib.crc32, "crc32c": _crc32c.crc32c}
 
 
@@ -57,9 +59,12 @@ def copy_open_file(fin: int, fout: int, algorithm: str | None = CHECKSUM_ALGORIT
     """Copy the open file ``fin`` to ``fout`` (descriptors; the caller opened and
     closes them); return (size, checksum value), the value 0 without ``algorithm``.
 
-    The kernel copies (sendfile) while a second thread checksums the same bytes
-    through a memory map of the page cache; both release the GIL, so the
-    checksum costs little wall time on top of a plain copy.
+    The kernel copies (sendfile) while the same bytes are checksummed through a
+    memory map of the page cache: in a second thread for a file of
+    `THREADED_CHECKSUM_BYTES` or more (both release the GIL, so the checksum costs
+    little wall time on top of a plain copy), after the copy for a smaller one
+    (starting a thread costs more than checksumming a few MB with CRC32C, and
+    checkpoints hold mostly small files).
     """
     size = os.fstat(fin).st_size
     if size == 0:
@@ -68,6 +73,10 @@ def copy_open_file(fin: int, fout: int, algorithm: str | None = CHECKSUM_ALGORIT
         _send_all(fin, fout, size, name)
         return size, 0
     crc_of = CRC_FUNCTIONS[algorithm]
+    if size < THREADED_CHECKSUM_BYTES:
+        _send_all(fin, fout, size, name)
+        with mmap.mmap(fin, 0, access=mmap.ACCESS_READ) as view:
+            return size, crc_of(view)
     with mmap.mmap(fin, 0, access=mmap.ACCESS_READ) as view:
         result: list[int] = []
         checksummer = threading.Thread(target=lambda: result.append(crc_of(view)))

@@ -381,10 +381,20 @@ class LocalStorage(Storage):
         return size, format_checksum(algorithm, crc)
 
     def copy(self, src_rel: str, dst_rel: str) -> None:
+        self._copy(src_rel, dst_rel, None)
+
+    def copy_checked(self, src_rel: str, dst_rel: str,
+                     algorithm: str = CHECKSUM_ALGORITHM) -> tuple[int, str]:
+        # One pass: the checksum of the bytes the kernel copies (as uploads do), no
+        # second read of the copy.
+        size, crc = self._copy(src_rel, dst_rel, algorithm)
+        return size, format_checksum(algorithm, crc)
+
+    def _copy(self, src_rel: str, dst_rel: str, algorithm: str | None) -> tuple[int, int]:
         with self._errors(src_rel), open(self._open_file(src_rel, _READ_FLAGS), "rb") as src:
             with self._errors(dst_rel), \
                     open(self._open_file(dst_rel, _WRITE_FLAGS, create=True), "wb") as dst:
-                copy_open_file(src.fileno(), dst.fileno(), None, src_rel)
+                return copy_open_file(src.fileno(), dst.fileno(), algorithm, src_rel)
 
     def checksum(self, rel: str, algorithm: str = CHECKSUM_ALGORITHM) -> tuple[int, str]:
         with self._errors(rel), open(self._open_file(rel, _READ_FLAGS), "rb") as fh:

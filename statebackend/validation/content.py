@@ -63,6 +63,7 @@ from statebackend.checkpoint.metadata import CheckpointMetadata, FileRef, Subtas
 from statebackend.checkpoint.restore import RestoreOptions, restored_readonly
 from statebackend.errors import CkptError, StorageError
 from statebackend.progress import NO_PROGRESS, ProgressSink
+from statebackend.state import facts as facts_
 from statebackend.state.backend import KeyedStateBackend, StoredInstance
 from statebackend.state.backend_kinds import BACKEND_CLASSES
 from statebackend.state.codecs import (
@@ -553,23 +554,16 @@ def _with_due_entries(backend: KeyedStateBackend, declared: Sequence[StateDescri
     return keys, [entries[k] for k in keys]
 
 
-def _edge_key_group(key: bytes | None) -> int | None:
-    return None if key is None or len(key) < 2 else int.from_bytes(key[:2], "big")
-
-
-def family_row(subtask: int, name: str, facts: sampling.ColumnFamilyFacts,
+def family_row(subtask: int, name: str, facts: facts_.ColumnFamilyFacts,
                r: KeyGroupRange, counted_by: str) -> dict:
     """One row of the ``families`` table: RocksDB's facts on one column family."""
-    first, last = _edge_key_group(facts.first_key), _edge_key_group(facts.last_key)
-    if facts.first_key is None:
-        ok = None  # no live entry: nothing to check
-    else:
-        ok = first is not None and last is not None and r.start <= first and last <= r.end
+    first, last = facts_.edge_key_group(facts.first_key), facts_.edge_key_group(facts.last_key)
     return {"subtask": subtask, "state": name,
             "first_key": None if facts.first_key is None else facts.first_key[:64].hex(),
             "last_key": None if facts.last_key is None else facts.last_key[:64].hex(),
             "first_key_group": first, "last_key_group": last,
-            "range_start": r.start, "range_end": r.end, "edges_in_range": ok,
+            "range_start": r.start, "range_end": r.end,
+            "edges_in_range": facts_.edges_within(facts, r),
             "sst_files": None if facts.files is None else len(facts.files),
             "stored_entries": facts.entries, "counted_by": counted_by}
 
@@ -711,16 +705,16 @@ def _family_facts(backend: KeyedStateBackend, subtask: int, recorded: Mapping[st
     r = backend.key_group_range
     sampled: dict[str, tuple[list[bytes], list[bytes]]] = {}
     for name in backend.descriptors:
-        facts = sampling.cf_facts(backend.column_family(name))
+        facts = facts_.cf_facts(backend.column_family(name))
         out.counted_by[name] = "scan"
         if sample is not None:
             keys, values, whole = sampling.sample_entries(backend, name, sample, rng,
                                                           facts.entries)
             sampled[name] = (keys, values)
-            exact = len(keys) if whole else sampling.exact_count(facts)
+            exact = len(keys) if whole else facts_.exact_count(facts)
             if exact is not None and not whole:
                 out.counted_by[name] = "sst properties"
-            elif exact is None and sampling.recorded_count_fits(facts, recorded.get(name)):
+            elif exact is None and facts_.recorded_count_fits(facts, recorded.get(name)):
                 exact = recorded[name]
                 out.counted_by[name] = RECORDED
             elif exact is None:

@@ -178,16 +178,18 @@ def test_deep_validation_fails_on_a_damaged_block(damaged):
     assert row["subtask"] == 1 and "Corruption" in row["restore_error"]
 
 
-@pytest.mark.parametrize("damaged_subtask", [0, 1])
-def test_rescale_fails_and_commits_nothing(spark, tmp_path, damaged_subtask):
-    """P=2 -> 1: the damaged subtask is either the clipped base or the exported import."""
+@pytest.mark.parametrize("damaged_subtask,q", [(0, 1), (1, 1), (1, 4)])
+def test_rescale_fails_and_commits_nothing(spark, tmp_path, damaged_subtask, q):
+    """P=2 -> 1: the damaged subtask is either the base kept whole (counted with a
+    checked scan) or the exported import; P=2 -> 4: the bases are compacted (counted
+    from the compaction's output, no scan: the compaction reads every block)."""
     url = f"file://{tmp_path}/store"
     store, meta, _ = full_checkpoint(tmp_path, url)
     ref = sst_of_state(store, meta, damaged_subtask, "totals")
     damage_block_before_upload(store, 1, ref)
     before = state_files(store)
     with pytest.raises(CkptError, match="Corruption") as info:
-        rescale(store, "latest", 1, spark=spark)
+        rescale(store, "latest", q, spark=spark)
     assert f"subtask {damaged_subtask} of checkpoint 1" in str(info.value)
     assert "\n" not in str(info.value)
     assert store.checkpoint_ids() == [1]

@@ -19,6 +19,7 @@ from statebackend.storage import (
     open_storage,
     safe_relpath,
 )
+from statebackend.storage.checksums import THREADED_CHECKSUM_BYTES
 from statebackend.storage.local import LocalStorage
 from statebackend.storage.memory import MemoryStorage
 from statebackend.storage.s3 import S3Storage
@@ -81,6 +82,20 @@ def test_copy(storage):
     storage.write_bytes("a/one", b"1")
     storage.copy("a/one", "b/two")
     assert storage.read_bytes("b/two") == b"1"
+
+
+@pytest.mark.parametrize("size", [0, 300_000, THREADED_CHECKSUM_BYTES + 1])
+def test_copy_checked_returns_the_copy_facts(storage, size):
+    """Savepoints check copies by what copy_checked returns: the copy's bytes, checksummed
+    (on file:// while copying, in a thread beside the copy for a large file)."""
+    data = os.urandom(size)
+    storage.write_bytes("a/src.sst", data)
+    assert storage.copy_checked("a/src.sst", "b/dst.sst") == (size, checksum_of_bytes(data))
+    assert storage.read_bytes("b/dst.sst") == data
+    legacy = crc32_hex(zlib.crc32(data))
+    assert storage.copy_checked("a/src.sst", "c/dst.sst", "crc32") == (size, legacy)
+    with pytest.raises(StorageError, match="does not exist"):
+        storage.copy_checked("a/none.sst", "b/none.sst")
 
 
 def test_walk_list_glob_delete_many(storage):

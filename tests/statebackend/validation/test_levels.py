@@ -17,6 +17,7 @@ from statebackend.checkpoint.snapshot import checkpoint_backends
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.cli import app as cli
 from statebackend.errors import UsageError
+from statebackend.state import facts
 from statebackend.state.backend import KeyedStateBackend
 from statebackend.state.codecs import domain_byte, encode_time
 from statebackend.state.keygroups import KeyGroupRange, key_group_for_bytes
@@ -251,7 +252,7 @@ def test_rocksdb_counts_are_used_only_when_exact(tmp_path):
     def facts_and_counts(parent):
         meta = checkpoint_backends(store, backends, parent=parent)
         with restored_readonly(store.storage, meta.subtasks[0], descriptors_of(meta), M) as b:
-            out = {name: (sampling.exact_count(sampling.cf_facts(b.column_family(name))),
+            out = {name: (facts.exact_count(facts.cf_facts(b.column_family(name))),
                           b.count_keys(name)) for name in b.column_families}
         return meta, out
 
