@@ -191,7 +191,7 @@ def _read_footer(path: str, options: Mapping[str, Any]) -> ParquetFooter | tuple
     except Exception as exc:  # noqa: BLE001 - any failure is this file's problem, reported
         cause = " ".join(str(exc).split()) or type(exc).__name__
         return path, f"{type(exc).__name__}: {cause}"[:300]
-    return ParquetFooter(schema, decoded, int(size))
+    return ParquetFooter(schema, decoded, int(size), int(meta.num_rows))
 
 
 _VALUE_BYTES = {"BOOLEAN": 0.125, "INT32": 4, "FLOAT": 4, "INT64": 8, "DOUBLE": 8,

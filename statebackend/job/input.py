@@ -72,6 +72,7 @@ class ParquetFooter:
     # pages are far smaller than the values they decode to; strings count 4 bytes).
     decoded_bytes: int
     file_bytes: int
+    rows: int  # the footer's row count
 
 
 @dataclass(frozen=True)
@@ -288,6 +289,13 @@ def decompressed_bytes(path: str, options: Mapping[str, Any], stop_after: int) -
     except (OSError, EOFError, zlib.error):
         pass  # a damaged file counts what it gave; its reader refuses it in one line
     return total
+
+
+def has_no_rows(files: InputFiles) -> bool:
+    """Whether the input provably holds no row: no file, or only Parquet files whose
+    footers (read by `check_parquet`) count none. JSON files are never opened here."""
+    return not files.json and all(
+        p in files.footers and files.footers[p].rows == 0 for p in files.parquet)
 
 
 def input_weight(files, limit: int | None = None) -> int:

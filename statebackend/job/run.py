@@ -12,8 +12,10 @@ One run (driver side; the subtasks: `statebackend.job.task`)::
                           input files listed and Parquet footers checked (one-line
                           InputError naming a bad file, before any engine work), the
                           engine (statebackend.engines.choose_engine: Spark, or the
-                          local engine in this process for small work), parallelism,
-                          clocks (statebackend.job.clock): a frozen `RunPlan`
+                          local engine in this process for small work; an input that
+                          provably has no row into a lineage with nothing due always
+                          runs locally: `IDLE_REASON`), parallelism, clocks
+                          (statebackend.job.clock): a frozen `RunPlan`
     tasks              -> every subtask restores, validates and runs the logic, fires
                           due timers, purges expired TTL entries, writes outputs and
                           quarantine, snapshots and uploads (statebackend.job.task),
@@ -65,7 +67,7 @@ from statebackend.job.clock import run_clock
 from statebackend.job.commit import check_results, commit_record
 from statebackend.job.config import RunConfig
 from statebackend.job.engine import Engine
-from statebackend.job.input import READERS, InputFiles, input_weight, list_input
+from statebackend.job.input import READERS, InputFiles, has_no_rows, input_weight, list_input
 from statebackend.job.local_engine import LocalEngine
 from statebackend.job.plan import (
     RunPlan,
@@ -86,6 +88,12 @@ from statebackend.job.summary import CommittedRun, RunSummary, RunTimeline
 from statebackend.job.task import TaskParams
 from statebackend.progress import NO_PROGRESS, ProgressSink
 from statebackend.settings import number
+
+# Why a run whose input has no row (Parquet footers count none) and whose lineage has no
+# timer or expiry due runs on the local engine whatever was chosen: its subtasks carry
+# their state forward without opening it, and a Spark job would only schedule empty tasks.
+IDLE_REASON = ("the input has no rows and no timer or expiry is due: every subtask "
+               "carries its state forward, so no Spark job runs")
 
 
 def run_job(job: Job, config: RunConfig, spark=None,
@@ -179,10 +187,21 @@ class _JobRun:
             state_bytes=parent.bytes_referenced if parent else 0,
             new_lineage_without_parallelism=parent is None and config.parallelism is None,
             storage_in_process=config.storage if store.storage.process_local else None))
+        rewrites = evolution is not None and bool(evolution.rewrites)
+        clock = None
+        if parent is not None and not rewrites and has_no_rows(files):
+            # No row to read or route: the clock needs no scan, and when nothing is due
+            # either every subtask carries its state forward (job/task.py), so the run
+            # starts no Spark job (in a new process, no Spark at all).
+            idle = LocalEngine(files, job, cores=local_cores(config.master))
+            clock = run_clock(idle, job, config, parent, parent.parallelism, self.progress)
+            if choice.engine != "local" and not any(clock.must_run):
+                choice = EngineChoice("local", IDLE_REASON)
         engine = self._engine(choice, files)
         parallelism, max_parallelism = lineage_shape(config, parent, engine, warnings)
-        clock = run_clock(engine, job, config, parent, parallelism, self.progress)
-        if evolution is not None and evolution.rewrites:
+        if clock is None:
+            clock = run_clock(engine, job, config, parent, parallelism, self.progress)
+        if rewrites:
             # every subtask rewrites its entries once (state/migrate.py)
             clock = replace(clock, must_run=(True,) * parallelism)
         return RunPlan(job, config, store.job, parent, parallelism, max_parallelism, files,

@@ -171,6 +171,35 @@ def test_empty_input_is_a_valid_run(spark, tmp_path):
     assert_state_equals(dump_latest(f"file://{tmp_path}/store", "agg"), expected_totals([events]))
 
 
+def test_input_without_rows_starts_no_spark_job(spark, tmp_path):
+    """--engine spark: a day whose Parquet footers count no row (and no timer is due: this
+    job has none) runs on the local engine and carries every handle forward; a JSON file
+    is never assumed empty; the lineage then goes on on Spark and matches pandas."""
+    from statebackend.job.run import IDLE_REASON
+
+    days = [generate_events(str(tmp_path / f"in{d}"), n_events=600, n_keys=150, seed=40 + d,
+                            start_ts_ms=1_800_000_000_000 + d * 86_400_000) for d in range(2)]
+    (tmp_path / "none").mkdir()
+    pq.write_table(pq.read_table(tmp_path / "in0").slice(0, 0),
+                   tmp_path / "none" / "part-0.parquet")
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "part-0.jsonl").write_text("")
+
+    def spark_run(folder: str, run_id: str) -> dict:
+        return run(config(tmp_path, tmp_path / folder, run_id, parallelism=2, engine="spark"),
+                   spark)
+
+    assert spark_run("in0", "r0")["engine"] == "spark"
+    idle = spark_run("none", "r1")
+    assert (idle["engine"], idle["engine_reason"]) == ("local", IDLE_REASON)
+    assert (idle["checkpoint_id"], idle["events_read"], idle["bytes_uploaded"]) == (2, 0, 0)
+    store = store_of(f"file://{tmp_path}/store", "agg")
+    assert [h.files for h in store.load(2).subtasks] == [h.files for h in store.load(1).subtasks]
+    assert spark_run("blank", "r2")["engine"] == "spark"  # a JSON file is opened by Spark
+    assert spark_run("in1", "r3")["engine"] == "spark"
+    assert_state_equals(dump_latest(f"file://{tmp_path}/store", "agg"), expected_totals(days))
+
+
 def test_concurrent_writer_is_refused(spark, tmp_path):
     generate_events(str(tmp_path / "in"), n_events=100, n_keys=10, seed=4)
     store = store_of(f"file://{tmp_path}/store", "agg")

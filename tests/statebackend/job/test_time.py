@@ -169,7 +169,11 @@ REMIND = Job(name="remind", input=Input(SCHEMA, "k"), outputs=(OUT,),
 
 
 def test_subtask_without_rows_runs_when_its_timer_is_due(spark, tmp_path):
+    """On the Spark engine: a run with no input and nothing due starts no Spark job (the
+    local engine carries every subtask forward); one with a timer due runs on Spark."""
     from pyspark import cloudpickle
+
+    from statebackend.job.run import IDLE_REASON
 
     # This test module is not importable on the workers: ship its functions by value.
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -181,14 +185,17 @@ def test_subtask_without_rows_runs_when_its_timer_is_due(spark, tmp_path):
     def run(run_id: str, folder: str, logical: int) -> dict:
         return run_job(REMIND, RunConfig(
             input=str(tmp_path / folder), storage=storage, run_id=run_id, output=output,
-            parallelism=2, local_dir=str(tmp_path / "local"), logical_time_ms=logical), spark)
+            parallelism=2, local_dir=str(tmp_path / "local"), logical_time_ms=logical,
+            engine="spark"), spark)
 
     s0 = run("r0", "in0", 5000)
-    assert (s0["timers_fired"], s0["processing_time"]) == (0, 5000)
+    assert (s0["timers_fired"], s0["processing_time"], s0["engine"]) == (0, 5000, "spark")
     s1 = run("r1", "empty", 5500)  # not due: nothing opened, both carried forward
     assert (s1["timers_fired"], s1["restore_modes"]) == (0, ["none", "none"])
+    assert (s1["engine"], s1["engine_reason"]) == ("local", IDLE_REASON)
     s2 = run("r2", "empty", 6000)  # due: the subtask holding "a" runs without rows
     assert s2["timers_fired"] == 1 and s2["restore_modes"].count("none") == 1
+    assert s2["engine"] == "spark"
     fired = pd.read_parquet(tmp_path / "out" / "run=r2")
     assert fired[["k", "time", "seen"]].values.tolist() == [["a", 6000, 6000]]
 
