@@ -118,8 +118,8 @@ from statebackend.storage import Storage, open_storage
 JOB = "chaos"
 TTL_ENV = "CKPT_LEASE_TTL_SECONDS"
 LEASE_SLACK_S = 0.75  # clock reads of the harness and the library differ by this much at most
-MUTATIONS = ("write_bytes", "write_exclusive", "write_atomic", "put_file", "copy", "delete_many",
-             "delete_tree")
+MUTATIONS = ("write_bytes", "write_exclusive", "write_atomic", "put_file", "copy",
+             "copy_checked", "delete_many", "delete_tree")
 # Initial guesses of how many driver-side storage mutations a step kind makes; raised
 # as steps run, so kill points spread over the whole step.
 MUTATION_GUESS = {"run": 8, "gc": 2, "retain": 3, "savepoint": 12, "rescale": 6}
@@ -173,7 +173,8 @@ class FaultInjector:
                 return original(storage, *args, **kwargs)
             if injector.dead:
                 return _dead_result(name)
-            rel = args[1] if name in ("put_file", "copy") else (args[0] if args else "")
+            rel = args[1] if name in ("put_file", "copy", "copy_checked") \
+                else (args[0] if args else "")
             if injector.committing and injector.pause is not None \
                     and threading.current_thread() is threading.main_thread():
                 if injector.commit_calls == injector.pause_at and not injector.paused:
@@ -225,7 +226,8 @@ class FaultInjector:
 
 
 def _dead_result(name: str):
-    return {"put_file": (0, "crc32c:00000000"), "delete_many": []}.get(name)
+    return {"put_file": (0, "crc32c:00000000"), "copy_checked": (0, "crc32c:00000000"),
+            "delete_many": []}.get(name)
 
 
 def _short(args: tuple) -> str:

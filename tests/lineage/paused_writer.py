@@ -25,7 +25,7 @@ from statebackend.errors import CkptError
 from statebackend.storage import Storage
 
 MUTATIONS = ("write_bytes", "write_exclusive", "write_atomic", "put_file", "copy",
-             "delete_many", "delete_tree")
+             "copy_checked", "delete_many", "delete_tree")
 
 
 def main(argv: list[str]) -> int:

@@ -104,6 +104,8 @@ REFUSED = {
     "copy from file": lambda s, t: s.copy("job/flink", "job/real/copied.txt"),
     "copy to dir": lambda s, t: s.copy("job/real/a.txt", "job/link/canary.txt"),
     "copy to file": lambda s, t: s.copy("job/real/a.txt", "job/flink"),
+    "copy_checked from": lambda s, t: s.copy_checked("job/link/canary.txt", "job/real/c.txt"),
+    "copy_checked to": lambda s, t: s.copy_checked("job/real/a.txt", "job/flink"),
     "checksum": lambda s, t: s.checksum("job/flink"),
     "checksum dir": lambda s, t: s.checksum("job/link/canary.txt"),
     "list_dir": lambda s, t: s.list_dir("job/link"),
