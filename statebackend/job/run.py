@@ -63,7 +63,7 @@ from statebackend.job import external_commit
 from statebackend.job.api import Job
 from statebackend.job.arrow_input import check_parquet
 from statebackend.job.bootstrap import check_initial_state, initial_state
-from statebackend.job.clock import run_clock
+from statebackend.job.clock import RunClock, run_clock
 from statebackend.job.commit import check_results, commit_record
 from statebackend.job.config import RunConfig
 from statebackend.job.engine import Engine
@@ -188,16 +188,18 @@ class _JobRun:
             new_lineage_without_parallelism=parent is None and config.parallelism is None,
             storage_in_process=config.storage if store.storage.process_local else None))
         rewrites = evolution is not None and bool(evolution.rewrites)
-        clock = None
+        clock: RunClock | None = None
+        engine: Engine | None = None
         if parent is not None and not rewrites and has_no_rows(files):
-            # No row to read or route: the clock needs no scan, and when nothing is due
-            # either every subtask carries its state forward (job/task.py), so the run
-            # starts no Spark job (in a new process, no Spark at all).
+            # No row to read or route: the local engine sets the clock without a scan, and
+            # when nothing is due either every subtask carries its state forward
+            # (job/task.py), so the run starts no Spark job (in a new process, no Spark).
             idle = LocalEngine(files, job, cores=local_cores(config.master))
             clock = run_clock(idle, job, config, parent, parent.parallelism, self.progress)
             if choice.engine != "local" and not any(clock.must_run):
                 choice = EngineChoice("local", IDLE_REASON)
-        engine = self._engine(choice, files)
+            engine = idle if choice.engine == "local" else None
+        engine = engine or self._engine(choice, files)
         parallelism, max_parallelism = lineage_shape(config, parent, engine, warnings)
         if clock is None:
             clock = run_clock(engine, job, config, parent, parallelism, self.progress)

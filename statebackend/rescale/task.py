@@ -44,7 +44,7 @@ from statebackend.checkpoint.attempt import record_uploads
 from statebackend.checkpoint.metadata import SubtaskHandle
 from statebackend.checkpoint.restore import download_files
 from statebackend.checkpoint.snapshot import SnapshotResult, upload_snapshot
-from statebackend.errors import CorruptStateError, SnapshotError
+from statebackend.errors import SnapshotError
 from statebackend.rescale.plan import SubtaskPlan
 from statebackend.rescale.scratch import scratch_parent
 from statebackend.spark.dispatch import task_context
@@ -52,7 +52,6 @@ from statebackend.state import facts
 from statebackend.state.backend import KeyedStateBackend, StoredInstance
 from statebackend.state.keygroups import KeyGroupRange, key_group_of_rocks_key, key_group_prefix
 from statebackend.state.kinds import StateDescriptor
-from statebackend.state.scan import damaged_state
 from statebackend.state.sst import ingest, write_sst
 from statebackend.storage import Storage, StorageOptions, child_storage, open_storage
 from statebackend.subtasks import named_failure
@@ -253,11 +252,12 @@ class _NewSubtask:
             clipped = clipped_share(backend.db.live_files(), keep)
             backend.delete_key_groups_outside(keep)
         compacted = task.compact or clipped > task.compact_clipped_share
-        if compacted and not task.compact:
+        clipped_compacted = compacted and not task.compact  # --compact runs after the imports
+        if clipped_compacted:
             with self._timed("compact"):
                 compact_clipped(backend, base.key_group_range, keep)
         with self._timed("count"):
-            rows = {cf: kept_rows(backend, cf, keep, compacted)
+            rows = {cf: kept_rows(backend, cf, keep, clipped_compacted)
                     for cf in backend.column_families}
         return backend, rows, clipped, compacted
 
@@ -400,23 +400,7 @@ def compact_clipped(backend: KeyedStateBackend, base: KeyGroupRange,
     if keep.end < base.end:
         ranges.append((key_group_prefix(keep.end + 1), key_group_prefix(base.end + 1)))
     for name in backend.column_families:
-        cf = backend.column_family(name)
         for lower, upper in ranges:
-            cf.compact_range(lower, upper, opts)
-            _raise_background_error(backend, name)
+            backend.compact_range(name, lower, upper, opts)
     backend.mark_dirty()
-
-
-def _raise_background_error(backend: KeyedStateBackend, cf_name: str) -> None:
-    """A compaction that met a damaged block does not raise: RocksDB records a background
-    error and stops writing, and the next write reports it. Raise it here, by name."""
-    if not backend.db.property_int_value("rocksdb.background-errors"):
-        return
-    try:
-        backend.column_family(cf_name).flush(True)
-    except Exception as exc:  # noqa: BLE001 - rocksdict raises a bare Exception
-        raise damaged_state(f"a compaction of {backend.scan_where(cf_name)}", exc,
-                            backend.file_paths) from exc
-    raise CorruptStateError(f"a compaction of {backend.scan_where(cf_name)} failed; "
-                            "RocksDB reported a background error and no cause")
 

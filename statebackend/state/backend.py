@@ -36,6 +36,7 @@ from rocksdict import (
     AccessType,
     Checkpoint,
     ColumnFamily,
+    CompactOptions,
     DBCompactionStyle,
     Options,
     Rdict,
@@ -44,7 +45,7 @@ from rocksdict import (
     WriteOptions,
 )
 
-from statebackend.errors import UsageError
+from statebackend.errors import CorruptStateError, UsageError
 from statebackend.state.codecs import as_time, serialize_key, serialize_keys
 from statebackend.state.families import INTERNAL_STATES, TTL_INDEX
 from statebackend.state.keygroups import (
@@ -67,7 +68,7 @@ from statebackend.state.kinds import (
     _State,
     internal_descriptor,
 )
-from statebackend.state.scan import checked_count, checked_entries, checked_scan
+from statebackend.state.scan import checked_count, checked_entries, checked_scan, damaged_state
 
 if TYPE_CHECKING:
     from statebackend.state.timers import TimerFiring
@@ -459,8 +460,26 @@ class KeyedStateBackend:
         self._dirty = True
 
     def compact(self) -> None:
-        for cf in self._cfs.values():
-            cf.compact_range(None, None)
+        for name in self._cf_names:
+            self.compact_range(name)
+
+    def compact_range(self, cf_name: str, lower: bytes | None = None,
+                      upper: bytes | None = None,
+                      options: CompactOptions | None = None) -> None:
+        """Compact ``[lower, upper)`` of family ``cf_name`` (None: open ends). A damaged
+        block met by the compaction raises `CorruptStateError` naming the stored file:
+        RocksDB does not fail the call, it records a background error and stops writing,
+        and only the next write (a flush, a close) would report it."""
+        self._cfs[cf_name].compact_range(lower, upper, options or CompactOptions())
+        if not self.db.property_int_value("rocksdb.background-errors"):
+            return
+        what = f"a compaction of {self.scan_where(cf_name)}"
+        try:
+            self._cfs[cf_name].flush(True)
+        except Exception as exc:  # noqa: BLE001 - rocksdict raises a bare Exception
+            raise damaged_state(what, exc, self.file_paths) from exc
+        raise CorruptStateError(f"{what} failed; RocksDB reported a background error and "
+                                "no cause")
 
     # -- snapshot: synchronous part ----------------------------------------
     def take_local_snapshot(self, count_rows: bool = True) -> LocalSnapshot:

@@ -107,6 +107,10 @@ class MemoryStateBackend(KeyedStateBackend):
     def db(self) -> Any:
         raise UsageError(f"{self.label} is in memory: it has no RocksDB instance")
 
+    def compact_range(self, cf_name: str, lower: bytes | None = None,
+                      upper: bytes | None = None, options: Any = None) -> None:
+        """Nothing to compact: a table holds one version per key and no tombstone."""
+
     def set_memory_limit(self, limit_mb: int | None) -> MemoryStateBackend:
         """Fail writes past ``limit_mb`` MiB of state (None: unbounded); returns self."""
         self.account.limit_bytes = None if limit_mb is None else int(limit_mb) * 2**20

@@ -454,7 +454,7 @@ def purge_expired(backend: KeyedStateBackend, domain: str, now: int,
         name for name, n in per_state.items()
         if compact_ratio is not None and n and n >= compact_ratio * max(1, estimates.get(name, 0))))
     for name in compacted + ((TTL_INDEX,) if compacted else ()):
-        backend.column_family(name).compact_range(None, None)
+        backend.compact_range(name)
     return PurgeStats(seeks, read, deleted, dropped, compacted)
 
 

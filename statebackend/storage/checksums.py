@@ -75,8 +75,7 @@ def copy_open_file(fin: int, fout: int, algorithm: str | None = CHECKSUM_ALGORIT
     crc_of = CRC_FUNCTIONS[algorithm]
     if size < THREADED_CHECKSUM_BYTES:
         _send_all(fin, fout, size, name)
-        with mmap.mmap(fin, 0, access=mmap.ACCESS_READ) as view:
-            return size, crc_of(view)
+        return crc_open_file(fin, algorithm)
     with mmap.mmap(fin, 0, access=mmap.ACCESS_READ) as view:
         result: list[int] = []
         checksummer = threading.Thread(target=lambda: result.append(crc_of(view)))
