@@ -149,6 +149,10 @@ class CheckpointStore:
         """The raw `_metadata` of ``checkpoint_id``, or None if it does not exist."""
         return self.storage.read_bytes_if_exists(metadata_path(checkpoint_id))
 
+    def read_records(self, checkpoint_ids: Iterable[int]) -> Iterator[bytes | None]:
+        """`read_record` of each id, in order (`Storage.read_many`: batched)."""
+        return self.storage.read_many(map(metadata_path, checkpoint_ids))
+
     def parse(self, checkpoint_id: int, data: bytes, memo: ParseMemo | None = None
               ) -> CheckpointMetadata:
         """The `_metadata` bytes of ``checkpoint_id``, strictly parsed and checked to

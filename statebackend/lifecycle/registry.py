@@ -427,13 +427,11 @@ def build_registry(store: CheckpointStore, *, now: datetime | float | None = Non
     def read_savepoint(name: str) -> CheckpointMetadata:
         return load_savepoint(store, name)
 
-    # parsing is CPU-bound: threads only help to overlap remote reads
-    workers = max(1, threads) if storage.remote else 1
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         leases = [x for x in pool.map(read_lease, sorted(lease_paths)) if x is not None]
-        reader = pool.map if workers > 1 else map  # remote: overlap reads, parse here
+        # parsing is CPU-bound: read_records overlaps remote reads, parsing stays here
         pairs = [(store.parse(cid, data, memo), digest_of(data))
-                 for cid, data in zip(to_parse, reader(store.read_record, to_parse), strict=True)
+                 for cid, data in zip(to_parse, store.read_records(to_parse), strict=True)
                  if data is not None]  # None: retired since the listing
         metas = [m for m, _ in pairs]
         savepoints = list(pool.map(read_savepoint, sorted(savepoint_names)))
@@ -652,8 +650,7 @@ def write_index(store: CheckpointStore, registry: Registry) -> None:
         log.warning("registry index %s/%s not written: %s", store.storage.url, INDEX_FILE, exc)
 
 
-def referenced_by_records(store: CheckpointStore, ids: Iterable[int],
-                          threads: int = READ_THREADS) -> set[str]:
+def referenced_by_records(store: CheckpointStore, ids: Iterable[int]) -> set[str]:
     """Every path the real `_metadata` of ``ids`` lists (retired ones are skipped): the
     executors' re-check of a plan made from the index.
 
@@ -662,16 +659,13 @@ def referenced_by_records(store: CheckpointStore, ids: Iterable[int],
     not laid out as one is parsed strictly, and refused (MetadataError) if malformed.
     """
     ids = sorted(set(ids))
-    workers = max(1, min(threads, len(ids))) if store.storage.remote else 1
     out: set[str] = set()
     memo: ParseMemo = {}
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        reader = pool.map if workers > 1 else map
-        for cid, data in zip(ids, reader(store.read_record, ids), strict=True):
-            if data is None:
-                continue
-            paths = listed_paths(data)
-            out.update(paths if paths is not None else paths_of(store.parse(cid, data, memo)))
+    for cid, data in zip(ids, store.read_records(ids), strict=True):
+        if data is None:
+            continue
+        paths = listed_paths(data)
+        out.update(paths if paths is not None else paths_of(store.parse(cid, data, memo)))
     return out
 
 

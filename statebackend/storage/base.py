@@ -30,6 +30,7 @@ import copy
 import os
 import posixpath
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, Any, TypeVar, cast, overload
@@ -205,6 +206,17 @@ class Storage:
             if isinstance(exc.__cause__, FileNotFoundError):
                 return None
             raise
+
+    def read_many(self, rels: Iterable[str], threads: int = 16) -> Iterator[bytes | None]:
+        """`read_bytes_if_exists` of each of ``rels``, in order; a remote store overlaps
+        up to ``threads`` requests (the results still come back in order)."""
+        rels = list(rels)
+        workers = max(1, min(threads, len(rels))) if self.remote else 1
+        if workers == 1:
+            yield from map(self.read_bytes_if_exists, rels)
+            return
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            yield from pool.map(self.read_bytes_if_exists, rels)
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         with self._reserved(len(data)), self._errors(rel):

@@ -114,6 +114,11 @@ class _Folders:
         for fd in fds.values():
             os.close(fd)
 
+    def keep_only(self, parts: Parts) -> None:
+        """Close every folder that is not above ``parts``."""
+        for held in [p for p in self.fds if p != parts[:len(p)]]:
+            os.close(self.fds.pop(held))
+
     def fd(self, parts: Parts, rel: str, create: bool = False) -> int:
         """The descriptor of folder ``parts``; FileNotFoundError when it is missing
         (unless ``create``), NotADirectoryError when it is a file, UnsafePathError
@@ -232,11 +237,14 @@ class LocalStorage(Storage):
         return error
 
     def _final(self, folders: _Folders, rel: str, create: bool = False) -> tuple[int, str]:
-        """(descriptor of the folder holding ``rel``, its last segment)."""
+        """(descriptor of the folder holding ``rel``, its last segment). Folders of the
+        call that are not above ``rel`` are closed: a call over many paths holds as many
+        descriptors as one path is deep."""
         parts = self._parts(rel)
         if not parts:
             raise UnsafePathError(f"{self.url}: the path {rel!r} names the storage root, "
                                   "not a file")
+        folders.keep_only(parts)
         return folders.fd(parts[:-1], rel, create), parts[-1]
 
     def _refuse_if_link(self, folder: int, name: str, rel: str) -> os.stat_result:
@@ -256,15 +264,21 @@ class LocalStorage(Storage):
     def _open_file(self, rel: str, flags: int, create: bool = False) -> int:
         """A descriptor of regular file ``rel``, opened without following a symlink."""
         with _Folders(self) as folders:
-            folder, name = self._final(folders, rel, create)
-            try:
-                fd = os.open(name, flags, 0o666, dir_fd=folder)
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:
-                    raise self._link_at(folder, name, rel) from None
-                raise
+            return self._open_in(folders, rel, flags, create)[0]
+
+    def _open_in(self, folders: _Folders, rel: str, flags: int, create: bool = False
+                 ) -> tuple[int, os.stat_result]:
+        """`_open_file` from the folder descriptors of one call, with its stat."""
+        folder, name = self._final(folders, rel, create)
         try:
-            mode = os.fstat(fd).st_mode
+            fd = os.open(name, flags, 0o666, dir_fd=folder)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise self._link_at(folder, name, rel) from None
+            raise
+        try:
+            st = os.fstat(fd)
+            mode = st.st_mode
             if stat.S_ISDIR(mode):
                 raise IsADirectoryError(errno.EISDIR, "is a folder, not a file", rel)
             if not stat.S_ISREG(mode):
@@ -273,7 +287,7 @@ class LocalStorage(Storage):
         except BaseException:
             os.close(fd)
             raise
-        return fd
+        return fd, st
 
     # -- paths ---------------------------------------------------------------
     def local_path(self, rel: str) -> str:
@@ -304,6 +318,22 @@ class LocalStorage(Storage):
         with self._errors(rel):
             with open(self._open_file(rel, _READ_FLAGS), "rb") as fh:
                 return fh.read()
+
+    def read_many(self, rels: Iterable[str], threads: int = 16) -> Iterator[bytes | None]:
+        """Each folder on the way is opened once for consecutive paths under it (10,000
+        records in as many folders: a descriptor per record, not one per segment)."""
+        with _Folders(self) as folders:
+            for rel in rels:
+                data: bytes | None = None
+                with self._errors(rel):
+                    try:
+                        fd = self._open_in(folders, rel, _READ_FLAGS)[0]
+                    except FileNotFoundError:
+                        pass  # (as read_bytes_if_exists)
+                    else:
+                        with open(fd, "rb", buffering=0) as fh:
+                            data = fh.readall()
+                yield data
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         with self._errors(rel):
@@ -539,21 +569,31 @@ class LocalStorage(Storage):
         return folders
 
     def _listed_stat(self) -> Callable[[str], FileInfo | None]:
-        """The size-and-mtime reader of one listing: each folder is checked once against
-        the root (``realpath``), each file stated without following it."""
+        """The size-and-mtime reader of one listing: each folder is checked once (the
+        root against its ``realpath``, a folder below it by one ``lstat`` once its
+        parent is known real), each file stated without following it."""
         real_folders: dict[str, bool] = {}
         root = self.root
         below = root[len(self._top):]
         real_root = self._real_top + below
 
-        def stat_listed(rel: str) -> FileInfo | None:
-            folder = rel.rpartition("/")[0]
+        def is_real(folder: str) -> bool:
             real = real_folders.get(folder)
             if real is None:
-                path = f"{root}/{folder}" if folder else root
-                want = f"{real_root}/{folder}" if folder else real_root
-                real = real_folders[folder] = os.path.realpath(path) == want
-            if not real:
+                if not folder:
+                    real = os.path.realpath(root) == real_root
+                else:
+                    parent = folder.rpartition("/")[0]
+                    try:
+                        real = is_real(parent) and stat.S_ISDIR(
+                            os.lstat(f"{root}/{folder}").st_mode)
+                    except (FileNotFoundError, NotADirectoryError):
+                        real = False
+                real_folders[folder] = real
+            return real
+
+        def stat_listed(rel: str) -> FileInfo | None:
+            if not is_real(rel.rpartition("/")[0]):
                 return None  # swapped for a symlink since it was listed: not a file here
             try:
                 st = os.stat(f"{root}/{rel}", follow_symlinks=False)
@@ -568,21 +608,15 @@ class LocalStorage(Storage):
         return stat_listed
 
     def delete_many(self, rels: Iterable[str]) -> list[tuple[str, str]]:
-        """Best-effort delete; each folder is looked up once per call. A path under a
+        """Best-effort delete; consecutive paths in one folder share its lookup. A path under a
         symlinked folder is a failure (nothing behind the link is touched); a path that
         is a symlink loses the link, not its target."""
         wanted = [safe_relpath(r) for r in rels]  # refuse bad paths before deleting any
         failures: list[tuple[str, str]] = []
-        below = self._parts("")
-        by_folder: dict[str, int] = {}  # the folder lookups of this call, by folder path
-        with _Folders(self) as folders:
+        with _Folders(self) as folders:  # (consecutive paths in one folder: opened once)
             for rel in wanted:
-                folder, _, name = rel.rpartition("/")
                 try:
-                    fd = by_folder.get(folder)
-                    if fd is None:
-                        parts = below + tuple(folder.split("/")) if folder else below
-                        fd = by_folder[folder] = folders.fd(parts, rel)
+                    fd, name = self._final(folders, rel)
                     os.unlink(name, dir_fd=fd)
                 except (FileNotFoundError, NotADirectoryError):
                     pass  # gone already (or its folder is a file: never there)
@@ -617,6 +651,7 @@ class LocalStorage(Storage):
             for rel in sorted(set(rels), key=lambda d: d.count("/"), reverse=True):
                 try:
                     parts = self._parts(rel)
+                    folders.keep_only(parts)  # (10,000 folders: not 10,000 descriptors)
                     # refuses a non-empty folder (race-safe) and a symlink (ENOTDIR)
                     os.rmdir(parts[-1], dir_fd=folders.fd(parts[:-1], rel))
                 except (OSError, ValueError, IndexError, UnsafePathError):

@@ -248,9 +248,15 @@ def test_the_executor_reads_only_records_that_could_list_a_planned_deletion(stor
     plan = plan_gc(build_registry(store), grace_seconds=0)
     assert {"shared/orphan.sst", "shared/e.sst"} <= {f.path for f in plan.deletions}
     assert plan.indexed_ids == (5,)
-    read = []
-    real = store.read_record
-    store.read_record = lambda cid: read.append(cid) or real(cid)
+    read: list[int] = []
+    real = store.read_records
+
+    def spy(ids):
+        ids = list(ids)
+        read.extend(ids)
+        return real(ids)
+
+    store.read_records = spy
     report = collect_garbage(store, grace_seconds=0)
     assert 5 in read and not {1, 2, 3, 4} & set(read)
     assert "shared/e.sst" in report.spared and store.storage.exists("shared/e.sst")

@@ -108,6 +108,8 @@ REFUSED = {
     "copy_checked to": lambda s, t: s.copy_checked("job/real/a.txt", "job/flink"),
     "checksum": lambda s, t: s.checksum("job/flink"),
     "checksum dir": lambda s, t: s.checksum("job/link/canary.txt"),
+    "read_many dir": lambda s, t: list(s.read_many(["job/real/a.txt", "job/link/canary.txt"])),
+    "read_many file": lambda s, t: list(s.read_many(["job/flink"])),
     "list_dir": lambda s, t: s.list_dir("job/link"),
     "walk_files": lambda s, t: s.walk_files("job/link"),
     "walk_listing": lambda s, t: s.walk_listing("job/link/sub"),

@@ -42,6 +42,17 @@ def test_write_read_exists(storage):
     assert storage.info("a/missing") is None
 
 
+def test_read_many_reads_in_order_with_none_for_missing(storage):
+    paths = [f"chk-{i}/_metadata" for i in (3, 1, 2)] + ["chk-1/0/s/OPTIONS", "chk-9/_metadata"]
+    for i, path in enumerate(paths[:4]):
+        storage.write_bytes(path, f"record {i}".encode() * (i + 1))
+    assert list(storage.read_many(paths)) == [
+        b"record 0", b"record 1" * 2, b"record 2" * 3, b"record 3" * 4, None]
+    assert list(storage.read_many([])) == []
+    with pytest.raises(UnsafePathError):
+        list(storage.read_many(["../outside"]))
+
+
 def test_read_missing_is_storage_error(storage):
     with pytest.raises(StorageError, match="missing.bin does not exist") as err:
         storage.read_bytes("x/missing.bin")
@@ -399,3 +410,32 @@ def test_run_config_and_task_params_show_no_secret():
                         output_url=None, quarantine_url="q", run_dir="run=r", run_id="r",
                         storage_options=config.storage_options)
     assert "hidden-value" not in repr(params) and "AKIA1" not in repr(params)
+
+
+def test_file_walks_over_many_folders_hold_few_descriptors(tmp_path):
+    """read_many, delete_many and remove_empty_dirs over 600 folders with 64 descriptors
+    allowed (a retention of 10,000 checkpoints under the common limit of 1,024)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import os, resource
+        from statebackend.storage import open_storage
+        s = open_storage("file://{tmp_path}/store")
+        paths = [f"chk-{{i}}/0/s/MANIFEST" for i in range(600)]
+        for p in paths:
+            s.write_bytes(p, p.encode())
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+        assert list(s.read_many(paths)) == [p.encode() for p in paths]
+        assert s.delete_many(paths) == []
+        s.remove_empty_dirs([f"chk-{{i}}/0/s" for i in range(600)]
+                            + [f"chk-{{i}}/0" for i in range(600)]
+                            + [f"chk-{{i}}" for i in range(600)])
+        print(sorted(os.listdir("{tmp_path}/store")))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                              os.path.dirname(os.path.abspath(__file__))))), check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
