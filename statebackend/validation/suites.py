@@ -240,7 +240,9 @@ def _evaluate(run: TableRun, spec: tuple[str, str, str, str, tuple]) -> dict:
         return entry
     values = frame[column]
     present = values.notna()
-    if kind == "true":
+    if kind == "true" and values.dtype == bool:  # (no hashing: most state-table columns)
+        ok = values
+    elif kind == "true":
         ok = values.isin([True])
     else:
         lo, hi = args
