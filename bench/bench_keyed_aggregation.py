@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -344,7 +345,7 @@ def _print_run(mode: str, variant: str, r: dict) -> None:
 
 
 def report(table: dict, args: argparse.Namespace) -> None:
-    print("\nsummary (incremental = runs after the first)")
+    print(f"\nsummary (incremental = runs after the first), load average {os.getloadavg()[0]:.2f}")
     print(f"{'mode':8} {'variant':19} {'events/s':>10} {'events/s incr':>14} "
           f"{'bytes first':>13} {'bytes/incr run':>15}")
     agg = {}
@@ -406,7 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--events", type=int, default=250_000, help="events per run")
     p.add_argument("--keys", type=int, default=100_000)
     p.add_argument("--parallelism", type=int, default=4, help="state partitions (both engines)")
-    p.add_argument("--master", default="local[2]")
+    p.add_argument("--master", default="local[2]",
+                   help="local[N], a spark:// URL, or 'standalone': start a cluster of two "
+                        "1-core workers on 127.0.0.1 for this invocation (bench/standalone.py)")
     p.add_argument("--modes", default="process,session,connect",
                    help="comma-separated subset of %(default)s")
     p.add_argument("--workdir", default=os.path.join(ROOT, "bench", "out", "keyed_aggregation"))
@@ -427,14 +430,37 @@ def main(argv: list[str] | None = None) -> int:
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip() in VARIANTS]
     if not args.before and "before" in args.variants:
         args.variants.remove("before")
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"load average {load} (run benches alone: load slows the JVM peers more)",
+          flush=True)
     print(f"workload: {args.runs} runs x {args.events:,} events over {args.keys:,} keys, "
           f"{args.master}, P={args.parallelism}, variants {args.variants}", flush=True)
-    with pre_port_tree(args.before if "before" in args.variants else "") as tree:
+    with pre_port_tree(args.before if "before" in args.variants else "") as tree, \
+            cluster_for(args):
         table = bench(args, tree)
         report({m: v for m, v in table.items() if m != "fixed"}, args)
         report_fixed(table, args.keys)
     report_floor(table, args)
     return 0
+
+
+@contextmanager
+def cluster_for(args: argparse.Namespace) -> Iterator[None]:
+    """With ``--master standalone``: a master and two 1-core workers on 127.0.0.1 for the
+    whole invocation (``args.master`` becomes its URL), stopped at the end."""
+    if args.master != "standalone":
+        yield
+        return
+    from bench.standalone import standalone_cluster
+
+    base = tempfile.mkdtemp(prefix="bench-cluster-")
+    try:
+        with standalone_cluster(base, workers=2, cores=1, memory="2g") as cluster:
+            args.master = cluster.master_url
+            print(f"standalone cluster {cluster.master_url}: 2 workers x 1 core", flush=True)
+            yield
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def report_floor(table: dict, args: argparse.Namespace) -> None:
