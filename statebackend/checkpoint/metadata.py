@@ -44,7 +44,8 @@ Layout of one record (format 1)::
                    "backend_id": "...", "snapshot_id": "...", "bytes_uploaded": 123,
                    "shared_files": [{"path": "shared/<uuid>-000012.sst",
                                      "local_name": "000012.sst", "size": 1,
-                                     "checksum": "crc32c:..."}],
+                                     "checksum": "crc32c:...",
+                                     "rows": {"totals": 3}}],  # optional (FileRef)
                    "private_files": [...], "row_counts": {"totals": 10}}],
      "extra": {},
      "watermark": 1700000000000, "processing_time": 1700003600000}
@@ -117,16 +118,25 @@ def utc_now_iso() -> str:
 
 @dataclass(frozen=True)
 class FileRef:
-    """One stored file: path relative to the job root, its name in the RocksDB dir."""
+    """One stored file: path relative to the job root, its name in the RocksDB dir.
+
+    ``rows`` (optional): the entries of each state the file holds, where a file holds
+    whole states of its key groups (the memory backend's key-group files): a rescale
+    that regroups such files counts its new subtasks' rows from them without reading
+    any. () when not recorded (every SST, and files written before it existed)."""
 
     path: str
     local_name: str
     size: int
     checksum: str
+    rows: tuple[tuple[str, int], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "local_name": self.local_name, "size": self.size,
-                "checksum": self.checksum}
+        out: dict[str, Any] = {"path": self.path, "local_name": self.local_name,
+                               "size": self.size, "checksum": self.checksum}
+        if self.rows:
+            out["rows"] = dict(self.rows)
+        return out
 
     @staticmethod
     def from_json(data: Any, where: str) -> FileRef:
@@ -144,7 +154,11 @@ class FileRef:
         checksum = _get(data, "checksum", str, where)
         _require(_CHECKSUM.fullmatch(checksum) is not None, where,
                  f"checksum {checksum!r} is not crc32c:<hex> or crc32:<hex> (8 digits at most)")
-        return FileRef(path, local_name, size, checksum)
+        rows = data.get("rows", {})
+        _require(_is_counts(rows), where,
+                 f"rows {str(rows)[:200]} of {local_name} must map state names to integers "
+                 "in 0..2**53")
+        return FileRef(path, local_name, size, checksum, tuple(sorted(rows.items())))
 
 
 @dataclass(frozen=True)
@@ -196,10 +210,8 @@ class SubtaskHandle:
         shared = _get(data, "shared_files", list, w)
         private = _get(data, "private_files", list, w)
         counts = data.get("row_counts", {})
-        _require(isinstance(counts, dict) and all(
-            isinstance(k, str) and _is_int(v) and 0 <= v <= MAX_COUNT
-            for k, v in counts.items()), w,
-            f"row_counts {str(counts)[:200]} must map state names to integers in 0..2**53")
+        _require(_is_counts(counts), w,
+                 f"row_counts {str(counts)[:200]} must map state names to integers in 0..2**53")
         uploaded = data.get("bytes_uploaded", 0)
         _require(_is_int(uploaded) and 0 <= uploaded <= MAX_COUNT, w,
                  f"bytes_uploaded {uploaded!r} must be an integer >= 0 (at most 2**53)")
@@ -642,6 +654,12 @@ def _is_int(value: Any) -> bool:
 def _require(condition: bool, where: str, message: str) -> None:
     if not condition:
         raise MetadataError(f"malformed metadata {where}: {message}")
+
+
+def _is_counts(value: object) -> bool:
+    """A mapping of state names to counts in [0, MAX_COUNT] (row_counts, a file's rows)."""
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and _is_int(v) and 0 <= v <= MAX_COUNT for k, v in value.items())
 
 
 def _get(obj: dict[str, Any], key: str, typ: type, where: str) -> Any:

@@ -29,7 +29,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from statebackend.checkpoint.attempt import Attempt
@@ -53,6 +53,12 @@ class SnapshotResult:
     files_reused: int
 
 
+def stored_ref(snapshot: LocalSnapshot, name: str, path: str, size: int,
+               checksum: str) -> FileRef:
+    """The reference of ``snapshot``'s file ``name`` stored at ``path``."""
+    return FileRef(path, name, size, checksum, snapshot.file_rows.get(name, ()))
+
+
 def upload_snapshot(job_storage: Storage, snapshot: LocalSnapshot, *, checkpoint_id: int,
                     subtask: int, backend: KeyedStateBackend,
                     threads: int = UPLOAD_THREADS) -> SnapshotResult:
@@ -64,7 +70,8 @@ def upload_snapshot(job_storage: Storage, snapshot: LocalSnapshot, *, checkpoint
         known = backend.uploaded.get(name)
         shared = backend.is_shared_file(name)
         if shared and known is not None and known.size == size:
-            reused.append(known)
+            rows = snapshot.file_rows.get(name, known.rows)  # (a ref from before rows)
+            reused.append(known if rows == known.rows else replace(known, rows=rows))
         elif shared:
             to_upload.append((name, shared_path(f"{uuid.uuid4().hex}-{name}"), True))
         else:
@@ -82,7 +89,7 @@ def upload_snapshot(job_storage: Storage, snapshot: LocalSnapshot, *, checkpoint
         for fut, (name, remote, shared) in futures.items():
             try:
                 size, checksum = fut.result()
-                done.append((FileRef(remote, name, size, checksum), shared))
+                done.append((stored_ref(snapshot, name, remote, size, checksum), shared))
             except BaseException as exc:  # noqa: BLE001 - collected and re-raised below
                 errors.append(exc)
     uploaded_paths = tuple(ref.path for ref, _ in done)

@@ -42,7 +42,7 @@ from statebackend.checkpoint.attempt import record_uploads
 from statebackend.checkpoint.dump import split_body
 from statebackend.checkpoint.layout import savepoint_dir
 from statebackend.checkpoint.metadata import FileRef, SubtaskHandle
-from statebackend.checkpoint.snapshot import UPLOAD_THREADS, upload_snapshot
+from statebackend.checkpoint.snapshot import UPLOAD_THREADS, stored_ref, upload_snapshot
 from statebackend.errors import UsageError
 from statebackend.job.api import Job
 from statebackend.job.bootstrap_tables import APPEND, UNIQUE, EntryChunk, merge_rule
@@ -256,7 +256,7 @@ def _upload(task: BootstrapTask, storage: Storage, local: LocalSnapshot,
         path = f"{folder}/{local.snapshot_id[:12]}-{name}"
         sent.append(path)  # a broken transfer may leave a partial file: removed too
         size, checksum = storage.put_file(os.path.join(local.path, name), path)
-        ref = FileRef(path, name, size, checksum)
+        ref = stored_ref(local, name, path, size, checksum)
         verify_stored(storage, path, ref)  # what landed is what was sent
         return ref
 

@@ -19,8 +19,9 @@ import uuid
 
 from statebackend.checkpoint.dump import descriptors_of
 from statebackend.checkpoint.external_finish import finish_commit
-from statebackend.checkpoint.metadata import CheckpointMetadata, FileRef, SubtaskHandle
+from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskHandle
 from statebackend.checkpoint.restore import RestoreOptions, external_read, restored_readonly
+from statebackend.checkpoint.snapshot import stored_ref
 from statebackend.progress import ProgressSink
 from statebackend.state.backend_kinds import convert
 from statebackend.state.external_store import ExternalStore
@@ -57,7 +58,7 @@ def export_subtasks(storage: Storage, meta: CheckpointMetadata, folder: str,
             for name, _ in snapshot.files:
                 dst = f"{folder}/{sub.index}/{name}"
                 size, checksum = storage.put_file(os.path.join(snapshot.path, name), dst)
-                refs.append(FileRef(dst, name, size, checksum))
+                refs.append(stored_ref(snapshot, name, dst, size, checksum))
         handles.append(SubtaskHandle(
             index=sub.index, key_group_start=sub.key_group_start,
             key_group_end=sub.key_group_end, backend_id=uuid.uuid4().hex,

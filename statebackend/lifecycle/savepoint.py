@@ -437,7 +437,7 @@ def _relocated(sub: SubtaskHandle, copies: list[tuple[FileRef, str]], *,
         for f in refs:
             dst = name_of(f)
             copies.append((f, dst))
-            out.append(FileRef(dst, f.local_name, f.size, f.checksum))
+            out.append(replace(f, path=dst))
         return tuple(out)
 
     return replace(sub, shared_files=moved(sub.shared_files, shared_to),

@@ -135,6 +135,9 @@ class LocalSnapshot:
     path: str
     files: tuple[tuple[str, int], ...]  # (file name, size)
     row_counts: dict[str, int]
+    # file name -> ((state, entries), ...) of a file that holds whole states of its key
+    # groups (the memory backend's); recorded in its FileRef (metadata.FileRef.rows)
+    file_rows: Mapping[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

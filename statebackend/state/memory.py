@@ -83,11 +83,13 @@ class MemoryStateBackend(KeyedStateBackend):
         self._open = True
         # key-group prefix -> (file name, size) of its newest file; the previous snapshot's
         self._kg_files: dict[bytes, tuple[str, int]] = {}
+        self._file_rows: dict[str, tuple[tuple[str, int], ...]] = {}  # FileRef.rows
         self._previous_files: set[str] = set()
         os.makedirs(self.files_path, exist_ok=True)
         live = None if self.read_only else _take_live(self.local_dir, self._last_snapshot_id)
         if live is not None:  # this process closed that very snapshot's state: adopt it
             self.account, self._cfs, self._kg_files = live.account, live.tables, live.kg_files
+            self._file_rows = live.file_rows
             self.account.label = self.label
             self._handles = self._cfs
             self._cf_names = sorted(self._cfs)
@@ -183,6 +185,7 @@ class MemoryStateBackend(KeyedStateBackend):
                         f"{kg} ({self.label})")
                 self._table(family).load(prefix, keys, values)
             self._kg_files[prefix] = (name, len(data))
+            self._file_rows[name] = _rows_of(families)
         self._previous_files = {n for n, _ in self._kg_files.values()}
 
     def _write_key_group(self, prefix: bytes) -> tuple[str, int] | None:
@@ -200,6 +203,7 @@ class MemoryStateBackend(KeyedStateBackend):
         data = memory_files.encode(families, _CODEC[self.compression])
         with open(os.path.join(self.files_path, file_name), "wb") as fh:
             fh.write(data)
+        self._file_rows[file_name] = _rows_of(families)
         return file_name, len(data)
 
     # -- snapshot --------------------------------------------------------------------
@@ -219,12 +223,14 @@ class MemoryStateBackend(KeyedStateBackend):
             if entry.name not in current and entry.name not in self._previous_files:
                 os.unlink(entry.path)
         self._previous_files = current
+        self._file_rows = {n: r for n, r in self._file_rows.items() if n in current}
         snapshot_id = uuid.uuid4().hex
         rows = self.count_rows() if count_rows else {}
         self._dirty = False
         self._last_snapshot_id = snapshot_id
         return LocalSnapshot(snapshot_id, self.files_path,
-                             tuple(sorted(self._kg_files.values())), rows)
+                             tuple(sorted(self._kg_files.values())), rows,
+                             dict(self._file_rows))
 
     def count_rows(self) -> dict[str, int]:
         return {name: len(table) for name, table in self._cfs.items()}
@@ -240,7 +246,7 @@ class MemoryStateBackend(KeyedStateBackend):
         if clean:
             _keep_live(self.local_dir, _LiveInstance(
                 self._last_snapshot_id or "", dict(self._cfs), self.account,
-                dict(self._kg_files)))
+                dict(self._kg_files), dict(self._file_rows)))
         self._cfs = {}
         self._handles = {}
 
@@ -253,6 +259,12 @@ class _LiveInstance:
     tables: dict[str, MemoryTable]
     account: MemoryAccount
     kg_files: dict[bytes, tuple[str, int]]
+    file_rows: dict[str, tuple[tuple[str, int], ...]]
+
+
+def _rows_of(families: Iterable[memory_files.Family]) -> tuple[tuple[str, int], ...]:
+    """The entries of each family a key-group file holds (`FileRef.rows`)."""
+    return tuple(sorted((name, len(keys)) for name, keys, _ in families))
 
 
 # Closed instances kept in this process, by local folder, newest last: a restore of the

@@ -68,6 +68,20 @@ def both_parsers_refuse(record: dict | bytes) -> str:
     return message
 
 
+def test_a_files_rows_round_trip_and_stay_optional():
+    """FileRef.rows (a memory-backend key-group file's entries per state): written only
+    when recorded, read back by both parsers; a reference without them reads as ()."""
+    record = valid_record()
+    record["subtasks"][0]["shared_files"][0]["rows"] = {"totals": 3, "events": 0}
+    data = json.dumps(record).encode()
+    meta = CheckpointMetadata.from_bytes(data, WHERE)
+    assert parse_metadata(data, WHERE, {}) == meta
+    assert meta.subtasks[0].shared_files[0].rows == (("events", 0), ("totals", 3))
+    assert meta.subtasks[1].shared_files[0].rows == ()
+    assert meta.to_json() == record
+    assert "rows" not in meta.subtasks[1].shared_files[0].to_json()
+
+
 def test_valid_record_round_trips_through_both_parsers():
     data = json.dumps(valid_record()).encode()
     meta = CheckpointMetadata.from_bytes(data, WHERE)
@@ -161,6 +175,10 @@ CASES = [
      "subtask 1: bytes_uploaded -5 must be an integer >= 0"),
     ("uploaded-string", _set(("subtasks", 1, "bytes_uploaded"), "12"), "bytes_uploaded '12'"),
     ("rows-negative", _set(("subtasks", 0, "row_counts", "totals"), -3), "row_counts"),
+    ("file-rows-negative", _set(("subtasks", 0, "shared_files", 0, "rows"), {"totals": -1}),
+     "rows {'totals': -1} of 000012.sst must map state names to integers"),
+    ("file-rows-list", _set(("subtasks", 0, "shared_files", 0, "rows"), [["totals", 1]]),
+     "must map state names to integers"),
     ("id-zero", _set(("checkpoint_id",), 0), "checkpoint_id 0 must be at least 1"),
     ("parent-not-earlier", _set(("parent",), 7), "parent 7 must be an earlier checkpoint id"),
     ("parent-zero", _set(("parent",), 0), "parent 0 must be an earlier checkpoint id"),

@@ -219,3 +219,47 @@ def test_key_group_files_round_trip_and_refuse_damage(codec):
                    data + b"\x00"):
         with pytest.raises(ValueError):
             memory_files.decode(broken)
+
+
+def test_rescale_counts_rows_from_the_key_group_files_it_regroups(tmp_path):
+    """Each key-group file's reference records its entries per state (FileRef.rows), so
+    a rescale (which reads no file) records every new subtask's row counts; they equal
+    what a restore of that subtask counts. A source whose references predate rows leaves
+    the counts unrecorded instead of guessing."""
+    from dataclasses import replace
+
+    from statebackend.rescale.executor import RescaleOptions, rescale
+
+    store = _store(tmp_path)
+    backends = open_backends(str(tmp_path / "work"), 2, kind="memory")
+    fill(backends, keys(4000))
+    source = checkpoint_backends(store, backends, parent=None)
+    close_all(backends)
+    for h in source.subtasks:
+        assert all(f.rows for f in h.files)
+        totals: dict[str, int] = {}
+        for f in h.files:
+            for name, n in f.rows:
+                totals[name] = totals.get(name, 0) + n
+        assert {k: v for k, v in h.row_counts.items() if v} == totals
+    for target in (3, 1):
+        rescale(store, "latest", target, options=RescaleOptions(engine="local"))
+        meta = store.latest()
+        assert meta.parallelism == target
+        restored = restore_all(store, meta, str(tmp_path / f"check-{target}"), allow_local=False)
+        for h, b in zip(meta.subtasks, restored, strict=True):
+            assert h.row_counts == b.count_rows()
+        assert sum(sum(h.row_counts.values()) for h in meta.subtasks) == \
+            sum(sum(h.row_counts.values()) for h in source.subtasks)
+        close_all(restored)
+    # references written before rows existed: counts are left to the next run
+    old = store.latest()
+    stripped = replace(old, subtasks=tuple(
+        replace(h, shared_files=tuple(replace(f, rows=()) for f in h.shared_files))
+        for h in old.subtasks))
+    from statebackend.rescale.memory import regrouped
+    from statebackend.rescale.plan import plan_rescale
+
+    assert all(r.handle.row_counts == {} for r in
+               regrouped(stripped, plan_rescale(stripped, 2)))
+    assert all(r.handle.row_counts for r in regrouped(old, plan_rescale(old, 2)))
