@@ -233,7 +233,7 @@ def _decode(keys: list[bytes], values: list[bytes], read: StateRead,
             schema: pa.Schema) -> pa.RecordBatch:
     desc = read.desc
     rocks = pa.array(keys, pa.binary())
-    offsets, data = _buffers(rocks)
+    offsets, data = binary_buffers(rocks)
     if (np.diff(offsets) < 2).any():
         raise SerializationError("a stored key is shorter than its key-group prefix")
     key_groups = (data[offsets[:-1]].astype(np.int32) << 8) | data[offsets[:-1] + 1]
@@ -327,7 +327,7 @@ def decode_values(codec: Codec, raws: Sequence[bytes], ttl: bool
         return pa.array([_json_text(codec, r[strip:]) for r in raws], pa.string()), expiry
     fmt, name, arrow = ((STR_FORMAT, "str", pa.string()) if isinstance(codec, StrCodec)
                         else (BYTES_FORMAT, "bytes", pa.binary()))
-    offsets, data = _buffers(binary)
+    offsets, data = binary_buffers(binary)
     firsts = offsets[:-1] + strip
     bad = np.flatnonzero((offsets[1:] <= firsts) | (data[np.minimum(firsts, len(data) - 1)]
                                                     != fmt)) if len(data) else \
@@ -347,7 +347,7 @@ def _records(codec: RecordCodec, raws: Sequence[bytes], strip: int
     layout = codec.dtype
     dtype = np.dtype([("_expiry", ">u8"), *layout.descr]) if strip else layout
     binary = pa.array(raws, pa.binary())
-    offsets, data = _buffers(binary)
+    offsets, data = binary_buffers(binary)
     lengths = np.diff(offsets)
     if len(lengths) and (lengths != dtype.itemsize).any():
         wrong = int(lengths[np.argmax(lengths != dtype.itemsize)])
@@ -364,7 +364,7 @@ def _records(codec: RecordCodec, raws: Sequence[bytes], strip: int
 
 
 def _expiries(binary: pa.Array, raws: Sequence[bytes]) -> np.ndarray:
-    offsets, data = _buffers(binary)
+    offsets, data = binary_buffers(binary)
     short = np.flatnonzero(np.diff(offsets) < TIME_BYTES)
     if len(short):
         raise SerializationError(f"stored time {raws[int(short[0])][:TIME_BYTES]!r} is "
@@ -383,20 +383,24 @@ def _timestamps(ms: np.ndarray) -> pa.Array:
     return pa.array(np.clip(ms, -_MAX_MS, _MAX_MS) * 1000, TIMESTAMP)
 
 
-def _buffers(binary: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """(offsets int64, data uint8) of a binary array built from Python bytes (offset 0)."""
+def binary_buffers(binary: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets int64, data uint8) of a binary or large binary array built from Python
+    bytes (offset 0): value i is ``data[offsets[i]:offsets[i + 1]]``, and ``data`` ends
+    at the last value (Arrow may pad its buffer)."""
     n = len(binary)
     buffers = binary.buffers()
-    offsets = np.frombuffer(buffers[1], np.int32, count=n + 1).astype(np.int64)
-    data = np.frombuffer(buffers[2], np.uint8) if buffers[2] is not None \
+    wide = pa.types.is_large_binary(binary.type)
+    offsets = np.frombuffer(buffers[1], np.int64 if wide else np.int32, count=n + 1)
+    size = int(offsets[-1])
+    data = np.frombuffer(buffers[2], np.uint8, count=size) if size \
         else np.zeros(0, np.uint8)
-    return offsets, data
+    return offsets if wide else offsets.astype(np.int64), data
 
 
 def _strip_prefix(binary: pa.Array, prefix: int, arrow: pa.DataType, what: str) -> pa.Array:
     """Every value of ``binary`` without its first ``prefix`` bytes (at least that long),
     as ``arrow`` (string: checked to be UTF-8)."""
-    offsets, data = _buffers(binary)
+    offsets, data = binary_buffers(binary)
     n = len(binary)
     short = np.flatnonzero(np.diff(offsets) < prefix)
     if len(short):

@@ -264,11 +264,10 @@ class LocalStorage(Storage):
     def _open_file(self, rel: str, flags: int, create: bool = False) -> int:
         """A descriptor of regular file ``rel``, opened without following a symlink."""
         with _Folders(self) as folders:
-            return self._open_in(folders, rel, flags, create)[0]
+            return self._open_in(folders, rel, flags, create)
 
-    def _open_in(self, folders: _Folders, rel: str, flags: int, create: bool = False
-                 ) -> tuple[int, os.stat_result]:
-        """`_open_file` from the folder descriptors of one call, with its stat."""
+    def _open_in(self, folders: _Folders, rel: str, flags: int, create: bool = False) -> int:
+        """`_open_file` from the folder descriptors of one call."""
         folder, name = self._final(folders, rel, create)
         try:
             fd = os.open(name, flags, 0o666, dir_fd=folder)
@@ -277,8 +276,7 @@ class LocalStorage(Storage):
                 raise self._link_at(folder, name, rel) from None
             raise
         try:
-            st = os.fstat(fd)
-            mode = st.st_mode
+            mode = os.fstat(fd).st_mode
             if stat.S_ISDIR(mode):
                 raise IsADirectoryError(errno.EISDIR, "is a folder, not a file", rel)
             if not stat.S_ISREG(mode):
@@ -287,7 +285,7 @@ class LocalStorage(Storage):
         except BaseException:
             os.close(fd)
             raise
-        return fd, st
+        return fd
 
     # -- paths ---------------------------------------------------------------
     def local_path(self, rel: str) -> str:
@@ -327,7 +325,7 @@ class LocalStorage(Storage):
                 data: bytes | None = None
                 with self._errors(rel):
                     try:
-                        fd = self._open_in(folders, rel, _READ_FLAGS)[0]
+                        fd = self._open_in(folders, rel, _READ_FLAGS)
                     except FileNotFoundError:
                         pass  # (as read_bytes_if_exists)
                     else:
@@ -608,9 +606,9 @@ class LocalStorage(Storage):
         return stat_listed
 
     def delete_many(self, rels: Iterable[str]) -> list[tuple[str, str]]:
-        """Best-effort delete; consecutive paths in one folder share its lookup. A path under a
-        symlinked folder is a failure (nothing behind the link is touched); a path that
-        is a symlink loses the link, not its target."""
+        """Best-effort delete; consecutive paths in one folder share its lookup. A path
+        under a symlinked folder is a failure (nothing behind the link is touched); a path
+        that is a symlink loses the link, not its target."""
         wanted = [safe_relpath(r) for r in rels]  # refuse bad paths before deleting any
         failures: list[tuple[str, str]] = []
         with _Folders(self) as folders:  # (consecutive paths in one folder: opened once)

@@ -81,6 +81,7 @@ from statebackend.state.families import TTL_INDEX
 from statebackend.state.keygroups import KeyGroupRange
 from statebackend.state.keygroups_bulk import key_groups
 from statebackend.state.kinds import StateDescriptor
+from statebackend.state.state_table import binary_buffers
 from statebackend.state.timers import key_bytes_of, parse_reverse_key, parse_timer_key
 from statebackend.state.ttl import (
     index_key,
@@ -301,7 +302,7 @@ def ttl_findings(backend: KeyedStateBackend, descriptors: Sequence[StateDescript
 def _record_columns(codec: RecordCodec, values: list[bytes]) -> dict | None:
     """Bulk decode when every value has the record's size and format byte, else None."""
     dtype = codec.dtype
-    offsets, data = _joined(values)
+    offsets, data = binary_buffers(pa.array(values, pa.large_binary()))
     if (np.diff(offsets) != dtype.itemsize).any():
         return None
     arr = data.view(dtype)
@@ -342,23 +343,12 @@ def _decode_values(desc: StateDescriptor, values: list[bytes]
     return errors, None
 
 
-def _joined(values: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
-    """(offsets, bytes) of ``values`` laid end to end: ``values[i]`` is
-    ``bytes[offsets[i]:offsets[i + 1]]`` (one pass in Arrow, no Python int per value)."""
-    arr = pa.array(values, pa.large_binary())
-    _, offsets_buf, data_buf = arr.buffers()
-    offsets = np.frombuffer(offsets_buf, dtype=np.int64, count=len(values) + 1)
-    size = int(offsets[-1])  # (the buffer may be padded beyond it)
-    return offsets, np.frombuffer(data_buf, dtype=np.uint8, count=size) if size \
-        else np.empty(0, dtype=np.uint8)
-
-
 def _bulk_keys(rks: list[bytes]) -> tuple[np.ndarray, pa.Array] | None:
     """(stored key-group prefixes, keys as strings) of a plain state's stored keys in
     bulk, or None when an entry is malformed (too short, not UTF-8): the per-entry
     path then names it."""
     n = len(rks)
-    offsets, data = _joined(rks)
+    offsets, data = binary_buffers(pa.array(rks, pa.large_binary()))
     if n and np.diff(offsets).min() < 2:
         return None
     starts = offsets[:-1]
