@@ -38,16 +38,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_for_start(log: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
+def wait_for_log(log: str, needle: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Wait until ``needle`` appears in ``log`` (written by ``proc``); RuntimeError with the
+    log's tail when ``proc`` exits or ``timeout_s`` passes first."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and proc.poll() is None:
-        with open(log, errors="replace") as fh:
-            if STARTED in fh.read():
-                return
+        try:
+            with open(log, errors="replace") as fh:
+                if needle in fh.read():
+                    return
+        except FileNotFoundError:
+            pass  # not written yet
         time.sleep(0.5)
     with open(log, errors="replace") as fh:
         tail = fh.read()[-3000:]
-    raise RuntimeError(f"{STARTED!r} not seen in {log} (exit {proc.poll()}):\n{tail}")
+    raise RuntimeError(f"{needle!r} not seen in {log} (exit {proc.poll()}):\n{tail}")
 
 
 @contextmanager
@@ -78,7 +83,7 @@ def connect_server(base: str, master: str = "local[2]",
             env=env, cwd=base, stdout=fh, stderr=subprocess.STDOUT,
             start_new_session=True)  # its own process group: stopped as one below
     try:
-        _wait_for_start(log, proc)
+        wait_for_log(log, STARTED, proc, START_TIMEOUT_S)
         yield ConnectServer(f"sc://127.0.0.1:{port}", log, env)
     finally:
         stop_group(proc)

@@ -12,12 +12,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
-from bench.connect_server import free_port, stop_group
+from bench.connect_server import free_port, stop_group, wait_for_log
 
 START_TIMEOUT_S = 90
 
@@ -27,21 +26,6 @@ class Cluster:
     master_url: str                   # spark://127.0.0.1:PORT
     worker_local_dirs: tuple[str, ...]  # each worker's CKPT_LOCAL_DIR
     env: dict                         # the environment a driver subprocess runs with
-
-
-def _wait_for(path: str, needle: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with open(path, errors="replace") as fh:
-                if needle in fh.read():
-                    return
-        except FileNotFoundError:
-            pass
-        time.sleep(0.5)
-    with open(path, errors="replace") as fh:
-        tail = fh.read()[-3000:]
-    raise RuntimeError(f"{needle!r} not seen in {path} (exit {proc.poll()}):\n{tail}")
 
 
 @contextmanager
@@ -75,7 +59,7 @@ def standalone_cluster(base: str, workers: int = 2, cores: int = 1,
         port = master_url.rsplit(":", 1)[1]
         master, log = start(["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
                              "--port", port, "--webui-port", str(free_port())], "master")
-        _wait_for(log, "I have been elected leader", master)
+        wait_for_log(log, "I have been elected leader", master, START_TIMEOUT_S)
         local_dirs = []
         started = []
         for i in range(workers):
@@ -87,5 +71,5 @@ def standalone_cluster(base: str, workers: int = 2, cores: int = 1,
                  "--work-dir", os.path.join(base, f"work{i}")],
                 f"worker{i}", {"CKPT_LOCAL_DIR": local_dirs[-1]}))
         for proc, log in started:
-            _wait_for(log, "Successfully registered with master", proc)
+            wait_for_log(log, "Successfully registered with master", proc, START_TIMEOUT_S)
         yield Cluster(master_url, tuple(local_dirs), env)

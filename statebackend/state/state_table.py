@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from statebackend.errors import SerializationError, UsageError
 from statebackend.state.codecs import (
@@ -243,7 +244,7 @@ def _decode(keys: list[bytes], values: list[bytes], read: StateRead,
         columns["key"] = pa.array([deserialize_key(k) for k, _ in pairs], pa.string())
         columns["user_key"] = pa.array([u for _, u in pairs], pa.string())
     else:
-        columns["key"] = _strip_prefix(rocks, 2, pa.string(), "stored key")
+        columns["key"] = strip_prefix(rocks, 2, pa.string(), "stored key")
     if desc.kind == "list":
         return _list_batch(values, read, schema, columns, key_groups)
     decoded, expiry = decode_values(desc.codec, values, desc.ttl is not None)
@@ -334,7 +335,7 @@ def decode_values(codec: Codec, raws: Sequence[bytes], ttl: bool
         np.arange(len(raws))
     if len(bad):
         codec.decode(raws[int(bad[0])][strip:])  # raises the codec's own message
-    return _strip_prefix(binary, strip + 1, arrow, f"{name} value"), expiry
+    return strip_prefix(binary, strip + 1, arrow, f"{name} value"), expiry
 
 
 def _json_text(codec: JsonCodec, data: bytes) -> str:
@@ -397,28 +398,20 @@ def binary_buffers(binary: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     return offsets if wide else offsets.astype(np.int64), data
 
 
-def _strip_prefix(binary: pa.Array, prefix: int, arrow: pa.DataType, what: str) -> pa.Array:
+def strip_prefix(binary: pa.Array, prefix: int, arrow: pa.DataType, what: str) -> pa.Array:
     """Every value of ``binary`` without its first ``prefix`` bytes (at least that long),
-    as ``arrow`` (string: checked to be UTF-8)."""
-    offsets, data = binary_buffers(binary)
-    n = len(binary)
-    short = np.flatnonzero(np.diff(offsets) < prefix)
+    as ``arrow`` (a string type: checked to be UTF-8 by the cast); SerializationError
+    naming the first value too short or not UTF-8."""
+    lengths = np.diff(binary_buffers(binary)[0])
+    short = np.flatnonzero(lengths < prefix)
     if len(short):
         raise SerializationError(f"{what} {binary[int(short[0])].as_py()!r} is truncated")
-    starts = offsets[:-1]
-    drop = np.zeros(len(data), bool)
-    for i in range(prefix):
-        drop[starts + i] = True
-    kept = data[~drop] if len(data) else data
-    new_offsets = (offsets - prefix * np.arange(n + 1)).astype(np.int32)
-    out = pa.Array.from_buffers(arrow, n, [None, pa.py_buffer(new_offsets),
-                                           pa.py_buffer(np.ascontiguousarray(kept))])
-    if arrow == pa.string():
-        try:
-            out.validate(full=True)
-        except pa.ArrowInvalid:
-            _first_bad_utf8(binary, prefix, what)
-    return out
+    # (an explicit stop: pyarrow's binary_slice without one fails on large arrays)
+    sliced = pc.binary_slice(binary, prefix, int(lengths.max()) if len(lengths) else prefix)
+    try:
+        return sliced.cast(arrow)
+    except pa.ArrowInvalid:
+        return _first_bad_utf8(binary, prefix, what)
 
 
 def _first_bad_utf8(binary: pa.Array, prefix: int, what: str) -> Any:

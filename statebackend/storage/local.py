@@ -611,7 +611,7 @@ class LocalStorage(Storage):
         that is a symlink loses the link, not its target."""
         wanted = [safe_relpath(r) for r in rels]  # refuse bad paths before deleting any
         failures: list[tuple[str, str]] = []
-        with _Folders(self) as folders:  # (consecutive paths in one folder: opened once)
+        with _Folders(self) as folders:
             for rel in wanted:
                 try:
                     fd, name = self._final(folders, rel)
@@ -648,11 +648,10 @@ class LocalStorage(Storage):
         with _Folders(self) as folders:
             for rel in sorted(set(rels), key=lambda d: d.count("/"), reverse=True):
                 try:
-                    parts = self._parts(rel)
-                    folders.keep_only(parts)  # (10,000 folders: not 10,000 descriptors)
+                    folder, name = self._final(folders, rel)
                     # refuses a non-empty folder (race-safe) and a symlink (ENOTDIR)
-                    os.rmdir(parts[-1], dir_fd=folders.fd(parts[:-1], rel))
-                except (OSError, ValueError, IndexError, UnsafePathError):
+                    os.rmdir(name, dir_fd=folder)
+                except (OSError, ValueError, UnsafePathError):
                     pass
 
     def check_reachable(self) -> None:

@@ -58,11 +58,10 @@ from typing import Any, TypeAlias
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from statebackend.checkpoint.metadata import CheckpointMetadata, FileRef, SubtaskHandle
 from statebackend.checkpoint.restore import RestoreOptions, restored_readonly
-from statebackend.errors import CkptError, StorageError
+from statebackend.errors import CkptError, SerializationError, StorageError
 from statebackend.progress import NO_PROGRESS, ProgressSink
 from statebackend.state import facts as facts_
 from statebackend.state.backend import KeyedStateBackend, StoredInstance
@@ -82,7 +81,7 @@ from statebackend.state.families import TTL_INDEX
 from statebackend.state.keygroups import KeyGroupRange
 from statebackend.state.keygroups_bulk import key_groups
 from statebackend.state.kinds import StateDescriptor
-from statebackend.state.state_table import binary_buffers
+from statebackend.state.state_table import binary_buffers, strip_prefix
 from statebackend.state.timers import key_bytes_of, parse_reverse_key, parse_timer_key
 from statebackend.state.ttl import (
     index_key,
@@ -351,15 +350,13 @@ def _bulk_keys(rks: list[bytes]) -> tuple[np.ndarray, pa.Array] | None:
     n = len(rks)
     stored_keys = pa.array(rks, pa.large_binary())
     offsets, data = binary_buffers(stored_keys)
-    lengths = np.diff(offsets)
-    if n and lengths.min() < 2:
+    if n and np.diff(offsets).min() < 2:
         return None
     starts = offsets[:-1]
     stored = (data[starts].astype(np.int32) << 8) | data[starts + 1]
-    try:  # (an explicit stop: pyarrow's binary_slice without one fails on large arrays)
-        keys = pc.binary_slice(stored_keys, 2, int(lengths.max()) if n else 2
-                               ).cast(pa.large_string())  # checks UTF-8
-    except pa.ArrowInvalid:
+    try:
+        keys = strip_prefix(stored_keys, 2, pa.large_string(), "stored key")
+    except SerializationError:
         return None
     return stored, keys
 
