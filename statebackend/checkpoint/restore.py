@@ -320,8 +320,7 @@ def verify_reused_files(job_storage: Storage, handle: SubtaskHandle, local_dir: 
             return "missing"
         return None if info.size == ref.size else f"{info.size} bytes, recorded {ref.size}"
 
-    with ThreadPoolExecutor(max_workers=max(1, check.threads)) as pool:
-        findings = list(pool.map(probe, refs))
+    findings = list(job_storage.map_requests(probe, refs, check.threads))
     damaged = [(ref, why) for ref, why in zip(refs, findings, strict=True) if why]
     for ref, why in damaged:
         _require_good_local_copy(ref, why, local_dir, handle.snapshot_id)

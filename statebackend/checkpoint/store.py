@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -129,12 +128,7 @@ class CheckpointStore:
         known = set(known)
         folders = self.checkpoint_dirs()
         unknown = [cid for cid in folders if cid not in known]
-        workers = min(VERIFY_THREADS, len(unknown)) if self.storage.remote else 1
-        if workers > 1:
-            with ThreadPoolExecutor(max_workers=workers) as pool:
-                found = list(pool.map(self._committed, unknown))
-        else:
-            found = [self._committed(cid) for cid in unknown]
+        found = list(self.storage.map_requests(self._committed, unknown, VERIFY_THREADS))
         return sorted([cid for cid, ok in zip(unknown, found, strict=True) if ok]
                       + [cid for cid in folders if cid in known])
 
@@ -464,8 +458,7 @@ def wrong_files(storage: Storage, refs: Iterable[FileRef],
     paths = sorted(expected)
     if not paths:
         return []
-    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(paths)))) as pool:
-        infos = list(pool.map(storage.info, paths))
+    infos = list(storage.map_requests(storage.info, paths, threads))
     out = []
     for path, info in zip(paths, infos, strict=True):
         if info is None:

@@ -188,21 +188,29 @@ class MemoryStateBackend(KeyedStateBackend):
             self._file_rows[name] = _rows_of(families)
         self._previous_files = {n for n, _ in self._kg_files.values()}
 
-    def _write_key_group(self, prefix: bytes) -> tuple[str, int] | None:
-        """Write key group ``prefix``'s file (None: the key group is empty)."""
+    def _write_key_group(self, prefix: bytes, spare: list[str]) -> tuple[str, int] | None:
+        """Write key group ``prefix``'s file (None: the key group is empty), into a file
+        of ``spare`` renamed when there is one (`take_local_snapshot`)."""
         families = []
         for name in self._cf_names:
-            part = self._cfs[name].parts.get(prefix)
+            table = self._cfs[name]
+            part = table.parts.get(prefix)
             if part:
-                ordered = sorted(part)
+                ordered = table.sorted_keys(prefix)
                 families.append((name, ordered, [part[k] for k in ordered]))
         if not families:
             return None
         kg = int.from_bytes(prefix, "big")
         file_name = f"kg-{kg:05d}-{uuid.uuid4().hex[:12]}{SUFFIX}"
         data = memory_files.encode(families, _CODEC[self.compression])
-        with open(os.path.join(self.files_path, file_name), "wb") as fh:
+        path = os.path.join(self.files_path, file_name)
+        mode = "wb"
+        if spare:
+            os.replace(spare.pop(), path)
+            mode = "r+b"  # overwritten in place, then cut: no blocks freed and taken again
+        with open(path, mode) as fh:
             fh.write(data)
+            fh.truncate()
         self._file_rows[file_name] = _rows_of(families)
         return file_name, len(data)
 
@@ -211,17 +219,22 @@ class MemoryStateBackend(KeyedStateBackend):
         """Write a file per key group changed since the last snapshot; name the rest."""
         if self.read_only:
             raise UsageError(f"{self.label} is read-only: it cannot snapshot")
+        # Files neither the state nor the previous snapshot names are rewritten as this
+        # snapshot's new files (renamed first): creating a file costs far more than
+        # rewriting one on some filesystems (0.9 ms against 0.04 ms on our machines'
+        # ext4). No reader holds them: restores and readers link or copy only files a
+        # snapshot names. What is left over is deleted below.
+        spare = self._unnamed_files({n for n, _ in self._kg_files.values()})
         for prefix in sorted(self.account.changed):
-            written = self._write_key_group(prefix)
+            written = self._write_key_group(prefix, spare)
             if written is None:
                 self._kg_files.pop(prefix, None)
             else:
                 self._kg_files[prefix] = written
         self.account.changed.clear()
         current = {n for n, _ in self._kg_files.values()}
-        for entry in os.scandir(self.files_path):
-            if entry.name not in current and entry.name not in self._previous_files:
-                os.unlink(entry.path)
+        for path in self._unnamed_files(current):
+            os.unlink(path)
         self._previous_files = current
         self._file_rows = {n: r for n, r in self._file_rows.items() if n in current}
         snapshot_id = uuid.uuid4().hex
@@ -231,6 +244,12 @@ class MemoryStateBackend(KeyedStateBackend):
         return LocalSnapshot(snapshot_id, self.files_path,
                              tuple(sorted(self._kg_files.values())), rows,
                              dict(self._file_rows))
+
+    def _unnamed_files(self, current: set[str]) -> list[str]:
+        """Paths of the files in ``files/`` that neither ``current`` nor the previous
+        snapshot names."""
+        return [entry.path for entry in os.scandir(self.files_path)
+                if entry.name not in current and entry.name not in self._previous_files]
 
     def count_rows(self) -> dict[str, int]:
         return {name: len(table) for name, table in self._cfs.items()}

@@ -118,7 +118,9 @@ class MemoryTable:
             self.delete(key)
 
     # -- order -------------------------------------------------------------------
-    def _sorted_keys(self, prefix: bytes) -> list[bytes]:
+    def sorted_keys(self, prefix: bytes) -> list[bytes]:
+        """Key group ``prefix``'s keys in order (sorted once per change of its key set:
+        updates of existing keys keep the order; do not modify the list)."""
         keys = self._sorted.get(prefix)
         if keys is None:
             keys = self._sorted[prefix] = sorted(self.parts.get(prefix, _EMPTY))
@@ -133,7 +135,7 @@ class MemoryTable:
              values: bool = True) -> Iterator[Any]:
         """Entries with lower <= key < upper in key order: (key, value), or keys."""
         for prefix in self._prefixes(lower, upper):
-            keys = self._sorted_keys(prefix)
+            keys = self.sorted_keys(prefix)
             part = self.parts[prefix]
             i = bisect_left(keys, lower) if lower and lower > prefix else 0
             end = bisect_left(keys, upper) if upper is not None and upper[:2] == prefix \
@@ -155,7 +157,7 @@ class MemoryTable:
                                                               if d)
         if not prefixes:
             return None
-        first, last = self._sorted_keys(prefixes[0]), self._sorted_keys(prefixes[-1])
+        first, last = self.sorted_keys(prefixes[0]), self.sorted_keys(prefixes[-1])
         return (first[0], last[-1]) if first and last else None
 
     def __len__(self) -> int:

@@ -48,6 +48,7 @@ from statebackend.storage.options import StorageOptions
 
 CHUNK = 4 * 1024 * 1024
 _T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
 def safe_relpath(path: str, what: str = "path") -> str:
@@ -208,15 +209,24 @@ class Storage:
             raise
 
     def read_many(self, rels: Iterable[str], threads: int = 16) -> Iterator[bytes | None]:
-        """`read_bytes_if_exists` of each of ``rels``, in order; a remote store overlaps
-        up to ``threads`` requests (the results still come back in order)."""
-        rels = list(rels)
-        workers = max(1, min(threads, len(rels))) if self.remote else 1
+        """`read_bytes_if_exists` of each of ``rels``, in order (`map_requests`)."""
+        return self.map_requests(self.read_bytes_if_exists, rels, threads)
+
+    def map_requests(self, fn: Callable[[_T], _R], items: Iterable[_T],
+                     threads: int = 16) -> Iterator[_R]:
+        """``fn`` of each of ``items`` (each a request to this storage), results in order.
+
+        A remote store overlaps up to ``threads`` requests; a local one runs them in this
+        thread: a stat or a small read costs microseconds there, less than starting a
+        thread, which under a busy GIL (subtasks in threads) takes milliseconds.
+        """
+        items = list(items)
+        workers = max(1, min(threads, len(items))) if self.remote else 1
         if workers == 1:
-            yield from map(self.read_bytes_if_exists, rels)
+            yield from map(fn, items)
             return
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            yield from pool.map(self.read_bytes_if_exists, rels)
+            yield from pool.map(fn, items)
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         with self._reserved(len(data)), self._errors(rel):

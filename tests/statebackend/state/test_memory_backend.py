@@ -147,6 +147,43 @@ def test_checkpoints_restore_and_upload_only_changed_key_groups(tmp_path):
         close_all(restored)
 
 
+def test_snapshots_rewrite_only_files_no_snapshot_names(tmp_path):
+    """A snapshot writes its new key-group files into files that neither the state nor
+    the previous snapshot names (renamed, overwritten): the previous snapshot's files stay
+    byte for byte (local recovery of it), and the state restores from the local files."""
+    store = _store(tmp_path)
+    backends = open_backends(str(tmp_path / "work"), 1, kind="memory")
+    [backend] = backends
+    files_dir = backend.files_path
+
+    def local_files() -> dict[str, tuple[int, bytes]]:
+        return {e.name: (e.inode(), open(e.path, "rb").read()) for e in os.scandir(files_dir)}
+
+    fill(backends, keys(3000))
+    checkpoint_backends(store, backends, parent=None)
+    first = local_files()
+    fill(backends, keys(3000), version=1)  # every key group changes
+    checkpoint_backends(store, backends)
+    second = local_files()
+    fill(backends, keys(3000), version=2)
+    third = checkpoint_backends(store, backends)
+    now = local_files()
+    named = {f.local_name for f in third.subtasks[0].files}
+    previous = set(second) - set(first)
+    assert set(now) == named | previous  # the first snapshot's files are gone
+    assert {n: now[n] for n in previous} == {n: second[n] for n in previous}
+    # the new files are the first snapshot's, rewritten (none created while one was spare)
+    assert {now[n][0] for n in named} <= {inode for inode, _ in first.values()}
+    assert len(named) <= len(first)
+    want = dump_backends(backends)
+    close_all(backends)
+    forget_live_instance(os.path.dirname(files_dir))
+    restored = restore_all(store, third, str(tmp_path / "work"))
+    assert {b.restore_mode for b in restored} == {"local-snapshot"}
+    assert dump_backends(restored) == want
+    close_all(restored)
+
+
 def _owns(backend, key: str) -> bool:
     try:
         backend.key_group_and_bytes(key)  # raises outside the backend's key groups

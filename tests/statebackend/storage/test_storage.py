@@ -53,6 +53,26 @@ def test_read_many_reads_in_order_with_none_for_missing(storage):
         list(storage.read_many(["../outside"]))
 
 
+def test_map_requests_overlaps_only_on_remote_stores(storage):
+    """Results in order on every scheme; a remote store's requests overlap in threads, a
+    local one's run in the caller's thread (no pool to start under a busy GIL)."""
+    threads: set[int] = set()
+    lock = threading.Lock()
+
+    def request(i: int) -> int:
+        with lock:
+            threads.add(threading.get_ident())
+        time.sleep(0.01)  # a request takes a while: overlapping shows
+        return i * i
+
+    assert list(storage.map_requests(request, range(12), threads=4)) == [
+        i * i for i in range(12)]
+    if storage.remote:
+        assert len(threads) > 1 and threading.get_ident() not in threads
+    else:
+        assert threads == {threading.get_ident()}
+
+
 def test_read_missing_is_storage_error(storage):
     with pytest.raises(StorageError, match="missing.bin does not exist") as err:
         storage.read_bytes("x/missing.bin")
