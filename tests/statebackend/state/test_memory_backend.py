@@ -280,9 +280,13 @@ def test_rescale_counts_rows_from_the_key_group_files_it_regroups(tmp_path):
                 totals[name] = totals.get(name, 0) + n
         assert {k: v for k, v in h.row_counts.items() if v} == totals
     for target in (3, 1):
-        rescale(store, "latest", target, options=RescaleOptions(engine="local"))
+        summary = rescale(store, "latest", target, options=RescaleOptions(engine="local"))
         meta = store.latest()
         assert meta.parallelism == target
+        # the summary (`ckpt rescale --json`) counts them too, per new subtask
+        assert [s["rows"] for s in summary["subtasks"]] == [
+            sum(h.row_counts.values()) for h in meta.subtasks]
+        assert summary["rows"] == sum(sum(h.row_counts.values()) for h in source.subtasks)
         restored = restore_all(store, meta, str(tmp_path / f"check-{target}"), allow_local=False)
         for h, b in zip(meta.subtasks, restored, strict=True):
             assert h.row_counts == b.count_rows()
