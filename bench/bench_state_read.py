@@ -6,6 +6,8 @@ min_ts, max_ts per key) for N keys (default 1,000,000), one event per key, P = 4
 - ours:    ``read_state(spark, storage, job, state="totals")`` (one Spark task per
            subtask: restore read-only, columnar decode to Arrow), then
            ``agg(count(*), sum(sum))``
+- ours-memory: the same over a memory-backend checkpoint of the same state (each task
+           decodes its key-group files straight to Arrow, no restore)
 - dump:    ``ckpt dump --format parquet`` (one file per subtask, in parallel, value as
            JSON text) then ``spark.read.parquet`` of it with the same aggregate over
            ``get_json_object(value, '$.sum')``: what a user did before read_state
@@ -50,13 +52,14 @@ from statebackend.job import read_state  # noqa: E402
 from statebackend.spark.session import get_spark  # noqa: E402
 
 JOB = "reads"
+MEMORY_JOB = "reads-memory"
 P = 4
 
 
-def ours(spark, url: str) -> tuple[int, float]:
+def ours(spark, url: str, job: str = JOB) -> tuple[int, float]:
     from pyspark.sql import functions as F
 
-    df = read_state(spark, url, JOB, state="totals")
+    df = read_state(spark, url, job, state="totals")
     row = df.agg(F.count("*").alias("n"), F.sum("sum").alias("s")).first()
     return row["n"], row["s"]
 
@@ -126,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     t = time.perf_counter()
     build_our_checkpoint(workdir, url, JOB, P, events)
     ours_build_s = time.perf_counter() - t
+    build_our_checkpoint(workdir, url, MEMORY_JOB, P, events, kind="memory")
     spark = get_spark(args.master, app_name="bench-state-read",
                       conf={"spark.ui.showConsoleProgress": "false"})
     spark.sparkContext.setLogLevel("ERROR")
@@ -136,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     dump_out = os.path.join(workdir, "dump")
 
     contenders = {"ours": (ours, spark, url),
+                  "ours-memory": (ours, spark, url, MEMORY_JOB),
                   "dump": (dump_then_parquet, spark, url, dump_out),
                   "spark": (spark_reader, spark, location)}
     for fn, *fargs in contenders.values():  # untimed: workers, imports, JIT
@@ -161,10 +166,12 @@ def main(argv: list[str] | None = None) -> int:
               "best_cpu_seconds": best_cpu, "rounds": times, "cpu_rounds": cpus,
               "build_seconds": {"ours": ours_build_s, "spark": spark_build_s},
               "ratios": {"dump/ours": best["dump"] / best["ours"],
-                         "spark/ours": best["spark"] / best["ours"]}}
+                         "spark/ours": best["spark"] / best["ours"],
+                         "spark/ours-memory": best["spark"] / best["ours-memory"]}}
     print(f"bench_state_read: {n_keys} entries of a record state, P={P}, {args.master}, "
           f"best of {repeats}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     for name, label in (("ours", "read_state + count/sum"),
+                        ("ours-memory", "read_state + count/sum, memory backend"),
                         ("dump", "ckpt dump --format parquet + spark.read.parquet"),
                         ("spark", "spark.read.format('statestore') + count/sum"),
                         ("empty", "empty Spark job of P tasks (floor)")):
@@ -173,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
               + (f"  {rate:12,.0f} entries/s" if rate else ""))
     print(f"  ratio dump / ours   {report['ratios']['dump/ours']:6.2f}x")
     print(f"  ratio spark / ours  {report['ratios']['spark/ours']:6.2f}x  (goal >= 2x)")
+    print(f"  ratio spark / ours, memory backend  {report['ratios']['spark/ours-memory']:6.2f}x")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)

@@ -15,7 +15,9 @@
    (`statebackend.checkpoint.local_copy.restored_copy`: from the executor's
    local-recovery snapshot when it holds the files, else downloaded into a temp folder
    removed after) and yields typed Arrow batches (`statebackend.state.state_table`:
-   the columns, TTL and expiry rules).
+   the columns, TTL and expiry rules). A memory-backend subtask is read straight from
+   its key-group files instead (`statebackend.checkpoint.memory_read`: no restore, no
+   Python object per entry), but for its timers.
 
 Why the tasks hold the lease and not only the driver: the read happens when an action
 runs, perhaps long after ``read_state`` returned (on Connect, in the server's
@@ -37,12 +39,15 @@ import pyarrow as pa
 from statebackend.checkpoint.leases import hold
 from statebackend.checkpoint.lineage import digest_of
 from statebackend.checkpoint.local_copy import instance_dir, restored_copy
+from statebackend.checkpoint.memory_read import memory_state_batches
 from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskHandle
 from statebackend.checkpoint.restore import RestoreOptions, current_external_read
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import CheckpointNotFoundError, UsageError
 from statebackend.state.external_store import ExternalRead, ExternalStore
+from statebackend.state.families import TIMERS
 from statebackend.state.kinds import StateDescriptor
+from statebackend.state.memory import MemoryStateBackend
 from statebackend.state.state_table import (
     BATCH_ROWS,
     StateRead,
@@ -205,11 +210,15 @@ def read_subtask(task: ReadTask, subtask: int) -> Iterator[pa.RecordBatch]:
         if data is None or digest_of(data) != task.record_digest:
             raise _retired(store, cid)
         instance = instance_dir(task.storage_url, task.job, subtask, task.options.local_dir)
+        read = StateRead(_descriptor(task), subtask, task.now, task.options.shape)
+        if handle.backend == "memory" and task.state != TIMERS:
+            yield from memory_state_batches(
+                store.storage, handle, read, os.path.join(instance, MemoryStateBackend.files_dir))
+            return
         with restored_copy(store.storage, handle, task.descriptors, task.max_parallelism,
                            instance, RestoreOptions(label=f"subtask {subtask} of checkpoint "
                                                           f"{cid}", external=task.external)
                            ) as backend:
-            read = StateRead(_descriptor(task), subtask, task.now, task.options.shape)
             yield from state_batches(backend, read, handle.row_counts.get(task.state))
 
 

@@ -37,9 +37,11 @@ import re
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sized
 from dataclasses import dataclass
 from typing import Any
+
+import pyarrow as pa
 
 from statebackend.errors import CorruptStateError, UsageError
 from statebackend.state import memory_files
@@ -63,6 +65,24 @@ def key_group_of_file(name: str) -> int:
         raise CorruptStateError(f"{name!r} is not a memory-backend key-group file "
                                 "(kg-<key group>-<id>.kgs)")
     return int(m.group(1))
+
+
+def key_group_families(name: str, data: bytes, where: str, label: str
+                       ) -> list[tuple[str, pa.Array, pa.Array]]:
+    """The families of key-group file ``name`` (bytes ``data``; ``where`` and ``label``
+    name it in errors), keys and values as Arrow binary arrays; CorruptStateError unless
+    it decodes and its keys are of its key group (the first and the last: stored sorted)."""
+    kg = key_group_of_file(name)
+    prefix = key_group_prefix(kg)
+    try:
+        families = memory_files.decode_arrays(data)
+    except ValueError as exc:
+        raise CorruptStateError(f"{where}: not a readable key-group file of {label}: "
+                                f"{exc}") from exc
+    for _, keys, _ in families:
+        if len(keys) and (keys[0].as_py()[:2] != prefix or keys[-1].as_py()[:2] != prefix):
+            raise CorruptStateError(f"{where}: holds keys outside key group {kg} ({label})")
+    return families
 
 
 class MemoryStateBackend(KeyedStateBackend):
@@ -168,22 +188,18 @@ class MemoryStateBackend(KeyedStateBackend):
     def load_files(self, names: Iterable[str]) -> None:
         """Fill the tables from key-group files in ``files/`` (a restore)."""
         for name in names:
-            kg = key_group_of_file(name)
-            prefix = key_group_prefix(kg)
+            prefix = key_group_prefix(key_group_of_file(name))
             path = os.path.join(self.files_path, name)
+            where = self.file_paths.get(name, path)
             try:
                 with open(path, "rb") as fh:
                     data = fh.read()
-                families = memory_files.decode(data)
-            except (OSError, ValueError) as exc:
-                raise CorruptStateError(f"{self.file_paths.get(name, path)}: not a readable "
-                                        f"key-group file of {self.label}: {exc}") from exc
+            except OSError as exc:
+                raise CorruptStateError(f"{where}: not a readable key-group file of "
+                                        f"{self.label}: {exc}") from exc
+            families = key_group_families(name, data, where, self.label)
             for family, keys, values in families:
-                if keys and (keys[0][:2] != prefix or keys[-1][:2] != prefix):
-                    raise CorruptStateError(
-                        f"{self.file_paths.get(name, path)}: holds keys outside key group "
-                        f"{kg} ({self.label})")
-                self._table(family).load(prefix, keys, values)
+                self._table(family).load(prefix, keys.to_pylist(), values.to_pylist())
             self._kg_files[prefix] = (name, len(data))
             self._file_rows[name] = _rows_of(families)
         self._previous_files = {n for n, _ in self._kg_files.values()}
@@ -281,7 +297,7 @@ class _LiveInstance:
     file_rows: dict[str, tuple[tuple[str, int], ...]]
 
 
-def _rows_of(families: Iterable[memory_files.Family]) -> tuple[tuple[str, int], ...]:
+def _rows_of(families: Iterable[tuple[str, Sized, Any]]) -> tuple[tuple[str, int], ...]:
     """The entries of each family a key-group file holds (`FileRef.rows`)."""
     return tuple(sorted((name, len(keys)) for name, keys, _ in families))
 

@@ -50,8 +50,10 @@ def encode(families: Sequence[Family], codec: str | None) -> bytes:
     return MAGIC + _HEADER.pack(_CODEC_IDS[codec], len(payload)) + packed
 
 
-def decode(data: bytes) -> list[Family]:
-    """``encode``'s families back; ValueError when the bytes are not such a file."""
+def decode_arrays(data: bytes) -> list[tuple[str, pa.Array, pa.Array]]:
+    """``encode``'s families back, each family's keys and values as Arrow binary arrays
+    (validated): a reader that wants columns builds no Python object per entry.
+    ValueError when the bytes are not such a file."""
     if data[:len(MAGIC)] != MAGIC or len(data) < len(MAGIC) + _HEADER.size:
         raise ValueError("not a key-group file (bad magic)")
     codec_id, size = _HEADER.unpack_from(data, len(MAGIC))
@@ -69,7 +71,7 @@ def decode(data: bytes) -> list[Family]:
     return _families(payload)
 
 
-def _families(payload: bytes) -> list[Family]:
+def _families(payload: bytes) -> list[tuple[str, pa.Array, pa.Array]]:
     pos = 0
 
     def take(n: int) -> bytes:
@@ -98,7 +100,7 @@ def _families(payload: bytes) -> list[Family]:
                 array.validate(full=True)
             except pa.ArrowInvalid as exc:
                 raise ValueError(f"family {name!r}: {exc}") from exc
-            columns.append(array.to_pylist())
+            columns.append(array)
         out.append((name, columns[0], columns[1]))
     if pos != len(payload):
         raise ValueError(f"{len(payload) - pos} bytes after the last family")

@@ -43,7 +43,7 @@ import json
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import numpy as np
 import pyarrow as pa
@@ -68,6 +68,10 @@ from statebackend.state.families import TIMERS
 from statebackend.state.keygroups import KeyGroupRange
 from statebackend.state.kinds import STATE_KINDS, StateDescriptor
 from statebackend.state.timers import parse_timer_key
+
+# Stored keys or values: Python bytes (a backend's scan) or an Arrow binary array (read
+# from a memory-backend key-group file without a Python object per entry).
+RawColumn: TypeAlias = "Sequence[bytes] | pa.Array"
 
 if TYPE_CHECKING:
     from statebackend.state.backend import KeyedStateBackend
@@ -230,23 +234,30 @@ def key_group_spans(whole: KeyGroupRange, expected_rows: int | None,
 
 # -- decoding ---------------------------------------------------------------------------
 
-def _decode(keys: list[bytes], values: list[bytes], read: StateRead,
+def decode_entries(keys: RawColumn, values: RawColumn, read: StateRead
+                   ) -> pa.RecordBatch:
+    """Stored entries of ``read``'s state (RocksDB keys, values) as a batch of
+    `state_schema`, expired entries left out; SerializationError if they do not decode."""
+    return _decode(keys, values, read, state_schema(read.desc, read.shape))
+
+
+def _decode(keys: RawColumn, values: RawColumn, read: StateRead,
             schema: pa.Schema) -> pa.RecordBatch:
     desc = read.desc
-    rocks = pa.array(keys, pa.binary())
+    rocks = _binary(keys)
     offsets, data = binary_buffers(rocks)
     if (np.diff(offsets) < 2).any():
         raise SerializationError("a stored key is shorter than its key-group prefix")
     key_groups = (data[offsets[:-1]].astype(np.int32) << 8) | data[offsets[:-1] + 1]
     columns: dict[str, pa.Array] = {}
     if desc.kind == "map":
-        pairs = [split_map_key(k[2:]) for k in keys]
+        pairs = [split_map_key(k[2:]) for k in _pylist(keys)]
         columns["key"] = pa.array([deserialize_key(k) for k, _ in pairs], pa.string())
         columns["user_key"] = pa.array([u for _, u in pairs], pa.string())
     else:
         columns["key"] = strip_prefix(rocks, 2, pa.string(), "stored key")
     if desc.kind == "list":
-        return _list_batch(values, read, schema, columns, key_groups)
+        return _list_batch(_pylist(values), read, schema, columns, key_groups)
     decoded, expiry = decode_values(desc.codec, values, desc.ttl is not None)
     live = _live(expiry, read.now)
     _value_columns(columns, decoded, desc, read.shape)
@@ -257,7 +268,7 @@ def _decode(keys: list[bytes], values: list[bytes], read: StateRead,
     return batch if live is None else batch.filter(pa.array(live))
 
 
-def _list_batch(values: list[bytes], read: StateRead, schema: pa.Schema,
+def _list_batch(values: Sequence[bytes], read: StateRead, schema: pa.Schema,
                 columns: dict[str, pa.Array], key_groups: np.ndarray) -> pa.RecordBatch:
     """One row per list (an array of its live elements), or per live element."""
     desc = read.desc
@@ -315,17 +326,18 @@ def _live(expiry: np.ndarray | None, now: int | None) -> np.ndarray | None:
     return expiry > now
 
 
-def decode_values(codec: Codec, raws: Sequence[bytes], ttl: bool
+def decode_values(codec: Codec, raws: RawColumn, ttl: bool
                   ) -> tuple[pa.Array, np.ndarray | None]:
     """(values as an Arrow array of `value_type`, expiries in epoch ms or None) of stored
     values; with ``ttl`` each starts with its 8-byte expiry."""
     strip = TIME_BYTES if ttl else 0
     if isinstance(codec, RecordCodec):
         return _records(codec, raws, strip)
-    binary = pa.array(raws, pa.binary())
-    expiry = _expiries(binary, raws) if ttl else None
+    binary = _binary(raws)
+    expiry = _expiries(binary) if ttl else None
     if isinstance(codec, JsonCodec):
-        return pa.array([_json_text(codec, r[strip:]) for r in raws], pa.string()), expiry
+        return pa.array([_json_text(codec, r[strip:]) for r in _pylist(raws)],
+                        pa.string()), expiry
     fmt, name, arrow = ((STR_FORMAT, "str", pa.string()) if isinstance(codec, StrCodec)
                         else (BYTES_FORMAT, "bytes", pa.binary()))
     offsets, data = binary_buffers(binary)
@@ -334,7 +346,7 @@ def decode_values(codec: Codec, raws: Sequence[bytes], ttl: bool
                                                     != fmt)) if len(data) else \
         np.arange(len(raws))
     if len(bad):
-        codec.decode(raws[int(bad[0])][strip:])  # raises the codec's own message
+        codec.decode(binary[int(bad[0])].as_py()[strip:])  # raises the codec's own message
     return strip_prefix(binary, strip + 1, arrow, f"{name} value"), expiry
 
 
@@ -343,11 +355,11 @@ def _json_text(codec: JsonCodec, data: bytes) -> str:
                       ensure_ascii=False)
 
 
-def _records(codec: RecordCodec, raws: Sequence[bytes], strip: int
+def _records(codec: RecordCodec, raws: RawColumn, strip: int
              ) -> tuple[pa.Array, np.ndarray | None]:
     layout = codec.dtype
     dtype = np.dtype([("_expiry", ">u8"), *layout.descr]) if strip else layout
-    binary = pa.array(raws, pa.binary())
+    binary = _binary(raws)
     offsets, data = binary_buffers(binary)
     lengths = np.diff(offsets)
     if len(lengths) and (lengths != dtype.itemsize).any():
@@ -364,12 +376,12 @@ def _records(codec: RecordCodec, raws: Sequence[bytes], strip: int
     return struct, expiry
 
 
-def _expiries(binary: pa.Array, raws: Sequence[bytes]) -> np.ndarray:
+def _expiries(binary: pa.Array) -> np.ndarray:
     offsets, data = binary_buffers(binary)
     short = np.flatnonzero(np.diff(offsets) < TIME_BYTES)
     if len(short):
-        raise SerializationError(f"stored time {raws[int(short[0])][:TIME_BYTES]!r} is "
-                                 "truncated")
+        raise SerializationError(f"stored time {binary[int(short[0])].as_py()[:TIME_BYTES]!r}"
+                                 " is truncated")
     at = offsets[:-1, None] + np.arange(TIME_BYTES)
     return _ms(np.ascontiguousarray(data[at]).view(">u8").ravel())
 
@@ -382,6 +394,19 @@ def _ms(encoded: np.ndarray) -> np.ndarray:
 def _timestamps(ms: np.ndarray) -> pa.Array:
     """Epoch ms as timestamps (beyond what microseconds hold, clamped: +-292,000 years)."""
     return pa.array(np.clip(ms, -_MAX_MS, _MAX_MS) * 1000, TIMESTAMP)
+
+
+def _binary(raws: RawColumn) -> pa.Array:
+    """Stored bytes as an Arrow binary array at offset 0 (as `binary_buffers` reads it)."""
+    if not isinstance(raws, pa.Array):
+        return pa.array(raws, pa.binary())
+    return raws if raws.offset == 0 else pa.concat_arrays([raws])
+
+
+def _pylist(raws: RawColumn) -> Sequence[bytes]:
+    if isinstance(raws, pa.Array):
+        return cast("list[bytes]", raws.to_pylist())
+    return raws
 
 
 def binary_buffers(binary: pa.Array) -> tuple[np.ndarray, np.ndarray]:

@@ -132,10 +132,19 @@ def cli_dump(url: str, job: str, out: str, checkpoint: str = "latest") -> list[d
 
 @pytest.fixture(scope="module")
 def kinds(tmp_path_factory):
-    base = tmp_path_factory.mktemp("kinds")
+    return kinds_checkpoint(tmp_path_factory.mktemp("kinds"), "rocksdb")
+
+
+@pytest.fixture(scope="module")
+def memory_kinds(tmp_path_factory):
+    return kinds_checkpoint(tmp_path_factory.mktemp("memory-kinds"), "memory")
+
+
+def kinds_checkpoint(base: Path, kind: str) -> dict:
+    """Checkpoint 1 of every state kind on state backend ``kind``, and its dump."""
     url = f"file://{base}/store"
     store = CheckpointStore(open_storage(url), JOB)
-    backends = open_backends(str(base / "work"), P, M, DESCRIPTORS)
+    backends = open_backends(str(base / "work"), P, M, DESCRIPTORS, kind=kind)
     try:
         for b, idx in zip(backends, route(KEYS, M, P), strict=True):
             fill_kinds(b, [KEYS[i] for i in idx], idx)
@@ -233,6 +242,18 @@ def test_read_state_equals_the_dump(spark, kinds, state):
     got = as_dump_values(df.toArrow(), BY_NAME[state])
     assert got == expected(kinds["rows"], state)
     assert len(got) > 0
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_read_state_of_a_memory_backend_checkpoint_equals_the_dump(spark, memory_kinds, state):
+    df = read_state(spark, memory_kinds["url"], JOB, state=state)
+    got = as_dump_values(df.toArrow(), BY_NAME[state])
+    assert got == expected(memory_kinds["rows"], state)
+    assert len(got) > 0
+    exploded = read_state(spark, memory_kinds["url"], JOB, state=state,
+                          options=ReadOptions(explode_lists=True, batch_rows=50))
+    assert as_dump_values(exploded.toArrow(), BY_NAME[state]) == expected(
+        memory_kinds["rows"], state, explode=BY_NAME[state].kind == "list")
 
 
 def test_columns_are_typed_from_the_codec(spark, kinds):

@@ -251,11 +251,12 @@ def test_key_group_files_round_trip_and_refuse_damage(codec):
     families = [("a", [b"\x00\x01k1", b"\x00\x01k2"], [b"v1", b""]), ("b", [], []),
                 ("c", [b"\x00\x01" + bytes(range(256))], [b"x" * 5000])]
     data = memory_files.encode(families, codec)
-    assert memory_files.decode(data) == families
+    assert [(name, keys.to_pylist(), values.to_pylist())
+            for name, keys, values in memory_files.decode_arrays(data)] == families
     for broken in (data[:-1], data[:20], data.replace(memory_files.MAGIC, b"CKPTKGS9"),
                    data + b"\x00"):
         with pytest.raises(ValueError):
-            memory_files.decode(broken)
+            memory_files.decode_arrays(broken)
 
 
 def test_rescale_counts_rows_from_the_key_group_files_it_regroups(tmp_path):
