@@ -238,8 +238,8 @@ class MemoryStateBackend(KeyedStateBackend):
         # Files neither the state nor the previous snapshot names are rewritten as this
         # snapshot's new files (renamed first): creating a file costs far more than
         # rewriting one on some filesystems (0.9 ms against 0.04 ms on our machines'
-        # ext4). No reader holds them: restores and readers link or copy only files a
-        # snapshot names. What is left over is deleted below.
+        # ext4). A reader of an older snapshot's files checks each one's checksum and
+        # falls back to storage (restore, read_state). What is left over is deleted below.
         spare = self._unnamed_files({n for n, _ in self._kg_files.values()})
         for prefix in sorted(self.account.changed):
             written = self._write_key_group(prefix, spare)

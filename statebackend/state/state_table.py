@@ -191,7 +191,7 @@ def read_span(backend: KeyedStateBackend, read: StateRead, span: KeyGroupRange
     if not keys:
         return None
     try:
-        batch = _decode(keys, values, read, state_schema(read.desc, read.shape))
+        batch = decode_entries(keys, values, read)
     except SerializationError as exc:
         raise SerializationError(f"state {read.desc.name!r} of {backend.label}: "
                                  f"{exc}") from exc
@@ -238,12 +238,8 @@ def decode_entries(keys: RawColumn, values: RawColumn, read: StateRead
                    ) -> pa.RecordBatch:
     """Stored entries of ``read``'s state (RocksDB keys, values) as a batch of
     `state_schema`, expired entries left out; SerializationError if they do not decode."""
-    return _decode(keys, values, read, state_schema(read.desc, read.shape))
-
-
-def _decode(keys: RawColumn, values: RawColumn, read: StateRead,
-            schema: pa.Schema) -> pa.RecordBatch:
     desc = read.desc
+    schema = state_schema(desc, read.shape)
     rocks = _binary(keys)
     offsets, data = binary_buffers(rocks)
     if (np.diff(offsets) < 2).any():

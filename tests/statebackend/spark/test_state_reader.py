@@ -236,24 +236,17 @@ def test_the_fixture_has_live_and_expired_entries_of_every_ttl_state(kinds):
     assert any(0 < len(v) < 3 for v in recent)
 
 
+@pytest.mark.parametrize("backend", ["kinds", "memory_kinds"])
 @pytest.mark.parametrize("state", STATES)
-def test_read_state_equals_the_dump(spark, kinds, state):
-    df = read_state(spark, kinds["url"], JOB, state=state)
-    got = as_dump_values(df.toArrow(), BY_NAME[state])
-    assert got == expected(kinds["rows"], state)
-    assert len(got) > 0
-
-
-@pytest.mark.parametrize("state", STATES)
-def test_read_state_of_a_memory_backend_checkpoint_equals_the_dump(spark, memory_kinds, state):
-    df = read_state(spark, memory_kinds["url"], JOB, state=state)
-    got = as_dump_values(df.toArrow(), BY_NAME[state])
-    assert got == expected(memory_kinds["rows"], state)
-    assert len(got) > 0
-    exploded = read_state(spark, memory_kinds["url"], JOB, state=state,
-                          options=ReadOptions(explode_lists=True, batch_rows=50))
-    assert as_dump_values(exploded.toArrow(), BY_NAME[state]) == expected(
-        memory_kinds["rows"], state, explode=BY_NAME[state].kind == "list")
+def test_read_state_equals_the_dump(spark, request, backend, state):
+    """On RocksDB (a restore) and the memory backend (its key-group files read as they
+    are), in one batch and in batches of about 50 entries."""
+    checkpoint = request.getfixturevalue(backend)
+    for options in (ReadOptions(), ReadOptions(batch_rows=50)):
+        df = read_state(spark, checkpoint["url"], JOB, state=state, options=options)
+        got = as_dump_values(df.toArrow(), BY_NAME[state])
+        assert got == expected(checkpoint["rows"], state)
+        assert len(got) > 0
 
 
 def test_columns_are_typed_from_the_codec(spark, kinds):
@@ -280,12 +273,14 @@ def test_columns_are_typed_from_the_codec(spark, kinds):
                                 "expires_at:array<timestamp>,key_group:int,subtask:int>")
 
 
+@pytest.mark.parametrize("backend", ["kinds", "memory_kinds"])
 @pytest.mark.parametrize("state", ["events", "points", "recent"])
-def test_lists_one_row_per_element_equal_the_dump(spark, kinds, state):
-    df = read_state(spark, kinds["url"], JOB, state=state,
+def test_lists_one_row_per_element_equal_the_dump(spark, request, backend, state):
+    checkpoint = request.getfixturevalue(backend)
+    df = read_state(spark, checkpoint["url"], JOB, state=state,
                     options=ReadOptions(explode_lists=True))
     assert as_dump_values(df.toArrow(), BY_NAME[state]) == \
-        expected(kinds["rows"], state, explode=True)
+        expected(checkpoint["rows"], state, explode=True)
 
 
 def test_records_as_one_struct_column_equal_the_dump(spark, kinds):
