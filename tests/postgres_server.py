@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import glob
 import os
+import random
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 
 ROLE = "ckpt"
@@ -33,9 +35,25 @@ def available() -> bool:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free loopback port below the kernel's ephemeral range. The tests restart the
+    server on its port; a port the kernel picked (``bind(0)``) is one it also hands to
+    client sockets, so while the server is down any outgoing connection on the machine
+    could take it and the restart would fail to listen."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            low = int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randint(max(1024, low - 12000), low - 1)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port below {low}")
 
 
 class PostgresServer:
@@ -47,6 +65,7 @@ class PostgresServer:
         self.data = os.path.join(self.root, "data")
         self.port = _free_port()
         self.process: subprocess.Popen | None = None
+        self._restarting = threading.Lock()
         self._as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
         os.makedirs(self.data, mode=0o700)
         if self._as_user:
@@ -70,6 +89,9 @@ class PostgresServer:
             stdout=log, stderr=log)
         deadline = time.time() + 30
         while time.time() < deadline:
+            if self.process.poll() is not None:  # e.g. its port taken: say so now
+                raise RuntimeError(f"postgres exited with {self.process.returncode} on "
+                                   f"port {self.port}; see {self.root}/server.log")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1):
                     pass
@@ -99,8 +121,10 @@ class PostgresServer:
             self.process = None
 
     def restart(self) -> None:
-        self.stop()
-        self.start()
+        """Stop, then start; calls from several threads at once (subtasks) take turns."""
+        with self._restarting:
+            self.stop()
+            self.start()
 
     def cleanup(self) -> None:
         self.stop()

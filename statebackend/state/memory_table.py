@@ -135,21 +135,37 @@ class MemoryTable:
              values: bool = True) -> Iterator[Any]:
         """Entries with lower <= key < upper in key order: (key, value), or keys."""
         for prefix in self._prefixes(lower, upper):
-            keys = self.sorted_keys(prefix)
             part = self.parts[prefix]
-            i = bisect_left(keys, lower) if lower and lower > prefix else 0
-            end = bisect_left(keys, upper) if upper is not None and upper[:2] == prefix \
-                else len(keys)
-            for key in keys[i:end]:
+            for key in self._span(prefix, lower, upper):
                 if not values:
                     yield key
                 elif (value := part.get(key)) is not None:  # deleted while scanning
                     yield key, value
 
+    def entries(self, lower: bytes | None = None, upper: bytes | None = None
+                ) -> tuple[list[bytes], list[bytes]]:
+        """`scan`'s keys and values as two lists, a key group at a time (a bulk read
+        builds no tuple per entry)."""
+        keys: list[bytes] = []
+        values: list[bytes] = []
+        for prefix in self._prefixes(lower, upper):
+            span = self._span(prefix, lower, upper)
+            keys += span
+            values += map(self.parts[prefix].__getitem__, span)
+        return keys, values
+
+    def _span(self, prefix: bytes, lower: bytes | None, upper: bytes | None) -> list[bytes]:
+        """Key group ``prefix``'s keys in [lower, upper), in order."""
+        keys = self.sorted_keys(prefix)
+        i = bisect_left(keys, lower) if lower and lower > prefix else 0
+        end = bisect_left(keys, upper) if upper is not None and upper[:2] == prefix \
+            else len(keys)
+        return keys if i == 0 and end == len(keys) else keys[i:end]
+
     def count(self, lower: bytes | None = None, upper: bytes | None = None) -> int:
         if lower is None and upper is None:
             return len(self)
-        return sum(1 for _ in self.scan(lower, upper, values=False))
+        return sum(len(self._span(p, lower, upper)) for p in self._prefixes(lower, upper))
 
     def edge_keys(self, prefix: bytes | None = None) -> tuple[bytes, bytes] | None:
         """(first, last) key of the table, or of key group ``prefix``; None: empty."""

@@ -159,8 +159,8 @@ def checked_entries(cf: Rdict | MemoryTable, where: str, lower: bytes | None = N
     checked scan.
     """
     if isinstance(cf, MemoryTable):
-        pairs = list(cf.scan(lower, upper))
-        return [k for k, _ in pairs], [v for _, v in pairs] if values else None
+        held_keys, held_values = cf.entries(lower, upper)
+        return held_keys, held_values if values else None
 
     def options() -> ReadOptions:
         ro = ReadOptions()
