@@ -19,7 +19,8 @@ from collections.abc import Iterator
 import pyarrow as pa
 
 from statebackend.checkpoint.metadata import FileRef, SubtaskHandle
-from statebackend.errors import SerializationError, StorageError
+from statebackend.checkpoint.restore import require_recorded
+from statebackend.errors import SerializationError
 from statebackend.state.memory import key_group_families
 from statebackend.state.state_table import StateRead, decode_entries
 from statebackend.storage import Storage
@@ -61,23 +62,16 @@ def _decoded(keys: list[pa.Array], values: list[pa.Array], read: StateRead,
 
 def _file_bytes(storage: Storage, ref: FileRef, local_files: str | None) -> bytes:
     """``ref``'s bytes: the local copy if intact, else storage's (checked)."""
+    algorithm = checksum_algorithm(ref.checksum)
     if local_files is not None:
         try:
             with open(os.path.join(local_files, ref.local_name), "rb") as fh:
                 data = fh.read()
         except OSError:
             data = None
-        if data is not None and _checked(data, ref) is None:
+        if data is not None and (len(data), checksum_of_bytes(data, algorithm)) == (
+                ref.size, ref.checksum):
             return data
     data = storage.read_bytes(ref.path)
-    found = _checked(data, ref)
-    if found is not None:
-        raise StorageError(f"{ref.path}: read {len(data)} bytes with {found}, metadata records "
-                           f"{ref.size} bytes with {ref.checksum} (file corrupted or replaced)")
+    require_recorded(ref, len(data), checksum_of_bytes(data, algorithm), "read")
     return data
-
-
-def _checked(data: bytes, ref: FileRef) -> str | None:
-    """None if ``data`` has ``ref``'s size and checksum, else its own checksum."""
-    checksum = checksum_of_bytes(data, checksum_algorithm(ref.checksum))
-    return None if len(data) == ref.size and checksum == ref.checksum else checksum

@@ -64,10 +64,8 @@ def download_files(job_storage: Storage, files: Sequence[FileRef], target_dir: s
     def fetch(ref: FileRef) -> None:
         size, checksum = job_storage.get_file(ref.path, os.path.join(target_dir, ref.local_name),
                                               checksum_algorithm(ref.checksum))
-        if verify and (size != ref.size or checksum != ref.checksum):
-            raise StorageError(
-                f"{ref.path}: downloaded {size} bytes with {checksum}, metadata records "
-                f"{ref.size} bytes with {ref.checksum} (file corrupted or replaced)")
+        if verify:
+            require_recorded(ref, size, checksum, "downloaded")
 
     errors = []
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
@@ -349,6 +347,15 @@ def _matches(directory: str, files: Sequence[FileRef]) -> bool:
         return all(os.path.getsize(os.path.join(directory, f.local_name)) == f.size for f in files)
     except OSError:
         return False
+
+
+def require_recorded(ref: FileRef, size: int, checksum: str, how: str) -> None:
+    """StorageError unless ``size`` and ``checksum`` (of the bytes ``how``: downloaded,
+    read) are the ones ``ref`` records."""
+    if size != ref.size or checksum != ref.checksum:
+        raise StorageError(
+            f"{ref.path}: {how} {size} bytes with {checksum}, metadata records "
+            f"{ref.size} bytes with {ref.checksum} (file corrupted or replaced)")
 
 
 def _is_intact(path: str, ref: FileRef) -> bool:

@@ -240,7 +240,8 @@ class MemoryStateBackend(KeyedStateBackend):
         # rewriting one on some filesystems (0.9 ms against 0.04 ms on our machines'
         # ext4). A reader of an older snapshot's files checks each one's checksum and
         # falls back to storage (restore, read_state). What is left over is deleted below.
-        spare = self._unnamed_files({n for n, _ in self._kg_files.values()})
+        named = {n for n, _ in self._kg_files.values()} | self._previous_files
+        spare = [e.path for e in os.scandir(self.files_path) if e.name not in named]
         for prefix in sorted(self.account.changed):
             written = self._write_key_group(prefix, spare)
             if written is None:
@@ -248,9 +249,9 @@ class MemoryStateBackend(KeyedStateBackend):
             else:
                 self._kg_files[prefix] = written
         self.account.changed.clear()
-        current = {n for n, _ in self._kg_files.values()}
-        for path in self._unnamed_files(current):
+        for path in spare:  # the previous snapshot's files stay: it may be restored here
             os.unlink(path)
+        current = {n for n, _ in self._kg_files.values()}
         self._previous_files = current
         self._file_rows = {n: r for n, r in self._file_rows.items() if n in current}
         snapshot_id = uuid.uuid4().hex
@@ -260,12 +261,6 @@ class MemoryStateBackend(KeyedStateBackend):
         return LocalSnapshot(snapshot_id, self.files_path,
                              tuple(sorted(self._kg_files.values())), rows,
                              dict(self._file_rows))
-
-    def _unnamed_files(self, current: set[str]) -> list[str]:
-        """Paths of the files in ``files/`` that neither ``current`` nor the previous
-        snapshot names."""
-        return [entry.path for entry in os.scandir(self.files_path)
-                if entry.name not in current and entry.name not in self._previous_files]
 
     def count_rows(self) -> dict[str, int]:
         return {name: len(table) for name, table in self._cfs.items()}
