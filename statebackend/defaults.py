@@ -32,6 +32,9 @@ LOCAL_ENGINE_MAX_BYTES = 64 * 2**20
 LOCAL_ENGINE_MAX_STATE_BYTES = 256 * 2**20
 # A local-engine run holds its whole (decompressed) input in memory: at most this much.
 LOCAL_ENGINE_MAX_MEMORY_BYTES = 2**30
+# A Spark run's tasks each read the whole input (no shuffle) while the input's bytes
+# times the parallelism stay under this (statebackend.job.spark_direct).
+SPARK_DIRECT_READ_MAX_BYTES = 512 * 2**20
 
 # Where a job's keyed state lives (statebackend.state.backend_kinds): embedded RocksDB
 # (out of core), or in memory (hash tables per key group, for states that fit; each
@@ -45,4 +48,4 @@ MEMORY_LIMIT_MB = 2048
 __all__ = ["BACKEND", "BACKENDS", "ENGINE", "ENGINES", "EXTERNAL_MODES", "GC_GRACE_SECONDS",
            "KEY_HASH", "LOCAL_ENGINE_MAX_BYTES", "LOCAL_ENGINE_MAX_MEMORY_BYTES",
            "LOCAL_ENGINE_MAX_STATE_BYTES", "MAX_PARALLELISM", "MAX_REJECT_FRACTION",
-           "MEMORY_LIMIT_MB", "RETENTION_KEEP"]
+           "MEMORY_LIMIT_MB", "RETENTION_KEEP", "SPARK_DIRECT_READ_MAX_BYTES"]

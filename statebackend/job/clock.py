@@ -43,7 +43,7 @@ def run_clock(engine: Engine, job: Job, config: RunConfig, parent: CheckpointMet
     new_wm = wm
     if job.input.event_time is not None:
         new_wm = advance(wm, engine.max_event_time(
-            job, wm, progress, f"run {config.run_id}: scanning event times"),
+            job, wm, parallelism, progress, f"run {config.run_id}: scanning event times"),
             job.input.lateness_ms)
     return RunClock(wm, new_wm, logical, must_run(job, parent, parallelism, new_wm, logical))
 

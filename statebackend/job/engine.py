@@ -25,10 +25,15 @@ class Engine(Protocol):
     def default_parallelism(self) -> int:
         """P of a new lineage run without ``--parallelism``."""
 
-    def max_event_time(self, job: Job, watermark: int | None, progress: ProgressSink,
-                       label: str) -> int | None:
-        """Max event time of the input rows the tasks will accept (progress phase
-        ``label``)."""
+    def max_event_time(self, job: Job, watermark: int | None, parallelism: int,
+                       progress: ProgressSink, label: str) -> int | None:
+        """Max event time of the input rows the ``parallelism`` tasks will accept
+        (progress phase ``label``)."""
+
+    def reads_input_itself(self, parallelism: int) -> bool:
+        """Whether each of ``parallelism`` subtasks reads the input it needs with the
+        Arrow reader (the local engine always; Spark's direct read), so the run's
+        ``input_reader`` is ``arrow``."""
 
     def run_tasks(self, params: TaskParams, progress: ProgressSink) -> list[TaskResult]:
         """Every subtask's result, in subtask order; `TaskFailedError` (one line) when a

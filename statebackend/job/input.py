@@ -50,6 +50,7 @@ from typing import Any, BinaryIO
 
 import pyarrow as pa
 
+from statebackend import settings
 from statebackend.engines import auto_limit
 from statebackend.errors import InputError, UsageError
 from statebackend.storage import StorageOptions
@@ -59,6 +60,7 @@ PARQUET_EXT = (".parquet",)
 JSON_EXT = (".json", ".jsonl", ".ndjson", ".json.gz", ".jsonl.gz", ".ndjson.gz")
 SKIPPED_NAMES_SHOWN = 10  # the summary lists this many skipped files, then counts
 READERS = ("auto", "spark", "arrow")
+DIRECT_READ_MAX_BYTES_ENV = "CKPT_SPARK_DIRECT_READ_MAX_BYTES"
 COUNT_BLOCK_BYTES = 1 << 20  # gzip bytes decompressed at a time when only counting
 
 
@@ -263,6 +265,25 @@ def choose_readers(files: InputFiles, requested: str = "auto") -> dict[str, str]
     if requested != "auto":
         return {f: requested for f in present}
     return {f: "spark" if local and f == "parquet" else "arrow" for f in present}
+
+
+def reads_directly(files: InputFiles, reader: str, parallelism: int,
+                   limit: int | None = None) -> bool:
+    """Whether a Spark run's ``parallelism`` tasks each read the whole input with Arrow
+    instead of Spark's shuffle (`statebackend.job.spark_direct`): the reader allows it
+    (``auto`` or ``arrow``) and the input's decompressed bytes (`input_weight`: gzip
+    files are decompressed to count them, only up to the bound) times ``parallelism``
+    are at most ``limit`` (default ``CKPT_SPARK_DIRECT_READ_MAX_BYTES``)."""
+    if reader not in ("auto", "arrow"):
+        return False
+    limit = settings.byte_count(DIRECT_READ_MAX_BYTES_ENV) if limit is None else limit
+    share = limit // max(1, parallelism)
+    return not files.count or input_weight(files, share) <= share
+
+
+def input_paths(files: InputFiles) -> tuple[str, ...]:
+    """Every input file in the order the local engine and direct reads read them."""
+    return (*files.parquet, *files.json)
 
 
 def choose_reader(files: InputFiles, requested: str = "auto") -> str:

@@ -57,7 +57,7 @@ from statebackend.job.arrow_input import (
 )
 from statebackend.job.core import max_accepted_time
 from statebackend.job.engine import reading_label, tasks_label
-from statebackend.job.input import InputFiles
+from statebackend.job.input import InputFiles, input_paths
 from statebackend.job.results import TaskResult
 from statebackend.job.task import TaskParams, nulls_first_order, row_order, run_one_subtask
 from statebackend.progress import ProgressSink
@@ -91,7 +91,7 @@ class LocalEngine:
             inp, options = self.job.input, self.files.options
             check_key_columns(self.files, inp)
             schema = read_schema(inp)
-            paths = (*self.files.parquet, *self.files.json)
+            paths = input_paths(self.files)
             limit = settings.byte_count(MAX_MEMORY_ENV)
             budget = ByteBudget(limit)
             try:
@@ -108,8 +108,11 @@ class LocalEngine:
             self._table = pa.Table.from_batches([b for part in parts for b in part], schema)
         return self._table
 
-    def max_event_time(self, job: Job, watermark: int | None, progress: ProgressSink,
-                       label: str) -> int | None:
+    def reads_input_itself(self, parallelism: int) -> bool:
+        return True
+
+    def max_event_time(self, job: Job, watermark: int | None, parallelism: int,
+                       progress: ProgressSink, label: str) -> int | None:
         progress.phase(label)
         table = self.table()
         if not table.num_rows:
@@ -134,12 +137,19 @@ class LocalEngine:
 
 def subtask_rows(table: pa.Table, params: TaskParams) -> list[np.ndarray]:
     """Per subtask, the indices of its rows in ``table``, in input order."""
-    m, p = params.max_parallelism, params.parallelism
+    p = params.parallelism
     if not table.num_rows:
         return [np.empty(0, np.int64)] * p
-    subtask = key_groups(table.column(params.job.input.key), m, params.key_hash) * p // m
+    subtask = row_subtasks(table.column(params.job.input.key), params)
     order = np.argsort(subtask, kind="stable")
     return np.split(order, np.cumsum(np.bincount(subtask, minlength=p))[:-1])
+
+
+def row_subtasks(keys: pa.Array | pa.ChunkedArray, params: TaskParams) -> np.ndarray:
+    """Each row's subtask: key group ``hash(key) mod M`` (the lineage's hash; a null key:
+    group 0), subtask ``kg * P // M``."""
+    m = params.max_parallelism
+    return key_groups(keys, m, params.key_hash) * params.parallelism // m
 
 
 def subtask_batches(table: pa.Table, rows: np.ndarray, params: TaskParams

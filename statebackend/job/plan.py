@@ -57,6 +57,8 @@ class RunPlan:
     clock: RunClock
     warnings: tuple[str, ...] = ()
     started: float = 0.0  # time.perf_counter() at the run's start
+    # The subtasks read the input themselves with Arrow (`Engine.reads_input_itself`).
+    tasks_read_input: bool = False
 
     @property
     def checkpoint_id(self) -> int:
@@ -91,8 +93,9 @@ class RunPlan:
 
     @property
     def input_reader(self) -> str:
-        """The summary's ``input_reader``: the local engine reads every file with Arrow."""
-        if self.choice.engine == "local":
+        """The summary's ``input_reader``: the local engine and a Spark run's direct read
+        (`statebackend.job.spark_direct`) read every file with Arrow."""
+        if self.tasks_read_input:
             return "arrow" if self.files.count else "none"
         return choose_reader(self.files, self.config.input_reader)
 

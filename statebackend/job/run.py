@@ -207,7 +207,8 @@ class _JobRun:
             # every subtask rewrites its entries once (state/migrate.py)
             clock = replace(clock, must_run=(True,) * parallelism)
         return RunPlan(job, config, store.job, parent, parallelism, max_parallelism, files,
-                       choice, evolution, clock, tuple(warnings), started), engine
+                       choice, evolution, clock, tuple(warnings), started,
+                       engine.reads_input_itself(parallelism)), engine
 
     def _engine(self, choice: EngineChoice, files: InputFiles) -> Engine:
         """The engine object of ``choice``: the local engine, or Spark (started if needed)."""

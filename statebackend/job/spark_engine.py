@@ -1,23 +1,29 @@
 """The Spark engine of a job run: the input read, routed and processed by Spark tasks.
 
 Driver side of the run protocol's Spark work (`statebackend.job.run` decides, the
-subtasks are `statebackend.job.task`):
+subtasks are `statebackend.job.task`). Two routes from the input to the subtasks,
+chosen per run by `statebackend.job.input.reads_directly`:
 
-- `SparkEngine.max_event_time`: the new watermark's input. Usually the
-  `WATERMARK_CANDIDATES` rows with the latest event times settle it: a top-k the JVM
+- **direct** (a small input next to P): one Spark job of P tasks, each reading the
+  whole input with the Arrow reader and keeping its own rows
+  (`statebackend.job.spark_direct`); the watermark's input is read on the driver
+  (`max_event_time_read`). No shuffle, no input row in the JVM.
+- **shuffle**: `SparkEngine.max_event_time`, the new watermark's input: usually the
+  `WATERMARK_CANDIDATES` rows with the latest event times settle it, a top-k the JVM
   computes (no Python worker), validated on the driver
   (`max_accepted_time_of_latest`); otherwise one pass validates every row.
-- `SparkEngine.run_tasks`: read (`statebackend.job.spark_input.read_input`), route
+  `SparkEngine.run_tasks`: read (`statebackend.job.spark_input.read_input`), route
   each row to its subtask (`statebackend.spark.dispatch.route`: Spark places rows by
   hashing a column, so each row gets ``_p``, a value Spark's partitioner sends to
   partition i), one marker row per subtask (so every subtask's task runs, also
   without rows), shuffle, sort each partition by `row_order`, then one
   ``mapInArrow`` task per subtask (`run_subtask_task`: it checks ``_p``, drops the
-  marker and runs `statebackend.job.task.run_one_subtask`) returning its result row
-  (`statebackend.job.results.TaskResult.to_row`). A failed task is one
-  `TaskFailedError` line.
+  marker and runs `statebackend.job.task.run_one_subtask`).
 
-Classic sessions and Spark Connect alike: no SparkContext or RDD call on this path.
+Either way each task returns its result row
+(`statebackend.job.results.TaskResult.to_row`); a failed task is one
+`TaskFailedError` line. Classic sessions and Spark Connect alike: no SparkContext or
+RDD call on this path.
 """
 
 from __future__ import annotations
@@ -32,8 +38,9 @@ from statebackend.job.api import Job
 from statebackend.job.arrow_input import REASON, TEXT, raw_table
 from statebackend.job.core import event_time_column, event_times, max_accepted_time
 from statebackend.job.engine import reading_label, tasks_label
-from statebackend.job.input import InputFiles
+from statebackend.job.input import InputFiles, reads_directly
 from statebackend.job.results import RESULT_SCHEMA, TaskResult
+from statebackend.job.spark_direct import direct_tasks, max_accepted_of, max_event_time_read
 from statebackend.job.spark_input import marker_row, read_ddl, read_input, spark_ddl
 from statebackend.job.task import TaskParams, row_order, run_one_subtask
 from statebackend.progress import ProgressSink
@@ -58,36 +65,54 @@ class SparkEngine:
         self.spark = spark
         self.files = files
         self.reader = reader
+        self._direct: dict[int, bool] = {}
 
     def default_parallelism(self) -> int:
         return default_parallelism(self.spark)  # classic and Connect
 
-    def max_event_time(self, job: Job, watermark: int | None, progress: ProgressSink,
-                       label: str) -> int | None:
+    def reads_input_itself(self, parallelism: int) -> bool:
+        """The direct read's rule (`reads_directly`), weighed once per run."""
+        if parallelism not in self._direct:
+            self._direct[parallelism] = reads_directly(self.files, self.reader, parallelism)
+        return self._direct[parallelism]
+
+    def max_event_time(self, job: Job, watermark: int | None, parallelism: int,
+                       progress: ProgressSink, label: str) -> int | None:
+        if self.reads_input_itself(parallelism):
+            progress.phase(label)
+            return max_event_time_read(job, self.files, watermark)
         with report_tasks(self.spark, progress, TaskStages("event times", total=None,
                                                            upstream=label)):
             return max_event_time(self.spark, job, self.files, watermark, self.reader)
 
     def run_tasks(self, params: TaskParams, progress: ProgressSink) -> list[TaskResult]:
-        job, inp = params.job, params.job.input
-        ddl = read_ddl(inp)
-        values = tuple(dispatch.partition_values(params.parallelism))
-        routed = dispatch.route(
-            read_input(self.spark, self.files, inp, self.reader),
-            dispatch.Routing(inp.key, params.max_parallelism, params.parallelism, values,
-                             params.key_hash), ddl)
-        tasks = dispatch.with_markers(self.spark, routed, ddl, lambda _v: marker_row(inp, MARKER),
-                                      params.parallelism, row_order(job)).mapInArrow(
-            functools.partial(run_subtask_task, params, values), RESULT_DDL)
-        # The subtasks' tasks follow the routing shuffle: their job has 2 stages.
+        job = params.job
+        if self.reads_input_itself(params.parallelism):
+            tasks, stages = direct_tasks(self.spark, params, self.files, RESULT_DDL), 1
+        else:  # the subtasks' tasks follow the routing shuffle: their job has 2 stages
+            tasks, stages = self.shuffled_tasks(params), 2
         with report_tasks(self.spark, progress, TaskStages(
-                tasks_label(params), total=params.parallelism, stages=2,
+                tasks_label(params), total=params.parallelism, stages=stages,
                 upstream=reading_label(params))):
             rows = dispatch.run_tasks(
                 self.spark, tasks, f"{job.name} {params.job_dir} run {params.run_id}",
                 group_prefix=f"{job.name}-{params.job_dir}-{params.checkpoint_id}",
                 batch_rows=params.batch_rows)
         return sorted((TaskResult.from_row(r) for r in rows), key=lambda r: r.subtask)
+
+    def shuffled_tasks(self, params: TaskParams):
+        """The tasks' DataFrame of the shuffle route (module doc)."""
+        inp = params.job.input
+        ddl = read_ddl(inp)
+        values = tuple(dispatch.partition_values(params.parallelism))
+        routed = dispatch.route(
+            read_input(self.spark, self.files, inp, self.reader),
+            dispatch.Routing(inp.key, params.max_parallelism, params.parallelism, values,
+                             params.key_hash), ddl)
+        return dispatch.with_markers(
+            self.spark, routed, ddl, lambda _v: marker_row(inp, MARKER), params.parallelism,
+            row_order(params.job)).mapInArrow(
+            functools.partial(run_subtask_task, params, values), RESULT_DDL)
 
 
 def run_subtask_task(params: TaskParams, part_values: tuple[int, ...],
@@ -169,10 +194,5 @@ def max_accepted_time_of_latest(job: Job, latest: pa.Table, limit: int,
 
 
 def _max_times(job: Job, watermark: int | None, batches):
-    best = None
-    for batch in batches:
-        if len(batch):
-            m = max_accepted_time(job, raw_table(job.input, batch), watermark)
-            if m is not None:
-                best = m if best is None else max(best, m)
+    best = max_accepted_of(job, batches, watermark)
     yield pa.RecordBatch.from_pylist([{"m": best}], schema=pa.schema([("m", pa.int64())]))

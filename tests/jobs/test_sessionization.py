@@ -43,9 +43,15 @@ def run_output(url: str, run_id: str) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else None
 
 
-@pytest.mark.parametrize(("engine", "backend"), [("spark", None), ("local", None),
-                                                 ("local", "memory"), ("local", "external")])
+@pytest.mark.parametrize(("engine", "backend"), [
+    ("spark", None), ("spark-shuffle", None), ("local", None), ("local", "memory"),
+    ("local", "external")])
 def test_sessionization_matches_reference_over_runs(spark, tmp_path, engine, backend, request):
+    """``spark``: its tasks read the small input directly; ``spark-shuffle``: Spark's
+    reader, top-k watermark and shuffle (statebackend.job.spark_direct)."""
+    if engine == "spark-shuffle":
+        request.getfixturevalue("monkeypatch").setenv("CKPT_SPARK_DIRECT_READ_MAX_BYTES", "0")
+        engine = "spark"
     settings, state_db = backend_settings(request, backend, "sessionization")
     days = generate_days(SPEC)
     dirs = write_days(days, str(tmp_path / "in"))

@@ -23,6 +23,7 @@ from statebackend.job import (
     value_state,
 )
 from statebackend.job.core import SubtaskProcessor
+from statebackend.job.spark_direct import max_event_time_read
 from statebackend.state.backend import KeyedStateBackend
 from statebackend.state.keygroups import KeyGroupRange
 from statebackend.state.timers import iter_timers
@@ -227,5 +228,6 @@ def test_max_event_time_from_the_latest_rows_or_every_row(spark, tmp_path, monke
                             (7, None, 300)]:   # last (250) before the best (300): settled
         monkeypatch.setattr(run_mod, "WATERMARK_CANDIDATES", limit)
         assert run_mod.max_event_time(spark, job, files, wm) == want, (limit, wm)
-        local = LocalEngine(files, job).max_event_time(job, wm, NO_PROGRESS, "scan")
+        local = LocalEngine(files, job).max_event_time(job, wm, 4, NO_PROGRESS, "scan")
         assert local == want, (limit, wm)
+        assert max_event_time_read(job, files, wm) == want, (limit, wm)  # a driver's read
