@@ -267,17 +267,17 @@ def choose_readers(files: InputFiles, requested: str = "auto") -> dict[str, str]
     return {f: "spark" if local and f == "parquet" else "arrow" for f in present}
 
 
-def reads_directly(files: InputFiles, reader: str, parallelism: int,
+def reads_directly(files: InputFiles, reader: str, readers: int,
                    limit: int | None = None) -> bool:
-    """Whether a Spark run's ``parallelism`` tasks each read the whole input with Arrow
+    """Whether a Spark run's ``readers`` tasks each read the whole input with Arrow
     instead of Spark's shuffle (`statebackend.job.spark_direct`): the reader allows it
     (``auto`` or ``arrow``) and the input's decompressed bytes (`input_weight`: gzip
-    files are decompressed to count them, only up to the bound) times ``parallelism``
-    are at most ``limit`` (default ``CKPT_SPARK_DIRECT_READ_MAX_BYTES``)."""
+    files are decompressed to count them, only up to the bound) times ``readers`` are
+    at most ``limit`` (default ``CKPT_SPARK_DIRECT_READ_MAX_BYTES``)."""
     if reader not in ("auto", "arrow"):
         return False
     limit = settings.byte_count(DIRECT_READ_MAX_BYTES_ENV) if limit is None else limit
-    share = limit // max(1, parallelism)
+    share = limit // max(1, readers)
     return not files.count or input_weight(files, share) <= share
 
 

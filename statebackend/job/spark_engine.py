@@ -4,8 +4,8 @@ Driver side of the run protocol's Spark work (`statebackend.job.run` decides, th
 subtasks are `statebackend.job.task`). Two routes from the input to the subtasks,
 chosen per run by `statebackend.job.input.reads_directly`:
 
-- **direct** (a small input next to P): one Spark job of P tasks, each reading the
-  whole input with the Arrow reader and keeping its own rows
+- **direct** (a small input): one Spark job of min(P, cores) tasks, each reading the
+  whole input with the Arrow reader, keeping its subtasks' rows and running them
   (`statebackend.job.spark_direct`); the watermark's input is read on the driver
   (`max_event_time_read`). No shuffle, no input row in the JVM.
 - **shuffle**: `SparkEngine.max_event_time`, the new watermark's input: usually the
@@ -71,10 +71,16 @@ class SparkEngine:
         return default_parallelism(self.spark)  # classic and Connect
 
     def reads_input_itself(self, parallelism: int) -> bool:
-        """The direct read's rule (`reads_directly`), weighed once per run."""
+        """The direct read's rule (`reads_directly`) for its min(P, cores) readers,
+        weighed once per run."""
         if parallelism not in self._direct:
-            self._direct[parallelism] = reads_directly(self.files, self.reader, parallelism)
+            self._direct[parallelism] = reads_directly(
+                self.files, self.reader, self.direct_tasks(parallelism))
         return self._direct[parallelism]
+
+    def direct_tasks(self, parallelism: int) -> int:
+        """The direct read's task count: one per core Spark schedules on, at most P."""
+        return max(1, min(parallelism, self.default_parallelism()))
 
     def max_event_time(self, job: Job, watermark: int | None, parallelism: int,
                        progress: ProgressSink, label: str) -> int | None:
@@ -88,11 +94,12 @@ class SparkEngine:
     def run_tasks(self, params: TaskParams, progress: ProgressSink) -> list[TaskResult]:
         job = params.job
         if self.reads_input_itself(params.parallelism):
-            tasks, stages = direct_tasks(self.spark, params, self.files, RESULT_DDL), 1
+            count, stages = self.direct_tasks(params.parallelism), 1
+            tasks = direct_tasks(self.spark, params, self.files, RESULT_DDL, count)
         else:  # the subtasks' tasks follow the routing shuffle: their job has 2 stages
-            tasks, stages = self.shuffled_tasks(params), 2
+            tasks, count, stages = self.shuffled_tasks(params), params.parallelism, 2
         with report_tasks(self.spark, progress, TaskStages(
-                tasks_label(params), total=params.parallelism, stages=stages,
+                tasks_label(params), total=count, stages=stages,
                 upstream=reading_label(params))):
             rows = dispatch.run_tasks(
                 self.spark, tasks, f"{job.name} {params.job_dir} run {params.run_id}",
