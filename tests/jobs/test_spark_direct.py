@@ -90,8 +90,11 @@ def test_direct_shuffle_and_local_routes_hold_the_same_state(spark, tmp_path, mo
                                parallelism=3)
             s, jobs = _jobs_started(spark, lambda c=config: run_job(ka.JOB, c, spark))
             summaries[route].append(s)
-            if route == "direct":  # one Spark job, one stage: no shuffle, no extra pass
+            if route == "direct":  # one Spark job, one stage: no shuffle, no extra pass;
+                # one task per core (local[2]) running the 3 subtasks
                 assert [len(j.stageIds) for j in jobs] == [1], d
+                stage = spark.sparkContext.statusTracker().getStageInfo(jobs[0].stageIds[0])
+                assert stage.numTasks == 2, d
             if route == "shuffle":
                 assert len(jobs) >= 1 and sum(len(j.stageIds) for j in jobs) >= 2, d
     assert [s["input_reader"] for s in summaries["direct"]] == ["arrow"] * 3
