@@ -32,8 +32,8 @@ LOCAL_ENGINE_MAX_BYTES = 64 * 2**20
 LOCAL_ENGINE_MAX_STATE_BYTES = 256 * 2**20
 # A local-engine run holds its whole (decompressed) input in memory: at most this much.
 LOCAL_ENGINE_MAX_MEMORY_BYTES = 2**30
-# A Spark run's tasks each read the whole input (no shuffle) while the input's bytes
-# times the parallelism stay under this (statebackend.job.spark_direct).
+# A Spark run's tasks, one per core, each read the whole input (no shuffle) while its
+# decompressed bytes times those tasks stay under this (statebackend.job.spark_direct).
 SPARK_DIRECT_READ_MAX_BYTES = 512 * 2**20
 
 # Where a job's keyed state lives (statebackend.state.backend_kinds): embedded RocksDB

@@ -88,8 +88,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "decompressed input a local-engine run may hold in memory", minimum=1,
             maximum=MAX_BYTES),
     Setting("CKPT_SPARK_DIRECT_READ_MAX_BYTES", "bytes", defaults.SPARK_DIRECT_READ_MAX_BYTES,
-            "input bytes times the parallelism up to which each Spark task reads the "
-            "whole input (no shuffle; 0: always shuffle)", maximum=MAX_BYTES),
+            "decompressed input bytes times min(P, cores) up to which Spark's tasks "
+            "each read the whole input (no shuffle; 0: always shuffle)", maximum=MAX_BYTES),
     Setting("CKPT_PROGRESS", "choice", "auto", "progress display on stderr",
             choices=("auto", "bar", "lines", "off")),
     Setting("CKPT_PROGRESS_INTERVAL", "seconds", 5.0, "seconds between progress lines",

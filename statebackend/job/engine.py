@@ -31,7 +31,7 @@ class Engine(Protocol):
         (progress phase ``label``)."""
 
     def reads_input_itself(self, parallelism: int) -> bool:
-        """Whether each of ``parallelism`` subtasks reads the input it needs with the
+        """Whether a run at ``parallelism`` reads its input inside its tasks with the
         Arrow reader (the local engine always; Spark's direct read), so the run's
         ``input_reader`` is ``arrow``."""
 
