@@ -98,9 +98,11 @@ class SparkEngine:
             tasks = direct_tasks(self.spark, params, self.files, RESULT_DDL, count)
         else:  # the subtasks' tasks follow the routing shuffle: their job has 2 stages
             tasks, count, stages = self.shuffled_tasks(params), params.parallelism, 2
+        # A direct task may run several subtasks: then the count is of tasks.
+        unit = "subtasks" if count == params.parallelism else "tasks"
         with report_tasks(self.spark, progress, TaskStages(
                 tasks_label(params), total=count, stages=stages,
-                upstream=reading_label(params))):
+                upstream=reading_label(params), unit=unit)):
             rows = dispatch.run_tasks(
                 self.spark, tasks, f"{job.name} {params.job_dir} run {params.run_id}",
                 group_prefix=f"{job.name}-{params.job_dir}-{params.checkpoint_id}",
