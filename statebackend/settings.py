@@ -14,7 +14,7 @@ refused, not clamped.
     CKPT_LOCAL_ENGINE_MAX_BYTES     input bytes (decompressed) `auto` runs locally, 64 MiB
     CKPT_LOCAL_ENGINE_MAX_STATE_BYTES  parent state a cluster run keeps local, 256 MiB
     CKPT_LOCAL_ENGINE_MAX_MEMORY_BYTES decompressed input a local-engine run may hold, 1 GiB
-    CKPT_SPARK_DIRECT_READ_MAX_BYTES decompressed input x P each Spark task reads, 512 MiB
+    CKPT_SPARK_DIRECT_READ_MAX_BYTES decompressed input x min(P, cores) read directly, 512 MiB
     CKPT_PROGRESS                   auto | bar | lines | off
     CKPT_PROGRESS_INTERVAL          seconds between progress lines, default 5, in [0.001, 86400]
     CKPT_LOCAL_DIR                  executors' local-recovery root (a path)

@@ -75,10 +75,10 @@ class SparkEngine:
         weighed once per run."""
         if parallelism not in self._direct:
             self._direct[parallelism] = reads_directly(
-                self.files, self.reader, self.direct_tasks(parallelism))
+                self.files, self.reader, self.direct_task_count(parallelism))
         return self._direct[parallelism]
 
-    def direct_tasks(self, parallelism: int) -> int:
+    def direct_task_count(self, parallelism: int) -> int:
         """The direct read's task count: one per core Spark schedules on, at most P."""
         return max(1, min(parallelism, self.default_parallelism()))
 
@@ -94,7 +94,7 @@ class SparkEngine:
     def run_tasks(self, params: TaskParams, progress: ProgressSink) -> list[TaskResult]:
         job = params.job
         if self.reads_input_itself(params.parallelism):
-            count, stages = self.direct_tasks(params.parallelism), 1
+            count, stages = self.direct_task_count(params.parallelism), 1
             tasks = direct_tasks(self.spark, params, self.files, RESULT_DDL, count)
         else:  # the subtasks' tasks follow the routing shuffle: their job has 2 stages
             tasks, count, stages = self.shuffled_tasks(params), params.parallelism, 2

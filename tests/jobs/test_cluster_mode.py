@@ -18,6 +18,7 @@ import pytest
 
 from demo.sample_data import expected_totals, generate_events
 from jobs.keyed_aggregation import JobConfig, run
+from statebackend.job.input import DIRECT_READ_MAX_BYTES_ENV
 from tests.jobs.conftest import spark_home
 from tests.jobs.helpers import assert_state_equals, dump_latest, store_of
 
@@ -198,7 +199,7 @@ def test_s3_input_on_the_cluster_equals_local_mode(standalone_cluster, s3_server
     local_url = f"file://{tmp_path}/local-store"
     # The cluster's tasks each read the small input themselves (spark_direct); here the
     # same days take Spark's reader and shuffle, and must give the same state.
-    monkeypatch.setenv("CKPT_SPARK_DIRECT_READ_MAX_BYTES", "0")
+    monkeypatch.setenv(DIRECT_READ_MAX_BYTES_ENV, "0")
     readers = [run(JobConfig(input=str(tmp_path / f"in{d}"), storage=local_url, job="agg",
                              run_id=f"d{d}", output=str(tmp_path / "local-out"), parallelism=2),
                    spark)["input_reader"] for d in range(2)]

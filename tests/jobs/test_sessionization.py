@@ -19,6 +19,7 @@ from jobs import BUILTIN_JOBS
 from jobs import sessionization as sz
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.job import JobRunError, JobTester, RunConfig, load_job, run_job
+from statebackend.job.input import DIRECT_READ_MAX_BYTES_ENV
 from statebackend.job.publish import run_dir_name
 from statebackend.rescale.executor import rescale
 from statebackend.storage import open_storage
@@ -50,7 +51,7 @@ def test_sessionization_matches_reference_over_runs(spark, tmp_path, engine, bac
     """``spark``: its tasks read the small input directly; ``spark-shuffle``: Spark's
     reader, top-k watermark and shuffle (statebackend.job.spark_direct)."""
     if engine == "spark-shuffle":
-        request.getfixturevalue("monkeypatch").setenv("CKPT_SPARK_DIRECT_READ_MAX_BYTES", "0")
+        request.getfixturevalue("monkeypatch").setenv(DIRECT_READ_MAX_BYTES_ENV, "0")
         engine = "spark"
     settings, state_db = backend_settings(request, backend, "sessionization")
     days = generate_days(SPEC)

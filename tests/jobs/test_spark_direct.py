@@ -1,9 +1,9 @@
 """The Spark engine's two routes to the subtasks (statebackend.job.spark_direct).
 
-A small input next to P is read by every subtask's task itself (direct: one Spark job,
-no shuffle); a larger one, or ``--input-reader spark``, goes through Spark's reader and
-shuffle. Both, and the local engine, must give bit-identical state and the pandas
-reference; the rule itself is a pure decision.
+A small input is read by the tasks themselves, one per core, each running its
+subtasks (direct: one Spark job, no shuffle); a larger one, or the ``spark`` input
+reader, goes through Spark's reader and shuffle. Both, and the local engine, must give
+bit-identical state and the pandas reference; the rule itself is a pure decision.
 """
 
 from __future__ import annotations
