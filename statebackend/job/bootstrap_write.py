@@ -49,6 +49,7 @@ from statebackend.job.bootstrap_tables import APPEND, UNIQUE, EntryChunk, merge_
 from statebackend.job.task import tune
 from statebackend.lifecycle.savepoint import verify_stored
 from statebackend.state.backend import KeyedStateBackend, LocalSnapshot, rocks_options
+from statebackend.state.bytes_order import bytewise_order
 from statebackend.state.keygroups import key_group_range_for_subtask
 from statebackend.state.sst import ingest, write_sst
 from statebackend.storage import Storage, StorageOptions, child_storage, open_storage
@@ -207,10 +208,9 @@ def sort_order(keys: pa.Array, rows: np.ndarray | None = None) -> np.ndarray:
         if len(keys) < 2 or not pc.any(pc.less(keys.slice(1), keys.slice(0, len(keys) - 1))
                                        ).as_py():
             return np.arange(len(keys))  # in order already (e.g. a dump of a state)
-        order: np.ndarray = pc.sort_indices(keys).to_numpy()
-        return order
+        return bytewise_order(keys)
     by_row = np.argsort(rows, kind="stable")
-    within = pc.sort_indices(keys.take(pa.array(by_row))).to_numpy()
+    within = bytewise_order(keys.take(pa.array(by_row)))
     out: np.ndarray = by_row[within]
     return out
 
