@@ -30,7 +30,7 @@ system-deps:
 test: install system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(VENV)/bin/pytest -q --timeout=900
+	$(VENV)/bin/pytest -q --timeout=900 --durations=25
 
 test-fast: install
 	$(VENV)/bin/pytest -q -m "not slow"

@@ -297,7 +297,7 @@ def _encode_local(task: BootstrapTask, inputs: Sequence[_Table], timings: dict[s
         for chunk in encode_batch(plan, part, m, np.arange(start, start + part.num_rows),
                                   task.key_hash):
             subtask = chunk.key_groups * p // m
-            order = np.argsort(subtask, kind="stable")
+            order = np.argsort(subtask.astype(np.uint16), kind="stable")  # a radix sort
             bounds = np.searchsorted(subtask[order], np.arange(p + 1))
             for i in range(p):
                 if bounds[i + 1] > bounds[i]:

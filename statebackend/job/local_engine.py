@@ -141,7 +141,8 @@ def subtask_rows(table: pa.Table, params: TaskParams) -> list[np.ndarray]:
     if not table.num_rows:
         return [np.empty(0, np.int64)] * p
     subtask = row_subtasks(table.column(params.job.input.key), params)
-    order = np.argsort(subtask, kind="stable")
+    # P <= max parallelism <= 32768: as uint16, NumPy's stable sort is a radix sort
+    order = np.argsort(subtask.astype(np.uint16), kind="stable")
     return np.split(order, np.cumsum(np.bincount(subtask, minlength=p))[:-1])
 
 
