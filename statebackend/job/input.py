@@ -92,6 +92,9 @@ class InputFiles:
     gz_bytes: int = 0  # of total_bytes, in gzip files
     # path -> ParquetFooter, filled by `check_parquet` (read once per listing)
     footers: dict = field(default_factory=dict, compare=False, repr=False)
+    # gzip path -> (decompressed bytes counted, whether to its end): `input_weight`
+    # weighs a run's input for the engine choice and again for the direct read
+    gz_counted: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def count(self) -> int:
@@ -293,9 +296,11 @@ def choose_reader(files: InputFiles, requested: str = "auto") -> str:
     return "+".join(r for r in ("spark", "arrow") if r in used) or "none"
 
 
-def decompressed_bytes(path: str, options: Mapping[str, Any], stop_after: int) -> int:
-    """Decompressed size of gzip file ``path``, streamed: counting stops once it passes
-    ``stop_after`` (the result is then just above it), so a bomb costs no more."""
+def decompressed_bytes(path: str, options: Mapping[str, Any], stop_after: int
+                       ) -> tuple[int, bool]:
+    """(decompressed size of gzip file ``path``, whether counted to its end), streamed:
+    counting stops once it passes ``stop_after`` (the size is then just above it), so a
+    bomb costs no more."""
     import gzip
     import zlib
 
@@ -305,11 +310,11 @@ def decompressed_bytes(path: str, options: Mapping[str, Any], stop_after: int) -
             while total <= stop_after:
                 block = fh.read(COUNT_BLOCK_BYTES)
                 if not block:
-                    break
+                    return total, True
                 total += len(block)
     except (OSError, EOFError, zlib.error):
-        pass  # a damaged file counts what it gave; its reader refuses it in one line
-    return total
+        return total, True  # a damaged file counts what it gave; its reader refuses it
+    return total, False
 
 
 def has_no_rows(files: InputFiles) -> bool:
@@ -330,5 +335,15 @@ def input_weight(files, limit: int | None = None) -> int:
         if total > limit:
             break
         if path.lower().endswith(".gz"):
-            total += decompressed_bytes(path, files.options, limit - total)
+            total += _gzip_weight(files, path, limit - total)
     return total
+
+
+def _gzip_weight(files: InputFiles, path: str, stop_after: int) -> int:
+    """`decompressed_bytes` of one gzip input file, remembered on ``files``: a count that
+    reached the file's end, or passed ``stop_after``, is not taken again."""
+    counted = files.gz_counted.get(path)
+    if counted is None or not (counted[1] or counted[0] > stop_after):
+        counted = files.gz_counted[path] = decompressed_bytes(path, files.options, stop_after)
+    size: int = counted[0]
+    return size

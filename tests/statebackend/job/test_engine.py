@@ -116,6 +116,22 @@ def test_gzip_input_counts_its_decompressed_bytes(tmp_path):
     assert choice(input_mib=input_weight(files) / MIB).engine == "local"
 
 
+def test_a_gzip_file_is_decompressed_once_per_listing_unless_a_larger_bound_needs_more(
+        tmp_path):
+    # a run weighs its input for the engine choice, then for the Spark direct read
+    (tmp_path / "in").mkdir()
+    gz = tmp_path / "in" / "b.jsonl.gz"
+    size = _gzip_lines(gz, 3 * MIB)
+    files = list_input(str(tmp_path / "in"))
+    partial = input_weight(files, limit=MIB)
+    assert MIB < partial < size  # counted only until it passed the bound
+    assert input_weight(files, limit=MIB // 2) == partial  # a smaller bound: the count kept
+    assert input_weight(files, limit=8 * MIB) == size  # a larger one: counted to the end
+    gz.write_bytes(b"not gzip any more")  # what is counted to its end is not read again
+    assert input_weight(files, limit=8 * MIB) == size
+    assert input_weight(list_input(str(tmp_path / "in")), limit=8 * MIB) < MIB  # new listing
+
+
 def test_a_gzip_bomb_goes_to_spark_after_counting_only_up_to_the_limit(tmp_path, monkeypatch):
     (tmp_path / "in").mkdir()
     bomb = tmp_path / "in" / "bomb.jsonl.gz"
