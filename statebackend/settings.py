@@ -18,6 +18,7 @@ refused, not clamped.
     CKPT_PROGRESS                   auto | bar | lines | off
     CKPT_PROGRESS_INTERVAL          seconds between progress lines, default 5, in [0.001, 86400]
     CKPT_LOCAL_DIR                  executors' local-recovery root (a path)
+    CKPT_ROW_COUNTS                 tracked | scan | verify: a RocksDB snapshot's row counts
 
 `check_environment` validates every one that is set (the CLI and a job run call it
 first). This module imports only `statebackend.errors` and `defaults`: DAG files and
@@ -95,6 +96,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("CKPT_PROGRESS_INTERVAL", "seconds", 5.0, "seconds between progress lines",
             minimum=0.001, maximum=86400.0),
     Setting("CKPT_LOCAL_DIR", "path", None, "executors' local-recovery root"),
+    Setting("CKPT_ROW_COUNTS", "choice", "tracked",
+            "a RocksDB snapshot's row counts: tracked through the writes that know them "
+            "(else a scan), a scan every time, or tracked and verified by a scan",
+            choices=("tracked", "scan", "verify")),
 )}
 
 

@@ -18,6 +18,9 @@ os.environ.setdefault("CKPT_PROGRESS", "off")
 # Runs use the Spark engine unless a test picks another: small test inputs would
 # otherwise take the local engine (statebackend.job.engine), which has its own tests.
 os.environ.setdefault("CKPT_ENGINE", "spark")
+# Every RocksDB snapshot of the suite checks its tracked row counts against a scan
+# (statebackend.state.backend: row counts); a drift fails the snapshot.
+os.environ.setdefault("CKPT_ROW_COUNTS", "verify")
 os.environ["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
 
 S3_BUCKET = "ckpt-test"

@@ -150,7 +150,8 @@ def restore_subtask(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
         local_dir, descriptors, max_parallelism, handle.key_group_range,
         read_only=options.read_only,
         origin=StoredInstance(handle.backend_id, options.label,
-                              {f.local_name: f.path for f in handle.files}, handle.snapshot_id))
+                              {f.local_name: f.path for f in handle.files}, handle.snapshot_id,
+                              handle.row_counts))
     bad = {d.split(": ", 1)[0] for d in report.damaged}
     # A damaged stored file is not referenced again: the next snapshot uploads the
     # (verified) local copy under a new shared name.

@@ -18,6 +18,16 @@ keeps one clock per time domain (`set_time`): TTL reads filter with it.
 The WAL is disabled (as in Flink): durability comes from checkpoints, and the
 synchronous part of a snapshot flushes every column family before the native
 checkpoint, so a snapshot is SST files plus small private files.
+
+Row counts: a snapshot records the live entries of every column family. They are
+tracked, not scanned, while every write since they were last known said what it
+changed (`write` with ``changes``: the TTL states' writes and purge, `insert_absent`,
+which read each key before writing it anyway); the start is the restored handle's
+recorded counts, or zero for a new instance. Any other write (a blind put, a clip, an
+ingestion) makes them unknown and the next snapshot counts by a scan, which is
+O(state) where tracking is O(changes). ``CKPT_ROW_COUNTS``: ``tracked`` (default),
+``scan`` (always scan) or ``verify`` (tracked and checked against a scan: a mismatch
+fails the snapshot; the test suite runs so).
 """
 
 from __future__ import annotations
@@ -45,7 +55,8 @@ from rocksdict import (
     WriteOptions,
 )
 
-from statebackend.errors import CorruptStateError, UsageError
+from statebackend import settings
+from statebackend.errors import CorruptStateError, SnapshotError, UsageError
 from statebackend.state.codecs import as_time, serialize_key, serialize_keys
 from statebackend.state.families import INTERNAL_STATES, TTL_INDEX
 from statebackend.state.keygroups import (
@@ -77,6 +88,7 @@ DB_DIR = "db"
 SNAPSHOTS_DIR = "snapshots"
 INSTANCE_FILE = "instance.json"
 LOCAL_SNAPSHOTS_KEPT = 2
+ROW_COUNTS_ENV = "CKPT_ROW_COUNTS"  # tracked | scan | verify (module doc: row counts)
 _PREFIXES = [key_group_prefix(i) for i in range(1 << 15)]
 _S = TypeVar("_S", bound=_State)
 
@@ -156,6 +168,7 @@ class StoredInstance:
     label: str | None = None
     file_paths: Mapping[str, str] = field(default_factory=dict)
     snapshot_id: str | None = None  # the stored snapshot these files are
+    row_counts: Mapping[str, int] | None = None  # its recorded live entries per family
 
 
 class KeyedStateBackend:
@@ -208,6 +221,9 @@ class KeyedStateBackend:
         self._dirty = False
         self._last_snapshot_id: str | None = origin.snapshot_id
         self._states: dict[str, _State] = {}
+        # Live entries per family while known (module doc: row counts); None: unknown.
+        self._row_counts: dict[str, int] | None = None
+        self._recorded_counts = origin.row_counts
         self._open_instance(read_only)
         self._forget_clean_marker()
 
@@ -215,8 +231,10 @@ class KeyedStateBackend:
         """Open (or create) the RocksDB instance with one column family per state."""
         os.makedirs(self.db_path, exist_ok=True)
         names = set(self.descriptors)
+        stored: set[str] = set()
         if os.path.exists(os.path.join(self.db_path, "CURRENT")):
-            names |= set(Rdict.list_cf(self.db_path, Options(raw_mode=True))) - {"default"}
+            stored = set(Rdict.list_cf(self.db_path, Options(raw_mode=True))) - {"default"}
+            names |= stored
         for name in sorted(names & set(INTERNAL_STATES)):
             # an internal family found in a restored instance is read like a declared one
             self.descriptors.setdefault(name, internal_descriptor(name))
@@ -233,6 +251,10 @@ class KeyedStateBackend:
         for cf in self._cfs.values():
             cf.set_write_options(no_wal())
         self._handles = {n: db.get_column_family_handle(n) for n in self._cf_names}
+        recorded = self._recorded_counts or {}
+        if stored <= set(recorded):  # a new family (or instance) holds nothing yet
+            self._row_counts = {n: int(recorded[n]) if n in stored else 0
+                                for n in self._cf_names}
 
     def write_batch(self) -> WriteBatch:
         """An empty write batch for `write` (raw mode: keys and values are bytes)."""
@@ -362,7 +384,7 @@ class KeyedStateBackend:
         self._handles.pop(name)
         self._cf_names.remove(name)
         self.db.drop_column_family(name)
-        self._dirty = True
+        self.mark_dirty()
 
     def ensure_family(self, name: str) -> None:
         """Create column family ``name`` if the instance has none of that name (a
@@ -376,6 +398,8 @@ class KeyedStateBackend:
         self._cfs[name] = cf
         self._handles[name] = self.db.get_column_family_handle(name)
         self._cf_names = sorted(self._cfs)
+        if self._row_counts is not None:
+            self._row_counts[name] = 0
 
     def column_family_handle(self, name: str) -> ColumnFamily:
         handle: ColumnFamily = self._handles[name]
@@ -386,22 +410,38 @@ class KeyedStateBackend:
         return list(self._cf_names)
 
     def write_pairs(self, handle: ColumnFamily, puts: Iterable[tuple[bytes, bytes]],
-                    deletes: Iterable[bytes] = ()) -> None:
-        """One atomic write to one family: ``puts`` (key, value) then ``deletes``."""
+                    deletes: Iterable[bytes] = (),
+                    changes: Mapping[str, int] | None = None) -> None:
+        """One atomic write to one family: ``puts`` (key, value) then ``deletes``;
+        ``changes`` as for `write`."""
         wb = self.write_batch()
         wb.set_default_column_family(handle)
         for k, v in puts:
             wb.put(k, v)
         for k in deletes:
             wb.delete(k)
-        self.write(wb)
+        self.write(wb, changes)
 
-    def write(self, batch: WriteBatch) -> None:
+    def write(self, batch: WriteBatch, changes: Mapping[str, int] | None = None) -> None:
+        """Apply ``batch`` atomically. ``changes``: the live entries it adds per family
+        (negative: removes), from a writer that knows them exactly; without it the next
+        snapshot counts its rows by a scan (module doc: row counts)."""
         self._dirty = True
-        self.db.write(batch)
+        try:
+            self.db.write(batch)
+        except BaseException:
+            self._row_counts = None
+            raise
+        if changes is None:
+            self._row_counts = None
+        elif self._row_counts is not None:
+            for name, n in changes.items():
+                self._row_counts[name] += n
 
     def mark_dirty(self) -> None:
+        """The instance changed outside `write` (row counts: unknown until a scan)."""
         self._dirty = True
+        self._row_counts = None
 
     # -- raw access (dump, validation, rescale) ----------------------------
     def scan_where(self, cf_name: str) -> str:
@@ -460,7 +500,7 @@ class KeyedStateBackend:
             if lower > b"\x00\x00":
                 cf.delete_range(b"\x00\x00", lower)
             cf.delete_range(upper, b"\xff\xff\xff")
-        self._dirty = True
+        self.mark_dirty()
 
     def compact(self) -> None:
         for name in self._cf_names:
@@ -495,11 +535,27 @@ class KeyedStateBackend:
         path = os.path.join(self.snapshots_path, snapshot_id)
         Checkpoint(self.db).create_checkpoint(path)
         files = tuple(sorted((n, os.path.getsize(os.path.join(path, n))) for n in os.listdir(path)))
-        rows = self.count_rows() if count_rows else {}
+        rows = self._snapshot_counts() if count_rows else {}
         self._dirty = False
         self._last_snapshot_id = snapshot_id
         self._prune_local_snapshots(keep=snapshot_id)
         return LocalSnapshot(snapshot_id, path, files, rows)
+
+    def _snapshot_counts(self) -> dict[str, int]:
+        """The snapshot's row counts: tracked when known, else (or with
+        ``CKPT_ROW_COUNTS=scan``) a scan; ``verify`` checks the tracked ones by a scan."""
+        mode = settings.choice(ROW_COUNTS_ENV)
+        if self._row_counts is None or mode == "scan":
+            counted = self.count_rows()
+        else:
+            counted = dict(self._row_counts)
+            if mode == "verify":
+                scanned = self.count_rows()
+                if scanned != counted:
+                    raise SnapshotError(f"{self.label}: tracked row counts {counted} differ "
+                                        f"from a scan's {scanned} ({ROW_COUNTS_ENV}=verify)")
+        self._row_counts = dict(counted)
+        return counted
 
     def _prune_local_snapshots(self, keep: str) -> None:
         try:

@@ -236,8 +236,10 @@ class ValueState(_State):
                              "than once; pass each key once (group the batch by key first)")
         old = multi_get(self.cf, rocks_keys) if len(rocks_keys) else []
         found = np.fromiter((o is not None for o in old), dtype=np.bool_, count=len(old))
-        self._write((rk, v) for rk, v, f in zip(rocks_keys, encoded, found, strict=True)
-                    if not f)
+        self.backend.write_pairs(
+            self.cf_handle, [(rk, v) for rk, v, f in zip(rocks_keys, encoded, found, strict=True)
+                             if not f],
+            changes={self.descriptor.name: len(found) - int(found.sum())})
         return found
 
     # Columnar access for record codecs: no per-row dicts.

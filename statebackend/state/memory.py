@@ -37,7 +37,7 @@ import re
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable, Sized
+from collections.abc import Iterable, Mapping, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,12 +147,14 @@ class MemoryStateBackend(KeyedStateBackend):
     def write_batch(self) -> Any:
         return MemoryWriteBatch()
 
-    def write(self, batch: Any) -> None:
+    # ``changes`` (row counts) are not needed: a table's count is its length
+    def write(self, batch: Any, changes: Mapping[str, int] | None = None) -> None:
         self._dirty = True
         batch.apply(self.account)
 
     def write_pairs(self, handle: Any, puts: Iterable[tuple[bytes, bytes]],
-                    deletes: Iterable[bytes] = ()) -> None:
+                    deletes: Iterable[bytes] = (),
+                    changes: Mapping[str, int] | None = None) -> None:
         self._dirty = True
         handle.write_many(puts, deletes)
 

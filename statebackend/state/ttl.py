@@ -350,6 +350,9 @@ class TtlAccess:
         wb = self.backend.write_batch()
         cf, ix, dom, tag = self.cf_handle, self.index_handle, self.domain, self.tag
         stored: dict[bytes, bytes | None] = {}  # what a key holds after this batch so far
+        # Entries added (a put on an absent key) or removed (a delete of a stored one):
+        # the index gains and loses one with each, as it names exactly the stored expiries
+        added = 0
         for (rk, value), eb, o in zip(puts, expiries, old, strict=True):
             if rk in stored:
                 o = stored[rk]
@@ -360,15 +363,17 @@ class TtlAccess:
                 wb.put(index_key_at(rk, dom, eb, tag), b"", ix)
             new = eb + value
             wb.put(rk, new, cf)
+            added += o is None
             stored[rk] = new
         for rk, o in zip(deletes, old_deleted, strict=True):
             if rk in stored:
                 o = stored[rk]
             if o is not None:
                 wb.delete(index_key_at(rk, dom, o[:TIME_BYTES], tag), ix)
+                added -= 1
             wb.delete(rk, cf)
             stored[rk] = None
-        self.backend.write(wb)
+        self.backend.write(wb, {self.name: added, TTL_INDEX: added})
 
 
 # -- purge -----------------------------------------------------------------------------
@@ -449,7 +454,7 @@ def purge_expired(backend: KeyedStateBackend, domain: str, now: int,
         ix = backend.column_family_handle(TTL_INDEX)
         for lo, hi in due_ranges:
             wb.delete_range(lo, hi, ix)
-        backend.write(wb)
+        backend.write(wb, {TTL_INDEX: -read})
     compacted = tuple(sorted(
         name for name, n in per_state.items()
         if compact_ratio is not None and n and n >= compact_ratio * max(1, estimates.get(name, 0))))
@@ -477,6 +482,7 @@ def _purge_batch(backend: KeyedStateBackend, index_keys: list[bytes], now: int,
         bodies.append(ik[:2] + ik[end:])
     wb = backend.write_batch()
     deleted = dropped = 0
+    removed: dict[str, int] = {}  # entries deleted per state (row counts)
     for tag, keys in by_tag.items():
         name = parse_index_key(sample[tag]).state
         desc = backend.descriptors.get(name)
@@ -506,9 +512,10 @@ def _purge_batch(backend: KeyedStateBackend, index_keys: list[bytes], now: int,
                     wb.put(rk, b"".join(_U32.pack(len(e)) + e for e in live), handle)
                     dropped += len(elements) - len(live)
         deleted += gone
+        removed[name] = removed.get(name, 0) - gone
         if gone:
             per_state[name] = per_state.get(name, 0) + gone
-    backend.write(wb)
+    backend.write(wb, removed)
     return deleted, dropped
 
 
