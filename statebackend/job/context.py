@@ -166,8 +166,7 @@ class ValueBatch(_BatchHandle[ValueState]):
         _, rks = self._keys.encode(keys)
         encode = self.codec.encode
         _same_length(self.name, rks, values)
-        self.state.write_raw(zip(rks, (encode(v) for v in values), strict=True),
-                             timestamps=_times(timestamps))
+        self.state.put_raw(rks, (encode(v) for v in values), timestamps=_times(timestamps))
 
     def insert_absent(self, keys: Keys, values: Sequence[Any],
                       timestamps: Any = None) -> np.ndarray:
@@ -191,7 +190,7 @@ class ValueBatch(_BatchHandle[ValueState]):
         _, rks = self._keys.encode(keys)
         encoded = self.state._record_codec().encode_columns(dict(columns))
         _same_length(self.name, rks, encoded)
-        self.state.write_raw(zip(rks, encoded, strict=True), timestamps=_times(timestamps))
+        self.state.put_raw(rks, encoded, timestamps=_times(timestamps))
 
     get = _renamed("get", "value")
     put = _renamed("put", "update")

@@ -22,7 +22,8 @@ checkpoint, so a snapshot is SST files plus small private files.
 Row counts: a snapshot records the live entries of every column family. They are
 tracked, not scanned, while every write since they were last known said what it
 changed (`write` with ``changes``: the TTL states' writes and purge, `insert_absent`,
-which read each key before writing it anyway); the start is the restored handle's
+and a put of the very keys a state just read, as a fold's read-then-write does: they
+read each key before writing it anyway); the start is the restored handle's
 recorded counts, or zero for a new instance. Any other write (a blind put, a clip, an
 ingestion) makes them unknown and the next snapshot counts by a scan, which is
 O(state) where tracking is O(changes). ``CKPT_ROW_COUNTS``: ``tracked`` (default),
@@ -223,6 +224,7 @@ class KeyedStateBackend:
         self._states: dict[str, _State] = {}
         # Live entries per family while known (module doc: row counts); None: unknown.
         self._row_counts: dict[str, int] | None = None
+        self.writes = 0  # writes so far: a read's result holds until the next one
         self._recorded_counts = origin.row_counts
         self._open_instance(read_only)
         self._forget_clean_marker()
@@ -427,6 +429,7 @@ class KeyedStateBackend:
         (negative: removes), from a writer that knows them exactly; without it the next
         snapshot counts its rows by a scan (module doc: row counts)."""
         self._dirty = True
+        self.writes += 1
         try:
             self.db.write(batch)
         except BaseException:
@@ -441,6 +444,7 @@ class KeyedStateBackend:
     def mark_dirty(self) -> None:
         """The instance changed outside `write` (row counts: unknown until a scan)."""
         self._dirty = True
+        self.writes += 1
         self._row_counts = None
 
     # -- raw access (dump, validation, rescale) ----------------------------

@@ -145,6 +145,9 @@ class _State:
         self.cf_handle = backend.column_family_handle(descriptor.name)
         # None without a TTL: every method then runs its original code path.
         self._ttl = TtlAccess(backend, descriptor) if descriptor.ttl is not None else None
+        # (keys, what they held, the backend's write number) of the last `read_raw`:
+        # a put of the same keys right after knows which entries it adds (row counts)
+        self._last_read: tuple[Sequence[bytes], list[bytes | None], int] | None = None
 
     def _write(self, pairs: Iterable[tuple[bytes, bytes]]) -> None:
         self.backend.write_pairs(self.cf_handle, pairs)
@@ -158,7 +161,25 @@ class _State:
         """
         if self._ttl is not None:
             return self._ttl.read(rocks_keys)
-        return multi_get(self.cf, rocks_keys)
+        raws = multi_get(self.cf, rocks_keys)
+        self._last_read = (rocks_keys, raws, self.backend.writes)
+        return raws
+
+    def put_raw(self, rocks_keys: Sequence[bytes], encoded: Iterable[bytes],
+                timestamps: Sequence[int] | int | None = None) -> None:
+        """One write batch putting ``encoded`` at ``rocks_keys`` (`write_raw`'s puts).
+        When ``read_raw`` just read these very keys (the same list, no write since, no
+        key twice), the write tells the backend which entries it adds: the snapshot's
+        row counts then need no scan."""
+        pairs = zip(rocks_keys, encoded, strict=True)
+        if self._ttl is not None:
+            self._ttl.write(pairs, (), timestamps)
+            return
+        last, added = self._last_read, None
+        if last is not None and last[0] is rocks_keys and last[2] == self.backend.writes \
+                and len(set(rocks_keys)) == len(rocks_keys):
+            added = {self.descriptor.name: sum(r is None for r in last[1])}
+        self.backend.write_pairs(self.cf_handle, pairs, changes=added)
 
     def write_raw(self, puts: Iterable[tuple[bytes, bytes]],
                   deletes: Iterable[bytes] = (),

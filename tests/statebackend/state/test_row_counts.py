@@ -139,3 +139,48 @@ def test_scan_mode_always_scans(tmp_path, scans, monkeypatch):
         assert len(scans) == 1
     finally:
         backend.close()
+
+
+def test_a_put_of_the_keys_just_read_is_tracked_and_any_other_is_not(tmp_path, scans):
+    backend = KeyedStateBackend(str(tmp_path / "b"), DESCS, M, KeyGroupRange(0, M - 1))
+    plain = backend.value_state("plain")
+    try:
+        rks = backend.rocks_keys([f"k{i}" for i in range(50)])
+        plain.read_raw(rks)
+        plain.put_raw(rks, [plain.codec.encode(1)] * 50)  # 50 new entries, known
+        plain.read_raw(rks)
+        plain.put_raw(rks, [plain.codec.encode(2)] * 50)  # overwrites: none added
+        assert backend.take_local_snapshot().row_counts["plain"] == 50 and scans == []
+        more = backend.rocks_keys([f"k{i}" for i in range(40, 60)])
+        plain.read_raw(more)
+        backend.value_state("first").put("x", 1)  # a write between the read and the put
+        plain.put_raw(more, [plain.codec.encode(3)] * 20)
+        assert backend.take_local_snapshot().row_counts == scanned(backend)
+        assert len(scans) == 1 and scanned(backend)["plain"] == 60
+        plain.read_raw(more)
+        plain.put_raw(list(more), [plain.codec.encode(4)] * 20)  # not the list read
+        twice = [more[0], more[0]]
+        plain.read_raw(twice)
+        plain.put_raw(twice, [plain.codec.encode(5)] * 2)  # a key twice
+        assert backend.take_local_snapshot().row_counts == scanned(backend)
+        assert len(scans) == 2
+    finally:
+        backend.close()
+
+
+def test_keyed_aggregation_runs_record_counts_without_a_scan(tmp_path, scans):
+    from demo.sample_data import expected_totals, generate_events
+    from jobs.keyed_aggregation import JOB
+    from statebackend.job import RunConfig, run_job
+
+    days = [generate_events(str(tmp_path / f"in{d}"), n_events=3000, n_keys=900, seed=d,
+                            start_ts_ms=1_800_000_000_000 + d * 86_400_000)
+            for d in range(3)]
+    store = CheckpointStore(open_storage(f"file://{tmp_path}/store"), JOB.name)
+    for d in range(3):
+        run_job(JOB, RunConfig(input=str(tmp_path / f"in{d}"), storage=f"file://{tmp_path}/store",
+                               run_id=f"d{d}", parallelism=3, engine="local",
+                               output=str(tmp_path / "out")))
+        counted = sum(h.row_counts["totals"] for h in store.latest().subtasks)
+        assert counted == len(expected_totals(days[: d + 1]))  # pandas: the distinct keys
+    assert scans == []  # each fold reads its keys, then puts them: counts tracked
