@@ -21,7 +21,8 @@ Modes (``--modes``, default ``interleaved,warm,process,connect``):
 
 Prints events/s, bytes written to checkpoint storage per run, state operations per
 second (one lookup per accepted event plus one insert per emitted row, the same count
-for both) and the ratios ours/spark. Goal: >= 2x.
+for both) and the ratios ours/spark. Goals: >= 2x (>= 3x warm with
+``--engine spark``: issue 24).
 
     python bench/bench_dedup.py --quick     # 3 days x 20,000 events
 """
@@ -94,7 +95,13 @@ def interleaved(args, job, peer_run_batches, work: str) -> dict:
             theirs.append(peer(i, day, peer_dir))
             mine.append(ours(i, day, f"{work}/ours-i"))
     spark.stop()
-    return report("dedup", "warm session, interleaved per day", mine, theirs, 2.0)
+    return report("dedup", "warm session, interleaved per day", mine, theirs,
+                  warm_goal(args.engine))
+
+
+def warm_goal(engine: str) -> float:
+    """Issue 24 asks 3x of the Spark engine warm; the local engine's goal is 2x."""
+    return 3.0 if engine == "spark" else 2.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         args.modes = ",".join(rest)
         bench(args, "dedup", dedup.JOB, "jobs.dedup", OPTIONS, "bench.peers.spark_dedup",
               peer.run_batches, {"ttl_ms": DAY_MS}, ["--ttl-ms", str(DAY_MS)],
-              {"warm": 2.0, "process": 2.0, "connect": 2.0})
+              {"warm": warm_goal(args.engine), "process": 2.0, "connect": 2.0})
     return 0
 
 
