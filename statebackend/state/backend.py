@@ -22,8 +22,9 @@ checkpoint, so a snapshot is SST files plus small private files.
 Row counts: a snapshot records the live entries of every column family. They are
 tracked, not scanned, while every write since they were last known said what it
 changed (`write` with ``changes``: the TTL states' writes and purge, `insert_absent`,
-and a put of the very keys a state just read, as a fold's read-then-write does: they
-read each key before writing it anyway); the start is the restored handle's
+reducing, aggregating and list adds, and a put of the very keys a state just read, as
+a fold's read-then-write does: they read each key before writing it anyway); the
+start is the restored handle's
 recorded counts, or zero for a new instance. Any other write (a blind put, a clip, an
 ingestion) makes them unknown and the next snapshot counts by a scan, which is
 O(state) where tracking is O(changes). ``CKPT_ROW_COUNTS``: ``tracked`` (default),

@@ -278,6 +278,17 @@ class ValueState(_State):
             raise UsageError(f"state {self.descriptor.name!r} does not use a record codec")
         return self.codec
 
+    def _merge_stored(self, batch: dict[str, Any], merge: Callable[[Any, Any], Any],
+                      timestamps: Sequence[int] | int | None) -> None:
+        """Store, per key of ``batch``, ``merge(stored, batch value)`` (the batch value
+        where none is stored): one read and one write of the same keys, so the write
+        knows the entries it adds (row counts)."""
+        rks = self.backend.rocks_keys(list(batch))
+        decode, encode = self.codec.decode, self.codec.encode
+        self.put_raw(rks, [encode(b if c is None else merge(decode(c), b))
+                           for c, b in zip(self.read_raw(rks), batch.values(), strict=True)],
+                     timestamps)
+
 
 class ReducingState(ValueState):
     """Value combined with ``reduce_fn`` on every add.
@@ -301,11 +312,8 @@ class ReducingState(ValueState):
         combined: dict[str, Any] = {}
         for k, v in zip(keys, values, strict=True):
             combined[k] = reduce_fn(combined[k], v) if k in combined else v
-        uniq = list(combined)
-        current = self.get_many(uniq)
-        new = [v if c is None else reduce_fn(c, v)
-               for c, v in zip(current, combined.values(), strict=True)]
-        self.put_many(uniq, new, _last_timestamps(self.descriptor.name, keys, timestamps))
+        self._merge_stored(combined, reduce_fn,
+                           _last_timestamps(self.descriptor.name, keys, timestamps))
 
 
 def _last_timestamps(state: str, keys: Sequence[str], timestamps: Sequence[int] | int | None
@@ -353,11 +361,8 @@ class AggregatingState(ValueState):
         batch: dict[str, Any] = {}
         for k, v in zip(keys, values, strict=True):
             batch[k] = fn.add(v, batch[k] if k in batch else fn.create_accumulator())
-        uniq = list(batch)
-        current = ValueState.get_many(self, uniq)
-        new = [b if c is None else fn.merge(c, b)
-               for c, b in zip(current, batch.values(), strict=True)]
-        self.put_many(uniq, new, _last_timestamps(self.descriptor.name, keys, timestamps))
+        self._merge_stored(batch, fn.merge,
+                           _last_timestamps(self.descriptor.name, keys, timestamps))
 
 
 class ListState(_State):
@@ -395,7 +400,9 @@ class ListState(_State):
         rkeys = self.backend.rocks_keys(uniq)
         current = multi_get(self.cf, rkeys)
         merged = ((c or b"") + appended[k] for c, k in zip(current, uniq, strict=True))
-        self._write(zip(rkeys, merged, strict=True))
+        # the keys were just read: the write knows the lists it creates (row counts)
+        self.backend.write_pairs(self.cf_handle, zip(rkeys, merged, strict=True),
+                                 changes={self.descriptor.name: current.count(None)})
 
     def _add_many_ttl(self, keys: Sequence[str], values: Sequence[Any],
                       timestamps: Sequence[int] | int | None) -> None:

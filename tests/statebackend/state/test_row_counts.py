@@ -184,3 +184,29 @@ def test_keyed_aggregation_runs_record_counts_without_a_scan(tmp_path, scans):
         counted = sum(h.row_counts["totals"] for h in store.latest().subtasks)
         assert counted == len(expected_totals(days[: d + 1]))  # pandas: the distinct keys
     assert scans == []  # each fold reads its keys, then puts them: counts tracked
+
+
+def test_reducing_aggregating_and_list_adds_are_tracked(tmp_path, scans):
+    from tests.statebackend.helpers import Average
+
+    descs = (StateDescriptor("sum", "reducing", reduce_fn=lambda a, b: a + b),
+             StateDescriptor("avg", "aggregating", aggregate_fn=Average()),
+             StateDescriptor("seen_at", "list"),
+             StateDescriptor("recent", "reducing", reduce_fn=max, ttl=StateTtl(500, "event")))
+    backend = KeyedStateBackend(str(tmp_path / "b"), descs, M, KeyGroupRange(0, M - 1))
+    rng = random.Random(9)
+    try:
+        for step in range(1, 6):
+            backend.set_time(event_time=step * 300)
+            keys = [f"u{rng.randrange(80)}" for _ in range(60)]  # repeats within a call
+            values = [rng.randrange(100) for _ in keys]
+            backend.reducing_state("sum").add_many(keys, values)
+            backend.aggregating_state("avg").add_many(keys, values)
+            backend.list_state("seen_at").add_many(keys, values)
+            backend.reducing_state("recent").add_many(keys, values)
+            backend.reducing_state("sum").add("solo", 1)
+            purge_expired(backend, "event", step * 300)
+            assert backend.take_local_snapshot().row_counts == scanned(backend)
+        assert scans == []
+    finally:
+        backend.close()
