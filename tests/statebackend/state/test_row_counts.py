@@ -210,3 +210,17 @@ def test_reducing_aggregating_and_list_adds_are_tracked(tmp_path, scans):
         assert scans == []
     finally:
         backend.close()
+
+
+def test_a_bad_setting_is_refused_in_one_line_before_any_snapshot(tmp_path, monkeypatch):
+    from statebackend.errors import UsageError
+
+    monkeypatch.setenv(ROW_COUNTS_ENV, "sometimes")
+    backend = KeyedStateBackend(str(tmp_path / "b"), DESCS, M, KeyGroupRange(0, M - 1))
+    try:
+        backend.value_state("plain").put("k", 1)
+        with pytest.raises(UsageError, match="CKPT_ROW_COUNTS='sometimes' is unknown; use one "
+                                             r"of \['tracked', 'scan', 'verify'\]"):
+            backend.take_local_snapshot()
+    finally:
+        backend.close()
