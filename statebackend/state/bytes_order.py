@@ -23,13 +23,15 @@ RADIX_MAX_MATRIX_BYTES = 256 << 20
 def bytewise_order(keys: pa.Array) -> np.ndarray:
     """Indices that sort ``keys`` (binary, no nulls) bytewise, stable."""
     n = len(keys)
-    if n < 2 or not pa.types.is_binary(keys.type):
-        return pc.sort_indices(keys).to_numpy() if n >= 2 else np.arange(n)
-    offsets = np.frombuffer(keys.buffers()[1], np.int32, n + 1, keys.offset * 4)
-    lengths = np.diff(offsets)
-    width = int(lengths.max())
-    width += width & 1
-    if width > RADIX_MAX_BYTES or n * width > RADIX_MAX_MATRIX_BYTES or width == 0:
+    if n < 2:
+        return np.arange(n)
+    width = 0
+    if pa.types.is_binary(keys.type):
+        offsets = np.frombuffer(keys.buffers()[1], np.int32, n + 1, keys.offset * 4)
+        lengths = np.diff(offsets)
+        width = int(lengths.max())
+        width += width & 1
+    if not 0 < width <= RADIX_MAX_BYTES or n * width > RADIX_MAX_MATRIX_BYTES:
         order: np.ndarray = pc.sort_indices(keys).to_numpy()
         return order
     digits = _digits(keys, offsets, lengths, width)

@@ -149,8 +149,11 @@ class _State:
         # a put of the same keys right after knows which entries it adds (row counts)
         self._last_read: tuple[Sequence[bytes], list[bytes | None], int] | None = None
 
-    def _write(self, pairs: Iterable[tuple[bytes, bytes]]) -> None:
-        self.backend.write_pairs(self.cf_handle, pairs)
+    def _write(self, pairs: Iterable[tuple[bytes, bytes]], added: int | None = None) -> None:
+        """One write batch of ``pairs``; ``added``: the entries it creates, when the
+        writer read its keys first (row counts; None: unknown)."""
+        self.backend.write_pairs(self.cf_handle, pairs, changes=None if added is None
+                                 else {self.descriptor.name: added})
 
     # Raw batch access on precomputed RocksDB keys: the job API encodes a batch's
     # keys once and shares them between the reads and writes of every state.
@@ -178,8 +181,8 @@ class _State:
         last, added = self._last_read, None
         if last is not None and last[0] is rocks_keys and last[2] == self.backend.writes \
                 and len(set(rocks_keys)) == len(rocks_keys):
-            added = {self.descriptor.name: sum(r is None for r in last[1])}
-        self.backend.write_pairs(self.cf_handle, pairs, changes=added)
+            added = last[1].count(None)
+        self._write(pairs, added)
 
     def write_raw(self, puts: Iterable[tuple[bytes, bytes]],
                   deletes: Iterable[bytes] = (),
@@ -257,10 +260,8 @@ class ValueState(_State):
                              "than once; pass each key once (group the batch by key first)")
         old = multi_get(self.cf, rocks_keys) if len(rocks_keys) else []
         found = np.fromiter((o is not None for o in old), dtype=np.bool_, count=len(old))
-        self.backend.write_pairs(
-            self.cf_handle, [(rk, v) for rk, v, f in zip(rocks_keys, encoded, found, strict=True)
-                             if not f],
-            changes={self.descriptor.name: len(found) - int(found.sum())})
+        self._write([(rk, v) for rk, v, f in zip(rocks_keys, encoded, found, strict=True)
+                     if not f], len(found) - int(found.sum()))
         return found
 
     # Columnar access for record codecs: no per-row dicts.
@@ -401,8 +402,7 @@ class ListState(_State):
         current = multi_get(self.cf, rkeys)
         merged = ((c or b"") + appended[k] for c, k in zip(current, uniq, strict=True))
         # the keys were just read: the write knows the lists it creates (row counts)
-        self.backend.write_pairs(self.cf_handle, zip(rkeys, merged, strict=True),
-                                 changes={self.descriptor.name: current.count(None)})
+        self._write(zip(rkeys, merged, strict=True), current.count(None))
 
     def _add_many_ttl(self, keys: Sequence[str], values: Sequence[Any],
                       timestamps: Sequence[int] | int | None) -> None:

@@ -482,7 +482,7 @@ def _purge_batch(backend: KeyedStateBackend, index_keys: list[bytes], now: int,
         bodies.append(ik[:2] + ik[end:])
     wb = backend.write_batch()
     deleted = dropped = 0
-    removed: dict[str, int] = {}  # entries deleted per state (row counts)
+    removed: dict[str, int] = {}  # row counts: a state's entries this batch deletes
     for tag, keys in by_tag.items():
         name = parse_index_key(sample[tag]).state
         desc = backend.descriptors.get(name)
@@ -512,7 +512,7 @@ def _purge_batch(backend: KeyedStateBackend, index_keys: list[bytes], now: int,
                     wb.put(rk, b"".join(_U32.pack(len(e)) + e for e in live), handle)
                     dropped += len(elements) - len(live)
         deleted += gone
-        removed[name] = removed.get(name, 0) - gone
+        removed[name] = -gone  # one tag per state: each name once per batch
         if gone:
             per_state[name] = per_state.get(name, 0) + gone
     backend.write(wb, removed)
