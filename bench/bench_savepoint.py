@@ -3,8 +3,8 @@
 One checkpoint of the keyed aggregation workload's ``totals`` state (N keys, default
 1,000,000, P=4 subtasks, file:// storage under ``--workdir``), then interleaved rounds of:
 
-- savepoint: ``create_savepoint`` (lease, name claim, every file copied in a bounded
-  pool and checked against its recorded size and checksum, ``_metadata`` written);
+- savepoint: ``create_savepoint`` (lease, name claim, every file hard-linked on file://
+  and checked against its recorded size and checksum, ``_metadata`` written);
 - copy:      the same files copied once each, in-process, by a pool of the same size
   (``shutil.copyfile``: the kernel's copy, nothing checked) - the floor;
 - get+put:   bench_rescale's in-process copy floor (each file downloaded to a local

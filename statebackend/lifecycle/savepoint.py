@@ -10,8 +10,9 @@ Savepoint layout (paths in its `_metadata` are relative to the job root)::
   WAL-mode external checkpoint's state is exported instead: lifecycle/export.py)
   while holding a lease on it (retention and GC cannot take it away mid-copy),
   checks every copy's size and checksum against the record (`Storage.copy_checked`:
-  on file:// the checksum of the bytes copied, taken during the copy; elsewhere one
-  read of the copy) in a bounded pool of `COPY_THREADS` (issue 20 defect 5:
+  on file:// a hard link of the immutable file and the checksum of its bytes, one
+  after the other in this thread; elsewhere a server-side copy and one read of it, in
+  a bounded pool of `COPY_THREADS` requests) (issue 20 defect 5:
   a truncated or flipped source file fails the savepoint in one line naming it,
   and the partial copy is removed), then writes `_metadata` exclusively. Nothing in
   a savepoint points into ``shared/``; GC and retention never touch
@@ -50,7 +51,6 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -452,21 +452,23 @@ def _check_unique(paths: list[str], what: str) -> None:
 
 
 def _copy_all(storage: Storage, copies: list[tuple[FileRef, str]], what: str) -> None:
-    """Copy (source ref, dst) pairs of ``storage`` in parallel (server-side on S3), each
+    """Copy (source ref, dst) pairs of ``storage`` (server-side on S3, in a bounded pool
+    of requests; hard links on file://, in this thread: `Storage.map_requests`), each
     verified against the source's recorded size and checksum; on any failure remove
     what was copied and raise one error: a damaged source file by name (MetadataError),
     else the distinct storage causes."""
-    done: list[str] = []
-    errors: list[BaseException] = []
-    with ThreadPoolExecutor(max_workers=COPY_THREADS) as pool:
-        futures = [(pool.submit(_copy_verified, storage, ref, dst), dst) for ref, dst in copies]
-        for fut, dst in futures:
-            try:
-                fut.result()
-                done.append(dst)
-            except Exception as exc:  # noqa: BLE001 - collected below
-                errors.append(exc)
-                done.append(dst)  # a failed copy may have left a partial file
+
+    def attempt(copy: tuple[FileRef, str]) -> Exception | None:
+        try:
+            _copy_verified(storage, *copy)
+        except Exception as exc:  # noqa: BLE001 - collected below
+            return exc
+        return None
+
+    outcomes = list(storage.map_requests(attempt, copies, threads=COPY_THREADS))
+    errors = [e for e in outcomes if e is not None]
+    # a failed copy may have left a partial file: every destination goes
+    done = [dst for _, dst in copies]
     if errors:
         storage.delete_many(done)
         unsafe = [e for e in errors if isinstance(e, UnsafePathError)]

@@ -3,9 +3,12 @@
 Differs from the object-store base in what a local filesystem needs and allows:
 folders are created before writing; `write_exclusive` writes a temp file and
 hard-links it (atomic, fails if the target exists); `write_atomic` is temp +
-rename; copies go through the kernel (sendfile) with the checksum computed
-beside them; listings use ``os.scandir`` (fsspec's local find costs a stat and
-path normalisation per entry: seconds at 100,000 files), and `walk_listing`
+rename; a copy is a hard link of the open source when the filesystem allows one
+(stored files are never changed once written, and a write through either name
+replaces the file instead of changing the bytes both share: `_unshare`), else the
+kernel's copy (sendfile) with the checksum computed beside it; listings use
+``os.scandir`` (fsspec's local find costs a stat and path normalisation per entry:
+seconds at 100,000 files), and `walk_listing`
 lists names only, stating a file when its size or mtime is first asked for.
 
 Containment (issue 20): nothing here reads, writes, copies, deletes, stats or
@@ -167,6 +170,19 @@ class _Folders:
             raise
 
 
+def _unshare(folder: int, name: str) -> None:
+    """Unlink ``name`` (in the folder descriptor ``folder``) when it is a regular file
+    that shares its bytes with another name (a hard link `LocalStorage.copy` made), so
+    the write that follows creates a new file instead of changing the other name's
+    bytes (a savepoint's copy of a checkpoint file, say)."""
+    try:
+        st = os.stat(name, dir_fd=folder, follow_symlinks=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+        os.unlink(name, dir_fd=folder)
+
+
 class _Link(Exception):  # noqa: N818 - internal signal, never leaves this module
     """A symlink found at ``parts`` (pointing to ``target``)."""
 
@@ -269,6 +285,8 @@ class LocalStorage(Storage):
     def _open_in(self, folders: _Folders, rel: str, flags: int, create: bool = False) -> int:
         """`_open_file` from the folder descriptors of one call."""
         folder, name = self._final(folders, rel, create)
+        if flags & os.O_TRUNC:
+            _unshare(folder, name)
         try:
             fd = os.open(name, flags, 0o666, dir_fd=folder)
         except OSError as exc:
@@ -420,9 +438,26 @@ class LocalStorage(Storage):
 
     def _copy(self, src_rel: str, dst_rel: str, algorithm: str | None) -> tuple[int, int]:
         with self._errors(src_rel), open(self._open_file(src_rel, _READ_FLAGS), "rb") as src:
+            if self._link_open(src.fileno(), dst_rel):
+                # the checksum of the shared bytes: a damaged source is still found
+                return crc_open_file(src.fileno(), algorithm) if algorithm \
+                    else (os.fstat(src.fileno()).st_size, 0)
             with self._errors(dst_rel), \
                     open(self._open_file(dst_rel, _WRITE_FLAGS, create=True), "wb") as dst:
                 return copy_open_file(src.fileno(), dst.fileno(), algorithm, src_rel)
+
+    def _link_open(self, fd: int, dst_rel: str) -> bool:
+        """Hard-link the open file ``fd`` as ``dst_rel`` (the file opened, not a name
+        that may have become a symlink since: linkat through ``/proc/self/fd``, the way
+        open(2) links an O_TMPFILE); False when the filesystem refuses (``dst_rel``
+        exists, another device, no hard links, no /proc): the caller copies instead."""
+        with self._errors(dst_rel), _Folders(self) as folders:
+            folder, name = self._final(folders, dst_rel, create=True)
+            try:
+                os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=folder, follow_symlinks=True)
+            except OSError:
+                return False
+        return True
 
     def checksum(self, rel: str, algorithm: str = CHECKSUM_ALGORITHM) -> tuple[int, str]:
         with self._errors(rel), open(self._open_file(rel, _READ_FLAGS), "rb") as fh:

@@ -129,6 +129,30 @@ def test_copy_checked_returns_the_copy_facts(storage, size):
         storage.copy_checked("a/none.sst", "b/none.sst")
 
 
+@pytest.mark.parametrize("size", [10, THREADED_CHECKSUM_BYTES + 1])
+def test_a_copy_is_independent_of_its_source(storage, tmp_path, size):
+    """file:// copies by a hard link (a savepoint shares the checkpoint's immutable
+    bytes); still no write through one name changes the other, on any scheme, and a
+    copy onto an existing file (no link possible) replaces it with checked bytes."""
+    data, other = os.urandom(size), os.urandom(size)
+    storage.write_bytes("chk-1/a.sst", data)
+    storage.copy_checked("chk-1/a.sst", "sp/a.sst")
+    if isinstance(storage, LocalStorage):
+        src, dst = (os.stat(storage.abspath(p)) for p in ("chk-1/a.sst", "sp/a.sst"))
+        assert (src.st_ino, src.st_nlink) == (dst.st_ino, 2)  # shared, not copied
+    storage.write_bytes("chk-1/a.sst", other)
+    assert storage.read_bytes("sp/a.sst") == data
+    storage.copy("chk-1/a.sst", "sp/b.sst")
+    local = tmp_path / "upload"
+    local.write_bytes(data)
+    storage.put_file(str(local), "sp/b.sst")
+    assert storage.read_bytes("chk-1/a.sst") == other
+    assert storage.copy_checked("sp/a.sst", "sp/b.sst") == (size, checksum_of_bytes(data))
+    storage.delete_many(["sp/a.sst"])
+    assert storage.read_bytes("sp/b.sst") == data
+    assert storage.read_bytes("chk-1/a.sst") == other
+
+
 def test_walk_list_glob_delete_many(storage):
     files = {"job/shared/a.sst": b"aa", "job/shared/b.sst": b"bbb",
              "job/chk-1/0/s/CURRENT": b"c", "job/chk-1/_metadata": b"{}",
