@@ -27,7 +27,6 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
@@ -67,13 +66,9 @@ def download_files(job_storage: Storage, files: Sequence[FileRef], target_dir: s
         if verify:
             require_recorded(ref, size, checksum, "downloaded")
 
-    errors = []
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        for fut in [pool.submit(fetch, f) for f in files]:
-            try:
-                fut.result()
-            except Exception as exc:  # noqa: BLE001 - collected below
-                errors.append(exc)
+    # a pool of requests on a remote store only (file:// copies in this thread)
+    errors = [e for _, e in job_storage.attempt_requests(fetch, files, max(1, threads))
+              if e is not None]
     if errors:
         causes = sorted({str(e) for e in errors})
         raise StorageError(f"restore failed for {len(errors)} of {len(files)} files: "

@@ -78,20 +78,18 @@ def upload_snapshot(job_storage: Storage, snapshot: LocalSnapshot, *, checkpoint
             prefix = private_dir(checkpoint_id, subtask, snapshot.snapshot_id)
             to_upload.append((name, f"{prefix}/{name}", False))
 
-    done: list[tuple[FileRef, bool]] = []
-    errors: list[BaseException] = []
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        futures = {
-            pool.submit(job_storage.put_file, os.path.join(snapshot.path, name), remote):
-                (name, remote, shared)
-            for name, remote, shared in to_upload
-        }
-        for fut, (name, remote, shared) in futures.items():
-            try:
-                size, checksum = fut.result()
-                done.append((stored_ref(snapshot, name, remote, size, checksum), shared))
-            except BaseException as exc:  # noqa: BLE001 - collected and re-raised below
-                errors.append(exc)
+    def put(item: tuple[str, str, bool]) -> tuple[int, str]:
+        return job_storage.put_file(os.path.join(snapshot.path, item[0]), item[1])
+
+    try:  # a pool of requests on a remote store only (file:// copies in this thread)
+        outcomes = job_storage.attempt_requests(put, to_upload, max(1, threads))
+    except BaseException:  # interrupted: what was sent goes, as on a failure
+        job_storage.delete_many(remote for _, remote, _ in to_upload)
+        raise
+    done = [(stored_ref(snapshot, name, remote, *facts), shared)
+            for (name, remote, shared), (facts, _) in zip(to_upload, outcomes, strict=True)
+            if facts is not None]
+    errors = [e for _, e in outcomes if e is not None]
     uploaded_paths = tuple(ref.path for ref, _ in done)
     if errors:
         # Every path this attempt wrote to, not only the finished ones: a transfer

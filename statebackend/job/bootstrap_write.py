@@ -28,7 +28,6 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -261,8 +260,7 @@ def _upload(task: BootstrapTask, storage: Storage, local: LocalSnapshot,
         return ref
 
     try:
-        with ThreadPoolExecutor(max_workers=UPLOAD_THREADS) as pool:
-            refs = list(pool.map(put, names))
+        refs = list(storage.map_requests(put, names, UPLOAD_THREADS))
     except BaseException:
         storage.delete_many(sent)
         raise

@@ -457,16 +457,9 @@ def _copy_all(storage: Storage, copies: list[tuple[FileRef, str]], what: str) ->
     verified against the source's recorded size and checksum; on any failure remove
     what was copied and raise one error: a damaged source file by name (MetadataError),
     else the distinct storage causes."""
-
-    def attempt(copy: tuple[FileRef, str]) -> Exception | None:
-        try:
-            _copy_verified(storage, *copy)
-        except Exception as exc:  # noqa: BLE001 - collected below
-            return exc
-        return None
-
-    outcomes = list(storage.map_requests(attempt, copies, threads=COPY_THREADS))
-    errors = [e for e in outcomes if e is not None]
+    outcomes = storage.attempt_requests(lambda copy: _copy_verified(storage, *copy), copies,
+                                        COPY_THREADS)
+    errors = [e for _, e in outcomes if e is not None]
     # a failed copy may have left a partial file: every destination goes
     done = [dst for _, dst in copies]
     if errors:

@@ -129,6 +129,10 @@ def rocks_options(write_buffer_mb: int = 64) -> Options:
     opts.set_write_buffer_size(write_buffer_mb * 1024 * 1024)
     opts.set_max_background_jobs(2)
     opts.set_keep_log_file_num(2)
+    # Open reads each SST's footer with this many threads, started on every open
+    # (default 16): a subtask's instance holds few files, and the starts cost more than
+    # the reads (a restored 4-SST instance opened in 2.9 ms with 16, 1.7 ms with 1)
+    opts.set_max_file_opening_threads(1)
     opts.set_compaction_style(DBCompactionStyle.universal())
     opts.set_universal_compaction_options(UniversalCompactOptions())
     return opts

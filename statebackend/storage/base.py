@@ -228,6 +228,19 @@ class Storage:
         with ThreadPoolExecutor(max_workers=workers) as pool:
             yield from pool.map(fn, items)
 
+    def attempt_requests(self, fn: Callable[[_T], _R], items: Iterable[_T],
+                         threads: int = 16) -> list[tuple[_R | None, Exception | None]]:
+        """`map_requests` that makes every request, whatever fails: per item, in order,
+        (``fn``'s result, None) or (None, the exception it raised), for callers that
+        report every failure and clean up after all of them."""
+        def attempt(item: _T) -> tuple[_R | None, Exception | None]:
+            try:
+                return fn(item), None
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                return None, exc
+
+        return list(self.map_requests(attempt, items, threads))
+
     def write_bytes(self, rel: str, data: bytes) -> None:
         with self._reserved(len(data)), self._errors(rel):
             path = self.abspath(rel)

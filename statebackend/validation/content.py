@@ -141,8 +141,8 @@ def download_checked(storage: Storage, files: Sequence[FileRef], target: str,
             raise
         return FileFacts(exists=True, size=size, checksum=checksum)
 
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        return dict(zip([f.path for f in files], pool.map(fetch, files), strict=True))
+    return dict(zip([f.path for f in files], storage.map_requests(fetch, files, max(1, threads)),
+                    strict=True))
 
 
 _PREFIX = operator.itemgetter(slice(0, 2))
