@@ -73,6 +73,19 @@ def test_map_requests_overlaps_only_on_remote_stores(storage):
         assert threads == {threading.get_ident()}
 
 
+def test_attempt_requests_makes_every_request_and_hands_back_each_failure(storage):
+    """Uploads, downloads and savepoint copies report every failure and clean up after
+    all of them: each request runs whatever failed before it, results in order."""
+    storage.write_bytes("a/present", b"here")
+    paths = ["a/present", "a/missing-1", "a/present", "a/missing-2"]
+    outcomes = storage.attempt_requests(storage.read_bytes, paths, threads=4)
+    assert [r for r, _ in outcomes] == [b"here", None, b"here", None]
+    errors = [e for _, e in outcomes]
+    assert errors[0] is None and errors[2] is None
+    assert [type(e) for e in errors[1::2]] == [StorageError, StorageError]
+    assert "missing-1" in str(errors[1]) and "missing-2" in str(errors[3])
+
+
 def test_read_missing_is_storage_error(storage):
     with pytest.raises(StorageError, match="missing.bin does not exist") as err:
         storage.read_bytes("x/missing.bin")
