@@ -25,8 +25,9 @@ Savepoint layout (paths in its `_metadata` are relative to the job root)::
   checkpoint (parent None, ``source`` naming where it came from), verified the same
   way. Shared files
   get fresh unique names under the target's ``shared/``, private files go to
-  ``chk-<id>/<subtask>/<snapshot>/``. Because it is a copy, the two lineages
-  never share a file: neither job's retention or GC can hurt the other.
+  ``chk-<id>/<subtask>/<snapshot>/``. Because it is a copy (on file:// a hard link:
+  another name for bytes nobody writes), the two lineages never share a name: neither
+  job's retention or GC can hurt the other.
 
 - `list_savepoints(store)` lists complete and incomplete savepoints;
   `delete_savepoint(store, name, dry_run=...)` removes one (its `_metadata`
