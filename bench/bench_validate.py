@@ -201,12 +201,14 @@ def run(args, n_keys: int, base: str, s3: MotoS3 | None) -> int:
             "process_without_ge_seconds": round(process["none"], 2),
             "process_with_ge_seconds": round(process["now"], 2),
             "process_with_over_without_ge": round(process["now"] / process["none"], 2),
+            "load_average": [round(x, 2) for x in os.getloadavg()],
         }
         if args.json:
             print(json.dumps(figures, indent=1))
         else:
             print(f"checkpoint: {n_keys:,} keys, P={P}, M={M}, {mib:.1f} MiB in "
-                  f"{len(meta.files)} files on {store.storage.url} (built in {build_s:.1f} s)")
+                  f"{len(meta.files)} files on {store.storage.url} (built in {build_s:.1f} s); "
+                  f"load average {' '.join(map(str, figures['load_average']))}")
             print(f"GE import (once per process): {ge_import:.2f} s")
             print(f"restore (download + open read-only, all subtasks): {restore_s:.3f} s")
             print(f"restore + read every entry once (lower bound of any content check): "
