@@ -79,27 +79,27 @@ def upload_snapshot(job_storage: Storage, snapshot: LocalSnapshot, *, checkpoint
             to_upload.append((name, f"{prefix}/{name}", False))
 
     def put(item: tuple[str, str, bool]) -> tuple[int, str]:
-        return job_storage.put_file(os.path.join(snapshot.path, item[0]), item[1])
+        name, remote, _ = item
+        return job_storage.put_file(os.path.join(snapshot.path, name), remote)
 
     try:  # a pool of requests on a remote store only (file:// copies in this thread)
         outcomes = job_storage.attempt_requests(put, to_upload, max(1, threads))
-    except BaseException:  # interrupted: what was sent goes, as on a failure
+        errors = [e for _, e in outcomes if e is not None]
+        if errors:
+            causes = sorted({f"{type(e).__name__}: {e}" for e in errors})
+            raise SnapshotError(
+                f"snapshot of subtask {subtask} for checkpoint {checkpoint_id} failed; "
+                f"removed {len(to_upload) - len(errors)} uploaded files; causes: "
+                f"{'; '.join(causes)}") from errors[0]
+    except BaseException:  # a failure or an interrupt
+        # Every path this attempt wrote to, not only the finished ones: a transfer
+        # that broke half-way can leave a partial object behind.
         job_storage.delete_many(remote for _, remote, _ in to_upload)
         raise
     done = [(stored_ref(snapshot, name, remote, *facts), shared)
             for (name, remote, shared), (facts, _) in zip(to_upload, outcomes, strict=True)
             if facts is not None]
-    errors = [e for _, e in outcomes if e is not None]
     uploaded_paths = tuple(ref.path for ref, _ in done)
-    if errors:
-        # Every path this attempt wrote to, not only the finished ones: a transfer
-        # that broke half-way can leave a partial object behind.
-        job_storage.delete_many(remote for _, remote, _ in to_upload)
-        causes = sorted({f"{type(e).__name__}: {e}" for e in errors})
-        raise SnapshotError(
-            f"snapshot of subtask {subtask} for checkpoint {checkpoint_id} failed; "
-            f"removed {len(uploaded_paths)} uploaded files; causes: {'; '.join(causes)}"
-        ) from errors[0]
     shared_new = [ref for ref, shared in done if shared]
     private = [ref for ref, shared in done if not shared]
     r = backend.key_group_range

@@ -461,10 +461,8 @@ def _copy_all(storage: Storage, copies: list[tuple[FileRef, str]], what: str) ->
     outcomes = storage.attempt_requests(lambda copy: _copy_verified(storage, *copy), copies,
                                         COPY_THREADS)
     errors = [e for _, e in outcomes if e is not None]
-    # a failed copy may have left a partial file: every destination goes
-    done = [dst for _, dst in copies]
-    if errors:
-        storage.delete_many(done)
+    if errors:  # a failed copy may have left a partial file: every destination goes
+        storage.delete_many(dst for _, dst in copies)
         unsafe = [e for e in errors if isinstance(e, UnsafePathError)]
         if unsafe:
             raise UnsafePathError(f"{what}: {unsafe[0]}; nothing was kept") from unsafe[0]

@@ -16,7 +16,7 @@ import pytest
 from statebackend.checkpoint.restore import FROM_STORAGE, restore_subtask
 from statebackend.checkpoint.snapshot import checkpoint_backends
 from statebackend.checkpoint.store import CheckpointStore
-from statebackend.errors import SnapshotError
+from statebackend.errors import SnapshotError, UsageError
 from statebackend.state.backend import ROW_COUNTS_ENV, KeyedStateBackend
 from statebackend.state.keygroups import KeyGroupRange
 from statebackend.state.kinds import StateDescriptor
@@ -213,8 +213,6 @@ def test_reducing_aggregating_and_list_adds_are_tracked(tmp_path, scans):
 
 
 def test_a_bad_setting_is_refused_in_one_line_before_any_snapshot(tmp_path, monkeypatch):
-    from statebackend.errors import UsageError
-
     monkeypatch.setenv(ROW_COUNTS_ENV, "sometimes")
     backend = KeyedStateBackend(str(tmp_path / "b"), DESCS, M, KeyGroupRange(0, M - 1))
     try:
