@@ -102,15 +102,19 @@ def decode_entry(desc: StateDescriptor, rocks_key: bytes, raw: bytes,
 
 
 def backend_rows(backend: KeyedStateBackend, subtask: int) -> Iterator[DumpRow]:
-    kinds = {n: d.kind for n, d in backend.descriptors.items()}
     for name in sorted(backend.descriptors):
-        if name == TIMER_KEYS:
-            continue
-        desc = backend.descriptors[name]
-        for rk, raw in backend.iter_raw(name):
-            key, user_key, value = decode_entry(desc, rk, raw, kinds)
-            yield {"state": name, "key": key, "user_key": user_key, "value": value,
-                   "key_group": key_group_of_rocks_key(rk), "subtask": subtask}
+        if name != TIMER_KEYS:
+            yield from state_rows(backend, name, subtask)
+
+
+def state_rows(backend: KeyedStateBackend, name: str, subtask: int) -> Iterator[DumpRow]:
+    """The rows of state ``name`` of ``backend``."""
+    kinds = {n: d.kind for n, d in backend.descriptors.items()}
+    desc = backend.descriptors[name]
+    for rk, raw in backend.iter_raw(name):
+        key, user_key, value = decode_entry(desc, rk, raw, kinds)
+        yield {"state": name, "key": key, "user_key": user_key, "value": value,
+               "key_group": key_group_of_rocks_key(rk), "subtask": subtask}
 
 
 def checkpoint_rows(store: CheckpointStore, meta: CheckpointMetadata,
