@@ -1,7 +1,9 @@
 """A Spark Connect client for `test_state_reader`: `read_state` of each named state, each
 saved as one Parquet file (the DataFrame's Arrow table) for the test to compare.
 
-    python -m tests.statebackend.spark.read_state_client REMOTE STORAGE JOB OUT STATE[:explode]...
+    python -m tests.statebackend.spark.read_state_client REMOTE STORAGE JOB OUT SPEC...
+
+SPEC: STATE, STATE:explode (a row per list element) or STATE:COLUMN,COLUMN... (columns=).
 
 A process holds either a classic session or Connect clients: the test's own process
 holds the classic one, so the Connect reads run here.
@@ -23,8 +25,9 @@ def main(argv: list[str]) -> int:
     spark = get_spark(remote=remote, app_name="read-state-client")
     for spec in specs:
         name, _, mode = spec.partition(":")
+        columns = tuple(mode.split(",")) if mode and mode != "explode" else None
         df = read_state(spark, storage, job, state=name,
-                        options=ReadOptions(explode_lists=mode == "explode"))
+                        options=ReadOptions(explode_lists=mode == "explode", columns=columns))
         pq.write_table(df.toArrow(), os.path.join(out, f"{name}-{mode or 'rows'}.parquet"))
     spark.stop()
     return 0

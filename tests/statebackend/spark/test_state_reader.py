@@ -304,21 +304,53 @@ def test_spark_queries_see_typed_values(spark, kinds):
     assert unicode == set(KEYS[-7:])
 
 
+@pytest.mark.parametrize("backend", ["kinds", "memory_kinds"])
+def test_only_the_columns_asked_for_in_their_order(spark, request, backend):
+    """``columns`` gives the full read's rows cut to those columns (an expiring state: its
+    expired entries stay out), in the order asked; a wrong list is refused in one line
+    before Spark runs anything."""
+    checkpoint = request.getfixturevalue(backend)
+    for state, columns in (("totals", ("sum", "key")), ("seen", ("expires_at", "n")),
+                           ("attrs", ("user_key",))):
+        full = read_state(spark, checkpoint["url"], JOB, state=state).toArrow()
+        df = read_state(spark, checkpoint["url"], JOB, state=state,
+                        options=ReadOptions(columns=columns))
+        assert tuple(df.columns) == columns
+        got = df.toArrow()
+        assert got.num_rows == full.num_rows > 0
+        assert sorted(got.to_pylist(), key=repr) == \
+            sorted(full.select(list(columns)).to_pylist(), key=repr)
+    for columns, message in (
+            (("sum", "nope"), "'nope' is not a column of state 'totals'; its columns: key, "
+                              "count, sum"),
+            (("sum", "sum"), "names a column twice"),
+            ((), "give a tuple of column names of state 'totals'"),
+            ("sum", "give a tuple of column names")):
+        with pytest.raises(UsageError) as err:
+            read_state(spark, checkpoint["url"], JOB, state="totals",
+                       options=ReadOptions(columns=columns))  # type: ignore[arg-type]
+        assert message in _one_line(err)
+
+
 # -- Spark Connect ------------------------------------------------------------------------
 
 @pytest.mark.slow
 def test_read_state_through_spark_connect_equals_the_dump(connect_server, kinds, tmp_path):
-    specs = [*STATES, "events:explode", "recent:explode"]
+    specs = [*STATES, "events:explode", "recent:explode", "totals:sum,key"]
     done = subprocess.run(
         [sys.executable, "-m", "tests.statebackend.spark.read_state_client", connect_server.url,
          kinds["url"], JOB, str(tmp_path), *specs],
         cwd=ROOT, env=connect_server.env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    for spec in specs:
+    for spec in specs[:-1]:
         state, _, mode = spec.partition(":")
         table = pq.read_table(tmp_path / f"{state}-{mode or 'rows'}.parquet")
         assert as_dump_values(table, BY_NAME[state]) == \
             expected(kinds["rows"], state, explode=mode == "explode"), spec
+    cut = pq.read_table(tmp_path / "totals-sum,key.parquet")  # columns= through Connect
+    assert cut.column_names == ["sum", "key"]
+    assert sorted(zip(cut["key"].to_pylist(), cut["sum"].to_pylist(), strict=True)) == \
+        sorted((r["key"], r["value"]["sum"]) for r in kinds["rows"] if r["state"] == "totals")
 
 
 # -- S3: storage options travel with the tasks --------------------------------------------
