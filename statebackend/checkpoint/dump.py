@@ -18,10 +18,10 @@ import json
 import os
 import sys
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import IO, TYPE_CHECKING, Any, Literal, TypeAlias, TypedDict
 
-from statebackend.checkpoint.metadata import CheckpointMetadata
+from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskHandle
 from statebackend.checkpoint.restore import RestoreOptions, external_read, restored_readonly
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import UsageError
@@ -120,13 +120,22 @@ def state_rows(backend: KeyedStateBackend, name: str, subtask: int) -> Iterator[
 def checkpoint_rows(store: CheckpointStore, meta: CheckpointMetadata,
                     state_db: ExternalStore | None = None) -> Iterator[DumpRow]:
     """Every entry of ``meta`` (``state_db``: an external-backend checkpoint's database)."""
+    for handle, backend in restored_subtasks(store, meta, state_db):
+        yield from backend_rows(backend, handle.index)
+
+
+def restored_subtasks(store: CheckpointStore, meta: CheckpointMetadata,
+                      state_db: ExternalStore | None = None
+                      ) -> Iterator[tuple[SubtaskHandle, KeyedStateBackend]]:
+    """Each subtask of ``meta`` restored read-only in turn, open while the caller reads
+    it (removed when the next one is restored)."""
     descriptors = descriptors_of(meta)
     external = external_read(meta, state_db)
     for handle in meta.subtasks:
         label = f"subtask {handle.index} of checkpoint {meta.checkpoint_id}"
         with restored_readonly(store.storage, handle, descriptors, meta.max_parallelism,
                                options=RestoreOptions(label=label, external=external)) as be:
-            yield from backend_rows(be, handle.index)
+            yield handle, be
 
 
 def check_dump_target(out: str, fmt: str) -> None:
@@ -149,14 +158,43 @@ def write_dump(rows: Iterator[DumpRow], out: str, fmt: str = "jsonl") -> int:
     check_dump_target(out, fmt)
     if out == STDOUT:
         return _write_jsonl(rows, sys.stdout)
+    return _atomically(out, lambda tmp: _write_rows(rows, tmp, fmt))
+
+
+def write_lines(parts: Iterable[Sequence[str]], out: str) -> int:
+    """Write a JSON-lines dump given as parts of lines (`dump_columns.checkpoint_lines`)
+    to ``out``, as `write_dump` does; returns the line count."""
+    check_dump_target(out, "jsonl")
+    if out == STDOUT:
+        return _write_parts(parts, sys.stdout)
+
+    def write(tmp: str) -> int:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            return _write_parts(parts, fh)
+
+    return _atomically(out, write)
+
+
+def _atomically(out: str, write: Callable[[str], int]) -> int:
+    """``write(temp path)``, then the temp file renamed to ``out`` (gone on failure)."""
     os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
     tmp = f"{out}.tmp-{uuid.uuid4().hex}"
     try:
-        count = _write_rows(rows, tmp, fmt)
+        count = write(tmp)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    return count
+
+
+def _write_parts(parts: Iterable[Sequence[str]], fh: IO[str]) -> int:
+    count = 0
+    for lines in parts:
+        if lines:
+            fh.write("\n".join(lines))
+            fh.write("\n")
+            count += len(lines)
     return count
 
 
@@ -180,14 +218,16 @@ def _write_rows(rows: Iterator[DumpRow], out: str, fmt: str) -> int:
     return int(table.num_rows)
 
 
-def rows_table(rows: Iterable[DumpRow]) -> pa.Table:
-    """Dump rows as the Arrow table of a Parquet dump (``value`` as JSON text)."""
+def rows_table(rows: Iterable[DumpRow], ensure_ascii: bool = True) -> pa.Table:
+    """Dump rows as the Arrow table of a Parquet dump (``value`` as JSON text, written
+    with ``ensure_ascii`` as json.dumps takes it)."""
     import pyarrow as pa  # Arrow only for a Parquet dump
 
     cols: dict[DumpColumn, list[Any]] = {k: [] for k in DUMP_COLUMNS}
     for row in rows:
         for k in DUMP_COLUMNS:
-            cols[k].append(json.dumps(row[k], sort_keys=True) if k == "value" else row[k])
+            cols[k].append(json.dumps(row[k], sort_keys=True, ensure_ascii=ensure_ascii)
+                           if k == "value" else row[k])
     return pa.table({
         "state": pa.array(cols["state"], pa.string()),
         "key": pa.array(cols["key"], pa.string()),

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterator
 
 from statebackend.checkpoint import lineage as log
-from statebackend.checkpoint.dump import (
-    DUMP_FORMATS,
-    STDOUT,
-    check_dump_target,
-    checkpoint_rows,
-    write_dump,
-)
+from statebackend.checkpoint.dump import DUMP_FORMATS, STDOUT, check_dump_target, write_lines
+from statebackend.checkpoint.dump_columns import checkpoint_lines
 from statebackend.checkpoint.dump_parquet import check_parquet_target, dump_parquet
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.store import CheckpointStore
@@ -135,6 +131,12 @@ def cmd_show(args: argparse.Namespace, store: CheckpointStore) -> int:
     return 0
 
 
+def _counted(progress: Progress, parts: Iterator[list[str]]) -> Iterator[list[str]]:
+    for lines in parts:
+        progress.advance(len(lines))
+        yield lines
+
+
 def cmd_dump(args: argparse.Namespace, store: CheckpointStore) -> int:
     check_dump_target(args.out, args.format)  # refuse before restoring anything
     if args.format == "parquet":
@@ -149,8 +151,9 @@ def cmd_dump(args: argparse.Namespace, store: CheckpointStore) -> int:
         else:
             progress.phase(f"checkpoint {meta.checkpoint_id}", total=meta.summary()["rows"],
                            unit="rows")
-            count = write_dump(progress.wrap(checkpoint_rows(store, meta, state_db_of(args))),
-                               args.out, args.format)
+            count = write_lines(_counted(progress, checkpoint_lines(store, meta,
+                                                                     state_db_of(args))),
+                                args.out)
     where = "stdout" if args.out == STDOUT else args.out
     # with --out - stdout carries the rows: the report goes to stderr
     print(f"wrote {count} rows of checkpoint {meta.checkpoint_id} to {where}",

@@ -12,14 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from statebackend.checkpoint import dump_parquet as dumping
-from statebackend.checkpoint.dump import backend_rows, rows_table
 from statebackend.checkpoint.leases import list_leases
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.cli import app as cli
-from statebackend.state.codecs import BytesCodec, RecordCodec, StrCodec
-from statebackend.state.kinds import StateDescriptor
-from statebackend.state.timers import register_timers, with_timers
-from statebackend.state.ttl import StateTtl
 from statebackend.storage import open_storage
 from tests.statebackend.helpers import close_all, fill, keys, open_backends
 
@@ -67,61 +62,6 @@ def test_one_file_per_subtask_equal_to_the_jsonl_dump(job, tmp_path, capsys):
     assert _canonical({**r, "value": json.loads(r["value"])} for r in table) == \
         _canonical(job["rows"])
     assert [n for n in os.listdir(tmp_path) if ".tmp-" in n] == []
-
-
-RECORD = RecordCodec((("i", "int32"), ("big", "int64"), ("f32", "float32"), ("f", "float64"),
-                      ("ok", "bool")))
-EVERY_CODEC = (
-    StateDescriptor("rec", "value", RECORD),
-    StateDescriptor("rec_ttl", "value", RECORD, ttl=StateTtl(1_000, "event")),
-    StateDescriptor("text", "value", StrCodec()),
-    StateDescriptor("raw", "value", BytesCodec()),
-    StateDescriptor("by_user", "map", RECORD),
-    StateDescriptor("doc", "value"),
-    StateDescriptor("events", "list", ttl=StateTtl(1_000, "event")),
-)
-FLOATS = (0.0, -0.0, 1.5, 1e16, 1e-7, 3.141592653589793, float("nan"), float("inf"),
-          float("-inf"), 123456789.125, 5e-324)
-
-
-@pytest.mark.parametrize("kind", ["rocksdb", "memory"])
-@pytest.mark.parametrize("batch_rows", [50, 1_000_000])
-def test_the_column_wise_read_gives_the_rows_and_text_of_the_row_path(tmp_path, kind,
-                                                                     batch_rows, monkeypatch):
-    """Every codec, map and TTL states (expired entries too), timers, keys and text that
-    JSON escapes, floats Python writes its own way: the Parquet dump's table equals the
-    one built from ``ckpt dump``'s rows, in spans of key groups or in one."""
-    monkeypatch.setattr(dumping, "BATCH_ROWS", batch_rows)
-    (backend,) = open_backends(str(tmp_path), 1, descriptors=with_timers(EVERY_CODEC), kind=kind)
-    try:
-        ks = keys(400) + ["ключ", "🙂", 'quo"te\\', "tab\tnew\nline", ""]
-        records = [{"i": -i, "big": 2**40 + i, "f32": FLOATS[i % len(FLOATS)] / 3,
-                    "f": FLOATS[i % len(FLOATS)], "ok": i % 3 == 0}
-                   for i in range(len(ks))]
-        backend.set_time(event_time=10_000)
-        backend.value_state("rec").put_many(ks, records)
-        # half of them written long ago: expired at the clock, still in the dump
-        backend.value_state("rec_ttl").put_many(ks, records,
-                                                timestamps=[5_000 + 10 * (i % 2) * 500
-                                                            for i in range(len(ks))])
-        backend.value_state("text").put_many(ks, [f"{k} \u00e9\\ \"{i}\"" for i, k in
-                                                  enumerate(ks)])
-        backend.value_state("raw").put_many(ks, [k.encode() + bytes([i % 256])
-                                                 for i, k in enumerate(ks)])
-        backend.map_state("by_user").put_many(
-            [(k, u, r) for k, r in zip(ks, records, strict=True) for u in ("a", "ü", "")])
-        backend.value_state("doc").put_many(ks, [{"z": i, "a": [k, None]} for i, k in
-                                                 enumerate(ks)])
-        backend.list_state("events").add_many(ks, [{"n": i} for i in range(len(ks))])
-        register_timers(backend, ks[:50], list(range(50)))
-        want = rows_table(backend_rows(backend, 4))
-        got = dumping.dump_table(backend, 4, {"rec": len(ks), "by_user": 3 * len(ks)})
-        assert got.num_rows == want.num_rows > 9 * len(ks)
-        assert got.equals(want)
-        assert {"NaN", "Infinity", "-Infinity", "1e+16", "1e-07", "-0.0", "5e-324"} <= {
-            json.dumps(r["f"]) for r in records}  # (what the text above has to hold)
-    finally:
-        backend.close()
 
 
 def test_subtasks_are_written_at_once_while_the_checkpoint_is_held(job, tmp_path, monkeypatch):
