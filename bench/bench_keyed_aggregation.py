@@ -19,7 +19,10 @@ Three ways a scheduler runs them: a new process per run (like an Airflow task; t
 wall time includes JVM start-up), consecutive runs in one session, and a new Spark
 Connect client process per run against one warm Connect server on 127.0.0.1 (how the
 Airflow provider runs jobs with a ``spark_connect`` connection: no JVM start per run;
-the ``before`` variant has no Connect support and is skipped there). Prints per-run
+the ``before`` variant has no Connect support and is skipped there). As a Connect
+client ours opens its session the way ``ckpt run --remote`` does: attached to the
+job's session kept on the server (`statebackend.spark.connect_sessions`), whose Python
+workers the previous run left idle. Prints per-run
 wall time, events/s and bytes written to checkpoint storage (growth of the
 checkpoint folder), then the ratios ours/spark. Goal (issue 14): events/s >= 3x
 Spark's in every mode, bytes per incremental run <= Spark's.
@@ -178,7 +181,10 @@ def worker(spec: dict) -> None:
 
     t0 = time.perf_counter()
     spark = None
-    if spec.get("engine") != "auto":  # the auto engine starts Spark itself if it picks it
+    # The auto engine starts Spark itself if it picks it. So does ours as a Connect
+    # client, as `ckpt run --remote` does: it attaches to the job's kept session.
+    own_session = spec["variant"] == "ours" and spec["master"].startswith("sc://")
+    if spec.get("engine") != "auto" and not own_session:
         spark = get_spark(spec["master"], app_name=f"bench-{spec['variant']}",
                           conf={"spark.sql.shuffle.partitions": str(spec["parallelism"])})
     startup = time.perf_counter() - t0

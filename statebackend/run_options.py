@@ -188,6 +188,11 @@ class RunOptions:
     memory_limit_mb: int = option(
         defaults.MEMORY_LIMIT_MB, metavar="MIB", argument="memory_limit_mb",
         help="memory backend: a subtask whose state grows past this fails (never swaps)")
+    connect_session: str = option(
+        "job", choices=("job", "new"), argument="connect_session",
+        help="on Spark Connect (--remote): job attaches every run of the job to one session "
+             "the server keeps, so a run finds the last run's Python workers idle; new "
+             "opens a session per run, released at its end (docs/performance.md)")
     input_reader: str = option("auto", help="how input is read (statebackend.job.input)",
                                choices=("spark", "arrow", "auto"), flag=False, spec=False)
     engine: str | None = option(

@@ -37,11 +37,17 @@ from statebackend.storage import Storage
 LOCAL_DIR_ENV = "CKPT_LOCAL_DIR"
 
 
+def local_root(local_dir: str | None = None) -> str:
+    """This machine's local-recovery root: ``local_dir``, else ``CKPT_LOCAL_DIR``, else
+    ``<tmp>/ckpt-local``."""
+    return local_dir or os.environ.get(LOCAL_DIR_ENV) or os.path.join(
+        tempfile.gettempdir(), "ckpt-local")
+
+
 def instance_dir(storage_url: str, job_dir: str, subtask: int,
                  local_dir: str | None = None) -> str:
     """The folder of ``subtask``'s local-recovery instance on this machine (module doc)."""
-    root = local_dir or os.environ.get(LOCAL_DIR_ENV) or os.path.join(
-        tempfile.gettempdir(), "ckpt-local")
+    root = local_root(local_dir)
     tag = hashlib.sha1(storage_url.encode()).hexdigest()[:10]
     return os.path.join(root, f"{job_dir}-{tag}", str(subtask))
 

@@ -23,6 +23,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from statebackend.errors import UsageError
+from statebackend.spark.connect_sessions import (
+    JobSession,
+    code_digest,
+    is_session_closed,
+    names_session,
+    new_session_id,
+    with_session_id,
+)
 
 DEFAULT_MASTER = "local[*]"
 CONNECT_SCHEME = "sc://"
@@ -53,13 +61,14 @@ def is_connect(spark) -> bool:
 
 
 def get_spark(master: str | None = None, app_name: str = "ckpt-job", conf: dict | None = None,
-              remote: str | None = None):
+              remote: str | None = None, job_session: JobSession | None = None):
     """Get or create a SparkSession (storage options travel with each task, not here).
 
     ``remote`` (or a ``master`` starting with ``sc://``) gives a Spark Connect client.
     """
     if remote or is_remote_url(master):
-        return get_connect(remote or master, app_name, conf)  # type: ignore[arg-type]
+        return get_connect(remote or master, app_name, conf,  # type: ignore[arg-type]
+                           job_session)
     spark_env_defaults()
     from pyspark.sql import SparkSession
 
@@ -89,24 +98,62 @@ def quiet_console(master: str | None) -> dict[str, str]:
     return {} if is_remote_url(master) else {"spark.ui.showConsoleProgress": "false"}
 
 
-def get_connect(url: str, app_name: str = "ckpt-job", conf: dict | None = None):
-    """A Spark Connect client session on ``url`` (``sc://host:port``) with our session settings."""
-    from pyspark.sql import SparkSession
-
+def get_connect(url: str, app_name: str = "ckpt-job", conf: dict | None = None,
+                job_session: JobSession | None = None):
+    """A Spark Connect client session on ``url`` (``sc://host:port``) with our session
+    settings. ``job_session``: attach to that job's session kept on the server, whose
+    Python workers the job's last run left idle (`statebackend.spark.connect_sessions`);
+    None: a session of this process's, released when it stops."""
     if not is_remote_url(url):
         raise UsageError(f"--remote {url!r} is not a Spark Connect URL: use sc://host:port")
-    classic = SparkSession.getActiveSession()
+    classic = active_session()
     if classic is not None and not is_connect(classic):
         raise UsageError(f"cannot open Spark Connect session {url}: this process already runs a "
                          "local Spark session; run the job in its own process (ckpt run --remote)")
     try:
-        spark = SparkSession.builder.remote(url).appName(app_name).getOrCreate()
-        for key, value in {**RUNTIME_SETTINGS, **(conf or {})}.items():
-            spark.conf.set(key, value)
+        if job_session is None or names_session(url):
+            return _client(url, app_name, conf)
+        return _job_client(url, app_name, conf, job_session)
     except Exception as exc:  # noqa: BLE001 - grpc/Spark errors: one line naming the server
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         raise UsageError(f"cannot use Spark Connect server {url}: {first}; start it "
                          "(docker compose up spark-connect) or check --remote") from exc
+
+
+def _client(url: str, app_name: str, conf: dict | None, *, kept: bool = False):
+    """A client of ``url`` with the session settings; ``kept``: of a session the server
+    keeps when this client stops (a new client object, attached to the session the URL
+    names), else the process's session (created once, released when it stops)."""
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.remote(url).appName(app_name)
+    spark = builder.create() if kept else builder.getOrCreate()
+    if kept:
+        spark.release_session_on_close = False  # type: ignore[attr-defined]  # (Connect)
+    try:
+        for key, value in {**RUNTIME_SETTINGS, **(conf or {})}.items():
+            spark.conf.set(key, value)
+    except BaseException:
+        if kept:  # (a session got, not created, may be a caller's)
+            spark.stop()
+        raise
+    return spark
+
+
+def _job_client(url: str, app_name: str, conf: dict | None, job: JobSession):
+    """A client of ``job``'s kept session: the recorded one, else (none recorded, the code
+    changed, or the server closed it) a new one, then recorded."""
+    code = code_digest()
+    recorded = job.recorded(code)
+    if recorded is not None:
+        try:
+            return _client(with_session_id(url, recorded), app_name, conf, kept=True)
+        except Exception as exc:
+            if not is_session_closed(exc):
+                raise
+    session_id = new_session_id()
+    spark = _client(with_session_id(url, session_id), app_name, conf, kept=True)
+    job.record(session_id, code)
     return spark
 
 

@@ -121,6 +121,64 @@ def test_first_run_on_connect_takes_the_servers_cores(connect_server, tmp_path):
     assert "ckpt run: run day0, checkpoint 1: 2/2 subtasks (100%)" in done.stderr
 
 
+PID_JOB = "tests.spark.worker_pid_job:JOB"
+RELEASE_SESSION = """
+import sys
+from pyspark.sql import SparkSession
+SparkSession.builder.remote(sys.argv[1] + "/;session_id=" + sys.argv[2]).create().stop()
+"""
+
+
+def _pid_run(server, folder: str, day: int, *extra: str) -> set[int]:
+    """A run of the worker-pid job as a Connect client process: the pids of the Python
+    workers that ran its subtasks."""
+    out = f"{folder}/pid-out"
+    summary = _ckpt_json(server, f"file://{folder}/pid-store", "run", PID_JOB, "--input",
+                         f"{folder}/in{day}", "--output", out, "--run-id", f"day{day}",
+                         "--local-dir", f"{folder}/local", "--parallelism", "2", *extra)
+    assert summary["checkpoint_id"] == day + 1 and summary["engine"] == "spark"
+    pids = set(read_output(out, f"run=day{day}")["pid"])
+    assert pids and os.getpid() not in pids
+    return pids
+
+
+def _recorded_session(folder: str) -> str:
+    (name,) = os.listdir(f"{folder}/local/connect-sessions")
+    with open(f"{folder}/local/connect-sessions/{name}") as fh:
+        return json.load(fh)["session_id"]
+
+
+@pytest.mark.slow
+def test_runs_of_a_job_reuse_the_python_workers_of_its_kept_session(connect_server, tmp_path):
+    """Each run is its own client process, as under Airflow: the second run attaches to
+    the session the first one recorded and its subtasks run in the same Python workers;
+    ``--connect-session new`` runs in new ones; a session the server closed (released
+    here, as its idle timeout would) is replaced by a new recorded one."""
+    folder = str(tmp_path)
+    days = totals_days(folder, 5, seed=13)
+    first = _pid_run(connect_server, folder, 0)
+    session = _recorded_session(folder)
+    second = _pid_run(connect_server, folder, 1)
+    assert second & first, (first, second)
+    assert _recorded_session(folder) == session
+    fresh = _pid_run(connect_server, folder, 2, "--connect-session", "new")
+    assert not fresh & (first | second)
+    assert _recorded_session(folder) == session
+    released = _client(connect_server, sys.executable, "-c", RELEASE_SESSION,
+                       connect_server.url, session)
+    assert released.returncode == 0, released.stderr[-2000:]
+    after = _pid_run(connect_server, folder, 3)
+    assert not after & (first | second)
+    replaced = _recorded_session(folder)
+    assert replaced != session
+    assert _pid_run(connect_server, folder, 4) & after
+    assert _recorded_session(folder) == replaced
+    # the state is every run's: counts per key equal pandas over the five days
+    state = final_state(f"file://{folder}/pid-store", "agg")["counts"]
+    want = pd.concat(days).groupby("key").size()
+    assert state == {(k, None): int(v) for k, v in want.items()}
+
+
 FAILING_RUN = """
 import sys
 from demo.sample_data import generate_events
