@@ -6,7 +6,8 @@ rescale) take an optional ``progress`` argument, any `ProgressSink`:
 when known), ``advance(n=1)`` counts work done in it. The default,
 `NO_PROGRESS`, does nothing, so library callers that pass nothing pay nothing
 and see nothing. The CLI creates one `Progress` per command and passes it; a
-row iterator (dump) it counts itself with ``progress.wrap(rows)``.
+stream of work (the dump's parts of rows) it counts itself with
+``progress.wrap(parts, size=len)``.
 
 Where the output goes (always stderr, never stdout: stdout carries results):
 
@@ -155,13 +156,15 @@ class Progress:
             if self._live is not None and self._task is not None:
                 self._live.update(self._task, advance=n, count=self._count_text())
 
-    def wrap(self, items: Iterable[T]) -> Iterator[T]:
-        """Yield ``items``, counting them in the current phase."""
+    def wrap(self, items: Iterable[T], size: Callable[[T], int] | None = None
+             ) -> Iterator[T]:
+        """Yield ``items``, counting them in the current phase: one each, or ``size(item)``
+        (an item that holds many)."""
         pending = 0
         for item in items:
             yield item
-            pending += 1
-            if pending == WRAP_BATCH:
+            pending += 1 if size is None else size(item)
+            if pending >= WRAP_BATCH:
                 self.advance(pending)
                 pending = 0
         if pending:

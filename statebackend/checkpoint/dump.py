@@ -156,9 +156,14 @@ def write_dump(rows: Iterator[DumpRow], out: str, fmt: str = "jsonl") -> int:
     stream early and the command exits non-zero.
     """
     check_dump_target(out, fmt)
-    if out == STDOUT:
-        return _write_jsonl(rows, sys.stdout)
-    return _atomically(out, lambda tmp: _write_rows(rows, tmp, fmt))
+    if fmt == "jsonl":
+        return write_lines(([json_line(row)] for row in rows), out)
+    return _atomically(out, lambda tmp: _write_parquet(rows, tmp))
+
+
+def json_line(row: DumpRow) -> str:
+    """A row of a JSON-lines dump (`dump_columns.json_lines` builds the same column-wise)."""
+    return json.dumps(row, ensure_ascii=False, sort_keys=True)
 
 
 def write_lines(parts: Iterable[Sequence[str]], out: str) -> int:
@@ -198,19 +203,7 @@ def _write_parts(parts: Iterable[Sequence[str]], fh: IO[str]) -> int:
     return count
 
 
-def _write_jsonl(rows: Iterator[DumpRow], fh: IO[str]) -> int:
-    count = 0
-    for row in rows:
-        fh.write(json.dumps(row, ensure_ascii=False, sort_keys=True))
-        fh.write("\n")
-        count += 1
-    return count
-
-
-def _write_rows(rows: Iterator[DumpRow], out: str, fmt: str) -> int:
-    if fmt == "jsonl":
-        with open(out, "w", encoding="utf-8") as fh:
-            return _write_jsonl(rows, fh)
+def _write_parquet(rows: Iterator[DumpRow], out: str) -> int:
     import pyarrow.parquet as pq
 
     table = rows_table(rows)

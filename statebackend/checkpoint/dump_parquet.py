@@ -99,4 +99,3 @@ def dump_parquet(store: CheckpointStore, meta: CheckpointMetadata, out: str, *,
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return sum(counts)
-

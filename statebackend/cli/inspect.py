@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator
 
 from statebackend.checkpoint import lineage as log
 from statebackend.checkpoint.dump import DUMP_FORMATS, STDOUT, check_dump_target, write_lines
@@ -131,12 +130,6 @@ def cmd_show(args: argparse.Namespace, store: CheckpointStore) -> int:
     return 0
 
 
-def _counted(progress: Progress, parts: Iterator[list[str]]) -> Iterator[list[str]]:
-    for lines in parts:
-        progress.advance(len(lines))
-        yield lines
-
-
 def cmd_dump(args: argparse.Namespace, store: CheckpointStore) -> int:
     check_dump_target(args.out, args.format)  # refuse before restoring anything
     if args.format == "parquet":
@@ -151,9 +144,8 @@ def cmd_dump(args: argparse.Namespace, store: CheckpointStore) -> int:
         else:
             progress.phase(f"checkpoint {meta.checkpoint_id}", total=meta.summary()["rows"],
                            unit="rows")
-            count = write_lines(_counted(progress, checkpoint_lines(store, meta,
-                                                                     state_db_of(args))),
-                                args.out)
+            parts = checkpoint_lines(store, meta, state_db_of(args))
+            count = write_lines(progress.wrap(parts, size=len), args.out)
     where = "stdout" if args.out == STDOUT else args.out
     # with --out - stdout carries the rows: the report goes to stderr
     print(f"wrote {count} rows of checkpoint {meta.checkpoint_id} to {where}",

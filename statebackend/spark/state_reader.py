@@ -216,12 +216,12 @@ def _retired(store: CheckpointStore, checkpoint_id: int) -> CheckpointNotFoundEr
 
 def read_batches(task: ReadTask, ids: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """mapInArrow function: the batches of every subtask whose index arrives."""
-    columns = task.options.columns
+    columns = None if task.options.columns is None else list(task.options.columns)
     for batch in ids:
         for subtask in batch.column(0).to_pylist():
             with named_failure("subtask", subtask):
                 for out in read_subtask(task, subtask):
-                    yield out if columns is None else out.select(list(columns))
+                    yield out if columns is None else out.select(columns)
 
 
 def read_subtask(task: ReadTask, subtask: int) -> Iterator[pa.RecordBatch]:
