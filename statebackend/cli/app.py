@@ -93,6 +93,20 @@ def json_flag() -> argparse.ArgumentParser:
     return parent
 
 
+def connect_session_flag(commands: str) -> argparse.ArgumentParser:
+    """``--connect-session job|new`` for a command that can run as a Spark Connect client
+    (``--remote``): ``commands`` names what shares the kept session (`ckpt run` has its
+    own flag, from its run options)."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument(
+        "--connect-session", choices=("job", "new"), default="job",
+        help=f"with --remote: job (default) attaches the job's {commands} to one session the "
+             "server keeps, so each finds the last one's Python workers idle; new opens a "
+             "session of this command's own, released at its end (the server keeps its "
+             "workers until it cleans it up; docs/performance.md)")
+    return parent
+
+
 def state_db_flags() -> argparse.ArgumentParser:
     """``--state-db``/``--state-table``: where an external-backend job keeps its state."""
     parent = argparse.ArgumentParser(add_help=False)

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import argparse
 
-from statebackend.cli.app import emit_json, json_flag, state_db_flags, state_db_of
+from statebackend.cli.app import (
+    connect_session_flag,
+    emit_json,
+    json_flag,
+    state_db_flags,
+    state_db_of,
+)
 from statebackend.job.command import importable_cwd
 from statebackend.job.load import load_job
 from statebackend.job.transform import (
@@ -24,7 +30,7 @@ from statebackend.storage import Storage
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "migrate", parents=[json_flag(), state_db_flags()],
+        "migrate", parents=[json_flag(), state_db_flags(), connect_session_flag("migrations")],
         help="transform state into a new job's savepoint",
         description="Read a checkpoint or savepoint (SOURCE), pass every key's state through "
                     "a function (TRANSFORM: per key, or per Arrow batch across the states of "
@@ -67,6 +73,7 @@ def cmd_migrate(args: argparse.Namespace, storage: Storage) -> int:
                                      target_job=args.job, parallelism=args.parallelism,
                                      max_parallelism=args.max_parallelism,
                                      master=args.remote or args.master, dry_run=args.dry_run,
+                                     connect_session=args.connect_session,
                                      state_db=state_db_of(args), progress=progress))
     if args.json:
         emit_json(result)

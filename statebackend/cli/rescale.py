@@ -5,17 +5,23 @@ from __future__ import annotations
 import argparse
 
 from statebackend.checkpoint.store import CheckpointStore
-from statebackend.cli.app import emit_json, human_bytes, json_flag
+from statebackend.cli.app import connect_session_flag, emit_json, human_bytes, json_flag
 from statebackend.engines import ENGINES
 from statebackend.progress import Progress
-from statebackend.rescale.executor import RescaleOptions, choose_rescale_engine, rescale
+from statebackend.rescale.executor import (
+    RescaleOptions,
+    choose_rescale_engine,
+    rescale,
+    rescale_spark,
+)
 from statebackend.rescale.plan import plan_rescale
-from statebackend.spark.session import get_spark, owned_session, quiet_console
+from statebackend.spark.session import owned_session, quiet_console
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "rescale", parents=[json_flag()], help="rescale a checkpoint to a new parallelism",
+        "rescale", parents=[json_flag(), connect_session_flag("rescales")],
+        help="rescale a checkpoint to a new parallelism",
         description="Write a new checkpoint with parallelism Q from checkpoint ID (default: "
                     "latest), one task per new subtask: each restores the old subtask with "
                     "the largest key-group overlap, clips it with delete_range and ingests "
@@ -45,7 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_rescale(args: argparse.Namespace, store: CheckpointStore) -> int:
     options = RescaleOptions(engine=args.engine, master=args.remote or args.master,
-                             compact=args.compact, dry_run=args.dry_run)
+                             compact=args.compact, dry_run=args.dry_run,
+                             connect_session=args.connect_session)
     if args.dry_run:
         summary = rescale(store, args.checkpoint, args.parallelism, options=options)
     else:
@@ -82,8 +89,7 @@ def _run_rescale(args: argparse.Namespace, store: CheckpointStore, options: Resc
         if choose_rescale_engine(store, store.resolve(args.checkpoint), options).engine \
                 == "spark":
             progress.phase("starting Spark")
-            spark = get_spark(args.master, app_name="ckpt-rescale", remote=args.remote,
-                              conf=quiet_console(args.remote or args.master))
+            spark = rescale_spark(store, options, quiet_console(options.master))
         progress.phase(label)
         return rescale(store, args.checkpoint, args.parallelism, spark=spark,
                        options=options, progress=progress)

@@ -36,13 +36,11 @@ reading the input, the subtasks done of P as they finish, committing, publishing
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import replace
 
 from statebackend import settings
 from statebackend.checkpoint.attempt import Attempt, cleanup_committed
-from statebackend.checkpoint.local_copy import local_root
 from statebackend.checkpoint.metadata import MAX_COUNT, CheckpointMetadata, utc_now_iso
 from statebackend.checkpoint.runs import RunOutcome, RunRecord, record_outcome
 from statebackend.checkpoint.store import CheckpointStore, WriterSession
@@ -90,8 +88,7 @@ from statebackend.job.summary import CommittedRun, RunSummary, RunTimeline
 from statebackend.job.task import TaskParams
 from statebackend.progress import NO_PROGRESS, ProgressSink
 from statebackend.settings import number
-from statebackend.spark.connect_sessions import JobSession, server_of
-from statebackend.spark.session import is_remote_url
+from statebackend.spark.connect_sessions import JobSession, kept_session
 
 # Why a run whose input has no row (Parquet footers count none) and whose lineage has no
 # timer or expiry due runs on the local engine whatever was chosen: its subtasks carry
@@ -236,10 +233,8 @@ class _JobRun:
         """Where this job's kept Spark Connect session is recorded (``--connect-session
         job``, the default); None: a session of the run's own."""
         config = self.config
-        if config.connect_session != "job" or not is_remote_url(config.master):
-            return None
-        return JobSession(server_of(config.master), self.store.root_storage.url, self.store.job,
-                          os.path.join(local_root(config.local_dir), "connect-sessions"))
+        return kept_session(config.master, self.store.root_storage.url, self.store.job,
+                            mode=config.connect_session, local_dir=config.local_dir)
 
     def _attempt(self, plan: RunPlan, engine: Engine, session: WriterSession) -> RunSummary:
         """The tasks, then check, commit and publish; a failure discards every upload.

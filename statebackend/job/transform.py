@@ -59,6 +59,7 @@ from statebackend.lifecycle.savepoint import (
     savepoint_purpose,
 )
 from statebackend.progress import NO_PROGRESS, ProgressSink
+from statebackend.spark.connect_sessions import kept_session
 from statebackend.state.external_store import ExternalStore
 from statebackend.state.families import TIMERS
 from statebackend.state.keygroups import check_parallelism
@@ -80,8 +81,9 @@ class TransformOptions:
     (stopped after if this call started it); neither: this process's threads;
     ``dry_run``: the plan only; ``local_dir``: the local-recovery root the source's
     subtasks are looked for in; ``state_db``: the database of an external-backend source
-    (its key groups are queried at the source's version); ``progress``: where progress
-    goes.
+    (its key groups are queried at the source's version); ``connect_session`` on a Connect
+    ``master``: ``job`` attaches to the session kept for the new job's migrations, ``new``
+    opens one (statebackend.spark.connect_sessions); ``progress``: where progress goes.
     """
 
     target_job: str | None = None
@@ -91,6 +93,7 @@ class TransformOptions:
     dry_run: bool = False
     local_dir: str | None = None
     state_db: ExternalStore | None = None
+    connect_session: str = "job"
     spark: Any = field(default=None, compare=False, repr=False)
     progress: ProgressSink = field(default=NO_PROGRESS, compare=False, repr=False)
 
@@ -238,7 +241,10 @@ def _write(store: CheckpointStore, plan: TransformPlan, read: SourceRead, origin
         progress = options.progress
         if options.spark is None:
             progress.phase("starting Spark")
-        spark = options.spark or get_spark(options.master, app_name="ckpt-migrate")
+        spark = options.spark or get_spark(
+            options.master, app_name="ckpt-migrate", job_session=kept_session(
+                options.master, store.root_storage.url, store.job, purpose="migrate",
+                mode=options.connect_session, local_dir=options.local_dir))
         progress.phase(f"{LABEL} (Spark tasks)")
         summary, _ = write_savepoint(task, store, plan.savepoint,
                                      lambda: transform_with_spark(spark, read, task), claim,

@@ -71,6 +71,7 @@ from statebackend.rescale.task import (
     run_rescale_batches,
     run_rescale_task,
 )
+from statebackend.spark.connect_sessions import kept_session
 from statebackend.spark.dispatch import run_tasks as run_spark_tasks
 from statebackend.spark.progress import TaskStages, report_tasks
 from statebackend.state.kinds import StateDescriptor
@@ -88,13 +89,16 @@ class RescaleOptions:
     """How to rescale: ``engine`` (``spark``/``local``/``auto``, statebackend.engines) on
     ``master`` (default: the session's, else ``local[*]``); ``compact`` rewrites every
     new subtask to its live keys; ``dry_run`` only plans; ``fail_subtask`` is a test
-    hook (that new subtask fails after its upload)."""
+    hook (that new subtask fails after its upload); ``connect_session`` on a Connect
+    master: ``job`` attaches to the session kept for the job's rescales, ``new`` opens
+    one (statebackend.spark.connect_sessions)."""
 
     engine: str | None = None
     master: str | None = None
     compact: bool = False
     dry_run: bool = False
     fail_subtask: int | None = None
+    connect_session: str = "job"
 
 
 def rescale(store: CheckpointStore, ref: str | int | None = "latest",
@@ -206,9 +210,7 @@ def _run_tasks(tasks: list[RescaleTask], store: CheckpointStore, choice: EngineC
         return run_in_threads(len(tasks), lambda i: run_rescale_task(tasks[i]),
                               workers=workers, progress=progress, word="new subtask")
     if spark is None:
-        from statebackend.spark.session import get_spark  # Spark only for Spark tasks
-
-        spark = get_spark(options.master, app_name="ckpt-rescale")
+        spark = rescale_spark(store, options)
     # range() puts exactly one id in each of its n partitions: one task per subtask.
     df = spark.range(0, len(tasks), 1, len(tasks)).mapInArrow(
         functools.partial(run_rescale_batches, tuple(tasks)), "result string")
@@ -222,6 +224,16 @@ def _run_tasks(tasks: list[RescaleTask], store: CheckpointStore, choice: EngineC
     store.storage.invalidate_cache()
     return sorted((RescaleTaskResult.from_json(json.loads(r["result"])) for r in rows),
                   key=lambda r: r.index)
+
+
+def rescale_spark(store: CheckpointStore, options: RescaleOptions, conf: dict | None = None):
+    """A Spark session for the rescale tasks on ``options.master``; on Spark Connect the
+    session kept for the job's rescales (``options.connect_session``)."""
+    from statebackend.spark.session import get_spark  # Spark only for Spark tasks
+
+    kept = kept_session(options.master, store.root_storage.url, store.job, purpose="rescale",
+                        mode=options.connect_session)
+    return get_spark(options.master, app_name="ckpt-rescale", conf=conf, job_session=kept)
 
 
 def _record(store: CheckpointStore, meta: CheckpointMetadata,
@@ -275,7 +287,8 @@ def _summary(store: CheckpointStore, new_meta: CheckpointMetadata, plan: Rescale
         "compacted": options.compact,
         "compacted_subtasks": sum(r.compacted for r in results),
         "subtasks": [{"index": r.index, "base": s.base, "clipped_share": r.clipped_share,
-                      "compacted": r.compacted, "scratch": r.scratch,
+                      "compacted": r.compacted, "scratch": r.scratch, "host": r.host,
+                      "pid": r.pid,
                       "imports": [i.source for i in s.imports], "rows": r.rows,
                       "bytes_downloaded": r.bytes_downloaded,
                       "bytes_uploaded": r.bytes_uploaded, "files_reused": r.files_reused,

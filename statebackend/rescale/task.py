@@ -109,6 +109,7 @@ class RescaleTaskResult:
     timings: Mapping[str, float]
     scratch: str = ""
     host: str = ""
+    pid: int = 0  # the process that built it (a Spark task's Python worker)
 
     @property
     def bytes_uploaded(self) -> int:
@@ -120,7 +121,7 @@ class RescaleTaskResult:
                 "bytes_downloaded": self.bytes_downloaded, "files_reused": self.files_reused,
                 "entries_imported": self.entries_imported, "clipped_share": self.clipped_share,
                 "compacted": self.compacted, "rows": self.rows, "timings": dict(self.timings),
-                "scratch": self.scratch, "host": self.host}
+                "scratch": self.scratch, "host": self.host, "pid": self.pid}
 
     @staticmethod
     def from_json(data: Mapping) -> RescaleTaskResult:
@@ -200,7 +201,7 @@ class _NewSubtask:
             bytes_downloaded=self.bytes_downloaded, files_reused=result.files_reused,
             entries_imported=entries, clipped_share=round(clipped, 3), compacted=compacted,
             rows=sum(result.handle.row_counts.values()), timings=dict(self.timings),
-            scratch=os.path.dirname(self.work), host=socket.gethostname())
+            scratch=os.path.dirname(self.work), host=socket.gethostname(), pid=os.getpid())
 
     def _fetch_and_export(self, item: tuple[SubtaskHandle, KeyGroupRange]
                           ) -> tuple[dict[str, tuple[str, int]], float]:

@@ -11,7 +11,9 @@ How (`JobSession`):
 
 - A job's runs attach to one session. Its id is recorded on the client machine,
   under the local-recovery root (``<root>/connect-sessions/<digest>.json``, one file
-  per Connect server, storage root and job folder).
+  per Connect server, storage root and job folder). The job's rescales and migrations
+  keep a session each of their own (``purpose``): they import other code than its runs,
+  and sharing one record would replace it at every switch.
 - A run ends without releasing the session, so its workers wait for the next run.
 - The record also holds a digest of the code the workers import: every ``.py`` file
   of the packages this process imported from the folders on ``PYTHONPATH`` and of the
@@ -21,12 +23,14 @@ How (`JobSession`):
   ``spark.connect.session.manager.defaultSessionTimeout`` (60 min by default) and then
   refuses its id (``INVALID_HANDLE.SESSION_CLOSED``); the run then opens a new session
   and records it (new workers, once). The closed one is never used again.
-- Runs of one job never overlap (the writer lease), and different jobs have different
-  sessions, so no two runs share a session at once. A run's session settings
+- Runs and rescales of one job never overlap (the writer lease), and different jobs
+  have different sessions, so no two of them share a session at once (two migrations
+  into one job may: a Connect session serves concurrent operations). A run's session settings
   (`statebackend.spark.session.RUNTIME_SETTINGS`) are set again by every run.
 
-``--connect-session new`` opens a session of its own for each run, released at its
-end. A URL that names a ``session_id`` itself is used as given.
+``--connect-session new`` opens a session of its own for each command, released at its
+end (the server then keeps that session's Python workers until it cleans it up: many
+short-lived sessions grow its memory). A URL that names a ``session_id`` itself is used as given.
 """
 
 from __future__ import annotations
@@ -39,22 +43,28 @@ import sys
 import uuid
 from dataclasses import dataclass
 
+from statebackend.checkpoint.local_copy import local_root
+
+CONNECT_SCHEME = "sc://"
 SESSION_CLOSED = ("INVALID_HANDLE.SESSION_CLOSED", "INVALID_HANDLE.SESSION_NOT_FOUND")
 RECORD_FORMAT = 1
 
 
 @dataclass(frozen=True)
 class JobSession:
-    """Where the session id of one job's runs on one Connect server is recorded."""
+    """Where the session id of one job's runs (or rescales, or migrations: ``purpose``) on
+    one Connect server is recorded."""
 
     server: str    # sc://host:port, without the URL's parameters (`server_of`)
     storage: str   # the storage root URL
     job: str       # the job's folder under it
     folder: str    # <local-recovery root>/connect-sessions
+    purpose: str = "run"  # run, rescale or migrate
 
     @property
     def path(self) -> str:
-        key = "\n".join((self.server, self.storage, self.job))
+        parts = (self.server, self.storage, self.job)
+        key = "\n".join(parts if self.purpose == "run" else (*parts, self.purpose))
         return os.path.join(self.folder, hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
 
     def recorded(self, code: str) -> str | None:
@@ -71,7 +81,8 @@ class JobSession:
     def record(self, session_id: str, code: str) -> None:
         """Record ``session_id`` (best effort: a run without a record opens a new one)."""
         data = {"format": RECORD_FORMAT, "server": self.server, "storage": self.storage,
-                "job": self.job, "code": code, "session_id": session_id}
+                "job": self.job, "purpose": self.purpose, "code": code,
+                "session_id": session_id}
         tmp = f"{self.path}.tmp-{uuid.uuid4().hex}"
         try:
             os.makedirs(self.folder, exist_ok=True)
@@ -83,6 +94,17 @@ class JobSession:
                 os.unlink(tmp)
             except OSError:
                 pass
+
+
+def kept_session(master: str | None, storage: str, job: str, *, purpose: str = "run",
+                 mode: str = "job", local_dir: str | None = None) -> JobSession | None:
+    """Where the session kept for ``job``'s ``purpose`` commands on Connect server
+    ``master`` is recorded (under ``local_dir``'s local-recovery root); None: ``mode``
+    is ``new`` (a session of the command's own) or ``master`` is not a Connect URL."""
+    if mode != "job" or not (master or "").startswith(CONNECT_SCHEME):
+        return None
+    return JobSession(server_of(master or ""), storage, job,
+                      os.path.join(local_root(local_dir), "connect-sessions"), purpose)
 
 
 def server_of(url: str) -> str:

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 
 from statebackend.errors import UsageError
 from statebackend.spark.connect_sessions import (
+    CONNECT_SCHEME,
     JobSession,
     code_digest,
     is_session_closed,
@@ -33,7 +34,6 @@ from statebackend.spark.connect_sessions import (
 )
 
 DEFAULT_MASTER = "local[*]"
-CONNECT_SCHEME = "sc://"
 # Without a conf that says how many cores the Connect server has.
 CONNECT_FALLBACK_PARALLELISM = 2
 # Session (runtime) settings a Connect client may set; the rest belong to the server.

@@ -17,14 +17,19 @@ import pytest
 
 from demo.sample_data import generate_events
 from jobs.keyed_aggregation import JOB
+from statebackend.checkpoint.dump import checkpoint_rows
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import UsageError
 from statebackend.job.config import RunConfig
 from statebackend.job.run import run_job
+from statebackend.lifecycle.registry import load_savepoint
 from statebackend.rescale.executor import rescale
 from statebackend.spark.dispatch import task_failure
 from statebackend.spark.session import get_spark
 from statebackend.storage import open_storage
+from tests.evolution.card_spend import VERSIONS, dumped, events
+from tests.evolution.test_evolution import same
+from tests.jobs import transform_data as data
 from tests.jobs.run_reference import (
     assert_totals_equal,
     final_state,
@@ -44,10 +49,11 @@ def _client(server, *args: str, env: dict | None = None) -> subprocess.Completed
                           capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S)
 
 
-def _ckpt_json(server, storage: str, *args: str) -> dict:
-    """``ckpt --storage S --job agg ARGS --remote URL --json``: the printed summary."""
-    done = _client(server, CKPT_BIN, "--storage", storage, "--job", "agg", *args,
-                   "--remote", server.url, "--json")
+def _ckpt_json(server, storage: str, *args: str, job: str = "agg",
+               env: dict | None = None) -> dict:
+    """``ckpt --storage S --job JOB ARGS --remote URL --json``: the printed summary."""
+    done = _client(server, CKPT_BIN, "--storage", storage, "--job", job, *args,
+                   "--remote", server.url, "--json", env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 
@@ -142,10 +148,14 @@ def _pid_run(server, folder: str, day: int, *extra: str) -> set[int]:
     return pids
 
 
-def _recorded_session(folder: str) -> str:
-    (name,) = os.listdir(f"{folder}/local/connect-sessions")
-    with open(f"{folder}/local/connect-sessions/{name}") as fh:
-        return json.load(fh)["session_id"]
+def _recorded_session(folder: str, purpose: str = "run") -> str:
+    """The session id recorded for the job's ``purpose`` commands (the only record)."""
+    records = []
+    for name in os.listdir(f"{folder}/local/connect-sessions"):
+        with open(f"{folder}/local/connect-sessions/{name}") as fh:
+            records.append(json.load(fh))
+    (record,) = [r for r in records if r.get("purpose", "run") == purpose]
+    return record["session_id"]
 
 
 @pytest.mark.slow
@@ -186,6 +196,7 @@ from jobs.keyed_aggregation import JOB
 from statebackend.errors import CkptError
 from statebackend.job.config import RunConfig
 from statebackend.job.run import run_job
+from statebackend.lifecycle.registry import load_savepoint
 folder, url = sys.argv[1], sys.argv[2]
 config = RunConfig(input=folder + "/in0", storage="file://" + folder + "/store", job="agg",
                    run_id="boom", output=folder + "/out", parallelism=3, master=url,
@@ -272,3 +283,60 @@ def test_a_timestamp_column_leaves_the_schema_to_spark(tmp_path):
     assert parquet_read_schema(Input(schema=schema, key="k"), path) is None
     assert parquet_read_schema(Input(schema=pa.schema([("k", pa.string())]), key="k"),
                                path) == "`k` string"
+
+
+def _rescale_pids(server, folder: str, parallelism: int, *extra: str) -> set[int]:
+    """A rescale as a Connect client process: the pids of the Python workers that built
+    its new subtasks."""
+    summary = _ckpt_json(server, f"file://{folder}/store", "rescale", "-p", str(parallelism),
+                         "--engine", "spark", *extra, env={"CKPT_LOCAL_DIR": f"{folder}/local"})
+    assert summary["engine"] == "spark" and summary["to_parallelism"] == parallelism
+    pids = {s["pid"] for s in summary["subtasks"]}
+    assert pids and os.getpid() not in pids
+    return pids
+
+
+@pytest.mark.slow
+def test_rescales_and_migrations_of_a_job_keep_a_connect_session_each(connect_server,
+                                                                      tmp_path):
+    """``ckpt rescale --remote`` and ``ckpt migrate --remote`` attach to a session kept for
+    the job's rescales (or migrations), as runs do: the second rescale runs in the first
+    one's Python workers, ``--connect-session new`` in new ones; each purpose has its own
+    record. Every key stays once across the rescales (pandas), and both migrations write
+    what pandas says the transform gives."""
+    folder = str(tmp_path)
+    store = f"file://{folder}/store"
+    days = totals_days(folder, 2, seed=29)
+    local = RunConfig(input=f"{folder}/in0", storage=store, job="agg", run_id="day0",
+                      output=f"{folder}/out", parallelism=4, engine="local")
+    run_job(JOB, local)
+    first = _rescale_pids(connect_server, folder, 2)
+    session = _recorded_session(folder, "rescale")
+    second = _rescale_pids(connect_server, folder, 3)
+    assert second & first, (first, second)
+    fresh = _rescale_pids(connect_server, folder, 4, "--connect-session", "new")
+    assert not fresh & (first | second)
+    assert _recorded_session(folder, "rescale") == session
+    run_job(JOB, RunConfig(input=f"{folder}/in1", storage=store, job="agg", run_id="day1",
+                           output=f"{folder}/out", engine="local"))
+    assert_totals_equal(final_state(store, "agg")["totals"], totals_reference(days)[1]["totals"])
+
+    card = events(250, 30, 101, 1)
+    os.makedirs(f"{folder}/card-in")
+    card.to_parquet(f"{folder}/card-in/part.parquet")
+    run_job(VERSIONS[1], RunConfig(input=f"{folder}/card-in", storage=store, job="card_spend",
+                                   run_id="day1", output=f"{folder}/card-out", parallelism=2,
+                                   engine="local"))
+    want = data.split_reference(data.with_new_ids(card))
+    sessions = []
+    for name in ("split-a", "split-b"):
+        summary = _ckpt_json(connect_server, store, "migrate", "card_spend:latest",
+                             "tests.jobs.transform_data:SPLIT_AND_REKEY", "--to",
+                             "tests.jobs.transform_data:SPLIT_BY_ID", "--savepoint", name,
+                             job="card_split", env={"CKPT_LOCAL_DIR": f"{folder}/local"})
+        assert summary["plan"]["engine"] == "spark"
+        sessions.append(_recorded_session(folder, "migrate"))
+        target = CheckpointStore(open_storage(store), "card_split")
+        got = dumped(checkpoint_rows(target, load_savepoint(target, name)))
+        assert set(got) == set(want) and all(same(got[s], want[s]) for s in got)
+    assert sessions[0] == sessions[1] != session

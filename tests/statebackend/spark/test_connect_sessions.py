@@ -31,6 +31,32 @@ def test_a_recorded_session_is_found_for_the_same_code_only(tmp_path):
     assert os.listdir(tmp_path / "connect-sessions") == [os.path.basename(job.path)]
 
 
+def test_a_jobs_runs_rescales_and_migrations_keep_a_record_each(tmp_path):
+    """Each command kind of one job has its own record (a rescale must not replace the
+    runs' one); the runs' record is where it was before purposes existed."""
+    where = str(tmp_path / "local")
+    kept = {p: cs.kept_session("sc://127.0.0.1:15002/;token=t", "file:///data/store",
+                               "orders", purpose=p, local_dir=where)
+            for p in ("run", "rescale", "migrate")}
+    assert all(k is not None and k.folder == f"{where}/connect-sessions" for k in kept.values())
+    assert len({k.path for k in kept.values() if k}) == 3
+    assert kept["run"] == _job(tmp_path / "local")  # the same record path as before
+    sid = cs.new_session_id()
+    kept["rescale"].record(sid, "c")  # type: ignore[union-attr]
+    assert kept["rescale"].recorded("c") == sid  # type: ignore[union-attr]
+    assert kept["run"].recorded("c") is None  # type: ignore[union-attr]
+    with open(kept["rescale"].path) as fh:  # type: ignore[union-attr]
+        assert json.load(fh)["purpose"] == "rescale"
+
+
+@pytest.mark.parametrize("master, mode", [("local[2]", "job"), (None, "job"),
+                                          ("spark://h:7077", "job"),
+                                          ("sc://127.0.0.1:15002", "new")])
+def test_no_kept_session_off_connect_or_when_asked_for_a_new_one(tmp_path, master, mode):
+    assert cs.kept_session(master, "file:///s", "orders", mode=mode,
+                           local_dir=str(tmp_path)) is None
+
+
 @pytest.mark.parametrize("content", ["not json", json.dumps({"format": 1, "code": "c"}),
                                      json.dumps({"format": 1, "code": "c",
                                                  "session_id": "../../etc"}),
