@@ -41,11 +41,13 @@ SPARK_DIRECT_READ_MAX_BYTES = 512 * 2**20
 # subtask fails past MEMORY_LIMIT_MB, never swaps). A job's `backend`, its ckpt_jobs
 # entry or `ckpt run --backend` choose it; an existing lineage keeps its records'.
 BACKENDS = ("rocksdb", "memory", "external")
+CONNECT_SESSIONS = ("job", "new")  # --connect-session (statebackend.spark.connect_sessions)
 EXTERNAL_MODES = ("mvcc", "wal")  # the external backend's (statebackend.state.external_wal)
 BACKEND = "rocksdb"
 MEMORY_LIMIT_MB = 2048
 
-__all__ = ["BACKEND", "BACKENDS", "ENGINE", "ENGINES", "EXTERNAL_MODES", "GC_GRACE_SECONDS",
-           "KEY_HASH", "LOCAL_ENGINE_MAX_BYTES", "LOCAL_ENGINE_MAX_MEMORY_BYTES",
-           "LOCAL_ENGINE_MAX_STATE_BYTES", "MAX_PARALLELISM", "MAX_REJECT_FRACTION",
-           "MEMORY_LIMIT_MB", "RETENTION_KEEP", "SPARK_DIRECT_READ_MAX_BYTES"]
+__all__ = ["BACKEND", "BACKENDS", "CONNECT_SESSIONS", "ENGINE", "ENGINES", "EXTERNAL_MODES",
+           "GC_GRACE_SECONDS", "KEY_HASH", "LOCAL_ENGINE_MAX_BYTES",
+           "LOCAL_ENGINE_MAX_MEMORY_BYTES", "LOCAL_ENGINE_MAX_STATE_BYTES", "MAX_PARALLELISM",
+           "MAX_REJECT_FRACTION", "MEMORY_LIMIT_MB", "RETENTION_KEEP",
+           "SPARK_DIRECT_READ_MAX_BYTES"]

@@ -189,7 +189,7 @@ class RunOptions:
         defaults.MEMORY_LIMIT_MB, metavar="MIB", argument="memory_limit_mb",
         help="memory backend: a subtask whose state grows past this fails (never swaps)")
     connect_session: str = option(
-        "job", choices=("job", "new"), argument="connect_session",
+        "job", choices=defaults.CONNECT_SESSIONS, argument="connect_session",
         help="on Spark Connect (--remote): job attaches every run of the job to one session "
              "the server keeps, so a run finds the last run's Python workers idle; new "
              "opens a session per run, released at its end (docs/performance.md)")

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from statebackend import settings
 from statebackend.checkpoint.store import CheckpointStore
+from statebackend.defaults import CONNECT_SESSIONS
 from statebackend.errors import (
     CkptError,
     UsageError,
@@ -99,7 +100,7 @@ def connect_session_flag(commands: str) -> argparse.ArgumentParser:
     own flag, from its run options)."""
     parent = argparse.ArgumentParser(add_help=False)
     parent.add_argument(
-        "--connect-session", choices=("job", "new"), default="job",
+        "--connect-session", choices=CONNECT_SESSIONS, default="job",
         help=f"with --remote: job (default) attaches the job's {commands} to one session the "
              "server keeps, so each finds the last one's Python workers idle; new opens a "
              "session of this command's own, released at its end (the server keeps its "

@@ -43,7 +43,8 @@ import sys
 import uuid
 from dataclasses import dataclass
 
-from statebackend.checkpoint.local_copy import local_root
+from statebackend.defaults import CONNECT_SESSIONS
+from statebackend.errors import UsageError
 
 CONNECT_SCHEME = "sc://"
 SESSION_CLOSED = ("INVALID_HANDLE.SESSION_CLOSED", "INVALID_HANDLE.SESSION_NOT_FOUND")
@@ -101,8 +102,15 @@ def kept_session(master: str | None, storage: str, job: str, *, purpose: str = "
     """Where the session kept for ``job``'s ``purpose`` commands on Connect server
     ``master`` is recorded (under ``local_dir``'s local-recovery root); None: ``mode``
     is ``new`` (a session of the command's own) or ``master`` is not a Connect URL."""
+    if mode not in CONNECT_SESSIONS:
+        raise UsageError(f"connect session {mode!r} is not one of "
+                         f"{', '.join(CONNECT_SESSIONS)}")
     if mode != "job" or not (master or "").startswith(CONNECT_SCHEME):
         return None
+    # (here, not at the top: the local-copy module imports pyarrow and rocksdict, and
+    # statebackend.spark.session, which imports this one, stays light)
+    from statebackend.checkpoint.local_copy import local_root
+
     return JobSession(server_of(master or ""), storage, job,
                       os.path.join(local_root(local_dir), "connect-sessions"), purpose)
 

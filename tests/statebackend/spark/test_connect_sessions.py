@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 
+from statebackend.errors import UsageError
 from statebackend.spark import connect_sessions as cs
 
 
@@ -55,6 +56,12 @@ def test_a_jobs_runs_rescales_and_migrations_keep_a_record_each(tmp_path):
 def test_no_kept_session_off_connect_or_when_asked_for_a_new_one(tmp_path, master, mode):
     assert cs.kept_session(master, "file:///s", "orders", mode=mode,
                            local_dir=str(tmp_path)) is None
+
+
+def test_an_unknown_connect_session_mode_is_refused_in_one_line(tmp_path):
+    with pytest.raises(UsageError, match=r"^connect session 'reuse' is not one of job, new$"):
+        cs.kept_session("sc://h:15002", "file:///s", "orders", mode="reuse",
+                        local_dir=str(tmp_path))
 
 
 @pytest.mark.parametrize("content", ["not json", json.dumps({"format": 1, "code": "c"}),
