@@ -89,13 +89,22 @@ def connect_server(base: str, master: str = "local[2]",
         stop_group(proc)
 
 
-def stop_group(proc: subprocess.Popen, first: int = signal.SIGTERM, grace_s: float = 60) -> None:
-    """Stop the process group ``proc`` leads (started with ``start_new_session``):
-    ``first``, then SIGKILL if it is still running after ``grace_s``."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, first)
+def stop_group(proc: subprocess.Popen, *signals: tuple[int, float]) -> None:
+    """Stop the process group ``proc`` leads (started with ``start_new_session``): each
+    (signal, grace seconds) of ``signals`` in turn (default SIGTERM, 60 s) until its
+    leader has exited, then SIGKILL to what is left of the group (a member that ignored
+    the signals, such as an idle Airflow LocalExecutor worker, outlives its leader)."""
+    for sig, grace_s in signals or ((signal.SIGTERM, 60.0),):
+        if proc.poll() is not None:
+            break
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=grace_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
     try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+    except ProcessLookupError:
+        pass  # the whole group is gone
+    proc.wait(timeout=30)

@@ -10,7 +10,8 @@ lands on Airflow's login page; logged in as admin it checks the DOM and the scre
 for the job name and the chart, and that the linked validation report renders under
 its no-script CSP. Before that, a queued run of the (paused) pipeline DAG makes the
 rescale refuse. Stopped by SIGINT to its process group (as Ctrl-C in a terminal does:
-make waits for its recipe, standalone stops its components).
+make waits for its recipe, standalone stops its components), then SIGTERM (the
+LocalExecutor's idle workers ignore SIGINT).
 """
 
 from __future__ import annotations
@@ -165,7 +166,10 @@ def standalone(tmp_path_factory):
         wait_healthy(proc.pid, proc, 300)
         yield {"pid": proc.pid, "home": home, "base": base, "env": env, "storage": storage}
     finally:
-        stop_group(proc, signal.SIGINT)  # airflow standalone shuts down on SIGINT
+        # SIGINT first, as Ctrl-C; the LocalExecutor's idle workers ignore it and keep
+        # the scheduler's output pipe open, so standalone waits for them (it did for 60 s
+        # every run): SIGTERM after a few seconds ends them, then standalone completes.
+        stop_group(proc, (signal.SIGINT, 5.0), (signal.SIGTERM, 60.0))
         log.close()
 
 
