@@ -225,8 +225,17 @@ class Storage:
         if workers == 1:
             yield from map(fn, items)
             return
-        with ThreadPoolExecutor(max_workers=workers) as pool:
+        pool = ThreadPoolExecutor(max_workers=workers)
+        finished = False
+        try:
             yield from pool.map(fn, items)
+            finished = True
+        finally:
+            # Only a finished map waits for its workers. One its caller left (stopped
+            # early, or raised) is closed by the garbage collector in whatever thread it
+            # runs in, fsspec's event-loop thread among them, which a request still
+            # running needs: waiting there would hang the process for good.
+            pool.shutdown(wait=finished, cancel_futures=not finished)
 
     def attempt_requests(self, fn: Callable[[_T], _R], items: Iterable[_T],
                          threads: int = 16) -> list[tuple[_R | None, Exception | None]]:

@@ -6,6 +6,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,6 +24,7 @@ from statebackend.storage.checksums import THREADED_CHECKSUM_BYTES
 from statebackend.storage.local import LocalStorage
 from statebackend.storage.memory import MemoryStorage
 from statebackend.storage.s3 import S3Storage
+from tests.conftest import S3_BUCKET
 
 
 @pytest.fixture
@@ -71,6 +73,38 @@ def test_map_requests_overlaps_only_on_remote_stores(storage):
         assert len(threads) > 1 and threading.get_ident() not in threads
     else:
         assert threads == {threading.get_ident()}
+
+
+def test_an_abandoned_map_closed_in_fsspecs_event_loop_does_not_wait_for_its_requests(
+        s3_server):
+    """A map its caller left (stopped early, or raised) is closed by the garbage
+    collector in whatever thread it runs in. Closed in fsspec's event-loop thread, as it
+    once was in the chaos test (which then hung for good), it must not wait for its
+    requests still running: they need that thread."""
+    import asyncio
+
+    from fsspec.asyn import get_loop, sync
+
+    storage = open_storage(f"s3://{S3_BUCKET}/{uuid.uuid4().hex}")
+    loop = get_loop()
+    finished: list[int] = []
+
+    def request(i: int) -> int:
+        if i:
+            try:  # an S3 request's shape: it waits for the event loop to run it
+                sync(loop, asyncio.sleep, 2, timeout=5)
+            finally:
+                finished.append(i)
+        return i
+
+    results = storage.map_requests(request, range(3), threads=3)
+    assert next(results) == 0
+
+    async def close() -> None:
+        results.close()
+
+    sync(loop, close, timeout=30)  # (before the fix: 5 s, until the requests timed out)
+    assert finished == []  # closing left the two running requests alone
 
 
 def test_attempt_requests_makes_every_request_and_hands_back_each_failure(storage):
