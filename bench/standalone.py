@@ -10,6 +10,7 @@ state moves between workers only through checkpoint storage.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -53,7 +54,7 @@ def standalone_cluster(base: str, workers: int = 2, cores: int = 1,
             proc = subprocess.Popen([spark_class, *args], env={**env, **(extra_env or {})},
                                     stdout=fh, stderr=subprocess.STDOUT,
                                     start_new_session=True)  # its own group: stopped as one
-            stack.callback(stop_group, proc, grace_s=30)
+            stack.callback(stop_group, proc, (signal.SIGTERM, 30.0))
             return proc, log
 
         port = master_url.rsplit(":", 1)[1]
