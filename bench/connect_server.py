@@ -100,9 +100,8 @@ def stop_group(proc: subprocess.Popen, *signals: tuple[int, float]) -> None:
         os.killpg(proc.pid, sig)
         try:
             proc.wait(timeout=grace_s)
-            break
         except subprocess.TimeoutExpired:
-            continue
+            pass  # the next signal (the loop's check sees an exit)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

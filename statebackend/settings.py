@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -134,6 +135,14 @@ def choice(name: str, environ: Mapping[str, str] | None = None) -> str:
     if not isinstance(got, str):
         raise LookupError(f"{name} is not a choice setting")
     return got
+
+
+def local_root(local_dir: str | None = None) -> str:
+    """This machine's local-recovery root: ``local_dir``, else ``CKPT_LOCAL_DIR``, else
+    ``<tmp>/ckpt-local`` (statebackend.checkpoint.local_copy; the Connect session records
+    live under it too)."""
+    return local_dir or os.environ.get("CKPT_LOCAL_DIR") or os.path.join(
+        tempfile.gettempdir(), "ckpt-local")
 
 
 def check_environment(environ: Mapping[str, str] | None = None) -> None:

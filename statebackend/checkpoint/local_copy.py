@@ -30,18 +30,10 @@ from dataclasses import replace
 
 from statebackend.checkpoint.metadata import SubtaskHandle
 from statebackend.checkpoint.restore import RestoreOptions, restore_subtask
+from statebackend.settings import local_root
 from statebackend.state.backend import SNAPSHOTS_DIR, KeyedStateBackend
 from statebackend.state.kinds import StateDescriptor
 from statebackend.storage import Storage
-
-LOCAL_DIR_ENV = "CKPT_LOCAL_DIR"
-
-
-def local_root(local_dir: str | None = None) -> str:
-    """This machine's local-recovery root: ``local_dir``, else ``CKPT_LOCAL_DIR``, else
-    ``<tmp>/ckpt-local``."""
-    return local_dir or os.environ.get(LOCAL_DIR_ENV) or os.path.join(
-        tempfile.gettempdir(), "ckpt-local")
 
 
 def instance_dir(storage_url: str, job_dir: str, subtask: int,

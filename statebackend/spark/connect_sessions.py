@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 from statebackend.defaults import CONNECT_SESSIONS
 from statebackend.errors import UsageError
+from statebackend.settings import local_root
 
 CONNECT_SCHEME = "sc://"
 SESSION_CLOSED = ("INVALID_HANDLE.SESSION_CLOSED", "INVALID_HANDLE.SESSION_NOT_FOUND")
@@ -105,14 +106,15 @@ def kept_session(master: str | None, storage: str, job: str, *, purpose: str = "
     if mode not in CONNECT_SESSIONS:
         raise UsageError(f"connect session {mode!r} is not one of "
                          f"{', '.join(CONNECT_SESSIONS)}")
-    if mode != "job" or not (master or "").startswith(CONNECT_SCHEME):
+    if mode != "job" or master is None or not is_remote_url(master):
         return None
-    # (here, not at the top: the local-copy module imports pyarrow and rocksdict, and
-    # statebackend.spark.session, which imports this one, stays light)
-    from statebackend.checkpoint.local_copy import local_root
-
-    return JobSession(server_of(master or ""), storage, job,
+    return JobSession(server_of(master), storage, job,
                       os.path.join(local_root(local_dir), "connect-sessions"), purpose)
+
+
+def is_remote_url(master: str | None) -> bool:
+    """Whether ``master`` is a Spark Connect URL (``sc://host:port``)."""
+    return master is not None and master.startswith(CONNECT_SCHEME)
 
 
 def server_of(url: str) -> str:

@@ -27,6 +27,7 @@ from statebackend.spark.connect_sessions import (
     CONNECT_SCHEME,
     JobSession,
     code_digest,
+    is_remote_url,
     is_session_closed,
     names_session,
     new_session_id,
@@ -49,10 +50,6 @@ def spark_env_defaults() -> None:
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-
-
-def is_remote_url(master: str | None) -> bool:
-    return master is not None and master.startswith(CONNECT_SCHEME)
 
 
 def is_connect(spark) -> bool:

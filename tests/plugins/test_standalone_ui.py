@@ -167,8 +167,8 @@ def standalone(tmp_path_factory):
         yield {"pid": proc.pid, "home": home, "base": base, "env": env, "storage": storage}
     finally:
         # SIGINT first, as Ctrl-C; the LocalExecutor's idle workers ignore it and keep
-        # the scheduler's output pipe open, so standalone waits for them (it did for 60 s
-        # every run): SIGTERM after a few seconds ends them, then standalone completes.
+        # the scheduler's output pipe open, so standalone may wait for them (60 s in most
+        # suite runs): SIGTERM after a few seconds ends them, then standalone completes.
         stop_group(proc, (signal.SIGINT, 5.0), (signal.SIGTERM, 60.0))
         log.close()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import threading
@@ -11,6 +12,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from fsspec.asyn import get_loop, sync
 
 from statebackend.errors import StorageError, StorageFullError, UnsafePathError, UsageError
 from statebackend.storage import (
@@ -81,10 +83,6 @@ def test_an_abandoned_map_closed_in_fsspecs_event_loop_does_not_wait_for_its_req
     collector in whatever thread it runs in. Closed in fsspec's event-loop thread, as it
     once was in the chaos test (which then hung for good), it must not wait for its
     requests still running: they need that thread."""
-    import asyncio
-
-    from fsspec.asyn import get_loop, sync
-
     storage = open_storage(f"s3://{S3_BUCKET}/{uuid.uuid4().hex}")
     loop = get_loop()
     finished: list[int] = []
