@@ -20,6 +20,9 @@ min_ts, max_ts per key) for N keys (default 1,000,000), one event per key, P = 4
            spark.sql.shuffle.partitions = P; `bench.bench_rescale` builds both), then
            ``agg(count(*), sum(value.sum))``
 - empty:   an empty Spark job of P tasks: the scheduling floor every contender pays
+- python:  ``spark.range(P, numPartitions=P).mapInArrow(...)`` whose tasks yield one row
+           each, then the same aggregate: the floor of any reader that runs Python in
+           its tasks, as ``read_state`` must (the Python workers' hand-over, no state)
 
 Every contender returns the same count and sum (checked). Timed after the SparkSession
 started and one untimed pass of each (Python workers, JIT); the contenders run in
@@ -27,7 +30,8 @@ interleaved rounds (the machine may be shared: drifting load hits them alike), e
 figure is the best of ``--repeats`` rounds, beside the fewest CPU seconds a round took
 in the driver, the JVM and the Python workers together (less sensitive to a shared
 machine than wall time); the load average is printed (figures compare only within one
-run). The goal: ours at least 2x Spark's reader.
+run). The goal: ours at least 2x Spark's reader; the line after the ratios says whether
+half of Spark's time is above the Python-worker floor at all.
 
     python bench/bench_state_read.py [--keys N] [--repeats R] [--quick] [--json FILE]
 """
@@ -86,6 +90,22 @@ def spark_reader(spark, location: str) -> tuple[int, float]:
 
     df = spark.read.format("statestore").load(location)
     row = df.agg(F.count("*").alias("n"), F.sum("value.sum").alias("s")).first()
+    return row["n"], row["s"]
+
+
+def one_row_per_task(batches):
+    """mapInArrow function of the Python-worker floor: one row per task, no state."""
+    import pyarrow as pa
+
+    for batch in batches:
+        yield pa.RecordBatch.from_pydict({"sum": pa.array([0.0] * batch.num_rows)})
+
+
+def python_floor(spark, tasks: int) -> tuple[int, float]:
+    from pyspark.sql import functions as F
+
+    df = spark.range(0, tasks, 1, tasks).mapInArrow(one_row_per_task, "sum double")
+    row = df.agg(F.count("*").alias("n"), F.sum("sum").alias("s")).first()
     return row["n"], row["s"]
 
 
@@ -153,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     for fn, *fargs in contenders.values():  # untimed: workers, imports, JIT
         fn(*fargs)
     empty_job(spark, P)
-    times: dict[str, list[float]] = {k: [] for k in (*contenders, "empty")}
+    python_floor(spark, P)
+    times: dict[str, list[float]] = {k: [] for k in (*contenders, "empty", "python")}
     cpus: dict[str, list[float]] = {k: [] for k in times}
     for _ in range(repeats):
         for name, (fn, *fargs) in contenders.items():
@@ -165,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         seconds, cpu, _ = timed(lambda: (empty_job(spark, P), (0, 0.0)))
         times["empty"].append(seconds)
         cpus["empty"].append(cpu)
+        seconds, cpu, (n, _) = timed(python_floor, spark, P)
+        assert n == P, n
+        times["python"].append(seconds)
+        cpus["python"].append(cpu)
     best = {k: min(v) for k, v in times.items()}
     best_cpu = {k: min(v) for k, v in cpus.items()}
     load = os.getloadavg()
@@ -185,12 +210,18 @@ def main(argv: list[str] | None = None) -> int:
                         ("ours-memory-cols", "the same, memory backend"),
                         ("dump", "ckpt dump --format parquet + spark.read.parquet"),
                         ("spark", "spark.read.format('statestore') + count/sum"),
-                        ("empty", "empty Spark job of P tasks (floor)")):
-        rate = n_keys / best[name] if name != "empty" else 0
+                        ("empty", "empty Spark job of P tasks (floor)"),
+                        ("python", "mapInArrow of P one-row tasks (Python floor)")):
+        rate = n_keys / best[name] if name not in ("empty", "python") else 0
         print(f"  {label:52} {best[name]:8.3f} s  cpu {best_cpu[name]:7.3f} s"
               + (f"  {rate:12,.0f} entries/s" if rate else ""))
     print(f"  ratio dump / ours   {report['ratios']['dump/ours']:6.2f}x")
     print(f"  ratio spark / ours  {report['ratios']['spark/ours']:6.2f}x  (goal >= 2x)")
+    half = best["spark"] / 2
+    print(f"  2x Spark's reader means {half:.3f} s; the Python-worker floor is "
+          f"{best['python']:.3f} s, so the goal leaves "
+          + (f"{half - best['python']:.3f} s to read {n_keys:,} entries"
+             if half > best["python"] else "no time at all for the state itself"))
     print(f"  ratio spark / ours, memory backend  {report['ratios']['spark/ours-memory']:6.2f}x")
     print(f"  with columns=('sum',): RocksDB {report['ratios']['spark/ours-cols']:6.2f}x, "
           f"memory backend {report['ratios']['spark/ours-memory-cols']:6.2f}x")
