@@ -44,14 +44,14 @@ demo: install
 # entry point; plugins/ is the plugins folder for a deployment's own). `airflow
 # standalone` starts its components as `airflow` from PATH, so the venv's bin goes first.
 # AIRFLOW_HOME, CKPT_STORAGE and CKPT_DATA may be set beforehand (the default is the
-# demo's); Ctrl-C stops it.
+# demo's); Ctrl-C stops it (demo/ui.py: SIGINT, then SIGTERM after 5 s to what is left).
 ui: install
 	AIRFLOW_HOME="$${AIRFLOW_HOME:-$(CURDIR)/.demo/airflow_home}" \
 	AIRFLOW__CORE__DAGS_FOLDER="$(CURDIR)/dags" AIRFLOW__CORE__PLUGINS_FOLDER="$(CURDIR)/plugins" \
 	AIRFLOW__CORE__LOAD_EXAMPLES=False \
 	CKPT_STORAGE="$${CKPT_STORAGE:-file://$(CURDIR)/.demo/checkpoints}" \
 	CKPT_DATA="$${CKPT_DATA:-$(CURDIR)/.demo/data}" \
-	PATH="$(abspath $(VENV))/bin:$$PATH" exec airflow standalone
+	PATH="$(abspath $(VENV))/bin:$$PATH" exec $(PY) -m demo.ui
 
 bench: install
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
