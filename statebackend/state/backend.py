@@ -34,10 +34,10 @@ fails the snapshot; the test suite runs so).
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -126,7 +126,6 @@ def rocks_options(write_buffer_mb: int = 64) -> Options:
     checkpoint 160 KB vs 299 KB, referenced bytes at the end 1.13x vs 2.08x the
     newest checkpoint (20,000 keys, 1% updated per run).
     """
-    background_pools()
     opts = Options(raw_mode=True)
     opts.create_if_missing(True)
     opts.create_missing_column_families(True)
@@ -149,23 +148,43 @@ def rocks_options(write_buffer_mb: int = 64) -> Options:
     return opts
 
 
-@functools.cache
-def background_pools() -> int:
-    """Size RocksDB's process-wide flush (high) and compaction (low) thread pools to the
-    cores, once per process; returns that number.
+class BackgroundPools:
+    """RocksDB's flush (high) and compaction (low) thread pools, grown with the instances
+    open at once in this process, up to the cores.
 
     Every instance of a process shares those two pools, and RocksDB grows them only to
     the largest ``max_background_jobs`` of an instance: one flush thread and one
     compaction thread with ours. So the subtasks that the local engine and a local
     rescale run in threads of one process queued on one thread each for their flushes
-    and compactions (manual ones too: ``compact_range`` waits for the pool). A rescale
-    4 -> 8 of 1M keys compacted its 8 clipped bases one at a time on one core.
+    and compactions (manual ones too: ``compact_range`` waits for the pool); a rescale
+    4 -> 8 of 1M keys compacted its 8 clipped bases one at a time on one core. A Spark
+    task's Python worker holds one instance at a time and keeps one thread of each: a
+    pool sized to the cores in every worker would start two threads per core per worker
+    on a large executor, all but two of them idle.
     """
-    cores = max(1, os.cpu_count() or 1)
-    env = Env()  # the process's default environment, which every instance uses
-    env.set_low_priority_background_threads(cores)
-    env.set_high_priority_background_threads(cores)
-    return cores
+
+    def __init__(self, cores: int) -> None:
+        self.cores = max(1, cores)
+        self.size = 1  # RocksDB's own sizing with our options
+        self._open = 0
+        self._lock = threading.Lock()
+
+    def opened(self) -> None:
+        with self._lock:
+            self._open += 1
+            wanted = min(self._open, self.cores)
+            if wanted > self.size:  # pools never shrink: threads wait idle in them
+                env = Env()  # the process's default environment, every instance's
+                env.set_low_priority_background_threads(wanted)
+                env.set_high_priority_background_threads(wanted)
+                self.size = wanted
+
+    def closed(self) -> None:
+        with self._lock:
+            self._open -= 1
+
+
+POOLS = BackgroundPools(os.cpu_count() or 1)
 
 
 def no_wal() -> WriteOptions:
@@ -283,6 +302,7 @@ class KeyedStateBackend:
             access_type=AccessType.read_only() if read_only else AccessType.read_write(),
         )
         self._db: Rdict | None = db  # None once closed
+        POOLS.opened()
         db.set_write_options(no_wal())
         self._cfs = {n: db.get_column_family(n) for n in self._cf_names}
         for cf in self._cfs.values():
@@ -621,6 +641,7 @@ class KeyedStateBackend:
         self._handles.clear()
         db.close()
         self._db = None
+        POOLS.closed()
         if clean and not self.read_only:
             write_instance_marker(self.local_dir, self.backend_id, clean)
 
