@@ -8,7 +8,7 @@ SIGTERM this process gets is passed on as SIGINT (standalone's own shutdown). Wh
 still running after ``--grace`` seconds gets SIGTERM, and whatever outlives that,
 SIGKILL. The exit status is standalone's own when it stopped by itself, else 130.
 
-    python -m demo.ui [--grace SECONDS] [-- ARGS FOR airflow standalone]
+    python -m demo.ui [--grace SECONDS] [-- COMMAND ...]   (COMMAND: tests run a stand-in)
 """
 
 from __future__ import annotations
