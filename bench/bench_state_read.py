@@ -64,13 +64,18 @@ SUM_ONLY = ("sum",)  # ReadOptions.columns: what the query needs
 P = 4
 
 
-def ours(spark, url: str, job: str = JOB, columns: tuple[str, ...] | None = None
-         ) -> tuple[int, float]:
+def count_and_sum(df, total) -> tuple[int, float]:
+    """The query every contender answers: its rows and the sum of ``total`` (a column)."""
     from pyspark.sql import functions as F
 
-    df = read_state(spark, url, job, state="totals", options=ReadOptions(columns=columns))
-    row = df.agg(F.count("*").alias("n"), F.sum("sum").alias("s")).first()
+    row = df.agg(F.count("*").alias("n"), F.sum(total).alias("s")).first()
     return row["n"], row["s"]
+
+
+def ours(spark, url: str, job: str = JOB, columns: tuple[str, ...] | None = None
+         ) -> tuple[int, float]:
+    df = read_state(spark, url, job, state="totals", options=ReadOptions(columns=columns))
+    return count_and_sum(df, "sum")
 
 
 def dump_then_parquet(spark, url: str, out: str) -> tuple[int, float]:
@@ -80,17 +85,11 @@ def dump_then_parquet(spark, url: str, out: str) -> tuple[int, float]:
                      "--format", "parquet"])
     assert code == 0, code
     df = spark.read.parquet(out).where(F.col("state") == "totals")
-    row = df.agg(F.count("*").alias("n"), F.sum(
-        F.get_json_object("value", "$.sum").cast("double")).alias("s")).first()
-    return row["n"], row["s"]
+    return count_and_sum(df, F.get_json_object("value", "$.sum").cast("double"))
 
 
 def spark_reader(spark, location: str) -> tuple[int, float]:
-    from pyspark.sql import functions as F
-
-    df = spark.read.format("statestore").load(location)
-    row = df.agg(F.count("*").alias("n"), F.sum("value.sum").alias("s")).first()
-    return row["n"], row["s"]
+    return count_and_sum(spark.read.format("statestore").load(location), "value.sum")
 
 
 def one_row_per_task(batches):
@@ -101,12 +100,14 @@ def one_row_per_task(batches):
         yield pa.RecordBatch.from_pydict({"sum": pa.array([0.0] * batch.num_rows)})
 
 
-def python_floor(spark, tasks: int) -> tuple[int, float]:
-    from pyspark.sql import functions as F
+def empty_floor(spark, tasks: int) -> tuple[int, float]:
+    empty_job(spark, tasks)
+    return tasks, 0.0
 
+
+def python_floor(spark, tasks: int) -> tuple[int, float]:
     df = spark.range(0, tasks, 1, tasks).mapInArrow(one_row_per_task, "sum double")
-    row = df.agg(F.count("*").alias("n"), F.sum("sum").alias("s")).first()
-    return row["n"], row["s"]
+    return count_and_sum(df, "sum")
 
 
 def tree_cpu() -> float:
@@ -170,26 +171,21 @@ def main(argv: list[str] | None = None) -> int:
                   "ours-memory-cols": (ours, spark, url, MEMORY_JOB, SUM_ONLY),
                   "dump": (dump_then_parquet, spark, url, dump_out),
                   "spark": (spark_reader, spark, location)}
-    for fn, *fargs in contenders.values():  # untimed: workers, imports, JIT
+    # the floors: one row per task, no state
+    floors = {"empty": (empty_floor, spark, P), "python": (python_floor, spark, P)}
+    runs = {**contenders, **floors}
+    for fn, *fargs in runs.values():  # untimed: workers, imports, JIT
         fn(*fargs)
-    empty_job(spark, P)
-    python_floor(spark, P)
-    times: dict[str, list[float]] = {k: [] for k in (*contenders, "empty", "python")}
-    cpus: dict[str, list[float]] = {k: [] for k in times}
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    cpus: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(repeats):
-        for name, (fn, *fargs) in contenders.items():
+        for name, (fn, *fargs) in runs.items():
             seconds, cpu, (n, s) = timed(fn, *fargs)
-            assert n == want[0] and abs(s - want[1]) <= 1e-6 * max(1.0, abs(want[1])), \
-                (name, n, s, want)
+            expected = want if name in contenders else (P, 0.0)
+            assert n == expected[0] and abs(s - expected[1]) <= 1e-6 * max(
+                1.0, abs(expected[1])), (name, n, s, expected)
             times[name].append(seconds)
             cpus[name].append(cpu)
-        seconds, cpu, _ = timed(lambda: (empty_job(spark, P), (0, 0.0)))
-        times["empty"].append(seconds)
-        cpus["empty"].append(cpu)
-        seconds, cpu, (n, _) = timed(python_floor, spark, P)
-        assert n == P, n
-        times["python"].append(seconds)
-        cpus["python"].append(cpu)
     best = {k: min(v) for k, v in times.items()}
     best_cpu = {k: min(v) for k, v in cpus.items()}
     load = os.getloadavg()
@@ -212,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                         ("spark", "spark.read.format('statestore') + count/sum"),
                         ("empty", "empty Spark job of P tasks (floor)"),
                         ("python", "mapInArrow of P one-row tasks (Python floor)")):
-        rate = n_keys / best[name] if name not in ("empty", "python") else 0
+        rate = n_keys / best[name] if name in contenders else 0
         print(f"  {label:52} {best[name]:8.3f} s  cpu {best_cpu[name]:7.3f} s"
               + (f"  {rate:12,.0f} entries/s" if rate else ""))
     print(f"  ratio dump / ours   {report['ratios']['dump/ours']:6.2f}x")

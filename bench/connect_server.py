@@ -89,17 +89,21 @@ def connect_server(base: str, master: str = "local[2]",
         stop_group(proc)
 
 
-def stop_group(proc: subprocess.Popen, *signals: tuple[int, float]) -> None:
+def stop_group(proc: subprocess.Popen, *signals: tuple[int, float]) -> int | None:
     """Stop the process group ``proc`` leads (started with ``start_new_session``): each
     (signal, grace seconds) of ``signals`` in turn (default SIGTERM, 60 s) until its
     leader has exited, then SIGKILL to what is left of the group (a member that ignored
-    the signals, such as an idle Airflow LocalExecutor worker, outlives its leader)."""
+    the signals, such as an idle Airflow LocalExecutor worker, outlives its leader).
+    Returns the signal after which the leader exited, None if only SIGKILL ended it (or
+    it had exited before)."""
+    ended_by = None
     for sig, grace_s in signals or ((signal.SIGTERM, 60.0),):
         if proc.poll() is not None:
             break
         os.killpg(proc.pid, sig)
         try:
             proc.wait(timeout=grace_s)
+            ended_by = sig
         except subprocess.TimeoutExpired:
             pass  # the next signal (the loop's check sees an exit)
     try:
@@ -107,3 +111,4 @@ def stop_group(proc: subprocess.Popen, *signals: tuple[int, float]) -> None:
     except ProcessLookupError:
         pass  # the whole group is gone
     proc.wait(timeout=30)
+    return ended_by

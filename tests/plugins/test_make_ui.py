@@ -73,11 +73,10 @@ time.sleep(600)
 
 
 def start_ui(*command: str, grace: float = 1.0) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "demo.ui", "--grace", str(grace), "--",
+    return subprocess.Popen([sys.executable, "-m", "demo.ui", "--grace", str(grace), "--",
                              *command], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": ROOT})
-    return proc
 
 
 def wait_line(proc: subprocess.Popen, prefix: str) -> str:
@@ -101,12 +100,15 @@ def test_ctrl_c_stops_a_command_whose_processes_ignore_sigint():
             proc.kill()
     assert code == 130
     assert "stopping" in proc.stderr.read()
+
+    def running() -> list[int]:
+        return [p for p in pids if psutil.pid_exists(p)
+                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
     deadline = time.monotonic() + 10  # SIGKILL'd members are reaped by init
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-              for p in pids) and time.monotonic() < deadline:
+    while running() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in pids if psutil.pid_exists(p)
-                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE], "left running"
+    assert not running(), "left running"
 
 
 def test_sigterm_stops_it_too_and_a_command_that_obeys_sigint_stops_within_the_grace():

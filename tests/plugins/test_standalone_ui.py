@@ -169,15 +169,9 @@ def standalone(tmp_path_factory):
         # Ctrl-C alone must stop `make ui`: the LocalExecutor's idle workers ignore SIGINT
         # and kept standalone waiting for minutes before demo/ui.py, which escalates to
         # SIGTERM after 5 s. Whatever is left of the group after that is killed.
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-        stopped_by_ctrl_c = proc.returncode is not None
-        stop_group(proc, (signal.SIGTERM, 30.0))
+        ended_by = stop_group(proc, (signal.SIGINT, 60.0), (signal.SIGTERM, 30.0))
         log.close()
-        assert stopped_by_ctrl_c, "make ui was still running 60 s after Ctrl-C (SIGINT)"
+        assert ended_by == signal.SIGINT, "make ui was still running 60 s after Ctrl-C"
 
 
 @pytest.fixture(scope="module")
