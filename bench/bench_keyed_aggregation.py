@@ -52,15 +52,30 @@ sys.path.insert(0, ROOT)
 from bench.process_env import child_env  # noqa: E402
 
 ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
-VARIANTS = ("ours", "ours-spark", "ours-memory", "ours-spark-memory", "before",
-            "spark-changelog", "spark-no-changelog")
+VARIANTS = ("ours", "ours-spark", "ours-memory", "ours-spark-memory", "ours-no-state",
+            "before", "spark-changelog", "spark-no-changelog")
 DEFAULT_VARIANTS = ("ours", "ours-spark", "spark-changelog", "spark-no-changelog")
 # ours: the default engine choice (auto: the local engine for these inputs, no JVM);
 # ours-spark: the same job with --engine spark (statebackend.job.engine); the -memory
 # variants keep the state in the memory backend (statebackend.state.memory) instead of
 # RocksDB: variant -> (engine, backend)
 OURS = {"ours": ("auto", None), "ours-spark": ("spark", None),
-        "ours-memory": ("auto", "memory"), "ours-spark-memory": ("spark", "memory")}
+        "ours-memory": ("auto", "memory"), "ours-spark-memory": ("spark", "memory"),
+        "ours-no-state": ("auto", "memory")}
+# ours-no-state: the ceiling of any backend under this engine (issue 25). The memory
+# backend patched in the bench's worker so that state costs nothing: every read finds
+# nothing, every write is dropped, no key-group file is written. Not a product.
+NO_STATE = "ours-no-state"
+
+
+def drop_all_state() -> None:
+    """Patch this process's memory backend into the no-state stand-in (NO_STATE)."""
+    from statebackend.state.memory import MemoryStateBackend
+    from statebackend.state.memory_table import MemoryTable
+
+    MemoryStateBackend._write_key_group = lambda self, prefix, spare: None
+    MemoryTable.get = lambda self, key: [None] * len(key) if isinstance(key, list) else None
+    MemoryTable.write_many = lambda self, puts, deletes=(): None
 PRE_PORT = "fa6e095"  # the last commit before the job API port
 
 
@@ -179,6 +194,8 @@ def worker(spec: dict) -> None:
     except ImportError:  # the pre-port tree
         from statebackend.spark.session import get_spark
 
+    if spec.get("no_state"):
+        drop_all_state()
     t0 = time.perf_counter()
     spark = None
     # The auto engine starts Spark itself if it picks it. So does ours as a Connect
@@ -229,7 +246,8 @@ def spawn(spec: dict) -> tuple[list[dict], float]:
         spec = {**spec, "variant": "ours"}
     elif spec["variant"] in OURS:
         engine, backend = OURS[spec["variant"]]
-        spec = {**spec, "variant": "ours", "engine": engine, "backend": backend}
+        spec = {**spec, "variant": "ours", "engine": engine, "backend": backend,
+                "no_state": spec["variant"] == NO_STATE}
     proc = subprocess.run([sys.executable, script, "--worker", json.dumps(spec)], env=env,
                           capture_output=True, text=True, cwd=cwd)
     wall = time.perf_counter() - started
@@ -401,6 +419,11 @@ def report_backends(agg: dict, table: dict) -> None:
             lines.append(f"{mode:8} {mem:19} vs {base:10} events/s x{m[0] / b[0]:.2f} "
                          f"(incremental runs x{m[1] / b[1]:.2f}), bytes per incremental run "
                          f"x{m[2] / b[2]:.2f}")
+        if (mode, NO_STATE) in agg and (mode, "ours") in agg:
+            n, b = agg[(mode, NO_STATE)], agg[(mode, "ours")]
+            lines.append(f"{mode:8} {NO_STATE:19} vs ours       events/s x{n[0] / b[0]:.2f} "
+                         f"(incremental runs x{n[1] / b[1]:.2f}): the most any backend "
+                         "could gain under this engine")
     if lines:
         print("\nratios memory backend / RocksDB (events/s: goal >= 2 in a warm session; "
               "bytes per incremental run: goal <= 1.2)")
