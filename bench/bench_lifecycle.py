@@ -163,16 +163,19 @@ def time_gc_execution(store: CheckpointStore) -> dict:
     """GC execution with a warm index (issue 26): the re-check of scenario 11 the old way
     (every indexed `_metadata` parsed strictly) and now (`referenced_by_records`), then a
     whole `collect_garbage --grace-seconds 0` (plan, re-check, deletes)."""
-    ids = sorted(build_registry(store).indexed_ids)
+    registry = build_registry(store)
+    ids = sorted(registry.indexed_ids)
+    deletions = {f.path for f in plan_gc(registry, grace_seconds=0).deletions}
     t0 = time.perf_counter()
     memo: dict = {}
     strict = {p for cid in ids
               for p in paths_of(store.parse(cid, store.read_record(cid) or b"", memo))}
     t_strict = time.perf_counter() - t0
     t0 = time.perf_counter()
-    light = referenced_by_records(store, ids)
+    light = referenced_by_records(store, ids, deletions)
     t_light = time.perf_counter() - t0
-    assert light == strict
+    assert light == strict & deletions
+    assert referenced_by_records(store, ids, strict) == strict  # untimed: finds every path
     t0 = time.perf_counter()
     report = collect_garbage(store, grace_seconds=0)
     return {"recheck_strict_s": t_strict, "recheck_s": t_light,

@@ -350,8 +350,8 @@ def execute_gc(store: CheckpointStore, plan: GcPlan, known_ids: set[int] | None 
             except CheckpointNotFoundError:
                 continue
     if plan.deletions and plan.indexed_ids:  # scenario 11: the real records decide
-        spare |= referenced_by_records(store, plan.indexed_ids) & {
-            f.path for f in plan.deletions}
+        spare |= referenced_by_records(store, plan.indexed_ids,
+                                       {f.path for f in plan.deletions})
     guard = lease_guard(live_leases(store.storage, as_datetime(now)), committed)
     spare.update(f.path for f in plan.deletions if guard.reason(f.path, f.mtime) is not None)
     todo = [f for f in plan.deletions if f.path not in spare]

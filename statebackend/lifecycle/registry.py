@@ -77,7 +77,7 @@ import json
 import logging
 import sys
 from array import array
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -650,22 +650,28 @@ def write_index(store: CheckpointStore, registry: Registry) -> None:
         log.warning("registry index %s/%s not written: %s", store.storage.url, INDEX_FILE, exc)
 
 
-def referenced_by_records(store: CheckpointStore, ids: Iterable[int]) -> set[str]:
-    """Every path the real `_metadata` of ``ids`` lists (retired ones are skipped): the
-    executors' re-check of a plan made from the index.
+def referenced_by_records(store: CheckpointStore, ids: Iterable[int],
+                          among: Collection[str]) -> set[str]:
+    """The paths of ``among`` (an executor's planned deletions) that the real `_metadata`
+    of ``ids`` lists (retired ones are skipped): the executors' re-check of a plan made
+    from the index.
 
     It only decides what to spare, so it reads each record's file references alone
     (`metadata.listed_paths`, a JSON parse: about a fifth of a strict parse); a record
     not laid out as one is parsed strictly, and refused (MetadataError) if malformed.
+    Each record's paths are looked up in ``among``, not gathered: 10,000 records list
+    1M paths.
     """
     ids = sorted(set(ids))
+    wanted = among if isinstance(among, (set, frozenset)) else set(among)
     out: set[str] = set()
     memo: ParseMemo = {}
     for cid, data in zip(ids, store.read_records(ids), strict=True):
         if data is None:
             continue
         paths = listed_paths(data)
-        out.update(paths if paths is not None else paths_of(store.parse(cid, data, memo)))
+        out.update(wanted.intersection(
+            paths if paths is not None else paths_of(store.parse(cid, data, memo))))
     return out
 
 

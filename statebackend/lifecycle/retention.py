@@ -295,7 +295,8 @@ def execute_retention(store: CheckpointStore, plan: RetentionPlan, *,
     listed_by_retired = {f.path for m in records.values() for f in m.files}
     kept_indexed = set(plan.indexed_ids) - {a.checkpoint_id for a in meta_actions}
     if kept_indexed:
-        spare_paths |= referenced_by_records(store, kept_indexed)
+        spare_paths |= referenced_by_records(store, kept_indexed,
+                                             {a.path for a in plan.deletions})
     meta_actions = [a for a in meta_actions if a.checkpoint_id not in unrecorded]
     failures = delete_counted(storage, [a.path for a in meta_actions], progress,
                               f"retiring checkpoints of job {store.job}: commit records")
