@@ -84,8 +84,6 @@ from datetime import UTC, datetime
 from functools import cached_property
 from typing import Any
 
-import numpy as np
-
 from statebackend.checkpoint.layout import (
     CHAIN_DIR,
     COMMIT_RECORD_SUFFIX,
@@ -169,6 +167,8 @@ class References:
 
     def union(self, labels: Iterable[str] | None = None) -> set[int]:
         """Positions listed by any of ``labels`` (None: every owner)."""
+        import numpy as np  # here: DAG files import this module and must stay light
+
         owners = self.owners
         chosen = owners.values() if labels is None else [owners[label] for label in labels]
         # one mask over the table instead of a set grown by every reference (10,000
@@ -570,6 +570,8 @@ def parse_index(data: bytes, job: str) -> RegistryIndex:
             and set(map(type, mtimes)) <= {int, float}):
         raise ValueError("ids, record_sizes, record_mtimes, counts are not columns of "
                          "ascending ids, sizes, times and counts")
+    import numpy as np  # here: DAG files import this module and must stay light
+
     refs = _decode_positions(obj["refs"])
     if refs is None or len(refs) != sum(counts) or (
             refs and int(np.frombuffer(refs, dtype=np.uint32).max()) >= len(paths)):
