@@ -11,9 +11,7 @@
    when the base keeps more than ``COMPACT_CLIPPED_SHARE`` of its bytes only for key
    groups it no longer owns, a compaction of the clipped ranges; then its rows
    (`kept_rows`: every kept block is read once, so a damaged block fails here, not in
-   the new checkpoint). A base kept whole (scale-in) holding no key outside its range
-   is neither clipped nor scanned: its rows are the recorded ones (`recorded_rows`;
-   the download checked every file's CRC);
+   the new checkpoint);
 3. the imports' SSTs are ingested (``ingest_external_file`` with move: no
    put-per-key, no memtable, no WAL), one ingestion per column family;
 4. snapshot and upload like a job run's checkpoint: the base's SSTs are unchanged by
@@ -253,20 +251,15 @@ class _NewSubtask:
             # hold there is dropped), and the live rows of the base part are then exact.
             keep = task.plan.key_groups.intersect(base.key_group_range)
             clipped = clipped_share(backend.db.live_files(), keep)
-            # A base kept whole (a scale-in) whose keys all lie in its range has nothing
-            # to clip, and its rows are those its snapshot recorded.
-            recorded = recorded_rows(backend, base, keep)
-            if recorded is None:
-                backend.delete_key_groups_outside(keep)
+            backend.delete_key_groups_outside(keep)
         compacted = task.compact or clipped > task.compact_clipped_share
         clipped_compacted = compacted and not task.compact  # --compact runs after the imports
         if clipped_compacted:
             with self._timed("compact"):
                 compact_clipped(backend, base.key_group_range, keep)
         with self._timed("count"):
-            rows = recorded if recorded is not None else {
-                cf: kept_rows(backend, cf, keep, clipped_compacted)
-                for cf in backend.column_families}
+            rows = {cf: kept_rows(backend, cf, keep, clipped_compacted)
+                    for cf in backend.column_families}
         return backend, rows, clipped, compacted
 
     def _ingest(self, backend: KeyedStateBackend, pending: list[Future],
@@ -356,28 +349,6 @@ def export_key_groups(source: KeyedStateBackend, key_groups: KeyGroupRange, out_
             raise RuntimeError(f"column family {name!r}: keys read without their values")
         out[name] = (path, write_sst(path, keys, values))
     return out
-
-
-def recorded_rows(backend: KeyedStateBackend, base: SubtaskHandle, keep: KeyGroupRange
-                  ) -> dict[str, int] | None:
-    """The rows of a base the new subtask keeps whole, without a scan: the counts its
-    snapshot recorded, where RocksDB's facts of every column family agree with them
-    (`facts.recorded_count_fits`, validation's rule) and put every live key inside the
-    base's own range (no stray key to clip). None: clip, then count (`kept_rows`).
-
-    Skipping the scan skips no check: the download compared every file's CRC with
-    its record, and the base's files are referenced unchanged."""
-    if keep != base.key_group_range:
-        return None
-    rows: dict[str, int] = {}
-    for cf in backend.column_families:
-        f = facts.cf_facts(backend.column_family(cf))
-        recorded = base.row_counts.get(cf)
-        if recorded is None or facts.edges_within(f, keep) is False \
-                or not facts.recorded_count_fits(f, recorded):
-            return None
-        rows[cf] = recorded
-    return rows
 
 
 def kept_rows(backend: KeyedStateBackend, cf_name: str, keep: KeyGroupRange,

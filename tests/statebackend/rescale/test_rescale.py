@@ -205,52 +205,9 @@ def test_scale_in_references_every_sst_of_each_base_instead_of_uploading_it(tmp_
     for sub, handle in zip(summary["subtasks"], new.subtasks, strict=True):
         base = source.subtasks[sub["base"]]
         assert {f.path for f in base.shared_files} <= {f.path for f in handle.shared_files}
-        # uploaded: the imports' SSTs and the private files only (a base kept whole is
-        # not clipped: no tombstones)
+        # uploaded: the imports' SSTs, the clip's tombstones and the private files only
         assert sub["bytes_uploaded"] == handle.size - sum(f.size for f in base.shared_files)
     assert content(store, new) == before
-
-
-def test_scale_in_takes_whole_bases_rows_from_their_record_without_a_scan(tmp_path,
-                                                                          monkeypatch):
-    import statebackend.rescale.task as task_module
-
-    scans = []
-    real = task_module.kept_rows
-    monkeypatch.setattr(task_module, "kept_rows",
-                        lambda *a, **k: scans.append(a[1]) or real(*a, **k))
-    store = build_source(tmp_path, f"memory://rescale-rows-{os.getpid()}-{tmp_path.name}", 4)
-    source = store.latest()
-    rescale(store, "latest", 2)
-    assert scans == []  # bases 0..3 lie whole in the new ranges [0, 63] and [64, 127]
-    new = store.latest()
-    check_ranges_and_clip(store, new)  # the recorded rows are the live ones
-    assert content(store, new) == content(store, source)
-    # a scale-out clips its bases: those are counted
-    rescale(store, "latest", 3)
-    assert scans and set(scans) <= {d.name for d in DESCRIPTORS}
-    check_ranges_and_clip(store, store.latest())
-
-
-def test_a_whole_base_holding_a_key_of_another_range_is_still_clipped(tmp_path):
-    store = CheckpointStore(open_storage(f"memory://rescale-stray-{os.getpid()}-"
-                                         f"{tmp_path.name}"), "orders")
-    backends = open_backends(str(tmp_path / "src"), 4, M, DESCRIPTORS)
-    try:
-        fill(backends, keys(N_KEYS))
-        # subtask 0 holds a key of subtask 3's range too (what a routing bug would leave):
-        # the scale-in keeps subtask 0 whole as a base and must still drop that copy
-        key, value = next(backends[3].iter_raw("totals"))
-        backends[0].column_family("totals").put(key, value)
-        checkpoint_backends(store, backends, parent=None, run_id="r1")
-    finally:
-        close_all(backends)
-    before = content(store, store.latest())
-    rescale(store, "latest", 2)
-    new = store.latest()
-    check_ranges_and_clip(store, new)  # every row in its subtask's range, counts exact
-    after = content(store, new)
-    assert len(after) == len(before) - 1 and set(after) == set(before)
 
 
 def test_compact_option_writes_only_live_data(spark, tmp_path):
