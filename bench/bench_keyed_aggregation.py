@@ -66,6 +66,7 @@ OURS = {"ours": ("auto", None), "ours-spark": ("spark", None),
 # backend patched in the bench's worker so that state costs nothing: every read finds
 # nothing, every write is dropped, no key-group file is written. Not a product.
 NO_STATE = "ours-no-state"
+PRE_PORT = "fa6e095"  # the last commit before the job API port
 
 
 def drop_all_state() -> None:
@@ -76,7 +77,6 @@ def drop_all_state() -> None:
     MemoryStateBackend._write_key_group = lambda self, prefix, spare: None
     MemoryTable.get = lambda self, key: [None] * len(key) if isinstance(key, list) else None
     MemoryTable.write_many = lambda self, puts, deletes=(): None
-PRE_PORT = "fa6e095"  # the last commit before the job API port
 
 
 def dir_bytes(path: str) -> int:

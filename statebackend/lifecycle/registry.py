@@ -77,7 +77,7 @@ import json
 import logging
 import sys
 from array import array
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -167,8 +167,7 @@ class References:
 
     def union(self, labels: Iterable[str] | None = None) -> set[int]:
         """Positions listed by any of ``labels`` (None: every owner)."""
-        import numpy as np  # here: DAG files import this module and must stay light
-
+        np = _numpy()
         owners = self.owners
         chosen = owners.values() if labels is None else [owners[label] for label in labels]
         # one mask over the table instead of a set grown by every reference (10,000
@@ -570,8 +569,7 @@ def parse_index(data: bytes, job: str) -> RegistryIndex:
             and set(map(type, mtimes)) <= {int, float}):
         raise ValueError("ids, record_sizes, record_mtimes, counts are not columns of "
                          "ascending ids, sizes, times and counts")
-    import numpy as np  # here: DAG files import this module and must stay light
-
+    np = _numpy()
     refs = _decode_positions(obj["refs"])
     if refs is None or len(refs) != sum(counts) or (
             refs and int(np.frombuffer(refs, dtype=np.uint32).max()) >= len(paths)):
@@ -582,6 +580,13 @@ def parse_index(data: bytes, job: str) -> RegistryIndex:
         entries[cid] = IndexEntry(size, float(mtime), start, count)
         start += count
     return RegistryIndex(paths, sizes, entries, refs)
+
+
+def _numpy() -> Any:
+    """NumPy, imported on first use: DAG files import this module and must stay light."""
+    import numpy
+
+    return numpy
 
 
 def _all_of(values: list[Any], kind: type) -> bool:
@@ -659,7 +664,7 @@ def write_index(store: CheckpointStore, registry: Registry) -> None:
 
 
 def referenced_by_records(store: CheckpointStore, ids: Iterable[int],
-                          among: Collection[str]) -> set[str]:
+                          among: set[str]) -> set[str]:
     """The paths of ``among`` (an executor's planned deletions) that the real `_metadata`
     of ``ids`` lists (retired ones are skipped): the executors' re-check of a plan made
     from the index.
@@ -671,14 +676,13 @@ def referenced_by_records(store: CheckpointStore, ids: Iterable[int],
     1M paths.
     """
     ids = sorted(set(ids))
-    wanted = among if isinstance(among, (set, frozenset)) else set(among)
     out: set[str] = set()
     memo: ParseMemo = {}
     for cid, data in zip(ids, store.read_records(ids), strict=True):
         if data is None:
             continue
         paths = listed_paths(data)
-        out.update(wanted.intersection(
+        out.update(among.intersection(
             paths if paths is not None else paths_of(store.parse(cid, data, memo))))
     return out
 
