@@ -74,7 +74,7 @@ def drop_all_state() -> None:
     from statebackend.state.memory import MemoryStateBackend
     from statebackend.state.memory_table import MemoryTable
 
-    MemoryStateBackend._write_key_group = lambda self, prefix, spare: None
+    MemoryStateBackend._write_segment = lambda self, prefixes, spare: None
     MemoryTable.get = lambda self, key: [None] * len(key) if isinstance(key, list) else None
     MemoryTable.write_many = lambda self, puts, deletes=(): None
 

@@ -1,14 +1,15 @@
 """One state of a memory-backend subtask as Arrow batches, straight from its files.
 
-A memory-backend subtask is a set of key-group files (`statebackend.state.memory_files`),
-each holding the sorted entries of every state of one key group as Arrow binary arrays.
-Reading one state as data (`read_state`) needs no backend: each file's bytes come from
-the executor's local copy when it has the recorded size and checksum, else from storage,
-checked the same way (a damaged or replaced file is refused, naming it); they decode to
-arrays (no Python object per entry) that `statebackend.state.state_table.decode_entries`
-turns into batches: key groups in order, about ``batch_rows`` entries per batch (whole
-key groups), expired entries left out. The checks on each file are a restore's
-(`statebackend.state.memory.key_group_families`).
+A memory-backend subtask is a set of files (`statebackend.state.memory`), each holding
+the sorted entries of every state of some key groups as Arrow binary arrays, and each
+reference names the key groups the subtask reads from it. Reading one state as data
+(`read_state`) needs no backend: each file's bytes come from the executor's local copy
+when it has the recorded size and checksum, else from storage, checked the same way (a
+damaged or replaced file is refused, naming it); they decode to arrays (no Python
+object per entry) that `statebackend.state.state_table.decode_entries` turns into
+batches: key groups in order, about ``batch_rows`` entries per batch (whole key
+groups), expired entries left out. The checks on each file are a restore's
+(`statebackend.state.memory.key_group_sections`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pyarrow as pa
 from statebackend.checkpoint.metadata import FileRef, SubtaskHandle
 from statebackend.checkpoint.restore import require_recorded
 from statebackend.errors import SerializationError
-from statebackend.state.memory import key_group_families
+from statebackend.state.memory import key_group_sections, served_key_groups
 from statebackend.state.state_table import StateRead, decode_entries
 from statebackend.storage import Storage
 from statebackend.storage.checksums import checksum_algorithm, checksum_of_bytes
@@ -32,17 +33,21 @@ def memory_state_batches(storage: Storage, handle: SubtaskHandle, read: StateRea
     """The live entries of ``read``'s state in ``handle``'s key-group files (module doc);
     ``local_files``: the executor's folder of local copies, if any."""
     label = f"subtask {handle.index} (memory backend)"
+    sections: list[tuple[int, pa.Array, pa.Array]] = []
+    for ref in handle.files:
+        data = _file_bytes(storage, ref, local_files)
+        found, _ = key_group_sections(ref.local_name, data,
+                                      served_key_groups(ref.local_name, ref.key_group_ids),
+                                      ref.path, label)
+        sections += [(kg, keys, values) for family, kg, keys, values in found
+                     if family == read.desc.name]
     keys: list[pa.Array] = []
     values: list[pa.Array] = []
     held = 0
-    for ref in sorted(handle.files, key=lambda f: f.local_name):  # kg-<key group:05d>-...
-        data = _file_bytes(storage, ref, local_files)
-        for family, family_keys, family_values in key_group_families(
-                ref.local_name, data, ref.path, label):
-            if family == read.desc.name and len(family_keys):
-                keys.append(family_keys)
-                values.append(family_values)
-                held += len(family_keys)
+    for _, family_keys, family_values in sorted(sections, key=lambda s: s[0]):
+        keys.append(family_keys)
+        values.append(family_values)
+        held += len(family_keys)
         if held >= read.shape.batch_rows:
             yield from _decoded(keys, values, read, label)
             keys, values, held = [], [], 0

@@ -123,19 +123,31 @@ class FileRef:
     ``rows`` (optional): the entries of each state the file holds, where a file holds
     whole states of its key groups (the memory backend's key-group files): a rescale
     that regroups such files counts its new subtasks' rows from them without reading
-    any. () when not recorded (every SST, and files written before it existed)."""
+    any. () when not recorded (every SST, and files written before it existed).
+
+    ``key_groups`` (optional, the memory backend's segment files): the key groups this
+    subtask takes from the file, each with its entries per state; ``rows`` is then
+    their sum. A segment may hold other key groups too (rewritten since, or another
+    subtask's after a rescale): a reader takes only these."""
 
     path: str
     local_name: str
     size: int
     checksum: str
     rows: tuple[tuple[str, int], ...] = ()
+    key_groups: tuple[tuple[int, tuple[tuple[str, int], ...]], ...] = ()
+
+    @property
+    def key_group_ids(self) -> tuple[int, ...]:
+        return tuple(kg for kg, _ in self.key_groups)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"path": self.path, "local_name": self.local_name,
                                "size": self.size, "checksum": self.checksum}
         if self.rows:
             out["rows"] = dict(self.rows)
+        if self.key_groups:
+            out["key_groups"] = {str(kg): dict(rows) for kg, rows in self.key_groups}
         return out
 
     @staticmethod
@@ -158,7 +170,14 @@ class FileRef:
         _require(_is_counts(rows), where,
                  f"rows {str(rows)[:200]} of {local_name} must map state names to integers "
                  "in 0..2**53")
-        return FileRef(path, local_name, size, checksum, tuple(sorted(rows.items())))
+        key_groups = data.get("key_groups", {})
+        _require(isinstance(key_groups, dict) and all(
+            k.isdigit() and len(k) <= 5 and _is_counts(v) for k, v in key_groups.items()),
+            where, f"key_groups {str(key_groups)[:200]} of {local_name} must map key groups "
+            "to entries per state")
+        return FileRef(path, local_name, size, checksum, tuple(sorted(rows.items())),
+                       tuple(sorted((int(k), tuple(sorted(v.items())))
+                                    for k, v in key_groups.items())))
 
 
 @dataclass(frozen=True)
@@ -187,6 +206,11 @@ class SubtaskHandle:
     @property
     def size(self) -> int:
         return sum(f.size for f in self.files)
+
+    @property
+    def file_key_groups(self) -> dict[str, tuple[int, ...]]:
+        """local name -> the key groups read from it, for files that name them."""
+        return {f.local_name: f.key_group_ids for f in self.files if f.key_groups}
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -235,12 +259,21 @@ class SubtaskHandle:
 
 def check_local_names(handle: SubtaskHandle, where: str) -> None:
     """A subtask's files land in one folder by ``local_name``: two of one name would
-    overwrite each other at restore (a corrupt instance)."""
+    overwrite each other at restore (a corrupt instance). A key group a file serves
+    (`FileRef.key_groups`) is the subtask's, and one file's only."""
     seen: set[str] = set()
+    served: set[int] = set()
+    r = handle.key_group_range
     for ref in handle.files:
         _require(ref.local_name not in seen, where,
                  f"local_name {ref.local_name!r} appears twice in subtask {handle.index}")
         seen.add(ref.local_name)
+        for kg in ref.key_group_ids:
+            _require(kg in r, where, f"{ref.local_name} serves key group {kg}, outside "
+                     f"subtask {handle.index}'s [{r.start}, {r.end}]")
+            _require(kg not in served, where,
+                     f"key group {kg} is served by two files of subtask {handle.index}")
+            served.add(kg)
 
 
 def is_plain_name(name: str) -> bool:

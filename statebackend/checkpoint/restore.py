@@ -146,7 +146,7 @@ def restore_subtask(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
         read_only=options.read_only,
         origin=StoredInstance(handle.backend_id, options.label,
                               {f.local_name: f.path for f in handle.files}, handle.snapshot_id,
-                              handle.row_counts))
+                              handle.row_counts, handle.file_key_groups))
     bad = {d.split(": ", 1)[0] for d in report.damaged}
     # A damaged stored file is not referenced again: the next snapshot uploads the
     # (verified) local copy under a new shared name.

@@ -205,6 +205,10 @@ class LocalSnapshot:
     # file name -> ((state, entries), ...) of a file that holds whole states of its key
     # groups (the memory backend's); recorded in its FileRef (metadata.FileRef.rows)
     file_rows: Mapping[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
+    # file name -> ((key group, ((state, entries), ...)), ...): the key groups this
+    # snapshot reads from the file (FileRef.key_groups; memory-backend segments)
+    file_key_groups: Mapping[str, tuple[tuple[int, tuple[tuple[str, int], ...]], ...]] = \
+        field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -224,6 +228,8 @@ class StoredInstance:
     file_paths: Mapping[str, str] = field(default_factory=dict)
     snapshot_id: str | None = None  # the stored snapshot these files are
     row_counts: Mapping[str, int] | None = None  # its recorded live entries per family
+    # local name -> the key groups read from it (memory-backend segments: FileRef.key_groups)
+    file_key_groups: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 class KeyedStateBackend:
@@ -273,6 +279,7 @@ class KeyedStateBackend:
         self.label = origin.label or (f"the instance at {self.local_dir} (key groups "
                                       f"[{key_group_range.start}, {key_group_range.end}])")
         self.file_paths: dict[str, str] = dict(origin.file_paths)
+        self.file_key_groups: dict[str, tuple[int, ...]] = dict(origin.file_key_groups)
         self._dirty = False
         self._last_snapshot_id: str | None = origin.snapshot_id
         self._states: dict[str, _State] = {}
@@ -478,6 +485,13 @@ class KeyedStateBackend:
         for k in deletes:
             wb.delete(k)
         self.write(wb, changes)
+
+    def write_columns(self, handle: ColumnFamily, keys: Sequence[bytes],
+                      values: Sequence[bytes], changes: Mapping[str, int] | None = None
+                      ) -> None:
+        """`write_pairs` of ``keys[i]`` -> ``values[i]`` (no deletes; the memory
+        backend takes the two lists as they are)."""
+        self.write_pairs(handle, zip(keys, values, strict=True), (), changes)
 
     def write(self, batch: WriteBatch, changes: Mapping[str, int] | None = None) -> None:
         """Apply ``batch`` atomically. ``changes``: the live entries it adds per family

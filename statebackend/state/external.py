@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from statebackend.errors import UsageError
@@ -54,11 +54,9 @@ class ExternalTable(MemoryTable):
         super().__init__(name, account)
         self.written: set[bytes] = set()
 
-    def write_many(self, puts: Iterable[tuple[bytes, bytes]], deletes: Iterable[bytes] = ()
-                   ) -> None:
-        puts = puts if isinstance(puts, list) else list(puts)
-        self.written.update(k for k, _ in puts)
-        super().write_many(puts, deletes)
+    def write_columns(self, keys: Sequence[bytes], values: Sequence[bytes]) -> None:
+        self.written.update(keys)
+        super().write_columns(keys, values)
 
     def delete(self, key: bytes) -> None:
         self.written.add(key)

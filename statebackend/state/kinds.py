@@ -174,15 +174,18 @@ class _State:
         When ``read_raw`` just read these very keys (the same list, no write since, no
         key twice), the write tells the backend which entries it adds: the snapshot's
         row counts then need no scan."""
-        pairs = zip(rocks_keys, encoded, strict=True)
         if self._ttl is not None:
-            self._ttl.write(pairs, (), timestamps)
+            self._ttl.write(zip(rocks_keys, encoded, strict=True), (), timestamps)
             return
+        values = encoded if isinstance(encoded, list) else list(encoded)
+        if len(values) != len(rocks_keys):
+            raise ValueError(f"{len(rocks_keys)} keys but {len(values)} values")
         last, added = self._last_read, None
         if last is not None and last[0] is rocks_keys and last[2] == self.backend.writes \
                 and len(set(rocks_keys)) == len(rocks_keys):
             added = last[1].count(None)
-        self._write(pairs, added)
+        self.backend.write_columns(self.cf_handle, rocks_keys, values, changes=None
+                                   if added is None else {self.descriptor.name: added})
 
     def write_raw(self, puts: Iterable[tuple[bytes, bytes]],
                   deletes: Iterable[bytes] = (),

@@ -1,22 +1,36 @@
-"""The memory backend: keyed state in per-key-group hash tables, snapshots per key group.
+"""The memory backend: keyed state in hash tables, snapshots of the changed key groups.
 
 `MemoryStateBackend` is a `KeyedStateBackend` whose column families are `MemoryTable`s
 (statebackend.state.memory_table): the state kinds, timers, TTL, migrations and scans run
 unchanged on it, without RocksDB calls on the hot path.
 
-Snapshots are copy-on-write per key group. Every write marks its key group changed; a
-snapshot writes one immutable file per *changed* key group, holding that key group's
-entries of every column family, and names the unchanged key groups' files again. So a
-checkpoint uploads only the key groups written since the last one, every file is a
-shared file (GC, retention, savepoints and the manifest treat it like an SST), and:
+Snapshots are incremental by key group. Every write marks its key group changed; a
+snapshot writes the *changed* key groups' entries of every column family into one new
+immutable file, a *segment*, and names again the segments that still serve the other
+key groups. Each reference says which key groups this subtask reads from the segment
+and their entries per state (`FileRef.key_groups`): a key group is served by exactly
+one segment of a handle, the newest that wrote it. So a checkpoint uploads one file per
+subtask holding only the key groups written since the last one, every file is a shared
+file (GC, retention, savepoints and the manifest treat it like an SST), and:
 
-- restore reads the newest file of each key group (the handle lists exactly those);
-- rescale moves whole key-group files: a new subtask's handle names the files of its
-  key groups, nothing is clipped or rewritten.
+- restore reads each segment and takes the key groups the handle says it serves;
+- rescale moves whole segments: a new subtask's handle names the segments serving its
+  key groups, with those key groups only; nothing is clipped or rewritten (a segment
+  may then serve two subtasks, each its own key groups);
+- compaction: a segment whose served entries fall under half of what it holds (its
+  other key groups were written again since) has its served key groups written again
+  into the next segment, so it is no longer referenced and stored bytes stay within
+  about twice the state's.
 
-File format (``kg-<key group:05d>-<unique>.kgs``): `statebackend.state.memory_files`,
-ZSTD compressed (none with the job's ``compression="none"``). Reading it parses lengths
-and bytes and never runs code from storage.
+One file per snapshot rather than one per key group: a file's fixed costs (create,
+upload, four facts in the commit record) were most of a warm run's snapshot.
+
+Files named ``kg-<key group:05d>-<id>.kgs`` (written before segments, one key group
+each) are read the same way: such a file serves the key group of its name.
+
+File format (``seg-<id>.kgs``): `statebackend.state.memory_files`, entries in key order
+(so by key group), ZSTD compressed (none with the job's ``compression="none"``).
+Reading it parses lengths and bytes and never runs code from storage.
 
 An instance opened from stored files (``origin.file_paths``: the handle's files, already
 in ``files/``) loads them at construction. The local folder keeps the files of the
@@ -37,7 +51,7 @@ import re
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sized
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,36 +67,82 @@ from statebackend.state.memory_table import MemoryAccount, MemoryTable, MemoryWr
 
 FILES_DIR = "files"
 SUFFIX = ".kgs"
-_NAME = re.compile(r"^kg-(\d{5})-[0-9a-f]{12}\.kgs$")
+# kg-<key group>-<id>.kgs: one key group (written before segments); seg-<id>.kgs: a segment
+_NAME = re.compile(r"^(?:kg-(\d{5})-[0-9a-f]{12}|seg-[0-9a-f]{16})\.kgs$")
 # The file codec per job compression (Job.compression): ZSTD but for "none".
 _CODEC = {None: "zstd", "lz4": "zstd", "snappy": "zstd", "zstd": "zstd", "none": None}
+# A segment whose key groups still read from it hold under this share of its entries is
+# compacted: those key groups are written again into the next segment (module docstring).
+COMPACT_BELOW = 0.5
+
+Rows = tuple[tuple[str, int], ...]  # (state, entries), by state name
 
 
-def key_group_of_file(name: str) -> int:
-    """The key group a memory-backend file holds (from its name)."""
+def served_key_groups(name: str, key_groups: Sequence[int] = ()) -> tuple[int, ...]:
+    """The key groups read from memory-backend file ``name``: ``key_groups`` (a
+    segment's, from its FileRef), or the one a key-group file's name says."""
     m = _NAME.match(name)
     if m is None:
-        raise CorruptStateError(f"{name!r} is not a memory-backend key-group file "
-                                "(kg-<key group>-<id>.kgs)")
-    return int(m.group(1))
+        raise CorruptStateError(f"{name!r} is not a memory-backend file "
+                                "(seg-<id>.kgs or kg-<key group>-<id>.kgs)")
+    if m.group(1) is not None:
+        return (int(m.group(1)),)
+    if not key_groups:
+        raise CorruptStateError(f"segment {name!r} is referenced without its key groups")
+    return tuple(key_groups)
 
 
-def key_group_families(name: str, data: bytes, where: str, label: str
-                       ) -> list[tuple[str, pa.Array, pa.Array]]:
-    """The families of key-group file ``name`` (bytes ``data``; ``where`` and ``label``
-    name it in errors), keys and values as Arrow binary arrays; CorruptStateError unless
-    it decodes and its keys are of its key group (the first and the last: stored sorted)."""
-    kg = key_group_of_file(name)
-    prefix = key_group_prefix(kg)
+def key_group_sections(name: str, data: bytes, key_groups: Sequence[int], where: str,
+                       label: str) -> tuple[list[tuple[str, int, pa.Array, pa.Array]], int]:
+    """(state, key group, keys, values) of each of ``key_groups`` (each at least once,
+    by state) in file ``name`` (bytes ``data``; ``where`` and ``label`` name it in
+    errors), with the file's entries in all; CorruptStateError unless it decodes,
+    its entries are in key order and it holds every key group asked for (a
+    key-group file: only its own key group)."""
     try:
         families = memory_files.decode_arrays(data)
     except ValueError as exc:
         raise CorruptStateError(f"{where}: not a readable key-group file of {label}: "
                                 f"{exc}") from exc
-    for _, keys, _ in families:
-        if len(keys) and (keys[0].as_py()[:2] != prefix or keys[-1].as_py()[:2] != prefix):
-            raise CorruptStateError(f"{where}: holds keys outside key group {kg} ({label})")
-    return families
+    wanted = sorted(set(key_groups))
+    whole = name.startswith("kg-")  # a key-group file holds its own key group only
+    sections = []
+    total = 0
+    for family, keys, values in families:
+        total += len(keys)
+        groups = _key_groups_of(keys, where, label)
+        if len(groups) and (groups[1:] < groups[:-1]).any():
+            raise CorruptStateError(f"{where}: entries out of key order ({label})")
+        if whole and len(groups) and (groups[0] != wanted[0] or groups[-1] != wanted[0]):
+            raise CorruptStateError(f"{where}: holds keys outside key group {wanted[0]} "
+                                    f"({label})")
+        starts = groups.searchsorted(wanted, "left")
+        ends = groups.searchsorted(wanted, "right")
+        for kg, lo, hi in zip(wanted, starts.tolist(), ends.tolist(), strict=True):
+            if hi > lo:
+                sections.append((family, kg, keys.slice(lo, hi - lo),
+                                 values.slice(lo, hi - lo)))
+    missing = set(wanted) - {kg for _, kg, _, _ in sections}
+    if missing:
+        raise CorruptStateError(f"{where}: holds no entry of key group {min(missing)}, "
+                                f"which {label} reads from it")
+    return sections, total
+
+
+def _key_groups_of(keys: pa.Array, where: str, label: str) -> Any:
+    """Each key's key group (its 2-byte prefix) as a NumPy array."""
+    import numpy as np
+
+    n = len(keys)
+    if not n:
+        return np.zeros(0, np.int64)
+    _, offsets_buf, data_buf = keys.buffers()
+    offsets = np.frombuffer(offsets_buf, np.int32, n + 1, keys.offset * 4)
+    if data_buf is None or (offsets[1:] - offsets[:-1] < 2).any():
+        raise CorruptStateError(f"{where}: a key without its key-group prefix ({label})")
+    data = np.frombuffer(data_buf, np.uint8)
+    starts = offsets[:-1]
+    return data[starts].astype(np.int64) * 256 + data[starts + 1]
 
 
 class MemoryStateBackend(KeyedStateBackend):
@@ -101,21 +161,18 @@ class MemoryStateBackend(KeyedStateBackend):
         self.compression: str | None = None
         self._db = None
         self._open = True
-        # key-group prefix -> (file name, size) of its newest file; the previous snapshot's
-        self._kg_files: dict[bytes, tuple[str, int]] = {}
-        self._file_rows: dict[str, tuple[tuple[str, int], ...]] = {}  # FileRef.rows
-        self._previous_files: set[str] = set()
+        self._files = _Files()
+        self._previous_files: set[str] = set()  # the previous snapshot's
         os.makedirs(self.files_path, exist_ok=True)
         live = None if self.read_only else _take_live(self.local_dir, self._last_snapshot_id)
         if live is not None:  # this process closed that very snapshot's state: adopt it
-            self.account, self._cfs, self._kg_files = live.account, live.tables, live.kg_files
-            self._file_rows = live.file_rows
+            self.account, self._cfs, self._files = live.account, live.tables, live.files
             self.account.label = self.label
             self._handles = self._cfs
             self._cf_names = sorted(self._cfs)
             for name in set(self._cfs) & set(INTERNAL_STATES):
                 self.descriptors.setdefault(name, internal_descriptor(name))
-            self._previous_files = {n for n, _ in self._kg_files.values()}
+            self._previous_files = self._files.current()
             return
         # A stored instance (restore, validation, dump) is the files its handle names,
         # already placed in files/ (statebackend.checkpoint.restore).
@@ -150,13 +207,21 @@ class MemoryStateBackend(KeyedStateBackend):
     # ``changes`` (row counts) are not needed: a table's count is its length
     def write(self, batch: Any, changes: Mapping[str, int] | None = None) -> None:
         self._dirty = True
+        self.writes += 1  # the state kinds' reads know what they read is current
         batch.apply(self.account)
 
     def write_pairs(self, handle: Any, puts: Iterable[tuple[bytes, bytes]],
                     deletes: Iterable[bytes] = (),
                     changes: Mapping[str, int] | None = None) -> None:
         self._dirty = True
+        self.writes += 1
         handle.write_many(puts, deletes)
+
+    def write_columns(self, handle: Any, keys: Sequence[bytes], values: Sequence[bytes],
+                      changes: Mapping[str, int] | None = None) -> None:
+        self._dirty = True
+        self.writes += 1
+        handle.write_columns(keys, values)
 
     def is_shared_file(self, name: str) -> bool:
         return name.endswith(SUFFIX)
@@ -185,12 +250,14 @@ class MemoryStateBackend(KeyedStateBackend):
             table.drop_part(prefix)
             self.account.changed.add(prefix)
         self._dirty = True
+        self.writes += 1
 
     # -- files ---------------------------------------------------------------------
     def load_files(self, names: Iterable[str]) -> None:
-        """Fill the tables from key-group files in ``files/`` (a restore)."""
+        """Fill the tables from the key groups each file in ``files/`` serves (a
+        restore: ``file_key_groups``, or a key-group file's own)."""
         for name in names:
-            prefix = key_group_prefix(key_group_of_file(name))
+            served = served_key_groups(name, self.file_key_groups.get(name, ()))
             path = os.path.join(self.files_path, name)
             where = self.file_paths.get(name, path)
             try:
@@ -199,27 +266,32 @@ class MemoryStateBackend(KeyedStateBackend):
             except OSError as exc:
                 raise CorruptStateError(f"{where}: not a readable key-group file of "
                                         f"{self.label}: {exc}") from exc
-            families = key_group_families(name, data, where, self.label)
-            for family, keys, values in families:
-                self._table(family).load(prefix, keys.to_pylist(), values.to_pylist())
-            self._kg_files[prefix] = (name, len(data))
-            self._file_rows[name] = _rows_of(families)
-        self._previous_files = {n for n, _ in self._kg_files.values()}
+            sections, total = key_group_sections(name, data, served, where, self.label)
+            rows: dict[int, list[tuple[str, int]]] = {kg: [] for kg in served}
+            for family, kg, keys, values in sections:
+                self._table(family).load(key_group_prefix(kg), keys.to_pylist(),
+                                         values.to_pylist())
+                rows[kg].append((family, len(keys)))
+            self._files.add(name, len(data), total,
+                            {key_group_prefix(kg): tuple(sorted(r)) for kg, r in rows.items()})
+        self._previous_files = self._files.current()
 
-    def _write_key_group(self, prefix: bytes, spare: list[str]) -> tuple[str, int] | None:
-        """Write key group ``prefix``'s file (None: the key group is empty), into a file
-        of ``spare`` renamed when there is one (`take_local_snapshot`)."""
+    def _write_segment(self, prefixes: list[bytes], spare: list[str]
+                       ) -> tuple[str, int, int, dict[bytes, Rows]] | None:
+        """Write key groups ``prefixes`` (in order) into one new segment, into a file of
+        ``spare`` renamed when there is one (`take_local_snapshot`); (name, size,
+        entries, rows of each non-empty key group), None when all are empty."""
         families = []
+        rows: dict[bytes, list[tuple[str, int]]] = {}
         for name in self._cf_names:
-            table = self._cfs[name]
-            part = table.parts.get(prefix)
-            if part:
-                ordered = table.sorted_keys(prefix)
-                families.append((name, ordered, [part[k] for k in ordered]))
+            keys, values, counts = self._cfs[name].ordered_entries(prefixes)
+            for prefix, n in counts.items():
+                rows.setdefault(prefix, []).append((name, n))
+            if keys:
+                families.append((name, keys, values))
         if not families:
             return None
-        kg = int.from_bytes(prefix, "big")
-        file_name = f"kg-{kg:05d}-{uuid.uuid4().hex[:12]}{SUFFIX}"
+        file_name = f"seg-{uuid.uuid4().hex[:16]}{SUFFIX}"
         data = memory_files.encode(families, _CODEC[self.compression])
         path = os.path.join(self.files_path, file_name)
         mode = "wb"
@@ -229,12 +301,13 @@ class MemoryStateBackend(KeyedStateBackend):
         with open(path, mode) as fh:
             fh.write(data)
             fh.truncate()
-        self._file_rows[file_name] = _rows_of(families)
-        return file_name, len(data)
+        entries = sum(len(keys) for _, keys, _ in families)
+        return file_name, len(data), entries, {p: tuple(r) for p, r in rows.items()}
 
     # -- snapshot --------------------------------------------------------------------
     def take_local_snapshot(self, count_rows: bool = True) -> LocalSnapshot:
-        """Write a file per key group changed since the last snapshot; name the rest."""
+        """Write the key groups changed since the last snapshot (and those of segments
+        mostly rewritten since: compaction) into one segment; name the other segments."""
         if self.read_only:
             raise UsageError(f"{self.label} is read-only: it cannot snapshot")
         # Files neither the state nor the previous snapshot names are rewritten as this
@@ -242,27 +315,25 @@ class MemoryStateBackend(KeyedStateBackend):
         # rewriting one on some filesystems (0.9 ms against 0.04 ms on our machines'
         # ext4). A reader of an older snapshot's files checks each one's checksum and
         # falls back to storage (restore, read_state). What is left over is deleted below.
-        named = {n for n, _ in self._kg_files.values()} | self._previous_files
+        named = self._files.current() | self._previous_files
         spare = [e.path for e in os.scandir(self.files_path) if e.name not in named]
-        for prefix in sorted(self.account.changed):
-            written = self._write_key_group(prefix, spare)
-            if written is None:
-                self._kg_files.pop(prefix, None)
-            else:
-                self._kg_files[prefix] = written
+        changed = self.account.changed | self._files.compactable(self.account.changed)
+        written = self._write_segment(sorted(changed), spare)
+        self._files.replace(changed, written)
         self.account.changed.clear()
         for path in spare:  # the previous snapshot's files stay: it may be restored here
             os.unlink(path)
-        current = {n for n, _ in self._kg_files.values()}
-        self._previous_files = current
-        self._file_rows = {n: r for n, r in self._file_rows.items() if n in current}
+        self._previous_files = self._files.current()
         snapshot_id = uuid.uuid4().hex
         rows = self.count_rows() if count_rows else {}
         self._dirty = False
         self._last_snapshot_id = snapshot_id
-        return LocalSnapshot(snapshot_id, self.files_path,
-                             tuple(sorted(self._kg_files.values())), rows,
-                             dict(self._file_rows))
+        served = self._files.served()
+        return LocalSnapshot(
+            snapshot_id, self.files_path,
+            tuple(sorted((n, self._files.sizes[n]) for n in served)), rows,
+            {n: summed_rows(r for _, r in kgs) for n, kgs in served.items()},
+            {n: kgs for n, kgs in served.items() if not n.startswith("kg-")})
 
     def count_rows(self) -> dict[str, int]:
         return {name: len(table) for name, table in self._cfs.items()}
@@ -277,10 +348,58 @@ class MemoryStateBackend(KeyedStateBackend):
         clean = not self.read_only and not self._dirty and self._last_snapshot_id is not None
         if clean:
             _keep_live(self.local_dir, _LiveInstance(
-                self._last_snapshot_id or "", dict(self._cfs), self.account,
-                dict(self._kg_files), dict(self._file_rows)))
+                self._last_snapshot_id or "", dict(self._cfs), self.account, self._files))
         self._cfs = {}
         self._handles = {}
+
+
+class _Files:
+    """Which file serves each key group, and what each file holds (module docstring)."""
+
+    def __init__(self) -> None:
+        self.source: dict[bytes, str] = {}  # key-group prefix -> the file serving it
+        self.rows: dict[bytes, Rows] = {}  # key-group prefix -> its entries per state
+        self.sizes: dict[str, int] = {}  # file -> bytes
+        self.entries: dict[str, int] = {}  # file -> entries it holds (served or not)
+
+    def current(self) -> set[str]:
+        return set(self.source.values())
+
+    def add(self, name: str, size: int, entries: int, rows: dict[bytes, Rows]) -> None:
+        """File ``name`` serves the key groups of ``rows``."""
+        self.sizes[name], self.entries[name] = size, entries
+        for prefix, r in rows.items():
+            self.source[prefix], self.rows[prefix] = name, r
+
+    def compactable(self, changed: set[bytes]) -> set[bytes]:
+        """The key groups (outside ``changed``) of files whose served entries are under
+        COMPACT_BELOW of what they hold once ``changed`` is written elsewhere."""
+        live: dict[str, int] = dict.fromkeys(self.entries, 0)
+        for prefix, name in self.source.items():
+            if prefix not in changed:
+                live[name] += sum(n for _, n in self.rows[prefix])
+        sparse = {n for n, held in live.items() if 0 < held < COMPACT_BELOW * self.entries[n]}
+        return {p for p, n in self.source.items() if n in sparse and p not in changed}
+
+    def replace(self, prefixes: set[bytes],
+                written: tuple[str, int, int, dict[bytes, Rows]] | None) -> None:
+        """Key groups ``prefixes`` now live in segment ``written`` (or are empty)."""
+        for prefix in prefixes:
+            self.source.pop(prefix, None)
+            self.rows.pop(prefix, None)
+        if written is not None:
+            name, size, entries, rows = written
+            self.add(name, size, entries, rows)
+        current = self.current()
+        for name in set(self.sizes) - current:
+            del self.sizes[name], self.entries[name]
+
+    def served(self) -> dict[str, tuple[tuple[int, Rows], ...]]:
+        """file -> ((key group, entries per state), ...) of the key groups it serves."""
+        out: dict[str, list[tuple[int, Rows]]] = {}
+        for prefix, name in self.source.items():
+            out.setdefault(name, []).append((int.from_bytes(prefix, "big"), self.rows[prefix]))
+        return {n: tuple(sorted(kgs)) for n, kgs in out.items()}
 
 
 @dataclass(frozen=True)
@@ -290,13 +409,16 @@ class _LiveInstance:
     snapshot_id: str
     tables: dict[str, MemoryTable]
     account: MemoryAccount
-    kg_files: dict[bytes, tuple[str, int]]
-    file_rows: dict[str, tuple[tuple[str, int], ...]]
+    files: _Files
 
 
-def _rows_of(families: Iterable[tuple[str, Sized, Any]]) -> tuple[tuple[str, int], ...]:
-    """The entries of each family a key-group file holds (`FileRef.rows`)."""
-    return tuple(sorted((name, len(keys)) for name, keys, _ in families))
+def summed_rows(rows: Iterable[Rows]) -> Rows:
+    """Entries per state over several key groups."""
+    total: dict[str, int] = {}
+    for r in rows:
+        for name, n in r:
+            total[name] = total.get(name, 0) + n
+    return tuple(sorted(total.items()))
 
 
 # Closed instances kept in this process, by local folder, newest last: a restore of the

@@ -1,4 +1,4 @@
-"""The memory backend's key-group file: every column family's entries of one key group.
+"""The memory backend's file: every column family's entries of some key groups, in key order.
 
 Layout (little-endian), written once and never changed::
 

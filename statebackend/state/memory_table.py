@@ -1,14 +1,15 @@
-"""In-memory column families: per-key-group hash tables with RocksDB's byte-key contract.
+"""In-memory column families: a hash table with RocksDB's byte-key contract.
 
 A `MemoryTable` stands in for a raw-mode ``Rdict`` column family where the state kinds,
 timers and TTL use one (``get`` of a key or a list of keys, ``put``, ``delete``,
 ``delete_range``, ordered scans), so the same state code runs on either backend. Keys
-are the backend's full keys (2-byte key-group prefix first), so a key group is one
-partition: a ``dict`` of key -> value bytes.
+are the backend's full keys (2-byte key-group prefix first). One ``dict`` holds every
+entry, so a multi-get or a batch of updates is the dictionary's own loop, with no
+Python step per entry; each key group keeps the set of its keys (a partition).
 
 Order is needed only by scans (map state's prefix reads, the time-ordered timer queue
-and TTL index, dumps): each partition sorts its keys on the first scan after its key
-set changed, so point reads and writes never pay for order.
+and TTL index, dumps, snapshots): each partition sorts its keys on the first scan after
+its key set changed, so point reads and writes never pay for order.
 
 Every write charges `MemoryAccount`: the bytes held (keys + values + a fixed per-entry
 overhead of Python's objects) against the configured limit, and the key groups changed
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import compress, repeat
+from operator import is_, itemgetter
 from typing import Any
 
 from statebackend.errors import UsageError
@@ -30,7 +33,9 @@ from statebackend.errors import UsageError
 # Bytes counted per entry beyond its key and value: two bytes objects (33 B each) and a
 # dict slot, rounded up. An estimate: the limit guards against runaway state, not bytes.
 ENTRY_OVERHEAD = 120
-_EMPTY: dict[bytes, bytes] = {}
+_EMPTY: set[bytes] = set()
+_first, _second = itemgetter(0), itemgetter(1)
+_key_group_of = itemgetter(slice(0, 2))  # a key's 2-byte key-group prefix
 
 
 class StateMemoryLimitError(UsageError):
@@ -60,54 +65,76 @@ class MemoryTable:
 
     def __init__(self, name: str, account: MemoryAccount) -> None:
         self.name = name
-        self.parts: dict[bytes, dict[bytes, bytes]] = {}  # key-group prefix -> entries
+        self.data: dict[bytes, bytes] = {}  # every entry: key -> value
+        self.parts: dict[bytes, set[bytes]] = {}  # key-group prefix -> its keys
         self._sorted: dict[bytes, list[bytes]] = {}  # prefix -> sorted keys (while valid)
         self._account = account
+        self._in_order = True  # ``data`` iterates in key order (no key added since sorted)
+        self._mutations = 0
+        # (keys, their values, mutations then) of the last multi-get: a write of the same
+        # key list right after it knows what the keys held without looking them up
+        self._last_read: tuple[list[bytes], list[bytes | None], int] | None = None
 
     # -- point access (rocksdict's names) ------------------------------------------
     def get(self, key: Any) -> Any:
         """The value of ``key`` (None: absent), or a list of values for a list of keys."""
-        parts = self.parts
         if isinstance(key, list):
-            return [parts.get(k[:2], _EMPTY).get(k) for k in key]
-        return parts.get(key[:2], _EMPTY).get(key)
+            values = list(map(self.data.get, key))
+            self._last_read = (key, values[:], self._mutations)
+            return values
+        return self.data.get(key)
 
     def put(self, key: bytes, value: bytes) -> None:
         self.write_many(((key, value),))
 
     def write_many(self, puts: Iterable[tuple[bytes, bytes]], deletes: Iterable[bytes] = ()
                    ) -> None:
-        """`put` of every pair, then `delete` of every key: the state kinds' batch write,
-        in one loop (no per-entry call), the limit checked once at the end."""
-        parts, order, account = self.parts, self._sorted, self._account
-        changed = account.changed
-        grown = 0
-        for key, value in puts:
-            prefix = key[:2]
-            part = parts.get(prefix)
-            if part is None:
-                part = parts[prefix] = {}
-            old = part.get(key)
-            if old is None:
-                if prefix in order:
-                    del order[prefix]
-                grown += len(key) + len(value) + ENTRY_OVERHEAD
-            else:
-                grown += len(value) - len(old)
-            part[key] = value
-            changed.add(prefix)
-        account.bytes += grown
+        """`put` of every pair, then `delete` of every key: the state kinds' batch write."""
+        pairs = puts if isinstance(puts, list) else list(puts)
+        self.write_columns(list(map(_first, pairs)), list(map(_second, pairs)))
         for key in deletes:
             self.delete(key)
+
+    def write_columns(self, keys: Sequence[bytes], values: Sequence[bytes]) -> None:
+        """`put` of ``keys[i]`` -> ``values[i]``. Updates of existing keys take no Python
+        step per entry (the dictionary's own loops; what the keys held comes from the
+        multi-get of this very key list just before, if there was one); a new key joins
+        its key group's key set and puts the table out of key order. The limit is
+        checked once."""
+        data, account = self.data, self._account
+        last = self._last_read
+        if last is not None and last[0] is keys and last[2] == self._mutations:
+            olds = last[1]
+        else:
+            olds = list(map(data.get, keys))
+        self._mutations += 1
+        self._last_read = None
+        data.update(zip(keys, values, strict=True))
+        account.changed.update(map(_key_group_of, keys))
+        # A key written twice in one batch counts its first old value twice: the count
+        # is an estimate (ENTRY_OVERHEAD), kept exact for the state kinds' batches,
+        # which write each key once.
+        grown = sum(map(len, values)) - sum(map(len, filter(None, olds)))
+        if None in olds:
+            parts, order = self.parts, self._sorted
+            for key in dict.fromkeys(compress(keys, map(is_, olds, repeat(None)))):
+                prefix = key[:2]
+                part = parts.get(prefix)
+                if part is None:
+                    part = parts[prefix] = set()
+                part.add(key)
+                order.pop(prefix, None)
+                grown += len(key) + ENTRY_OVERHEAD
+            self._in_order = False
+        account.bytes += grown
         account.check()
 
     def delete(self, key: bytes) -> None:
-        prefix = key[:2]
-        part = self.parts.get(prefix)
-        if part is None:
-            return
-        old = part.pop(key, None)
+        self._mutations += 1
+        old = self.data.pop(key, None)
         if old is not None:
+            prefix = key[:2]
+            self.parts[prefix].discard(key)
             self._account.bytes -= len(key) + len(old) + ENTRY_OVERHEAD
             self._sorted.pop(prefix, None)
             self._account.changed.add(prefix)
@@ -126,6 +153,30 @@ class MemoryTable:
             keys = self._sorted[prefix] = sorted(self.parts.get(prefix, _EMPTY))
         return keys
 
+    def ordered_entries(self, prefixes: Sequence[bytes]
+                        ) -> tuple[list[bytes], list[bytes], dict[bytes, int]]:
+        """Keys and values of key groups ``prefixes`` (sorted) in key order, and the
+        entries of each non-empty one. ``data`` is kept in key order (sorted again after
+        keys were added), so the values come from one pass over it, not a lookup each."""
+        if not self._in_order:
+            self.data = dict(sorted(self.data.items()))
+            self._in_order = True
+        present = sorted(p for p, keys in self.parts.items() if keys)
+        counts = {p: len(self.parts[p]) for p in prefixes if self.parts.get(p)}
+        keys, values = list(self.data), list(self.data.values())
+        if len(counts) == len(present):
+            return keys, values, counts
+        out_keys: list[bytes] = []
+        out_values: list[bytes] = []
+        start = 0
+        for p in present:
+            n = len(self.parts[p])
+            if p in counts:
+                out_keys += keys[start:start + n]
+                out_values += values[start:start + n]
+            start += n
+        return out_keys, out_values, counts
+
     def _prefixes(self, lower: bytes | None, upper: bytes | None) -> list[bytes]:
         lo = lower[:2] if lower else b""
         return sorted(p for p in self.parts
@@ -135,11 +186,11 @@ class MemoryTable:
              values: bool = True) -> Iterator[Any]:
         """Entries with lower <= key < upper in key order: (key, value), or keys."""
         for prefix in self._prefixes(lower, upper):
-            part = self.parts[prefix]
+            data = self.data
             for key in self._span(prefix, lower, upper):
                 if not values:
                     yield key
-                elif (value := part.get(key)) is not None:  # deleted while scanning
+                elif (value := data.get(key)) is not None:  # deleted while scanning
                     yield key, value
 
     def entries(self, lower: bytes | None = None, upper: bytes | None = None
@@ -151,7 +202,7 @@ class MemoryTable:
         for prefix in self._prefixes(lower, upper):
             span = self._span(prefix, lower, upper)
             keys += span
-            values += map(self.parts[prefix].__getitem__, span)
+            values += map(self.data.__getitem__, span)
         return keys, values
 
     def _span(self, prefix: bytes, lower: bytes | None, upper: bytes | None) -> list[bytes]:
@@ -177,24 +228,27 @@ class MemoryTable:
         return (first[0], last[-1]) if first and last else None
 
     def __len__(self) -> int:
-        return sum(len(p) for p in self.parts.values())
+        return len(self.data)
 
     # -- bulk (restore) ------------------------------------------------------------
     def load(self, prefix: bytes, keys: Sequence[bytes], values: Sequence[bytes]) -> None:
         """Replace key group ``prefix`` with sorted ``keys`` -> ``values`` (a restore:
         not a change for the next snapshot)."""
+        data, account = self.data, self._account
+        self._mutations += 1
         old = self.parts.pop(prefix, None)
         if old:
-            self._account.bytes -= sum(len(k) + len(v) + ENTRY_OVERHEAD
-                                       for k, v in old.items())
+            account.bytes -= sum(len(k) + len(data.pop(k)) + ENTRY_OVERHEAD for k in old)
         if not keys:
             self._sorted.pop(prefix, None)
             return
-        self.parts[prefix] = dict(zip(keys, values, strict=True))
+        data.update(zip(keys, values, strict=True))
+        self._in_order = False
+        self.parts[prefix] = set(keys)
         self._sorted[prefix] = list(keys)
-        self._account.bytes += sum(map(len, keys)) + sum(map(len, values)) \
+        account.bytes += sum(map(len, keys)) + sum(map(len, values)) \
             + ENTRY_OVERHEAD * len(keys)
-        self._account.check()
+        account.check()
 
     def drop_part(self, prefix: bytes) -> None:
         self.load(prefix, (), ())

@@ -188,7 +188,8 @@ def checked_entries(cf: Rdict | MemoryTable, where: str, lower: bytes | None = N
 
 def multi_get(cf: Rdict | MemoryTable, keys: Iterable[bytes]) -> list[bytes | None]:
     """One multi-get of raw values: the stored bytes of each key, None where absent."""
-    wanted: list[_RdictKey] = list(keys)
+    # a list as it is: the memory backend knows a write of the same list follows the read
+    wanted: list[_RdictKey] = keys if isinstance(keys, list) else list(keys)
     # rocksdict's stub types the result as one value; a list of keys gets a list back
     return cast("list[bytes | None]", cf.get(wanted))
 

@@ -671,7 +671,8 @@ def _open_and_read(scope: _Scope, handle: SubtaskHandle, tmp: str, rng: random.R
     if bad:
         return f"not opened: {len(bad)} damaged file(s): " + "; ".join(bad[:3])
     origin = StoredInstance(handle.backend_id, label,
-                            {f.local_name: f.path for f in handle.files})
+                            {f.local_name: f.path for f in handle.files},
+                            file_key_groups=handle.file_key_groups)
     with kind(tmp, scope.descriptors, meta.max_parallelism, handle.key_group_range,
               read_only=True, origin=origin) as backend:
         _read_subtask(scope, backend.place_keys_by(meta.key_hash), handle, rng, out)

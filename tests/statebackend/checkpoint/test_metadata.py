@@ -82,6 +82,23 @@ def test_a_files_rows_round_trip_and_stay_optional():
     assert "rows" not in meta.subtasks[1].shared_files[0].to_json()
 
 
+def test_a_segments_key_groups_round_trip_and_stay_optional():
+    """FileRef.key_groups (the key groups a subtask reads from a memory-backend segment,
+    with their entries per state): read back by both parsers, absent elsewhere."""
+    record = valid_record()
+    record["subtasks"][1]["shared_files"][0]["key_groups"] = {
+        "64": {"totals": 2}, "127": {"events": 1, "totals": 3}}
+    data = json.dumps(record).encode()
+    meta = CheckpointMetadata.from_bytes(data, WHERE)
+    assert parse_metadata(data, WHERE, {}) == meta
+    ref = meta.subtasks[1].shared_files[0]
+    assert ref.key_groups == ((64, (("totals", 2),)), (127, (("events", 1), ("totals", 3))))
+    assert ref.key_group_ids == (64, 127)
+    assert meta.subtasks[1].file_key_groups == {"000012.sst": (64, 127)}
+    assert meta.subtasks[0].shared_files[0].key_groups == ()
+    assert meta.to_json() == record
+
+
 def test_valid_record_round_trips_through_both_parsers():
     data = json.dumps(valid_record()).encode()
     meta = CheckpointMetadata.from_bytes(data, WHERE)
@@ -140,6 +157,12 @@ def _deep_extra(record: dict) -> None:
     record["extra"] = {"x": nested}
 
 
+def _key_group_served_twice(record: dict) -> None:
+    files = record["subtasks"][0]["shared_files"]
+    files[0]["key_groups"] = {"3": {"totals": 1}}
+    files.append({**files[0], "path": "shared/x-seg.kgs", "local_name": "seg.kgs"})
+
+
 def _states_twice(record: dict) -> None:
     record["states"].append(dict(record["states"][0]))
 
@@ -179,6 +202,17 @@ CASES = [
      "rows {'totals': -1} of 000012.sst must map state names to integers"),
     ("file-rows-list", _set(("subtasks", 0, "shared_files", 0, "rows"), [["totals", 1]]),
      "must map state names to integers"),
+    ("file-key-group-outside", _set(("subtasks", 0, "shared_files", 0, "key_groups"),
+                                    {"100": {"totals": 1}}),
+     "000012.sst serves key group 100, outside subtask 0's [0, 63]"),
+    ("file-key-group-twice", _key_group_served_twice,
+     "key group 3 is served by two files of subtask 0"),
+    ("file-key-groups-junk", _set(("subtasks", 0, "shared_files", 0, "key_groups"),
+                                  {"x": {"totals": 1}}),
+     "must map key groups to entries per state"),
+    ("file-key-groups-rows", _set(("subtasks", 0, "shared_files", 0, "key_groups"),
+                                  {"3": {"totals": -1}}),
+     "must map key groups to entries per state"),
     ("id-zero", _set(("checkpoint_id",), 0), "checkpoint_id 0 must be at least 1"),
     ("parent-not-earlier", _set(("parent",), 7), "parent 7 must be an earlier checkpoint id"),
     ("parent-zero", _set(("parent",), 0), "parent 0 must be an earlier checkpoint id"),

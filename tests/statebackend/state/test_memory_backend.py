@@ -26,7 +26,6 @@ from statebackend.state import memory_files
 from statebackend.state.memory import (
     MemoryStateBackend,
     forget_live_instance,
-    key_group_of_file,
 )
 from statebackend.state.memory_table import (
     MemoryAccount,
@@ -120,17 +119,24 @@ def test_checkpoints_restore_and_upload_only_changed_key_groups(tmp_path):
     assert first.summary()["state_backend"] == "memory"  # ckpt show / list --json
     assert all(f.local_name.endswith(".kgs") and not h.private_files
                for h in first.subtasks for f in h.files)
-    # one key group changes: its file is the only upload, the others are referenced
+    # one segment per subtask, serving each of its key groups
+    assert [len(h.files) for h in first.subtasks] == [1, 1]
+    assert all(h.files[0].key_group_ids == tuple(range(h.key_group_start, h.key_group_end + 1))
+               for h in first.subtasks)
+    # one key group changes: a segment of it is the only upload, the others are referenced
     touched = "k1"
     owner = next(b for b in backends if _owns(b, touched))
     owner.value_state("totals").put(touched, {"count": -1, "sum": 0.0, "flag": True})
     second = checkpoint_backends(store, backends)
-    new = {f.path for h in second.subtasks for f in h.files} - \
-        {f.path for h in first.subtasks for f in h.files}
+    new = [f for h in second.subtasks for f in h.files
+           if f.path not in {g.path for h in first.subtasks for g in h.files}]
     kg = owner.key_group_and_bytes(touched)[0]
-    assert [key_group_of_file(p.rsplit("/", 1)[-1].split("-", 1)[1]) for p in new] == [kg]
-    assert second.bytes_uploaded == sum(f.size for h in second.subtasks for f in h.files
-                                        if f.path in new)
+    assert [f.key_group_ids for f in new] == [(kg,)]
+    # the first segment still serves the owner's other key groups, and only them
+    kept = next(f for h in second.subtasks for f in h.files if f.path not in {new[0].path}
+                and kg - 1 in f.key_group_ids or kg + 1 in f.key_group_ids)
+    assert kg not in kept.key_group_ids
+    assert second.bytes_uploaded == sum(f.size for f in new)
     want = dump_backends(backends)
     close_all(backends)
     # from storage; then this process's instances (closed clean); then, as a new process
@@ -284,6 +290,13 @@ def test_rescale_counts_rows_from_the_key_group_files_it_regroups(tmp_path):
         summary = rescale(store, "latest", target, options=RescaleOptions(engine="local"))
         meta = store.latest()
         assert meta.parallelism == target
+        if target == 3:  # the source's two segments straddle the new boundaries
+            owners: dict[str, list[tuple[int, ...]]] = {}
+            for h in meta.subtasks:
+                for f in h.files:
+                    owners.setdefault(f.path, []).append(f.key_group_ids)
+            shared = [kgs for kgs in owners.values() if len(kgs) > 1]
+            assert shared and all(not set(a) & set(b) for a, b in shared)
         # the summary (`ckpt rescale --json`) counts them too, per new subtask
         assert [s["rows"] for s in summary["subtasks"]] == [
             sum(h.row_counts.values()) for h in meta.subtasks]
@@ -295,7 +308,7 @@ def test_rescale_counts_rows_from_the_key_group_files_it_regroups(tmp_path):
             sum(sum(h.row_counts.values()) for h in source.subtasks)
         close_all(restored)
     # references written before rows existed: counts are left to the next run
-    old = store.latest()
+    old = _as_key_group_files(store, store.latest())
     stripped = replace(old, subtasks=tuple(
         replace(h, shared_files=tuple(replace(f, rows=()) for f in h.shared_files))
         for h in old.subtasks))
@@ -305,3 +318,122 @@ def test_rescale_counts_rows_from_the_key_group_files_it_regroups(tmp_path):
     assert all(r.handle.row_counts == {} for r in
                regrouped(stripped, plan_rescale(stripped, 2)))
     assert all(r.handle.row_counts for r in regrouped(old, plan_rescale(old, 2)))
+
+
+def _as_key_group_files(store: CheckpointStore, meta):
+    """``meta``'s state as the files written before segments (one per key group, named
+    ``kg-<key group>-<id>.kgs``, no key groups in their references), committed as the
+    next checkpoint."""
+    import uuid
+    from dataclasses import replace
+
+    from statebackend.checkpoint.metadata import FileRef
+    from statebackend.state.memory import key_group_sections, served_key_groups
+    from statebackend.storage.checksums import checksum_of_bytes
+
+    subtasks = []
+    for h in meta.subtasks:
+        refs = []
+        for f in h.files:
+            data = store.storage.read_bytes(f.path)
+            sections, _ = key_group_sections(f.local_name, data, served_key_groups(
+                f.local_name, f.key_group_ids), f.path, "test")
+            for kg in f.key_group_ids:
+                families = [(name, keys.to_pylist(), values.to_pylist())
+                            for name, g, keys, values in sections if g == kg]
+                name = f"kg-{kg:05d}-{uuid.uuid4().hex[:12]}.kgs"
+                path = f"shared/{uuid.uuid4().hex}-{name}"
+                encoded = memory_files.encode(families, "zstd")
+                store.storage.write_bytes(path, encoded)
+                refs.append(FileRef(path, name, len(encoded), checksum_of_bytes(encoded), tuple(
+                    (family, len(keys)) for family, keys, _ in families)))
+        subtasks.append(replace(h, shared_files=tuple(sorted(refs, key=lambda r: r.local_name))))
+    return store.commit(replace(meta, checkpoint_id=meta.checkpoint_id + 1,
+                                parent=meta.checkpoint_id, subtasks=tuple(subtasks)))
+
+
+def _entries(rows: list[dict]) -> list[str]:
+    """Dump rows without the subtask (the same entries at another parallelism)."""
+    return sorted(repr(sorted((k, v) for k, v in r.items() if k != "subtask")) for r in rows)
+
+
+def test_a_checkpoint_of_key_group_files_restores_rescales_and_continues(tmp_path):
+    """Checkpoints written before segments (a file per key group) restore, rescale and
+    continue: their next checkpoint writes segments over them."""
+    from statebackend.rescale.executor import RescaleOptions, rescale
+
+    store = _store(tmp_path)
+    backends = open_backends(str(tmp_path / "work"), 2, kind="memory")
+    fill(backends, keys(3000))
+    checkpoint_backends(store, backends, parent=None)
+    want = dump_backends(backends)
+    close_all(backends)
+    legacy = _as_key_group_files(store, store.latest())
+    assert all(f.local_name.startswith("kg-") and not f.key_groups
+               for h in legacy.subtasks for f in h.files)
+    restored = restore_all(store, legacy, str(tmp_path / "legacy"), allow_local=False)
+    assert dump_backends(restored) == want
+    fill(restored, keys(3000)[:40], version=5)  # a few key groups change
+    want = dump_backends(restored)
+    mixed = checkpoint_backends(store, restored)
+    close_all(restored)
+    names = {f.local_name[:3] for h in mixed.subtasks for f in h.files}
+    assert names == {"kg-", "seg"}
+    rescale(store, "latest", 3, options=RescaleOptions(engine="local"))
+    again = restore_all(store, store.latest(), str(tmp_path / "three"), allow_local=False)
+    assert _entries(dump_backends(again)) == _entries(want)
+    assert [h.row_counts for h in store.latest().subtasks] == [b.count_rows() for b in again]
+    close_all(again)
+
+
+def test_segments_mostly_rewritten_are_compacted_and_emptied_key_groups_leave(tmp_path):
+    """A segment still serving under half of its entries has its key groups written
+    again into the next segment (it is then no longer referenced); a key group whose
+    entries are all deleted is served by no file; every checkpoint restores exactly."""
+    from statebackend.state.keygroups import key_group_for_bytes
+
+    store = _store(tmp_path)
+    backends = open_backends(str(tmp_path / "work"), 1, kind="memory")
+    [backend] = backends
+    all_keys = keys(4000)
+    by_group: dict[int, list[str]] = {}
+    for k in all_keys:
+        by_group.setdefault(key_group_for_bytes(k.encode(), 128), []).append(k)
+    groups = sorted(by_group)
+    fill(backends, all_keys)
+    first = checkpoint_backends(store, backends, parent=None)
+    [segment] = first.subtasks[0].files
+
+    def rewrite(share: float, version: int) -> list[int]:
+        chosen = groups[:int(len(groups) * share)]
+        fill(backends, [k for g in chosen for k in by_group[g]], version=version)
+        return chosen
+
+    def check(meta) -> None:
+        want = dump_backends(backends)
+        restored = restore_all(store, meta, str(tmp_path / f"check-{meta.checkpoint_id}"),
+                               allow_local=False)
+        assert dump_backends(restored) == want
+        assert restored[0].count_rows() == meta.subtasks[0].row_counts
+        close_all(restored)
+
+    rewrite(0.3, 1)  # the first segment keeps serving 70% of its entries: kept
+    second = checkpoint_backends(store, backends)
+    files = second.subtasks[0].files
+    assert len(files) == 2 and segment.path in {f.path for f in files}
+    check(second)
+    rewrite(0.6, 2)  # now 40%: its key groups move into the new segment
+    third = checkpoint_backends(store, backends)
+    assert segment.path not in {f.path for f in third.subtasks[0].files}
+    served = [kg for f in third.subtasks[0].files for kg in f.key_group_ids]
+    assert sorted(served) == groups  # each key group once
+    check(third)
+    gone = groups[-1]
+    doomed = by_group[gone]
+    for name in ("totals", "events", "maxima", "avg"):
+        backend.state(name).delete_many(doomed)
+    backend.map_state("attrs").remove_many(doomed * 2, ["a"] * len(doomed) + ["b"] * len(doomed))
+    fourth = checkpoint_backends(store, backends)
+    assert sorted(kg for f in fourth.subtasks[0].files for kg in f.key_group_ids) == groups[:-1]
+    check(fourth)
+    close_all(backends)
