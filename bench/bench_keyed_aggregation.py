@@ -77,6 +77,7 @@ def drop_all_state() -> None:
     MemoryStateBackend._write_segment = lambda self, prefixes, spare: None
     MemoryTable.get = lambda self, key: [None] * len(key) if isinstance(key, list) else None
     MemoryTable.write_many = lambda self, puts, deletes=(): None
+    MemoryTable.write_columns = lambda self, keys, values: None
 
 
 def dir_bytes(path: str) -> int:
