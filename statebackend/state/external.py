@@ -58,6 +58,10 @@ class ExternalTable(MemoryTable):
         self.written.update(keys)
         super().write_columns(keys, values)
 
+    def put_one(self, key: bytes, value: bytes) -> None:
+        self.written.add(key)
+        super().put_one(key, value)
+
     def delete(self, key: bytes) -> None:
         self.written.add(key)
         super().delete(key)
