@@ -96,18 +96,23 @@ class MemoryTable:
         data, account = self.data, self._account
         old = data.get(key)
         data[key] = value
-        prefix = key[:2]
-        account.changed.add(prefix)
+        account.changed.add(key[:2])
         if old is None:
-            part = self.parts.get(prefix)
-            if part is None:
-                part = self.parts[prefix] = set()
-            part.add(key)
-            self._sorted.pop(prefix, None)
-            self._in_order = False
-            account.bytes += len(key) + len(value) + ENTRY_OVERHEAD
+            account.bytes += self._added(key) + len(value)
         else:
             account.bytes += len(value) - len(old)
+
+    def _added(self, key: bytes) -> int:
+        """A new ``key`` joins its key group's key set (out of order now); its bytes
+        beyond the value's."""
+        prefix = key[:2]
+        part = self.parts.get(prefix)
+        if part is None:
+            part = self.parts[prefix] = set()
+        part.add(key)
+        self._sorted.pop(prefix, None)
+        self._in_order = False
+        return len(key) + ENTRY_OVERHEAD
 
     def write_many(self, puts: Iterable[tuple[bytes, bytes]], deletes: Iterable[bytes] = ()
                    ) -> None:
@@ -138,16 +143,8 @@ class MemoryTable:
         # which write each key once.
         grown = sum(map(len, values)) - sum(map(len, filter(None, olds)))
         if None in olds:
-            parts, order = self.parts, self._sorted
-            for key in dict.fromkeys(compress(keys, map(is_, olds, repeat(None)))):
-                prefix = key[:2]
-                part = parts.get(prefix)
-                if part is None:
-                    part = parts[prefix] = set()
-                part.add(key)
-                order.pop(prefix, None)
-                grown += len(key) + ENTRY_OVERHEAD
-            self._in_order = False
+            grown += sum(map(self._added,
+                             dict.fromkeys(compress(keys, map(is_, olds, repeat(None))))))
         account.bytes += grown
         account.check()
 
