@@ -76,7 +76,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from functools import cache
@@ -125,10 +125,10 @@ class FileRef:
     that regroups such files counts its new subtasks' rows from them without reading
     any. () when not recorded (every SST, and files written before it existed).
 
-    ``key_groups`` (optional, the memory backend's segment files): the key groups this
-    subtask takes from the file, each with its entries per state; ``rows`` is then
-    their sum. A segment may hold other key groups too (rewritten since, or another
-    subtask's after a rescale): a reader takes only these."""
+    ``key_groups`` (optional, the memory backend's files): the key groups this subtask
+    takes from the file, each with its entries per state; ``rows`` is then their sum
+    (derived, not stored). A segment may hold other key groups too (rewritten since, or
+    another subtask's after a rescale): a reader takes only these."""
 
     path: str
     local_name: str
@@ -137,6 +137,10 @@ class FileRef:
     rows: tuple[tuple[str, int], ...] = ()
     key_groups: tuple[tuple[int, tuple[tuple[str, int], ...]], ...] = ()
 
+    def __post_init__(self) -> None:
+        if self.key_groups:
+            object.__setattr__(self, "rows", _summed(r for _, r in self.key_groups))
+
     @property
     def key_group_ids(self) -> tuple[int, ...]:
         return tuple(kg for kg, _ in self.key_groups)
@@ -144,10 +148,10 @@ class FileRef:
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"path": self.path, "local_name": self.local_name,
                                "size": self.size, "checksum": self.checksum}
-        if self.rows:
-            out["rows"] = dict(self.rows)
         if self.key_groups:
             out["key_groups"] = {str(kg): dict(rows) for kg, rows in self.key_groups}
+        elif self.rows:
+            out["rows"] = dict(self.rows)
         return out
 
     @staticmethod
@@ -170,14 +174,18 @@ class FileRef:
         _require(_is_counts(rows), where,
                  f"rows {str(rows)[:200]} of {local_name} must map state names to integers "
                  "in 0..2**53")
-        key_groups = data.get("key_groups", {})
+        if "key_groups" not in data:
+            return FileRef(path, local_name, size, checksum, tuple(sorted(rows.items())))
+        key_groups = data["key_groups"]
         _require(isinstance(key_groups, dict) and all(
             k.isdigit() and len(k) <= 5 and _is_counts(v) for k, v in key_groups.items()),
             where, f"key_groups {str(key_groups)[:200]} of {local_name} must map key groups "
             "to entries per state")
-        return FileRef(path, local_name, size, checksum, tuple(sorted(rows.items())),
-                       tuple(sorted((int(k), tuple(sorted(v.items())))
-                                    for k, v in key_groups.items())))
+        ref = FileRef(path, local_name, size, checksum, (), tuple(sorted(
+            (int(k), tuple(sorted(v.items()))) for k, v in key_groups.items())))
+        _require(not rows or tuple(sorted(rows.items())) == ref.rows, where,
+                 f"rows of {local_name} are not the sum of its key_groups")
+        return ref
 
 
 @dataclass(frozen=True)
@@ -257,6 +265,15 @@ class SubtaskHandle:
         return handle
 
 
+def _summed(rows: Iterable[tuple[tuple[str, int], ...]]) -> tuple[tuple[str, int], ...]:
+    """Entries per state over several key groups, by state name."""
+    total: dict[str, int] = {}
+    for r in rows:
+        for name, n in r:
+            total[name] = total.get(name, 0) + n
+    return tuple(sorted(total.items()))
+
+
 def check_local_names(handle: SubtaskHandle, where: str) -> None:
     """A subtask's files land in one folder by ``local_name``: two of one name would
     overwrite each other at restore (a corrupt instance). A key group a file serves
@@ -268,6 +285,8 @@ def check_local_names(handle: SubtaskHandle, where: str) -> None:
         _require(ref.local_name not in seen, where,
                  f"local_name {ref.local_name!r} appears twice in subtask {handle.index}")
         seen.add(ref.local_name)
+        if not ref.key_groups:  # (every SST: this runs for each reference of each record)
+            continue
         for kg in ref.key_group_ids:
             _require(kg in r, where, f"{ref.local_name} serves key group {kg}, outside "
                      f"subtask {handle.index}'s [{r.start}, {r.end}]")
@@ -708,6 +727,8 @@ def _get(obj: dict[str, Any], key: str, typ: type, where: str) -> Any:
 # -- the fast path of from_bytes, for many records at once (the lifecycle registry) --
 try:  # msgspec (an Airflow dependency) decodes JSON about twice as fast as the stdlib
     from msgspec.json import decode as _msgspec_decode
+    from msgspec.json import encode as _msgspec_encode
+    from msgspec.json import format as _msgspec_format
 
     def fast_loads(data: bytes) -> object:
         try:
@@ -716,22 +737,20 @@ try:  # msgspec (an Airflow dependency) decodes JSON about twice as fast as the 
             raise  # deep nesting: decode_json names it as such
         except Exception as exc:  # noqa: BLE001 - msgspec.DecodeError: report as ValueError
             raise ValueError(str(exc)) from exc
+
+    def pretty_json(obj: Any) -> bytes:
+        """``obj`` as JSON, keys sorted, one item per line (indent 1): a record people
+        read. The stdlib's indenting encoder is pure Python (a tenth of a warm run's
+        commit, for a record of 128 references); msgspec's is native (non-ASCII
+        characters are written as UTF-8, not escaped; a float NaN or infinity as null:
+        both valid JSON for every reader here)."""
+        return _msgspec_format(_msgspec_encode(obj, order="sorted"), indent=1)
 except ImportError:  # pragma: no cover - stdlib fallback
     def fast_loads(data: bytes) -> object:
         return json.loads(data)
 
-
-def pretty_json(obj: Any) -> bytes:
-    """``obj`` as JSON, keys sorted, one item per line (indent 1): a record people read.
-    The stdlib's indenting encoder is pure Python (a tenth of a warm run's commit, for
-    a record of 128 references); msgspec's is native (non-ASCII characters are written
-    as UTF-8, not escaped; a float NaN or infinity as null: both valid JSON for every
-    reader here)."""
-    try:
-        from msgspec import json as msgspec_json
-    except ImportError:  # pragma: no cover - msgspec is an Airflow dependency
+    def pretty_json(obj: Any) -> bytes:
         return json.dumps(obj, indent=1, sort_keys=True).encode()
-    return msgspec_json.format(msgspec_json.encode(obj, order="sorted"), indent=1)
 
 
 def listed_paths(data: bytes) -> list[str] | None:

@@ -56,8 +56,8 @@ class SnapshotResult:
 def stored_ref(snapshot: LocalSnapshot, name: str, path: str, size: int,
                checksum: str) -> FileRef:
     """The reference of ``snapshot``'s file ``name`` stored at ``path``."""
-    return FileRef(path, name, size, checksum, snapshot.file_rows.get(name, ()),
-                   snapshot.file_key_groups.get(name, ()))
+    return FileRef(path, name, size, checksum,
+                   key_groups=snapshot.file_key_groups.get(name, ()))
 
 
 def upload_snapshot(job_storage: Storage, snapshot: LocalSnapshot, *, checkpoint_id: int,
@@ -72,10 +72,9 @@ def upload_snapshot(job_storage: Storage, snapshot: LocalSnapshot, *, checkpoint
         shared = backend.is_shared_file(name)
         if shared and known is not None and known.size == size:
             # a memory-backend file serves fewer key groups once some were rewritten
-            rows = snapshot.file_rows.get(name, known.rows)  # (a ref from before rows)
             key_groups = snapshot.file_key_groups.get(name, known.key_groups)
-            reused.append(known if (rows, key_groups) == (known.rows, known.key_groups)
-                          else replace(known, rows=rows, key_groups=key_groups))
+            reused.append(known if key_groups == known.key_groups
+                          else replace(known, key_groups=key_groups))
         elif shared:
             to_upload.append((name, shared_path(f"{uuid.uuid4().hex}-{name}"), True))
         else:

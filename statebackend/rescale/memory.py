@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import replace
-from typing import cast
 
 from statebackend.checkpoint.metadata import CheckpointMetadata, FileRef, SubtaskHandle
 from statebackend.rescale.plan import RescalePlan
 from statebackend.rescale.task import RescaleTaskResult
 from statebackend.state.external_wal import is_wal_file
-from statebackend.state.memory import Rows, served_key_groups, summed_rows
+from statebackend.state.memory import Rows, served_key_groups
 
 
 def regrouped(meta: CheckpointMetadata, plan: RescalePlan) -> list[RescaleTaskResult]:
@@ -75,19 +74,18 @@ def _served(meta: CheckpointMetadata) -> dict[str, dict[int, Rows | None]]:
             kgs = out.setdefault(f.path, {})
             if f.key_groups:
                 kgs.update(f.key_groups)
-            else:  # a key-group file: its own key group, its rows if recorded
+            else:  # a key-group file named before key groups: its own, its rows if any
                 (kg,) = served_key_groups(f.local_name)
                 kgs[kg] = f.rows or None
     return out
 
 
 def _narrowed(ref: FileRef, key_groups: dict[int, Rows | None]) -> FileRef:
-    """``ref`` serving ``key_groups`` only."""
-    if ref.local_name.startswith("kg-"):
+    """``ref`` serving ``key_groups`` only (a reference without key groups serves one)."""
+    if not ref.key_groups:
         return ref
-    rows = cast("dict[int, Rows]", key_groups)
-    return replace(ref, key_groups=tuple(sorted(rows.items())),
-                   rows=summed_rows(rows.values()))
+    return replace(ref, key_groups=tuple(sorted(
+        (kg, rows) for kg, rows in key_groups.items() if rows is not None)))
 
 
 def _row_counts(meta: CheckpointMetadata, files: list[FileRef]) -> dict[str, int]:
@@ -95,8 +93,6 @@ def _row_counts(meta: CheckpointMetadata, files: list[FileRef]) -> dict[str, int
     named (0 too)."""
     counts = dict.fromkeys((n for h in meta.subtasks for n in h.row_counts), 0)
     for f in files:
-        if is_wal_file(f.local_name):
-            continue
         for name, n in f.rows:
             counts[name] = counts.get(name, 0) + n
     return counts

@@ -202,11 +202,9 @@ class LocalSnapshot:
     path: str
     files: tuple[tuple[str, int], ...]  # (file name, size)
     row_counts: dict[str, int]
-    # file name -> ((state, entries), ...) of a file that holds whole states of its key
-    # groups (the memory backend's); recorded in its FileRef (metadata.FileRef.rows)
-    file_rows: Mapping[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
     # file name -> ((key group, ((state, entries), ...)), ...): the key groups this
-    # snapshot reads from the file (FileRef.key_groups; memory-backend segments)
+    # snapshot reads from a file holding whole states of some key groups (the memory
+    # backend's), recorded in its FileRef (metadata.FileRef.key_groups)
     file_key_groups: Mapping[str, tuple[tuple[int, tuple[tuple[str, int], ...]], ...]] = \
         field(default_factory=dict)
 

@@ -329,11 +329,9 @@ class MemoryStateBackend(KeyedStateBackend):
         self._dirty = False
         self._last_snapshot_id = snapshot_id
         served = self._files.served()
-        return LocalSnapshot(
-            snapshot_id, self.files_path,
-            tuple(sorted((n, self._files.sizes[n]) for n in served)), rows,
-            {n: summed_rows(r for _, r in kgs) for n, kgs in served.items()},
-            {n: kgs for n, kgs in served.items() if not n.startswith("kg-")})
+        return LocalSnapshot(snapshot_id, self.files_path,
+                             tuple(sorted((n, self._files.sizes[n]) for n in served)), rows,
+                             served)
 
     def count_rows(self) -> dict[str, int]:
         return {name: len(table) for name, table in self._cfs.items()}
@@ -410,15 +408,6 @@ class _LiveInstance:
     tables: dict[str, MemoryTable]
     account: MemoryAccount
     files: _Files
-
-
-def summed_rows(rows: Iterable[Rows]) -> Rows:
-    """Entries per state over several key groups."""
-    total: dict[str, int] = {}
-    for r in rows:
-        for name, n in r:
-            total[name] = total.get(name, 0) + n
-    return tuple(sorted(total.items()))
 
 
 # Closed instances kept in this process, by local folder, newest last: a restore of the
