@@ -9,7 +9,7 @@ backend (a PostgreSQL server on 127.0.0.1, restarted during runs; kills also fal
 a run's _metadata and its database commit), in MVCC mode and in WAL mode (where a kill
 also tears WAL uploads, savepoints export the state, and a cut-short apply is finished
 before the latest checkpoint is read); ``slow`` (also run in CI)
-adds a seed of 100 steps and one short seed (25 steps) on a real S3 API (moto, local
+adds a seed of 50 steps and one short seed (25 steps) on a real S3 API (moto, local
 engine). Every seed has paused writers
 (issue 20), lost, flipped and replaced records, ledgers, log entries and leases, and
 the operator's `ckpt doctor`. Longer soaks: ``CKPT_CHAOS_SEEDS=1,2,3,4,5
@@ -89,11 +89,11 @@ def _env_ints(name: str, default: str) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_chaos_slow(spark, tmp_path, short_leases, chaos_report):
-    """100 more steps by default: seed 2 (CKPT_CHAOS_SEEDS, CKPT_CHAOS_STEPS per seed
+    """50 more steps by default: seed 2 (CKPT_CHAOS_SEEDS, CKPT_CHAOS_STEPS per seed
     scale it up for a soak, e.g. 5 seeds x 200); odd seeds run the jobs on Spark, even
-    ones on the local engine. (One seed by default: the suite's time budget; the CI
-    seeds already run one seed on each engine.)"""
-    steps = _env_ints("CKPT_CHAOS_STEPS", "100")[0]
+    ones on the local engine. (One short seed by default: the suite's time budget; the CI
+    seeds already run 100 steps on each engine and backend.)"""
+    steps = _env_ints("CKPT_CHAOS_STEPS", "50")[0]
     for seed in _env_ints("CKPT_CHAOS_SEEDS", "2"):
         summary = _chaos(spark, tmp_path, seed, steps, engine=("local", "spark")[seed % 2])
         chaos_report(summary)
