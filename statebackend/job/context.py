@@ -182,15 +182,13 @@ class ValueBatch(_BatchHandle[ValueState]):
     def value_columns(self, keys: Keys) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Record codec: (found mask, one NumPy array per field; zeros where not found)."""
         _, rks = self._keys.encode(keys)
-        return self.state._record_codec().decode_columns(self.state.read_raw(rks))
+        return self.state.read_record_columns(rks)
 
     def update_columns(self, keys: Keys, columns: Mapping[str, Any],
                        timestamps: Any = None) -> None:
         """Record codec: set each key's record from one array per field."""
         _, rks = self._keys.encode(keys)
-        encoded = self.state._record_codec().encode_columns(dict(columns))
-        _same_length(self.name, rks, encoded)
-        self.state.put_raw(rks, encoded, timestamps=_times(timestamps))
+        self.state.write_record_columns(rks, dict(columns), timestamps=_times(timestamps))
 
     get = _renamed("get", "value")
     put = _renamed("put", "update")

@@ -491,6 +491,21 @@ class KeyedStateBackend:
         backend takes the two lists as they are)."""
         self.write_pairs(handle, zip(keys, values, strict=True), (), changes)
 
+    # Record value states held as rows (the memory backend's RecordTable): the job API's
+    # columnar calls go straight to them; here, and for any other family, they do not
+    # apply (None / False: take the bytes path).
+    def read_records(self, handle: ColumnFamily, keys: list[bytes], dtype: np.dtype
+                     ) -> tuple[np.ndarray, np.ndarray] | None:
+        """(found mask, records) of ``keys`` in ``handle``, or None."""
+        del handle, keys, dtype
+        return None
+
+    def write_records(self, handle: ColumnFamily, keys: list[bytes], records: np.ndarray
+                      ) -> bool:
+        """Put ``records[i]`` at ``keys[i]`` in ``handle``; False: nothing written."""
+        del handle, keys, records
+        return False
+
     def write(self, batch: WriteBatch, changes: Mapping[str, int] | None = None) -> None:
         """Apply ``batch`` atomically. ``changes``: the live entries it adds per family
         (negative: removes), from a writer that knows them exactly; without it the next

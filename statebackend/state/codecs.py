@@ -265,17 +265,22 @@ class RecordCodec:
         _check_format(data, RECORD_FORMAT, "record")
         return dict(zip(self.names, st.unpack(data)[1:], strict=True))
 
-    def encode_columns(self, columns: Mapping[str, Sequence[Any] | np.ndarray]) -> list[bytes]:
-        """Encode N records given as one array per field (vectorised)."""
-        dtype = self.dtype
+    def records(self, columns: Mapping[str, Sequence[Any] | np.ndarray]) -> np.ndarray:
+        """N records given as one array per field, as one structured array of `dtype`
+        (format byte set): what `encode_columns` encodes."""
         n = len(columns[self.names[0]])
-        arr = np.empty(n, dtype=dtype)
+        arr = np.empty(n, dtype=self.dtype)
         arr["_format"] = RECORD_FORMAT
         for name in self.names:
             arr[name] = columns[name]
+        return arr
+
+    def encode_columns(self, columns: Mapping[str, Sequence[Any] | np.ndarray]) -> list[bytes]:
+        """Encode N records given as one array per field (vectorised)."""
+        arr = self.records(columns)
         # A packed void view turns each record into one bytes object in C
         # (about 3x faster than slicing one big buffer in a Python loop).
-        out: list[bytes] = arr.view(f"V{dtype.itemsize}").tolist()
+        out: list[bytes] = arr.view(f"V{arr.dtype.itemsize}").tolist()
         return out
 
     def decode_columns(self, values: Sequence[bytes | None]

@@ -76,6 +76,7 @@ class ExternalStateBackend(MemoryStateBackend):
 
     kind = "external"
     table_class = ExternalTable
+    record_tables = False  # every table remembers its written keys (ExternalTable)
 
     def _open_instance(self, read_only: bool) -> None:
         self.store: ExternalStore | None = None

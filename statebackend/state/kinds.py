@@ -269,13 +269,38 @@ class ValueState(_State):
 
     # Columnar access for record codecs: no per-row dicts.
     def get_columns(self, keys: Sequence[str]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        codec = self._record_codec()
-        return codec.decode_columns(self.get_many_raw(keys))
+        return self.read_record_columns(self.backend.rocks_keys(keys))
 
     def put_columns(self, keys: Sequence[str], columns: Mapping[str, Sequence[Any] | np.ndarray],
                     timestamps: Sequence[int] | int | None = None) -> None:
+        self.write_record_columns(self.backend.rocks_keys(keys), columns, timestamps)
+
+    def read_record_columns(self, rocks_keys: list[bytes]
+                            ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """(found mask, one array per record field; zeros where absent) of one multi-get.
+        The memory backend's record table answers with its rows, no bytes decoded."""
         codec = self._record_codec()
-        self.put_many_raw(keys, codec.encode_columns(columns), timestamps)
+        if self._ttl is None:
+            held = self.backend.read_records(self.cf_handle, rocks_keys, codec.dtype)
+            if held is not None:
+                found, records = held
+                return found, {name: records[name].copy() for name in codec.names}
+        return codec.decode_columns(self.read_raw(rocks_keys))
+
+    def write_record_columns(self, rocks_keys: list[bytes],
+                             columns: Mapping[str, Sequence[Any] | np.ndarray],
+                             timestamps: Sequence[int] | int | None = None) -> None:
+        """Put one record per key from one array per field (`write_raw`'s rules)."""
+        codec = self._record_codec()
+        records = codec.records(columns)
+        if len(records) != len(rocks_keys):
+            raise UsageError(f"state {self.descriptor.name!r}: {len(rocks_keys)} keys but "
+                             f"{len(records)} values; pass one value per key")
+        if self._ttl is None and self.backend.write_records(self.cf_handle, rocks_keys,
+                                                            records):
+            return
+        self.put_raw(rocks_keys, records.view(f"V{records.dtype.itemsize}").tolist(),
+                     timestamps)
 
     def _record_codec(self) -> RecordCodec:
         if not isinstance(self.codec, RecordCodec):

@@ -55,14 +55,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from statebackend.errors import CorruptStateError, UsageError
 from statebackend.state import memory_files
 from statebackend.state.backend import KeyedStateBackend, LocalSnapshot
+from statebackend.state.codecs import RECORD_FORMAT, RecordCodec
 from statebackend.state.families import INTERNAL_STATES
 from statebackend.state.keygroups import key_group_prefix
 from statebackend.state.kinds import internal_descriptor
+from statebackend.state.memory_records import RecordTable
 from statebackend.state.memory_table import MemoryAccount, MemoryTable, MemoryWriteBatch
 
 FILES_DIR = "files"
@@ -151,12 +154,13 @@ class MemoryStateBackend(KeyedStateBackend):
     kind = "memory"
     files_dir = FILES_DIR
     table_class: type[MemoryTable] = MemoryTable  # one per column family
+    record_tables = True  # a record value state without TTL: a RecordTable (its rows)
 
     def _open_instance(self, read_only: bool) -> None:
         del read_only  # nothing on disk is opened: a read-only instance just never snapshots
         self.account = MemoryAccount(None, self.label)
         self._cf_names = sorted(self.descriptors)
-        self._cfs = {n: self.table_class(n, self.account) for n in self._cf_names}
+        self._cfs = {n: self._new_table(n) for n in self._cf_names}
         self._handles = self._cfs
         self.compression: str | None = None
         self._db = None
@@ -166,9 +170,9 @@ class MemoryStateBackend(KeyedStateBackend):
         os.makedirs(self.files_path, exist_ok=True)
         live = None if self.read_only else _take_live(self.local_dir, self._last_snapshot_id)
         if live is not None:  # this process closed that very snapshot's state: adopt it
-            self.account, self._cfs, self._files = live.account, live.tables, live.files
+            self.account, self._files = live.account, live.files
             self.account.label = self.label
-            self._handles = self._cfs
+            self._cfs = self._handles = self._adopted(live.tables)
             self._cf_names = sorted(self._cfs)
             for name in set(self._cfs) & set(INTERNAL_STATES):
                 self.descriptors.setdefault(name, internal_descriptor(name))
@@ -230,8 +234,52 @@ class MemoryStateBackend(KeyedStateBackend):
         if name not in self._cfs:
             if name in INTERNAL_STATES:
                 self.descriptors.setdefault(name, internal_descriptor(name))
-            self._cfs[name] = self.table_class(name, self.account)
+            self._cfs[name] = self._new_table(name)
             self._cf_names = sorted(self._cfs)
+
+    def _record_dtype(self, name: str) -> np.dtype | None:
+        """The records family ``name`` holds as rows (a RecordTable), or None."""
+        desc = self.descriptors.get(name)
+        if self.record_tables and desc is not None and desc.kind == "value" \
+                and desc.ttl is None and isinstance(desc.codec, RecordCodec):
+            return desc.codec.dtype
+        return None
+
+    def _new_table(self, name: str) -> MemoryTable:
+        dtype = self._record_dtype(name)
+        if dtype is None:
+            return self.table_class(name, self.account)
+        return RecordTable(name, self.account, dtype, RECORD_FORMAT)
+
+    def _adopted(self, tables: dict[str, MemoryTable]) -> dict[str, MemoryTable]:
+        """A live instance's tables as this backend's states want them: the job may have
+        changed since (a state added; a record layout changed, which the migration
+        rewrites next): a table of the wrong kind moves its entries into a new one."""
+        out = dict(tables)
+        for name in self.descriptors.keys() - out.keys():
+            out[name] = self._new_table(name)
+        for name, table in tables.items():
+            if getattr(table, "dtype", None) == self._record_dtype(name):
+                continue
+            out[name] = fresh = self._new_table(name)
+            for prefix in sorted(table.parts):
+                keys = table.sorted_keys(prefix)
+                fresh.load(prefix, keys, table.get(list(keys)))
+                table.drop_part(prefix)  # (one account: the entries are counted once)
+        return out
+
+    def read_records(self, handle: Any, keys: list[bytes], dtype: np.dtype
+                     ) -> tuple[np.ndarray, np.ndarray] | None:
+        if isinstance(handle, RecordTable):
+            return handle.read_records(keys, dtype)
+        return None
+
+    def write_records(self, handle: Any, keys: list[bytes], records: np.ndarray) -> bool:
+        if not isinstance(handle, RecordTable):
+            return False
+        self._dirty = True
+        self.writes += 1
+        return handle.write_records(keys, records)
 
     def _table(self, name: str) -> MemoryTable:
         self.ensure_family(name)

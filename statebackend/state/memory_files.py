@@ -31,7 +31,8 @@ _HEADER = struct.Struct("<BQ")
 _CODECS = {0: None, 1: "zstd"}
 _CODEC_IDS = {None: 0, "zstd": 1}
 
-Family = tuple[str, list[bytes], list[bytes]]  # (name, sorted keys, values)
+# (name, sorted keys, values): lists of bytes, or Arrow binary arrays
+Family = tuple[str, "list[bytes] | pa.Array", "list[bytes] | pa.Array"]
 
 
 def encode(families: Sequence[Family], codec: str | None) -> bytes:
@@ -42,7 +43,10 @@ def encode(families: Sequence[Family], codec: str | None) -> bytes:
         raw = name.encode()
         head.append(struct.pack("<H", len(raw)) + raw + struct.pack("<I", len(keys)))
         for column in (keys, values):
-            _, offsets, data = pa.array(column, pa.binary()).buffers()
+            array = column if isinstance(column, pa.Array) else pa.array(column, pa.binary())
+            if array.offset:  # a slice: its buffers start before it
+                array = pa.concat_arrays([array])
+            _, offsets, data = array.buffers()
             body += [offsets, data if data is not None else b""]
             head.append(struct.pack("<Q", data.size if data is not None else 0))
     payload = b"".join([*head, *(bytes(b) if isinstance(b, pa.Buffer) else b for b in body)])

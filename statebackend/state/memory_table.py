@@ -154,9 +154,18 @@ class MemoryTable:
         if old is not None:
             prefix = key[:2]
             self.parts[prefix].discard(key)
-            self._account.bytes -= len(key) + len(old) + ENTRY_OVERHEAD
+            self._account.bytes -= len(key) + self._size(old) + ENTRY_OVERHEAD
             self._sorted.pop(prefix, None)
             self._account.changed.add(prefix)
+            self._release(old)
+
+    # What ``data`` holds per key: the value here; a subclass may hold something else
+    # (`statebackend.state.memory_records`: a row number) and say how big it is.
+    def _size(self, held: Any) -> int:
+        return len(held)
+
+    def _release(self, held: Any) -> None:
+        """``held`` left ``data`` (deleted or replaced by a restore)."""
 
     def delete_range(self, lower: bytes, upper: bytes) -> None:
         """Delete every key in [lower, upper)."""
@@ -177,13 +186,10 @@ class MemoryTable:
         """Keys and values of key groups ``prefixes`` (sorted) in key order, and the
         entries of each non-empty one. ``data`` is kept in key order (sorted again after
         keys were added), so the values come from one pass over it, not a lookup each."""
-        if not self._in_order:  # (sorting the keys, not the items: 1.5x faster)
-            data = self.data
-            self.data = {k: data[k] for k in sorted(data)}
-            self._in_order = True
+        data = self._in_key_order()
         present = sorted(p for p, keys in self.parts.items() if keys)
         counts = {p: len(self.parts[p]) for p in prefixes if self.parts.get(p)}
-        keys, values = list(self.data), list(self.data.values())
+        keys, values = list(data), list(data.values())
         if len(counts) == len(present):
             return keys, values, counts
         out_keys: list[bytes] = []
@@ -196,6 +202,14 @@ class MemoryTable:
                 out_values += values[start:start + n]
             start += n
         return out_keys, out_values, counts
+
+    def _in_key_order(self) -> dict[bytes, Any]:
+        """``data``, iterating in key order (sorted again if keys were added since)."""
+        if not self._in_order:  # (sorting the keys, not the items: 1.5x faster)
+            data = self.data
+            self.data = {k: data[k] for k in sorted(data)}
+            self._in_order = True
+        return self.data
 
     def _prefixes(self, lower: bytes | None, upper: bytes | None) -> list[bytes]:
         lo = lower[:2] if lower else b""
@@ -254,20 +268,25 @@ class MemoryTable:
     def load(self, prefix: bytes, keys: Sequence[bytes], values: Sequence[bytes]) -> None:
         """Replace key group ``prefix`` with sorted ``keys`` -> ``values`` (a restore:
         not a change for the next snapshot)."""
+        self._load(prefix, keys, values, sum(map(len, values)))
+
+    def _load(self, prefix: bytes, keys: Sequence[bytes], held: Sequence[Any],
+              value_bytes: int) -> None:
+        """`load` of what ``data`` holds for ``keys``, ``value_bytes`` in all."""
         data, account = self.data, self._account
         self._mutations += 1
-        old = self.parts.pop(prefix, None)
-        if old:
-            account.bytes -= sum(len(k) + len(data.pop(k)) + ENTRY_OVERHEAD for k in old)
+        for key in self.parts.pop(prefix, ()):
+            old = data.pop(key)
+            account.bytes -= len(key) + self._size(old) + ENTRY_OVERHEAD
+            self._release(old)
         if not keys:
             self._sorted.pop(prefix, None)
             return
-        data.update(zip(keys, values, strict=True))
+        data.update(zip(keys, held, strict=True))
         self._in_order = False
         self.parts[prefix] = set(keys)
         self._sorted[prefix] = list(keys)
-        account.bytes += sum(map(len, keys)) + sum(map(len, values)) \
-            + ENTRY_OVERHEAD * len(keys)
+        account.bytes += sum(map(len, keys)) + value_bytes + ENTRY_OVERHEAD * len(keys)
         account.check()
 
     def drop_part(self, prefix: bytes) -> None:
