@@ -75,6 +75,7 @@ def drop_all_state() -> None:
     from statebackend.state.memory_table import MemoryTable
 
     MemoryStateBackend._write_segment = lambda self, prefixes, spare: None
+    MemoryStateBackend.record_tables = False  # every state in a (patched) MemoryTable
     MemoryTable.get = lambda self, key: [None] * len(key) if isinstance(key, list) else None
     MemoryTable.write_many = lambda self, puts, deletes=(): None
     MemoryTable.write_columns = lambda self, keys, values: None

@@ -9,10 +9,11 @@ columns (`read_records`, `write_records`): one dictionary lookup per key (none f
 write right after the read of the same keys) and NumPy gathers and scatters; no bytes
 object per value, no encoding or decoding, no Python step per changed key group.
 
-A snapshot gets the rows of its key groups in key order as one Arrow binary array over
-the gathered rows (fixed offsets) and the key column from a cache kept while the key
-set does not change: the file is byte for byte a `MemoryTable`'s, so restore, rescale,
-dump and readers of the files do not know the difference.
+A snapshot gets the rows of its key groups in key order (one NumPy gather, written as
+byte planes: `memory_files`' layout 1) and the key column from a cache kept while the
+key set does not change (keys added since are merged in by Arrow's sort). The file
+holds the same entries as a `MemoryTable`'s, so restore, rescale, dump and readers of
+the files do not know the difference.
 
 Every other access (point reads and writes, scans, restores) goes through the bytes
 interface, one row at a time. A value that is not such a record (another width or
@@ -242,8 +243,9 @@ class RecordTable(MemoryTable):
 
     def ordered_entries(self, prefixes: Sequence[bytes]
                         ) -> tuple[Any, Any, dict[bytes, int]]:
-        """`MemoryTable.ordered_entries` with keys and values as Arrow binary arrays
-        (the values a view of the gathered rows): no Python object per entry."""
+        """`MemoryTable.ordered_entries` with the keys as an Arrow binary array and the
+        values as the gathered rows (an entries x width uint8 array, what the file
+        writes as byte planes): no Python object per entry."""
         if self._odd:
             keys, held, counts = super().ordered_entries(prefixes)
             return keys, list(map(self._value, held)), counts
@@ -254,11 +256,8 @@ class RecordTable(MemoryTable):
         if len(counts) != sum(1 for part in self.parts.values() if part):
             wanted = np.isin(key_groups, [int.from_bytes(p, "big") for p in counts])
             key_column, rows = key_column.filter(pa.array(wanted)), rows[wanted]
-        n = len(rows)
-        offsets = np.arange(0, (n + 1) * self.width, self.width, dtype=np.int32)
-        values = pa.Array.from_buffers(pa.binary(), n, [
-            None, pa.py_buffer(offsets), pa.py_buffer(self.rows[rows].view(np.uint8))])
-        return key_column, values, counts
+        return key_column, self.rows[rows].view(np.uint8).reshape(len(rows), self.width), \
+            counts
 
     def _sorted_key_column(self) -> tuple[pa.Array, np.ndarray, np.ndarray]:
         """Every key (Arrow) with its row and key group, in key order: the keys added

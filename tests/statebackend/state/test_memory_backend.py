@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import os
 import random
+import struct
 
+import numpy as np
+import pyarrow as pa
 import pytest
 from rocksdict import Options, Rdict
 
@@ -252,15 +255,37 @@ def test_a_damaged_local_copy_is_downloaded_again_and_garbage_is_refused(tmp_pat
         backend.load_files([ref.local_name])
 
 
+def _format_1(families: list, codec: str | None) -> bytes:
+    """A key-group file as format 1 wrote it (before the values layouts)."""
+    head, body = [struct.pack("<H", len(families))], []
+    for name, family_keys, values in families:
+        head.append(struct.pack("<H", len(name)) + name.encode()
+                    + struct.pack("<I", len(family_keys)))
+        for column in (family_keys, values):
+            _, offsets, data = pa.array(column, pa.binary()).buffers()
+            body += [offsets.to_pybytes(), data.to_pybytes() if data is not None else b""]
+            head.append(struct.pack("<Q", data.size if data is not None else 0))
+    payload = b"".join(head + body)
+    packed = payload if codec is None else pa.Codec(codec).compress(payload, asbytes=True)
+    return b"CKPTKGS1" + struct.pack("<BQ", 0 if codec is None else 1, len(payload)) + packed
+
+
 @pytest.mark.parametrize("codec", ["zstd", None])
 def test_key_group_files_round_trip_and_refuse_damage(codec):
+    records = np.arange(3 * 9, dtype=np.uint8).reshape(3, 9)  # fixed width: byte planes
     families = [("a", [b"\x00\x01k1", b"\x00\x01k2"], [b"v1", b""]), ("b", [], []),
-                ("c", [b"\x00\x01" + bytes(range(256))], [b"x" * 5000])]
+                ("c", [b"\x00\x01" + bytes(range(256))], [b"x" * 5000]),
+                ("d", [b"\x00\x02a", b"\x00\x02b", b"\x00\x03c"], records)]
+    want = [(n, k, v if isinstance(v, list) else [r.tobytes() for r in v])
+            for n, k, v in families]
     data = memory_files.encode(families, codec)
     assert [(name, keys.to_pylist(), values.to_pylist())
-            for name, keys, values in memory_files.decode_arrays(data)] == families
+            for name, keys, values in memory_files.decode_arrays(data)] == want
+    old = _format_1(want, codec)  # files written before the layouts still read
+    assert [(name, keys.to_pylist(), values.to_pylist())
+            for name, keys, values in memory_files.decode_arrays(old)] == want
     for broken in (data[:-1], data[:20], data.replace(memory_files.MAGIC, b"CKPTKGS9"),
-                   data + b"\x00"):
+                   data + b"\x00", old[:-1]):
         with pytest.raises(ValueError):
             memory_files.decode_arrays(broken)
 
