@@ -8,7 +8,7 @@ export PYSPARK_PYTHON := $(abspath $(VENV))/bin/python
 export PYSPARK_DRIVER_PYTHON := $(abspath $(VENV))/bin/python
 export PYTHONPATH := $(abspath .)
 
-.PHONY: install system-deps test test-fast demo ui bench lint clean
+.PHONY: install system-deps bytecode test test-fast demo ui bench lint clean
 
 # --locked: the versions in uv.lock, and a stop if pyproject.toml changed without
 # `uv lock`. The dev extra includes every runtime extra ([all]). --compile-bytecode: uv
@@ -31,17 +31,20 @@ system-deps:
 	@command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; }
 
 # ruff and mypy as the pre-commit hooks run them (.pre-commit-config.yaml).
-# compileall: this tree's own bytecode, for the same reason as --compile-bytecode above.
-test: install system-deps
+# This tree's own bytecode, for the same reason as --compile-bytecode above (what
+# changed since the last time is compiled again).
+bytecode: install
+	@$(PY) -m compileall -q -j0 statebackend jobs dags plugins examples demo bench tests >/dev/null
+
+test: install system-deps bytecode
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	@$(PY) -m compileall -q -j0 statebackend jobs dags plugins examples demo bench tests >/dev/null
 	$(VENV)/bin/pytest -q --timeout=900 --durations=25
 
 test-fast: install
 	$(VENV)/bin/pytest -q -m "not slow"
 
-demo: install
+demo: install bytecode
 	$(PY) -m demo.pipeline_demo
 
 # The Airflow UI on the demo's data (run `make demo` first): http://localhost:8080, user

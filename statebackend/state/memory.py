@@ -263,9 +263,10 @@ class MemoryStateBackend(KeyedStateBackend):
                 continue
             out[name] = fresh = self._new_table(name)
             for prefix in sorted(table.parts):
-                keys = table.sorted_keys(prefix)
-                fresh.load(prefix, keys, table.get(list(keys)))
-                table.drop_part(prefix)  # (one account: the entries are counted once)
+                keys = list(table.sorted_keys(prefix))
+                values = table.get(keys)
+                table.drop_part(prefix)  # first: one account counts each entry once
+                fresh.load(prefix, keys, values)
         return out
 
     def read_records(self, handle: Any, keys: list[bytes], dtype: np.dtype
