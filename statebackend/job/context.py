@@ -52,6 +52,7 @@ from statebackend.state.kinds import (
     ReducingState,
     ValueState,
     _State,
+    same_length,
 )
 from statebackend.state.timers import (
     Timer,
@@ -165,7 +166,7 @@ class ValueBatch(_BatchHandle[ValueState]):
         """Set each key's value (one value per key entry)."""
         _, rks = self._keys.encode(keys)
         encode = self.codec.encode
-        _same_length(self.name, rks, values)
+        same_length(self.name, rks, values)
         self.state.put_raw(rks, (encode(v) for v in values), timestamps=_times(timestamps))
 
     def insert_absent(self, keys: Keys, values: Sequence[Any],
@@ -175,7 +176,7 @@ class ValueBatch(_BatchHandle[ValueState]):
         Returns the found mask (True: the key had a live value, left as it was). Keys
         must be distinct (e.g. `group_by_key`'s)."""
         _, rks = self._keys.encode(keys)
-        _same_length(self.name, rks, values)
+        same_length(self.name, rks, values)
         return self.state.insert_absent_raw(rks, _encode_runs(self.codec.encode, values),
                                             timestamps=_times(timestamps))
 
@@ -239,7 +240,7 @@ class ListBatch(_BatchHandle[ListState]):
     def update(self, keys: Keys, lists: Sequence[Sequence[Any]]) -> None:
         """Replace each key's list."""
         _, rks = self._keys.encode(keys)
-        _same_length(self.name, rks, lists)
+        same_length(self.name, rks, lists)
         encode = self.codec.encode
         self.state.write_raw((rk, encode_list(encode(v) for v in vs))
                              for rk, vs in zip(rks, lists, strict=True))
@@ -265,7 +266,7 @@ class MapBatch(_BatchHandle[MapState]):
     def put(self, keys: Keys, user_keys: Keys, values: Sequence[Any],
             timestamps: Any = None) -> None:
         rks = self._rkeys(keys, user_keys)
-        _same_length(self.name, rks, values)
+        same_length(self.name, rks, values)
         encode = self.codec.encode
         self.state.write_raw(zip(rks, (encode(v) for v in values), strict=True),
                              timestamps=_times(timestamps))
@@ -323,12 +324,6 @@ def _encode_runs(encode: Callable[[Any], bytes], values: Sequence[Any]) -> list[
             encoded, last = encode(v), v
         out.append(encoded)
     return out
-
-
-def _same_length(name: str, keys: Sequence[Any], values: Sequence[Any]) -> None:
-    if len(keys) != len(values):
-        raise UsageError(f"state {name!r}: {len(keys)} keys but {len(values)} values; "
-                         "pass one value per key")
 
 
 class Timers:

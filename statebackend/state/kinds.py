@@ -19,7 +19,7 @@ have no state class and are reached through `statebackend.state.timers` / `.ttl`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -35,6 +35,7 @@ from statebackend.state.codecs import (
     codec_from_json,
     decode_list,
     encode_list,
+    encode_records,
     map_key_suffix,
     split_map_key,
 )
@@ -129,6 +130,13 @@ class StateDescriptor:
         if kind not in STATE_KINDS and kind != INTERNAL_STATES.get(desc.name):
             raise UsageError(f"state {desc.name!r} has unknown kind {kind!r}")
         return desc
+
+
+def same_length(name: str, keys: Sized, values: Sized) -> None:
+    """UsageError unless state ``name`` got one value per key."""
+    if len(keys) != len(values):
+        raise UsageError(f"state {name!r}: {len(keys)} keys but {len(values)} values; "
+                         "pass one value per key")
 
 
 def internal_descriptor(name: str) -> StateDescriptor:
@@ -255,9 +263,7 @@ class ValueState(_State):
         ``rocks_keys`` must be distinct; ``timestamps`` as for `write_raw` (TTL only)."""
         if self._ttl is not None:
             return self._ttl.insert_absent(rocks_keys, encoded, timestamps)
-        if len(encoded) != len(rocks_keys):
-            raise UsageError(f"state {self.descriptor.name!r}: {len(rocks_keys)} keys but "
-                             f"{len(encoded)} values; pass one value per key")
+        same_length(self.descriptor.name, rocks_keys, encoded)
         if len(set(rocks_keys)) != len(rocks_keys):
             raise UsageError(f"state {self.descriptor.name!r}: insert_absent got a key more "
                              "than once; pass each key once (group the batch by key first)")
@@ -293,14 +299,11 @@ class ValueState(_State):
         """Put one record per key from one array per field (`write_raw`'s rules)."""
         codec = self._record_codec()
         records = codec.records(columns)
-        if len(records) != len(rocks_keys):
-            raise UsageError(f"state {self.descriptor.name!r}: {len(rocks_keys)} keys but "
-                             f"{len(records)} values; pass one value per key")
+        same_length(self.descriptor.name, rocks_keys, records)
         if self._ttl is None and self.backend.write_records(self.cf_handle, rocks_keys,
                                                             records):
             return
-        self.put_raw(rocks_keys, records.view(f"V{records.dtype.itemsize}").tolist(),
-                     timestamps)
+        self.put_raw(rocks_keys, encode_records(records), timestamps)
 
     def _record_codec(self) -> RecordCodec:
         if not isinstance(self.codec, RecordCodec):

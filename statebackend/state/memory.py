@@ -61,7 +61,7 @@ import pyarrow as pa
 from statebackend.errors import CorruptStateError, UsageError
 from statebackend.state import memory_files
 from statebackend.state.backend import KeyedStateBackend, LocalSnapshot
-from statebackend.state.codecs import RECORD_FORMAT, RecordCodec
+from statebackend.state.codecs import RecordCodec
 from statebackend.state.families import INTERNAL_STATES
 from statebackend.state.keygroups import key_group_prefix
 from statebackend.state.kinds import internal_descriptor
@@ -249,7 +249,7 @@ class MemoryStateBackend(KeyedStateBackend):
         dtype = self._record_dtype(name)
         if dtype is None:
             return self.table_class(name, self.account)
-        return RecordTable(name, self.account, dtype, RECORD_FORMAT)
+        return RecordTable(name, self.account, dtype)
 
     def _adopted(self, tables: dict[str, MemoryTable]) -> dict[str, MemoryTable]:
         """A live instance's tables as this backend's states want them: the job may have

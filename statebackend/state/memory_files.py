@@ -51,10 +51,9 @@ def encode(families: Sequence[Family], codec: str | None) -> bytes:
     body: list[Any] = []  # bytes, Arrow buffers, NumPy arrays: buffers all
     for name, keys, values in families:
         raw = name.encode()
-        fixed = isinstance(values, np.ndarray)
         width = values.shape[1] if isinstance(values, np.ndarray) else 0
         head.append(struct.pack("<H", len(raw)) + raw
-                    + struct.pack("<IBH", len(keys), _FIXED if fixed else _BINARY, width))
+                    + struct.pack("<IBH", len(keys), _FIXED if width else _BINARY, width))
         sizes = []
         for column in (keys, values):
             if isinstance(column, np.ndarray):

@@ -33,6 +33,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from statebackend.state.codecs import RECORD_FORMAT
+from statebackend.state.keygroups import key_group_of_rocks_key, key_group_prefix
 from statebackend.state.memory_table import MemoryAccount, MemoryTable
 
 _FIRST_ROWS = 1024
@@ -44,19 +46,13 @@ def _grown(array: np.ndarray, size: int) -> np.ndarray:
     return out
 
 
-def _prefix(key_group: int) -> bytes:
-    return key_group.to_bytes(2, "big")
-
-
 class RecordTable(MemoryTable):
     """One record value state's column family in memory (module docstring)."""
 
-    def __init__(self, name: str, account: MemoryAccount, dtype: np.dtype,
-                 record_format: int) -> None:
+    def __init__(self, name: str, account: MemoryAccount, dtype: np.dtype) -> None:
         super().__init__(name, account)
-        self.dtype = dtype
+        self.dtype = dtype  # a RecordCodec's (its format byte first)
         self.width = dtype.itemsize
-        self._format = record_format
         self._as_bytes = np.dtype(f"V{self.width}")
         self.rows = np.zeros(_FIRST_ROWS, dtype)
         self._row_key_group = np.zeros(_FIRST_ROWS, np.uint16)
@@ -71,7 +67,20 @@ class RecordTable(MemoryTable):
 
     # -- rows ----------------------------------------------------------------------
     def _fits(self, value: bytes) -> bool:
-        return len(value) == self.width and value[0] == self._format
+        return len(value) == self.width and value[0] == RECORD_FORMAT
+
+    def _as_records(self, values: list[bytes]) -> np.ndarray | None:
+        """``values`` as one array of records, or None unless every one is a record."""
+        if not values or set(map(len, values)) != {self.width}:
+            return None
+        records = np.frombuffer(b"".join(values), self.dtype)
+        return records if (records["_format"] == RECORD_FORMAT).all() else None
+
+    def _new_row(self, key: bytes, value: bytes) -> int:
+        """A row for new ``key`` holding record ``value``."""
+        row = int(self._allocate([key])[0])
+        self.rows.view(self._as_bytes)[row] = value
+        return row
 
     def _value(self, held: Any) -> bytes:
         return held if held.__class__ is bytes else self.rows[held].tobytes()
@@ -92,7 +101,7 @@ class RecordTable(MemoryTable):
         rows = np.concatenate([np.array(reused, np.int64),
                                np.arange(self._used, self._used + fresh, dtype=np.int64)])
         self._used += fresh
-        self._row_key_group[rows] = [int.from_bytes(k[:2], "big") for k in keys]
+        self._row_key_group[rows] = list(map(key_group_of_rocks_key, keys))
         return rows
 
     def _release(self, held: Any) -> None:
@@ -156,7 +165,7 @@ class RecordTable(MemoryTable):
             rows = np.array(held, np.int64)
         self.rows[rows] = records
         written = np.flatnonzero(np.bincount(self._row_key_group[rows])).tolist()
-        account.changed.update(map(_prefix, written))
+        account.changed.update(map(key_group_prefix, written))
         account.check()
         return True
 
@@ -169,39 +178,27 @@ class RecordTable(MemoryTable):
         return None if held is None else self._value(held)
 
     def put_one(self, key: bytes, value: bytes) -> None:
-        self._mutations += 1
-        self._last_read = None
         data: dict[bytes, Any] = self.data  # a row number, or bytes
-        account = self._account
         old: Any = data.get(key)
-        account.changed.add(key[:2])
-        if old is None:
-            account.bytes += self._added(key) + len(value)
-        else:
-            account.bytes += len(value) - self._size(old)
+        super().put_one(key, value)  # the accounting and the key's part; holds the bytes
         if old is not None and old.__class__ is not bytes and self._fits(value):
             self.rows.view(self._as_bytes)[old] = value  # the key keeps its row
+            data[key] = old
             return
-        self._key_column = None
         if old is not None:
             self._release(old)
         if self._fits(value):
-            row = int(self._allocate([key])[0])
-            self.rows.view(self._as_bytes)[row] = value
-            data[key] = row
+            data[key] = self._new_row(key, value)
         else:
-            self._odd += 1
-            data[key] = value
+            self._odd += 1  # (held as the bytes the base put)
 
     def write_columns(self, keys: Sequence[bytes], values: Sequence[bytes]) -> None:
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
-        if values and set(map(len, values)) == {self.width}:
-            records = np.frombuffer(b"".join(values), self.dtype)
-            if (records["_format"] == self._format).all() and \
-                    self.write_records(keys if isinstance(keys, list) else list(keys),
-                                       records):
-                return
+        records = self._as_records(values if isinstance(values, list) else list(values))
+        if records is not None and self.write_records(
+                keys if isinstance(keys, list) else list(keys), records):
+            return
         for key, value in zip(keys, values, strict=True):
             self.put_one(key, value)
         self._account.check()
@@ -224,18 +221,15 @@ class RecordTable(MemoryTable):
         self._key_column = None
         values = values if isinstance(values, list) else list(values)
         held: list[Any] = []
-        records = np.frombuffer(b"".join(values), self.dtype) \
-            if keys and set(map(len, values)) == {self.width} else None
-        if records is not None and (records["_format"] == self._format).all():
+        records = self._as_records(values)
+        if records is not None:
             rows = self._allocate(keys)
             self.rows[rows] = records
             held = rows.tolist()
         else:  # rare (an older layout): entry by entry, records and bytes apart
             for key, value in zip(keys, values, strict=True):
                 if self._fits(value):
-                    row = int(self._allocate([key])[0])
-                    self.rows.view(self._as_bytes)[row] = value
-                    held.append(row)
+                    held.append(self._new_row(key, value))
                 else:
                     held.append(value)
                     self._odd += 1
@@ -254,7 +248,7 @@ class RecordTable(MemoryTable):
         key_column, rows, key_groups = self._key_column
         counts = {p: len(self.parts[p]) for p in prefixes if self.parts.get(p)}
         if len(counts) != sum(1 for part in self.parts.values() if part):
-            wanted = np.isin(key_groups, [int.from_bytes(p, "big") for p in counts])
+            wanted = np.isin(key_groups, list(map(key_group_of_rocks_key, counts)))
             key_column, rows = key_column.filter(pa.array(wanted)), rows[wanted]
         return key_column, self.rows[rows].view(np.uint8).reshape(len(rows), self.width), \
             counts

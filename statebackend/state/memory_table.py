@@ -100,7 +100,7 @@ class MemoryTable:
         if old is None:
             account.bytes += self._added(key) + len(value)
         else:
-            account.bytes += len(value) - len(old)
+            account.bytes += len(value) - self._size(old)
 
     def _added(self, key: bytes) -> int:
         """A new ``key`` joins its key group's key set (out of order now); its bytes

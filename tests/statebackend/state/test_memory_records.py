@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 
 from statebackend.state import memory_files
-from statebackend.state.codecs import RECORD_FORMAT, RecordCodec
+from statebackend.state.codecs import RecordCodec
 from statebackend.state.memory_records import RecordTable
 from statebackend.state.memory_table import MemoryAccount, MemoryTable
 
@@ -24,7 +24,7 @@ CODEC = RecordCodec((("count", "int64"), ("sum", "float64"), ("flag", "int32")))
 
 def _tables() -> tuple[MemoryTable, RecordTable]:
     return (MemoryTable("t", MemoryAccount(None, "ref")),
-            RecordTable("t", MemoryAccount(None, "rec"), CODEC.dtype, RECORD_FORMAT))
+            RecordTable("t", MemoryAccount(None, "rec"), CODEC.dtype))
 
 
 def _key(rng: random.Random) -> bytes:
