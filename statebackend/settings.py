@@ -19,6 +19,8 @@ refused, not clamped.
     CKPT_PROGRESS_INTERVAL          seconds between progress lines, default 5, in [0.001, 86400]
     CKPT_LOCAL_DIR                  executors' local-recovery root (a path)
     CKPT_ROW_COUNTS                 tracked | scan | verify: a RocksDB snapshot's row counts
+    CKPT_INDEX_KEY_FILE             the key that signs registry indexes, or ``off``
+                                    (statebackend.lifecycle.index_signing)
 
 `check_environment` validates every one that is set (the CLI and a job run call it
 first). This module imports only `statebackend.errors` and `defaults`: DAG files and
@@ -101,6 +103,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "a RocksDB snapshot's row counts: tracked through the writes that know them "
             "(else a scan), a scan every time, or tracked and verified by a scan",
             choices=("tracked", "scan", "verify")),
+    Setting("CKPT_INDEX_KEY_FILE", "path", None,
+            "this host's key that signs registry indexes (default "
+            "~/.local/state/ckpt/index-key, made on first use; `off`: never signed)"),
 )}
 
 

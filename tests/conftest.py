@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import tempfile
 import uuid
 
 import pytest
@@ -21,6 +22,10 @@ os.environ.setdefault("CKPT_ENGINE", "spark")
 # Every RocksDB snapshot of the suite checks its tracked row counts against a scan
 # (statebackend.state.backend: row counts); a drift fails the snapshot.
 os.environ.setdefault("CKPT_ROW_COUNTS", "verify")
+# Registry indexes are signed with a key of this test session, not the user's own
+# (statebackend.lifecycle.index_signing): commands under test inherit it.
+os.environ.setdefault("CKPT_INDEX_KEY_FILE", os.path.join(
+    tempfile.mkdtemp(prefix="ckpt-test-index-key-"), "index-key"))
 os.environ["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
 
 S3_BUCKET = "ckpt-test"

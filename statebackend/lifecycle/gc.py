@@ -76,7 +76,11 @@ Failure scenarios this design handles (numbered; tests name them):
     after every file it lists was uploaded, so one whose storage mtime is older than
     the oldest planned deletion (less `RECORD_SKEW_SECONDS`) lists none of them
     (`records_to_recheck`; a record without an mtime is read). GC after every run
-    deletes recent orphans, so it reads the few records committed since them.
+    deletes recent orphans, so it reads the few records committed since them. An
+    index signed with this host's key (index_signing.py) vouches for the records older
+    than the listing it was built from: those are not read either. A tampered index
+    does not verify, so it vouches for nothing, and a build that writes the index
+    parses every record instead of trusting it (registry.py).
 
 `plan_gc` is pure; `execute_gc` deletes best effort (batched on S3) after the
 re-checks of scenarios 3 and 10; `collect_garbage` = registry + plan + execute. Its
@@ -96,7 +100,6 @@ from statebackend.checkpoint.layout import (
     chk_id_of,
     in_gc_scope,
     is_commit_record,
-    metadata_path,
 )
 from statebackend.checkpoint.leases import WRITER_LEASE, Lease, live_leases
 from statebackend.checkpoint.store import CheckpointStore
@@ -320,18 +323,13 @@ def plan_gc(registry: Registry, *, grace_seconds: float = DEFAULT_GRACE_SECONDS)
 
 def records_to_recheck(registry: Registry, deletions: Sequence[GcFile]) -> tuple[int, ...]:
     """The indexed checkpoints whose real records could list a planned deletion
-    (scenario 11): those written after the oldest deletion's file, or of unknown age."""
+    (scenario 11): those a signed index does not vouch for, written after the oldest
+    deletion's file or of unknown age."""
     if not deletions or not registry.indexed_ids:
         return ()
     mtimes = [f.mtime for f in deletions]
     oldest = None if None in mtimes else min(m for m in mtimes if m is not None)
-    out = []
-    for cid in sorted(registry.indexed_ids):
-        info = registry.files.get(metadata_path(cid))
-        if oldest is None or info is None or info.mtime is None \
-                or info.mtime >= oldest - RECORD_SKEW_SECONDS:
-            out.append(cid)
-    return tuple(out)
+    return registry.ids_to_recheck(None if oldest is None else oldest - RECORD_SKEW_SECONDS)
 
 
 def execute_gc(store: CheckpointStore, plan: GcPlan, known_ids: set[int] | None = None, *,

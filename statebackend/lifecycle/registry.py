@@ -57,14 +57,23 @@ mtime). A warm build reads that one file instead of parsing every `_metadata`
   make a plan wrong but never deletes a file a real record lists;
 - it is written only by a build with ``update_index=True`` (the non-dry-run
   retain and gc), best effort: a store that refuses the write still plans.
+- signed (``"mac"`` in the header: HMAC-SHA256 of its format, job and body under
+  this host's key, index_signing.py), it vouches for the records listed with an mtime
+  older than the listing it was built from (`Registry.vouched_before`), and the
+  executors do not read those again (`Registry.ids_to_recheck`); an index that is
+  not signed here is used to plan, but a build that writes the index ignores it
+  and parses every record, so a signature covers only references read from the
+  real records.
 
-Index format (``ckpt-registry-index/2``; a /1 index is ignored once, then
-rewritten): a header line ``{"format", "job", "sha256"}``, then a JSON body of
+Index format (``ckpt-registry-index/3``; an older index is ignored once, then
+rewritten): a header line ``{"format", "job", "sha256"}`` (and ``"mac"`` when
+signed), then a JSON body of
 columns: ``paths`` and ``sizes`` (the path table with recorded sizes), ``ids``
 (ascending), ``record_sizes`` and ``record_mtimes`` (the listed `_metadata` each
 entry was made from), ``counts`` and ``refs``: base64 of little-endian uint32
 positions into ``paths``, every entry's ``counts[i]`` positions in id order
-(one decode for all entries). Changes must stay backward-compatible or bump
+(one decode for all entries), and ``listing_age_seconds`` (from the listing it
+was built from to its write). Changes must stay backward-compatible or bump
 the format.
 """
 
@@ -75,7 +84,9 @@ import bisect
 import hashlib
 import json
 import logging
+import math
 import sys
+import time
 from array import array
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -120,13 +131,20 @@ from statebackend.checkpoint.metadata import (
 )
 from statebackend.checkpoint.store import CheckpointStore, check_name
 from statebackend.errors import CheckpointNotFoundError, CkptError, LineageError, MetadataError
+from statebackend.lifecycle.index_signing import sign, signed_by, signing_key
 from statebackend.storage import FileInfo, Listing
 
 log = logging.getLogger(__name__)
 
-INDEX_FORMAT = "ckpt-registry-index/2"
+INDEX_FORMAT = "ckpt-registry-index/3"
+# A signed index vouches for the records whose mtime is this much older than the
+# listing it was built from: one replaced with the same size and mtime would have been
+# replaced within one mtime tick (S3 dates to the second) of its first write, so before
+# that listing, which then saw (and the build read) the replacement.
+INDEX_SLACK_SECONDS = 2.0
 READ_THREADS = 16
-_INDEX_KEYS = {"paths", "sizes", "ids", "record_sizes", "record_mtimes", "counts", "refs"}
+_INDEX_KEYS = {"paths", "sizes", "ids", "record_sizes", "record_mtimes", "counts", "refs",
+               "listing_age_seconds"}
 
 
 def check_savepoint_name(name: str) -> str:
@@ -268,8 +286,26 @@ class Registry:
     # ids whose references come from the index, not from parsing their _metadata now:
     # executors re-check deletions against their real records (module docstring)
     indexed_ids: frozenset[int] = field(default=frozenset(), compare=False)
+    # with an index signed by this host's key (index_signing.py): records listed with an mtime
+    # before this storage time are vouched for by the signature (module docstring)
+    vouched_before: float | None = field(default=None, compare=False)
     # SHA-256 of the records parsed for this registry (checked against the commit log)
     digests: Mapping[int, str] = field(default_factory=dict, compare=False)
+
+    def ids_to_recheck(self, written_since: float | None = None) -> tuple[int, ...]:
+        """The indexed checkpoints whose real records an executor reads before deleting
+        (gc.py, scenario 11): each not vouched for by a signed index, and, with
+        ``written_since``, listed with an mtime at or after it (or with none)."""
+        out = []
+        for cid in sorted(self.indexed_ids):
+            info = self.files.get(metadata_path(cid))
+            mtime = None if info is None else info.mtime
+            if mtime is None:
+                out.append(cid)
+            elif (self.vouched_before is None or mtime >= self.vouched_before) and (
+                    written_since is None or mtime >= written_since):
+                out.append(cid)
+        return tuple(out)
 
     @property
     def owner_paths(self) -> Mapping[str, tuple[str, ...]]:
@@ -397,6 +433,7 @@ def build_registry(store: CheckpointStore, *, now: datetime | float | None = Non
     """
     when = as_datetime(now)
     storage = store.storage
+    started = time.monotonic()
     # 1. list first: see the module docstring and gc.py (failure scenario 2)
     files = storage.walk_listing("")  # names in path order; sizes on demand
     # 2. committed ids from a fresh listing, so commits after step 1 are owners too
@@ -418,6 +455,8 @@ def build_registry(store: CheckpointStore, *, now: datetime | float | None = Non
             lease_paths.append(path)
 
     index = read_index(store, files) if use_index else None
+    if update_index and index is not None and not index.signed and signing_key() is not None:
+        index = None  # rebuilt from the records alone: a signature vouches only for them
     cached = index.usable(ids, files) if index is not None else {}
     to_parse = [cid for cid in ids if cid not in cached]
     if update_index:  # the (size, mtime) an index entry records: seen before the read
@@ -454,12 +493,13 @@ def build_registry(store: CheckpointStore, *, now: datetime | float | None = Non
         checkpoints=LazyCheckpoints(store, parsed, frozenset(cached)) if cached else parsed,
         savepoints=named, incomplete_savepoints=tuple(sorted(savepoint_dirs - savepoint_names)),
         leases=tuple(leases), refs=refs, indexed_ids=frozenset(cached),
+        vouched_before=_vouched_before(index, files) if cached and index is not None else None,
         digests={m.checkpoint_id: digest for m, digest in pairs})
     # (memory:// lives as long as this process: an index would only cost a write)
     if update_index and not storage.process_local and (
             index is None or to_parse or len(cached) != len(index.entries)) \
             and not registry.state_problems():  # planners refuse: leave the index alone
-        write_index(store, registry)
+        write_index(store, registry, time.monotonic() - started)
     return registry
 
 
@@ -510,6 +550,8 @@ class RegistryIndex:
     sizes: list[int]
     entries: Mapping[int, IndexEntry]
     refs: array[int]     # every entry's positions into paths, in id order
+    listing_age: float   # seconds from the listing it was built from to its write
+    signed: bool = False  # its header's HMAC verifies under this host's key
 
     def usable(self, ids: Iterable[int], files: Mapping[str, FileInfo]
                ) -> dict[int, array[int]]:
@@ -535,20 +577,29 @@ def read_index(store: CheckpointStore, files: Mapping[str, FileInfo]) -> Registr
     where = f"{store.storage.url}/{INDEX_FILE}"
     try:
         data = store.storage.read_bytes_if_exists(INDEX_FILE)
-        return parse_index(data, store.job) if data is not None else None
+        return parse_index(data, store.job, signing_key()) if data is not None else None
     except (CkptError, ValueError, TypeError, KeyError) as exc:
         log.warning("registry index %s ignored (%s): every _metadata is parsed instead",
                     where, exc)
         return None
 
 
-def parse_index(data: bytes, job: str) -> RegistryIndex:
-    """Strict: header line ``{"format", "job", "sha256"}``, then the body it hashes."""
+def _vouched_before(index: RegistryIndex, files: Mapping[str, FileInfo]) -> float | None:
+    """`Registry.vouched_before` of a build that used ``index``."""
+    listed = files.get(INDEX_FILE)
+    if not index.signed or listed is None or listed.mtime is None:
+        return None
+    return listed.mtime - index.listing_age - INDEX_SLACK_SECONDS
+
+
+def parse_index(data: bytes, job: str, key: bytes | None = None) -> RegistryIndex:
+    """Strict: header line ``{"format", "job", "sha256"}`` (and ``"mac"`` when signed),
+    then the body it hashes; ``signed`` when ``key`` verifies the MAC."""
     head, sep, body = data.partition(b"\n")
     if not sep:
         raise ValueError("no header line")
     header = fast_loads(head)
-    if not isinstance(header, dict) or set(header) != {"format", "job", "sha256"} \
+    if not isinstance(header, dict) or set(header) - {"mac"} != {"format", "job", "sha256"} \
             or header["format"] != INDEX_FORMAT or header["job"] != job:
         raise ValueError(f"header {head[:200]!r} is not a {INDEX_FORMAT} index of job {job!r}")
     if hashlib.sha256(body).hexdigest() != header["sha256"]:
@@ -579,7 +630,17 @@ def parse_index(data: bytes, job: str) -> RegistryIndex:
     for cid, size, mtime, count in zip(ids, record_sizes, mtimes, counts, strict=True):
         entries[cid] = IndexEntry(size, float(mtime), start, count)
         start += count
-    return RegistryIndex(paths, sizes, entries, refs)
+    age = obj["listing_age_seconds"]
+    if type(age) not in (int, float) or not 0 <= age < math.inf:
+        raise ValueError(f"listing_age_seconds {age!r} is not a duration")
+    return RegistryIndex(paths, sizes, entries, refs, float(age),
+                         signed_by(key, _signed_message(job, body), header.get("mac")))
+
+
+def _signed_message(job: str, body: bytes) -> bytes:
+    """What an index's MAC covers: its format, its job and its body (a signed index
+    copied into another job's folder does not verify there)."""
+    return f"{INDEX_FORMAT}\n{job}\n".encode() + body
 
 
 def _numpy() -> Any:
@@ -622,7 +683,7 @@ def _encode_positions(refs: array[int]) -> str:
     return base64.b64encode(refs.tobytes()).decode("ascii")
 
 
-def write_index(store: CheckpointStore, registry: Registry) -> None:
+def write_index(store: CheckpointStore, registry: Registry, listing_age: float) -> None:
     """Rewrite the index for the committed checkpoints of ``registry`` (best effort).
 
     Each entry records the `_metadata` (size, mtime) listed before its references
@@ -654,9 +715,13 @@ def write_index(store: CheckpointStore, registry: Registry) -> None:
         "record_sizes": [info.size for _, info, _ in rows],
         "record_mtimes": [info.mtime for _, info, _ in rows],
         "counts": [len(positions) for _, _, positions in rows],
-        "refs": _encode_positions(all_refs)}, separators=(",", ":")).encode()
-    header = json.dumps({"format": INDEX_FORMAT, "job": store.job,
-                         "sha256": hashlib.sha256(body).hexdigest()}).encode()
+        "refs": _encode_positions(all_refs), "listing_age_seconds": listing_age},
+        separators=(",", ":")).encode()
+    head = {"format": INDEX_FORMAT, "job": store.job, "sha256": hashlib.sha256(body).hexdigest()}
+    key = signing_key()
+    if key is not None:
+        head["mac"] = sign(key, _signed_message(store.job, body))
+    header = json.dumps(head).encode()
     try:
         store.storage.write_bytes(INDEX_FILE, header + b"\n" + body)
     except CkptError as exc:  # a read-only or full store still plans, only slower

@@ -131,7 +131,7 @@ class RetentionPlan:
     deletions: tuple[FileAction, ...]   # metadata first, then files
     savepoints: tuple[str, ...]
     bytes_kept: int
-    indexed_ids: tuple[int, ...] = ()   # planned from the registry index: re-checked
+    indexed_ids: tuple[int, ...] = ()   # planned from the index, not vouched for: re-checked
 
     @property
     def retained(self) -> tuple[int, ...]:
@@ -228,7 +228,7 @@ def plan_retention(registry: Registry, keep: int,
         job=registry.job, keep=keep, decisions=tuple(decisions),
         deletions=tuple(metadata_actions + file_actions + history_actions),
         savepoints=tuple(sorted(registry.savepoints)), bytes_kept=refs.bytes_at(kept),
-        indexed_ids=tuple(sorted(registry.indexed_ids)))
+        indexed_ids=registry.ids_to_recheck())
 
 
 def _restorability(registry: Registry, ids: list[int],

@@ -1,6 +1,9 @@
 """Registry index (issue 14): a warm build plans like a cold one, and never deletes on
 its own say: a stale entry is re-parsed, a damaged index is ignored, and a tampered
-one (even with a valid digest) can mislead a plan but not the executors."""
+one (even with a valid digest) can mislead a plan but not the executors. Signed with
+this host's key (issue 26), it spares the executors the records it vouches for, and
+a tampered or foreign index is not signed: executors read the records, and the next
+build that writes the index parses them all again."""
 
 from __future__ import annotations
 
@@ -13,8 +16,9 @@ import pytest
 
 from statebackend.checkpoint.store import CheckpointStore, metadata_path
 from statebackend.errors import MetadataError
+from statebackend.lifecycle import index_signing
 from statebackend.lifecycle.gc import collect_garbage, plan_gc
-from statebackend.lifecycle.registry import INDEX_FILE, build_registry
+from statebackend.lifecycle.registry import INDEX_FILE, build_registry, parse_index
 from statebackend.lifecycle.retention import plan_retention, retain
 from statebackend.storage import open_storage
 from tests.statebackend.lifecycle.test_registry import meta, write_meta
@@ -31,6 +35,14 @@ def store(tmp_path):
     old = os.path.getmtime(s.storage.abspath("shared/orphan.sst")) - 7200
     os.utime(s.storage.abspath("shared/orphan.sst"), (old, old))
     return s
+
+
+@pytest.fixture(params=["signed", "unsigned"])
+def signing(request, monkeypatch, tmp_path) -> bool:
+    """Indexes signed with a key of this test, or never (``CKPT_INDEX_KEY_FILE=off``)."""
+    signed = request.param == "signed"
+    monkeypatch.setenv("CKPT_INDEX_KEY_FILE", str(tmp_path / "key") if signed else "off")
+    return signed
 
 
 def plans(registry) -> tuple:
@@ -139,21 +151,24 @@ def test_an_edited_index_with_a_wrong_digest_is_ignored(store):
     assert build_registry(store).indexed_ids == frozenset()
 
 
-def test_tampered_index_never_makes_gc_delete_a_referenced_file(store):
+def test_tampered_index_never_makes_gc_delete_a_referenced_file(store, signing):
     build_registry(store, update_index=True)
     rewrite_index(store, lambda obj: [set_entry_paths(obj, c, []) for c in (1, 2, 3, 4)])
     before = files(store)
     plan = plan_gc(build_registry(store), grace_seconds=0)
-    # the tampered index does mislead the plan ...
+    # the tampered index does mislead a plan ...
     assert {"shared/b.sst", "shared/c.sst"} <= {f.path for f in plan.deletions}
+    assert plan.indexed_ids == (1, 2, 3, 4)  # ... that the executors check: not vouched for
     report = collect_garbage(store, grace_seconds=0)
-    # ... but the executor re-reads the real records: only the true orphan goes
+    # ... so only the true orphan goes: without a key the executor re-reads the real
+    # records; with one, GC's own build does not trust the index and parses them
     assert [f.path for f in report.deleted] == ["shared/orphan.sst"]
     assert files(store) == before - {"shared/orphan.sst"}
-    assert "shared/c.sst" in report.spared
+    assert ("shared/c.sst" in report.spared) is not signing
+    assert (build_registry(store).vouched_before is not None) is signing
 
 
-def test_tampered_index_never_makes_retention_delete_a_kept_or_unlisted_file(store):
+def test_tampered_index_never_makes_retention_delete_a_kept_or_unlisted_file(store, signing):
     build_registry(store, update_index=True)
     store.storage.write_bytes("runs/r1.json", b"{}")  # no checkpoint lists it
 
@@ -195,7 +210,7 @@ def test_an_index_of_the_previous_format_is_ignored_then_rewritten(store):
     cold = build_registry(store, use_index=False, now=now)
     build_registry(store, update_index=True)
     head, _, body = store.storage.read_bytes(INDEX_FILE).partition(b"\n")
-    store.storage.write_bytes(INDEX_FILE, head.replace(b"index/2", b"index/1") + b"\n" + body)
+    store.storage.write_bytes(INDEX_FILE, head.replace(b"index/3", b"index/2") + b"\n" + body)
     assert build_registry(store, now=now).indexed_ids == frozenset()
     build_registry(store, update_index=True)
     warm = build_registry(store, now=now)
@@ -232,10 +247,12 @@ def _age(store, seconds: float, skip: tuple[str, ...] = ()) -> None:
             os.utime(path, (then, then))
 
 
-def test_the_executor_reads_only_records_that_could_list_a_planned_deletion(store):
+def test_the_executor_reads_only_records_that_could_list_a_planned_deletion(store, monkeypatch):
     """Scenario 11 at scale: a record is written after the files it lists, so records
     older than the oldest planned deletion are not read again; a tampered index still
-    cannot make GC delete a file that a newer record lists."""
+    cannot make GC delete a file that a newer record lists (unsigned indexes; signed ones:
+    below)."""
+    monkeypatch.setenv("CKPT_INDEX_KEY_FILE", "off")
     _age(store, 5 * 3600, skip=("shared/orphan.sst",))  # the lineage 5 h old, the orphan 2 h
     build_registry(store, update_index=True)
     plan = plan_gc(build_registry(store), grace_seconds=3600)
@@ -262,3 +279,109 @@ def test_the_executor_reads_only_records_that_could_list_a_planned_deletion(stor
     assert "shared/e.sst" in report.spared and store.storage.exists("shared/e.sst")
     assert "shared/orphan.sst" in {f.path for f in report.deleted}
     assert all(store.storage.exists(f.path) for f in store.load(5).files)
+
+
+def _spy_reads(store) -> list[int]:
+    read: list[int] = []
+    real = store.read_records
+
+    def spy(ids):
+        ids = list(ids)
+        read.extend(ids)
+        return real(ids)
+
+    store.read_records = spy
+    return read
+
+
+def test_a_signed_index_spares_the_executors_the_records_it_vouches_for(store, signing):
+    """GC's worst case (issue 26): every orphan older than every record. A signed index
+    vouches for records older than the listing it was built from, so the executor reads
+    none of them; a record indexed within the slack of that listing is read."""
+    _age(store, 5 * 3600)  # the lineage 5 h old, the orphan 7 h
+    build_registry(store, update_index=True)
+    registry = build_registry(store)
+    assert registry.indexed_ids == {1, 2, 3, 4}
+    assert (registry.vouched_before is not None) is signing
+    plan = plan_gc(registry, grace_seconds=0)
+    assert [f.path for f in plan.deletions] == ["shared/orphan.sst"]
+    assert plan.indexed_ids == (() if signing else (1, 2, 3, 4))
+    assert plan_retention(registry, 1).indexed_ids == (() if signing else (1, 2, 3, 4))
+
+    write_meta(store, meta(5, ["shared/c.sst", "shared/e.sst"]))  # committed now
+    store.storage.write_bytes("shared/orphan2.sst", b"o")
+    _age(store, 7200, skip=tuple(f.path for f in store.storage.walk_files("")
+                                 if not f.path.endswith("orphan2.sst")))
+    build_registry(store, update_index=True)  # indexes chk-5 right after its commit
+    registry = build_registry(store)
+    assert registry.indexed_ids == {1, 2, 3, 4, 5}
+    orphans = ["shared/orphan.sst", "shared/orphan2.sst"]
+    plan = plan_gc(registry, grace_seconds=3600)
+    assert [f.path for f in plan.deletions] == orphans
+    assert plan.indexed_ids == ((5,) if signing else (1, 2, 3, 4, 5))
+    read = _spy_reads(store)
+    report = collect_garbage(store, grace_seconds=3600)
+    assert [f.path for f in report.deleted] == orphans
+    assert sorted(read) == ([5] if signing else [1, 2, 3, 4, 5])
+    assert all(store.storage.exists(f.path) for f in store.load(5).files)
+
+
+def test_only_this_hosts_key_signs_an_index(store, monkeypatch, tmp_path):
+    """An index whose body was edited (digest recomputed, MAC kept), signed with another
+    key, or copied from another job is not signed here: it still plans, the executors
+    read every record it gave, and the next build that writes it parses every record."""
+    monkeypatch.setenv("CKPT_INDEX_KEY_FILE", str(tmp_path / "ours"))
+    build_registry(store, update_index=True)
+    data = store.storage.read_bytes(INDEX_FILE)
+    ours = index_signing.signing_key()
+    assert ours is not None and json.loads(data.partition(b"\n")[0])["mac"]
+    assert parse_index(data, "j", ours).signed
+    assert not parse_index(data, "j", b"k" * 32).signed  # another host's key
+    assert not parse_index(data, "j", None).signed       # no key
+    copied = data.replace(b'"job": "j"', b'"job": "k"', 1)
+    assert not parse_index(copied, "k", ours).signed     # another job's index
+
+    rewrite_index(store, lambda obj: set_entry_paths(obj, 4, []))  # MAC kept, digest new
+    tampered = build_registry(store)
+    assert tampered.indexed_ids == {1, 2, 3, 4} and tampered.vouched_before is None
+    assert tampered.ids_to_recheck() == (1, 2, 3, 4)
+
+    monkeypatch.setenv("CKPT_INDEX_KEY_FILE", str(tmp_path / "theirs"))
+    build_registry(store, update_index=True)  # their key: signed by them from now on
+    monkeypatch.setenv("CKPT_INDEX_KEY_FILE", str(tmp_path / "ours"))
+    foreign = build_registry(store)
+    assert foreign.indexed_ids == {1, 2, 3, 4} and foreign.ids_to_recheck() == (1, 2, 3, 4)
+    read = _spy_reads(store)
+    rebuilt = build_registry(store, update_index=True)
+    assert rebuilt.indexed_ids == frozenset() and sorted(read) == [1, 2, 3, 4]
+    assert build_registry(store).vouched_before is not None
+
+
+def test_the_key_file_is_private_and_made_once(monkeypatch, tmp_path, caplog):
+    path = tmp_path / "state" / "ckpt" / "index-key"
+    monkeypatch.setenv("CKPT_INDEX_KEY_FILE", str(path))
+    key = index_signing.signing_key()
+    assert key is not None and len(key) == index_signing.KEY_BYTES
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert path.parent.stat().st_mode & 0o777 == 0o700
+    index_signing._key_at.cache_clear()
+    assert index_signing.signing_key() == key  # read back, not made again
+
+    loose = tmp_path / "loose"
+    loose.write_bytes(b"s" * 32)
+    loose.chmod(0o644)
+    monkeypatch.setenv("CKPT_INDEX_KEY_FILE", str(loose))
+    with caplog.at_level("WARNING"):
+        assert index_signing.signing_key() is None
+    assert "readable by nobody else" in caplog.text and str(loose) in caplog.text
+
+    monkeypatch.setenv("CKPT_INDEX_KEY_FILE", "off")
+    assert index_signing.signing_key() is None
+
+
+def test_without_a_key_the_index_carries_no_mac(store, monkeypatch):
+    monkeypatch.setenv("CKPT_INDEX_KEY_FILE", "off")
+    build_registry(store, update_index=True)
+    header = json.loads(store.storage.read_bytes(INDEX_FILE).partition(b"\n")[0])
+    assert "mac" not in header
+    assert build_registry(store).vouched_before is None
