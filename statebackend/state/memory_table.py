@@ -338,27 +338,34 @@ class MemoryWriteBatch:
         return len(self.ops)
 
     def apply(self, account: MemoryAccount) -> None:
-        """Apply in order; a run of puts to one table is one `write_columns` (one put:
-        `put_one`)."""
-        keys: list[bytes] = []
-        values: list[bytes] = []
-        putting: MemoryTable | None = None
+        """Apply in order within each table (tables are independent): a table's puts
+        wait until its next delete or the end, then go in as one `write_columns` (one
+        put: `put_one`). The timers' batches alternate between two tables one put at a
+        time, so this makes them two column writes."""
+        pending: dict[int, tuple[MemoryTable, list[bytes], list[bytes]]] = {}
         for op, table, a, b in self.ops:
-            if putting is not None and (op != 0 or table is not putting):
-                if len(keys) == 1:
-                    putting.put_one(keys[0], values[0])
-                else:
-                    putting.write_columns(keys, values)
-                keys, values, putting = [], [], None
             if op == 0:
-                putting = table
-                keys.append(a)
-                values.append(b)
-            elif op == 1:
+                held = pending.get(id(table))
+                if held is None:
+                    held = pending[id(table)] = (table, [], [])
+                held[1].append(a)
+                held[2].append(b)
+                continue
+            held = pending.pop(id(table), None)
+            if held is not None:
+                _put_all(*held)
+            if op == 1:
                 table.delete(a)
             else:
                 table.delete_range(a, b)
-        if putting is not None:
-            putting.write_columns(keys, values)
+        for held in pending.values():
+            _put_all(*held)
         account.check()
+
+
+def _put_all(table: MemoryTable, keys: list[bytes], values: list[bytes]) -> None:
+    if len(keys) == 1:
+        table.put_one(keys[0], values[0])
+    else:
+        table.write_columns(keys, values)
 

@@ -189,8 +189,8 @@ def _set_timers(backend: KeyedStateBackend, keys: Sequence[str], times: Sequence
     fwd, rev = backend.column_family_handle(TIMERS), backend.column_family_handle(TIMER_KEYS)
     firing = backend.timer_firings.get(domain)
     wb = backend.write_batch()
-    for key, t, tag in zip(keys, times, tags, strict=True):
-        kg, kb = backend.key_group_and_bytes(key)
+    kgs, kbs = backend.key_groups_and_bytes(keys)
+    for kg, kb, t, tag in zip(kgs, kbs, times, tags, strict=True):
         t = as_time(t)
         tk = timer_key(kg, dom, t, kb, tag)
         if register:

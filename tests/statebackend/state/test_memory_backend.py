@@ -109,6 +109,37 @@ def test_write_batch_applies_in_order():
     assert account.changed == {b"\x00\x01", b"\x00\x02"}
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_write_batch_equals_its_operations_one_by_one(seed):
+    """A batch holds each table's puts back until that table's next delete (the
+    timers alternate between two tables): the result is the ops applied in order."""
+    rng = random.Random(seed)
+    batch_account, ref_account = MemoryAccount(None, "batch"), MemoryAccount(None, "ref")
+    tables = [MemoryTable(n, batch_account) for n in "ab"]
+    refs = [MemoryTable(n, ref_account) for n in "ab"]
+    for _ in range(20):
+        wb = MemoryWriteBatch()
+        for _ in range(rng.randrange(1, 30)):
+            i = rng.randrange(2)
+            key = bytes([0, rng.randrange(3)]) + bytes([rng.randrange(4)])
+            op = rng.random()
+            if op < 0.6:
+                value = bytes([rng.randrange(256)]) * rng.randrange(1, 4)
+                wb.put(key, value, tables[i])
+                refs[i].put(key, value)
+            elif op < 0.9:
+                wb.delete(key, tables[i])
+                refs[i].delete(key)
+            else:
+                wb.delete_range(key[:2], key[:2] + b"\x02", tables[i])
+                refs[i].delete_range(key[:2], key[:2] + b"\x02")
+        wb.apply(batch_account)
+        assert [t.data for t in tables] == [r.data for r in refs]
+        assert [list(t.scan(values=False)) for t in tables] == \
+            [list(r.scan(values=False)) for r in refs]
+        assert batch_account.changed == ref_account.changed
+
+
 def _store(tmp_path) -> CheckpointStore:
     return CheckpointStore(open_storage(f"file://{tmp_path}/store"), "orders")
 
