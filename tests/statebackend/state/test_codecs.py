@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import pickle
 import random
@@ -48,6 +49,26 @@ json_values = st.recursive(
 def test_json_round_trip(value):
     codec = JsonCodec()
     assert codec.decode(codec.encode(value)) == value
+
+
+any_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(any_json_values)
+def test_json_decodes_what_the_stdlib_decodes(value):
+    """The fast decoder (msgspec) and its stdlib fallback give the stdlib's values for
+    everything the codec stores, NaN, infinities and ints beyond 64 bits included."""
+    try:
+        data = JsonCodec().encode(value)
+    except UnicodeEncodeError:  # a lone surrogate cannot be stored (UTF-8)
+        return
+    assert repr(JsonCodec().decode(data)) == repr(json.loads(data[1:]))
 
 
 @settings(max_examples=100, deadline=None)
