@@ -239,6 +239,19 @@ def test_a_path_at_two_positions_is_one_file_to_the_planners(store):
     assert warm.owners_of("shared/b.sst") == ("chk-2", "chk-3", "chk-4")
 
 
+def _spy_reads(store) -> list[int]:
+    read: list[int] = []
+    real = store.read_records
+
+    def spy(ids):
+        ids = list(ids)
+        read.extend(ids)
+        return real(ids)
+
+    store.read_records = spy
+    return read
+
+
 def _age(store, seconds: float, skip: tuple[str, ...] = ()) -> None:
     for f in store.storage.walk_files(""):
         if f.path not in skip and not f.path.startswith("_index/"):
@@ -265,33 +278,12 @@ def test_the_executor_reads_only_records_that_could_list_a_planned_deletion(stor
     plan = plan_gc(build_registry(store), grace_seconds=0)
     assert {"shared/orphan.sst", "shared/e.sst"} <= {f.path for f in plan.deletions}
     assert plan.indexed_ids == (5,)
-    read: list[int] = []
-    real = store.read_records
-
-    def spy(ids):
-        ids = list(ids)
-        read.extend(ids)
-        return real(ids)
-
-    store.read_records = spy
+    read = _spy_reads(store)
     report = collect_garbage(store, grace_seconds=0)
     assert 5 in read and not {1, 2, 3, 4} & set(read)
     assert "shared/e.sst" in report.spared and store.storage.exists("shared/e.sst")
     assert "shared/orphan.sst" in {f.path for f in report.deleted}
     assert all(store.storage.exists(f.path) for f in store.load(5).files)
-
-
-def _spy_reads(store) -> list[int]:
-    read: list[int] = []
-    real = store.read_records
-
-    def spy(ids):
-        ids = list(ids)
-        read.extend(ids)
-        return real(ids)
-
-    store.read_records = spy
-    return read
 
 
 def test_a_signed_index_spares_the_executors_the_records_it_vouches_for(store, signing):
