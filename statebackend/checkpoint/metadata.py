@@ -85,6 +85,7 @@ from typing import Any, TypeAlias
 from statebackend.checkpoint.layout import METADATA_FILE, SAVEPOINTS_DIR, SHARED_DIR, chk_id_of
 from statebackend.defaults import BACKENDS, EXTERNAL_MODES
 from statebackend.errors import CkptError, MetadataError, UnsupportedFormatVersionError
+from statebackend.fast_json import fast_loads, pretty_json
 from statebackend.state.families import INTERNAL_STATES
 from statebackend.state.keygroups import (
     KEY_HASHES,
@@ -722,35 +723,6 @@ def _get(obj: dict[str, Any], key: str, typ: type, where: str) -> Any:
         raise MetadataError(
             f"malformed metadata {where}: {key!r} should be {typ.__name__}, got {value!r}")
     return value
-
-
-# -- the fast path of from_bytes, for many records at once (the lifecycle registry) --
-try:  # msgspec (an Airflow dependency) decodes JSON about twice as fast as the stdlib
-    from msgspec.json import decode as _msgspec_decode
-    from msgspec.json import encode as _msgspec_encode
-    from msgspec.json import format as _msgspec_format
-
-    def fast_loads(data: bytes) -> object:
-        try:
-            return _msgspec_decode(data)
-        except RecursionError:
-            raise  # deep nesting: decode_json names it as such
-        except Exception as exc:  # noqa: BLE001 - msgspec.DecodeError: report as ValueError
-            raise ValueError(str(exc)) from exc
-
-    def pretty_json(obj: Any) -> bytes:
-        """``obj`` as JSON, keys sorted, one item per line (indent 1): a record people
-        read. The stdlib's indenting encoder is pure Python (a tenth of a warm run's
-        commit, for a record of 128 references); msgspec's is native (non-ASCII
-        characters are written as UTF-8, not escaped; a float NaN or infinity as null:
-        both valid JSON for every reader here)."""
-        return _msgspec_format(_msgspec_encode(obj, order="sorted"), indent=1)
-except ImportError:  # pragma: no cover - stdlib fallback
-    def fast_loads(data: bytes) -> object:
-        return json.loads(data)
-
-    def pretty_json(obj: Any) -> bytes:
-        return json.dumps(obj, indent=1, sort_keys=True).encode()
 
 
 def listed_paths(data: bytes) -> list[str] | None:

@@ -126,11 +126,11 @@ from statebackend.checkpoint.metadata import (
     CheckpointMetadata,
     FileRef,
     ParseMemo,
-    fast_loads,
     listed_paths,
 )
 from statebackend.checkpoint.store import CheckpointStore, check_name
 from statebackend.errors import CheckpointNotFoundError, CkptError, LineageError, MetadataError
+from statebackend.fast_json import fast_loads
 from statebackend.lifecycle.index_signing import sign, signed_by, signing_key
 from statebackend.storage import FileInfo, Listing
 

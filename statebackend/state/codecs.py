@@ -42,6 +42,7 @@ import numpy as np
 import pyarrow as pa
 
 from statebackend.errors import SerializationError, UsageError
+from statebackend.fast_json import fast_loads
 
 JSON_FORMAT = 0x01
 RECORD_FORMAT = 0x02
@@ -147,18 +148,6 @@ def split_map_key(suffix: bytes) -> tuple[bytes, str]:
     return suffix[4 : 4 + n], deserialize_key(suffix[4 + n :])
 
 
-# msgspec (an Airflow dependency) decodes JSON about 7x faster than the stdlib: the same
-# values for every document both accept; what it refuses, json.loads decides.
-try:
-    from msgspec import DecodeError as _FastJsonError
-    from msgspec.json import Decoder as _FastJsonDecoder
-
-    _fast_json_decode: Any = _FastJsonDecoder().decode
-except ImportError:  # pragma: no cover - the stdlib alone
-    _FastJsonError = ValueError  # type: ignore[assignment,misc]
-    _fast_json_decode = None
-
-
 @dataclass(frozen=True)
 class JsonCodec:
     def encode(self, value: Any) -> bytes:
@@ -166,11 +155,10 @@ class JsonCodec:
 
     def decode(self, data: bytes) -> Any:
         _check_format(data, JSON_FORMAT, "json")
-        if _fast_json_decode is not None:
-            try:
-                return _fast_json_decode(memoryview(data)[1:])
-            except _FastJsonError:
-                pass  # NaN, 1e400, a lone surrogate: the stdlib's JSON decides
+        try:  # msgspec's speed; what it refuses (NaN, 1e400, ...), the stdlib decides
+            return fast_loads(data[1:])
+        except ValueError:
+            pass
         try:
             return json.loads(data[1:])
         except ValueError as exc:

@@ -342,24 +342,21 @@ class MemoryWriteBatch:
         wait until its next delete or the end, then go in as one `write_columns` (one
         put: `put_one`). The timers' batches alternate between two tables one put at a
         time, so this makes them two column writes."""
-        pending: dict[int, tuple[MemoryTable, list[bytes], list[bytes]]] = {}
+        pending: dict[MemoryTable, tuple[list[bytes], list[bytes]]] = {}  # (by identity)
         for op, table, a, b in self.ops:
             if op == 0:
-                held = pending.get(id(table))
-                if held is None:
-                    held = pending[id(table)] = (table, [], [])
-                held[1].append(a)
-                held[2].append(b)
+                keys, values = pending.setdefault(table, ([], []))
+                keys.append(a)
+                values.append(b)
                 continue
-            held = pending.pop(id(table), None)
-            if held is not None:
-                _put_all(*held)
+            if table in pending:
+                _put_all(table, *pending.pop(table))
             if op == 1:
                 table.delete(a)
             else:
                 table.delete_range(a, b)
-        for held in pending.values():
-            _put_all(*held)
+        for table, (keys, values) in pending.items():
+            _put_all(table, keys, values)
         account.check()
 
 

@@ -1,0 +1,39 @@
+"""JSON through msgspec when it is installed (an Airflow dependency), else the stdlib.
+
+`fast_loads` decodes standard JSON about 2-7x faster than ``json.loads``, and refuses
+what only the stdlib accepts (``NaN``, ``Infinity``, numbers beyond a float, lone
+surrogates) with ValueError: callers that must read those (the JSON state codec) fall
+back to ``json.loads``, callers that must refuse them (`_metadata`) refuse.
+`pretty_json` writes a record people read: keys sorted, one item per line.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+try:
+    from msgspec.json import decode as _msgspec_decode
+    from msgspec.json import encode as _msgspec_encode
+    from msgspec.json import format as _msgspec_format
+
+    def fast_loads(data: bytes) -> object:
+        try:
+            return _msgspec_decode(data)
+        except RecursionError:
+            raise  # deep nesting: decode_json names it as such
+        except Exception as exc:  # noqa: BLE001 - msgspec.DecodeError: report as ValueError
+            raise ValueError(str(exc)) from exc
+
+    def pretty_json(obj: Any) -> bytes:
+        """``obj`` as JSON, keys sorted, indent 1. The stdlib's indenting encoder is pure
+        Python (a tenth of a warm run's commit, for a record of 128 references);
+        msgspec's is native (non-ASCII characters are written as UTF-8, not escaped; a
+        float NaN or infinity as null: both valid JSON for every reader here)."""
+        return _msgspec_format(_msgspec_encode(obj, order="sorted"), indent=1)
+except ImportError:  # pragma: no cover - stdlib fallback
+    def fast_loads(data: bytes) -> object:
+        return json.loads(data)
+
+    def pretty_json(obj: Any) -> bytes:
+        return json.dumps(obj, indent=1, sort_keys=True).encode()
