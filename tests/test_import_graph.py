@@ -7,7 +7,8 @@
   (`ALLOWED`), so there is no cycle and nothing below imports ``spark/``, ``airflow/`` or
   ``cli/``::
 
-      errors, defaults, settings, progress, formatting, engines, subtasks, run_options
+      errors, defaults, settings, progress, formatting, engines, subtasks, run_options,
+      fast_json, worker_processes
                                              (top-level modules; they import no subpackage)
       state < storage < checkpoint < lifecycle, validation < spark < rescale, job
       < airflow, cli
@@ -100,7 +101,7 @@ def test_statebackend_never_imports_the_application():
 # Each subpackage (or top-level module) of statebackend/ and what it may import. Written
 # out, not derived from a rank, so a new edge is a decision made here.
 _BASE = frozenset({"errors", "defaults", "settings", "progress", "formatting", "engines",
-                   "subtasks", "run_options", "fast_json"})
+                   "subtasks", "run_options", "fast_json", "worker_processes"})
 ALLOWED: dict[str, frozenset[str]] = {
     "errors": frozenset(),
     "defaults": frozenset(),
@@ -108,6 +109,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "progress": frozenset({"settings", "errors"}),
     "formatting": frozenset(),
     "fast_json": frozenset(),
+    "worker_processes": frozenset(),
     "engines": frozenset({"errors", "defaults", "settings"}),
     "subtasks": frozenset({"errors", "progress"}),
     "run_options": frozenset({"errors", "defaults", "settings"}),

@@ -70,10 +70,12 @@ def cmd_rescale(args: argparse.Namespace, store: CheckpointStore) -> int:
         print("\n".join(summary["plan_text"]))
         print("(dry run: nothing written)")
         return 0
+    workers = " (exports in worker processes)" if summary["import_processes"] else ""
     print(f"checkpoint {summary['checkpoint_id']} of job {summary['job']}: rescaled from "
           f"{summary['from_parallelism']} to {summary['to_parallelism']} (source checkpoint "
           f"{summary['source_checkpoint_id']}) in {summary['duration_seconds']:.2f} s on the "
-          f"{summary['engine']} engine; downloaded {human_bytes(summary['bytes_downloaded'])}, "
+          f"{summary['engine']} engine{workers}; "
+          f"downloaded {human_bytes(summary['bytes_downloaded'])}, "
           f"uploaded {human_bytes(summary['bytes_uploaded'])}, "
           f"reused {summary['files_reused']} files, {summary['rows']} rows")
     for s in summary["subtasks"]:

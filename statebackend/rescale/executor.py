@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import time
 from dataclasses import dataclass
 
@@ -76,11 +77,19 @@ from statebackend.spark.dispatch import run_tasks as run_spark_tasks
 from statebackend.spark.progress import TaskStages, report_tasks
 from statebackend.state.kinds import StateDescriptor
 from statebackend.subtasks import one_line, run_in_threads
+from statebackend.worker_processes import worker_pool
 
 # New subtasks run at once per core of a local master (120,000 keys, load 12, medians
 # of 7 interleaved rounds: 4 -> 8 took 0.44 s with one task per core, 0.33 s with two,
 # 0.32 s with four; 8 -> 3 0.31, 0.31 and 0.26 s).
 TASKS_PER_CORE = 2
+# A local rescale exports its imports in worker processes (statebackend.worker_processes)
+# from this many bytes of imported files when this process's workers run already, and
+# from the second figure when they would have to start: their start, paid once per
+# process (about 0.3 s), is worth it only when the second core saves more than that.
+# Read at call time: tests lower them.
+IMPORT_PROCESSES_FROM_BYTES = 1 * 2**20
+IMPORT_PROCESSES_COLD_FROM_BYTES = 64 * 2**20
 TASKS_LABEL = "new subtasks written"
 
 
@@ -134,8 +143,9 @@ def rescale(store: CheckpointStore, ref: str | int | None = "latest",
         try:
             t_tasks = time.perf_counter()
             results = memory_rescale.regrouped(meta, plan) if in_memory else _run_tasks(
-                _tasks(store, meta, plan, options, attempt.token), store, choice, spark,
-                options, progress)
+                _tasks(store, meta, plan, options, attempt.token,
+                       import_processes=_import_processes(store, plan, choice)),
+                store, choice, spark, options, progress)
             tasks_seconds = time.perf_counter() - t_tasks
             attempt.add_uploaded(p for r in results for p in r.uploaded_paths)
             new_meta = attempt.commit(_record(store, meta, results, options),
@@ -181,8 +191,18 @@ def _master(options: RescaleOptions, spark) -> str:
     return "local[*]"
 
 
+def _import_processes(store: CheckpointStore, plan: RescalePlan, choice: EngineChoice) -> bool:
+    """Whether the imports' exports run in this process's worker processes: a local
+    rescale on several cores with enough to import (``IMPORT_PROCESSES_FROM_BYTES``)."""
+    least = (IMPORT_PROCESSES_FROM_BYTES if worker_pool().started()
+             else IMPORT_PROCESSES_COLD_FROM_BYTES)
+    return (choice.engine == "local" and not store.storage.process_local
+            and (os.cpu_count() or 1) > 1 and plan.bytes_to_import >= least)
+
+
 def _tasks(store: CheckpointStore, meta: CheckpointMetadata, plan: RescalePlan,
-           options: RescaleOptions, token: str) -> list[RescaleTask]:
+           options: RescaleOptions, token: str, *, import_processes: bool = False
+           ) -> list[RescaleTask]:
     by_index = {h.index: h for h in meta.subtasks}
     states = tuple(StateDescriptor.from_json(dict(s)) for s in meta.states)
     return [RescaleTask(
@@ -193,6 +213,7 @@ def _tasks(store: CheckpointStore, meta: CheckpointMetadata, plan: RescalePlan,
         # read at call time: bench/bench_rescale.py varies the rule
         compact_clipped_share=rescale_task.COMPACT_CLIPPED_SHARE,
         fail=options.fail_subtask == s.index, attempt_token=token,
+        import_processes=import_processes,
         # What the driver opened the storage with: tasks on other hosts reach the same
         # storage; nothing goes through the environment.
         storage_options=store.root_storage.options) for s in plan.subtasks]
@@ -286,9 +307,11 @@ def _summary(store: CheckpointStore, new_meta: CheckpointMetadata, plan: Rescale
         "rows": sum(r.rows for r in results),
         "compacted": options.compact,
         "compacted_subtasks": sum(r.compacted for r in results),
+        # the imports exported in worker processes (statebackend.worker_processes)
+        "import_processes": any(pid != r.pid for r in results for pid in r.import_pids),
         "subtasks": [{"index": r.index, "base": s.base, "clipped_share": r.clipped_share,
                       "compacted": r.compacted, "scratch": r.scratch, "host": r.host,
-                      "pid": r.pid,
+                      "pid": r.pid, "import_pids": list(r.import_pids),
                       "imports": [i.source for i in s.imports], "rows": r.rows,
                       "bytes_downloaded": r.bytes_downloaded,
                       "bytes_uploaded": r.bytes_uploaded, "files_reused": r.files_reused,

@@ -70,6 +70,11 @@ class SubtaskPlan:
     def bytes_to_download(self) -> int:
         return sum(f.size for f in self.downloads)
 
+    @property
+    def bytes_to_import(self) -> int:
+        """The downloads of the imports (the old handles exported key by key)."""
+        return sum(f.size for f in self.downloads if f.source != self.base)
+
     def to_json(self) -> dict:
         return {
             "index": self.index,
@@ -97,6 +102,10 @@ class RescalePlan:
     @property
     def bytes_to_download(self) -> int:
         return sum(s.bytes_to_download for s in self.subtasks)
+
+    @property
+    def bytes_to_import(self) -> int:
+        return sum(s.bytes_to_import for s in self.subtasks)
 
     def to_json(self) -> dict:
         return {

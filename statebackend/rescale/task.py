@@ -32,7 +32,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 
 from rocksdict import (
@@ -52,9 +52,10 @@ from statebackend.state import facts
 from statebackend.state.backend import KeyedStateBackend, StoredInstance
 from statebackend.state.keygroups import KeyGroupRange, key_group_of_rocks_key, key_group_prefix
 from statebackend.state.kinds import StateDescriptor
-from statebackend.state.sst import ingest, write_sst
+from statebackend.state.sst import export_sst, ingest
 from statebackend.storage import Storage, StorageOptions, child_storage, open_storage
 from statebackend.subtasks import named_failure
+from statebackend.worker_processes import worker_pool
 
 # A new subtask whose base would keep more than this share of its referenced bytes only
 # for key groups it no longer owns is compacted (docs/rescale.md: the figures).
@@ -79,6 +80,9 @@ class RescaleTask:
     compact: bool = False  # rewrite the new instance to its live keys
     compact_clipped_share: float = COMPACT_CLIPPED_SHARE
     fail: bool = False  # test hook: fail after the upload
+    # The imports' exports run in this process's worker processes (a local rescale with
+    # much to export: statebackend.worker_processes), else in the task's threads.
+    import_processes: bool = False
     # The driver's `Attempt.token`: the upload record names it, so a failed rescale's
     # discard takes every upload of its tasks (statebackend.checkpoint.attempt).
     attempt_token: str = ""
@@ -110,6 +114,7 @@ class RescaleTaskResult:
     scratch: str = ""
     host: str = ""
     pid: int = 0  # the process that built it (a Spark task's Python worker)
+    import_pids: tuple[int, ...] = ()  # the processes that exported the imports
 
     @property
     def bytes_uploaded(self) -> int:
@@ -121,13 +126,15 @@ class RescaleTaskResult:
                 "bytes_downloaded": self.bytes_downloaded, "files_reused": self.files_reused,
                 "entries_imported": self.entries_imported, "clipped_share": self.clipped_share,
                 "compacted": self.compacted, "rows": self.rows, "timings": dict(self.timings),
-                "scratch": self.scratch, "host": self.host, "pid": self.pid}
+                "scratch": self.scratch, "host": self.host, "pid": self.pid,
+                "import_pids": list(self.import_pids)}
 
     @staticmethod
     def from_json(data: Mapping) -> RescaleTaskResult:
         where = f"result of new subtask {data.get('index')}"
         return RescaleTaskResult(**{**data, "handle": SubtaskHandle.from_json(
-            data["handle"], where), "uploaded_paths": tuple(data["uploaded_paths"])})
+            data["handle"], where), "uploaded_paths": tuple(data["uploaded_paths"]),
+            "import_pids": tuple(data.get("import_pids", ()))})
 
 
 def run_rescale_task(task: RescaleTask, attempt: int = 0) -> RescaleTaskResult:
@@ -162,8 +169,7 @@ class _NewSubtask:
 
     def __init__(self, task: RescaleTask, attempt: int) -> None:
         self.task, self.attempt = task, attempt
-        self.storage: Storage = child_storage(
-            open_storage(task.storage_url, **task.storage_options), task.job)
+        self.storage: Storage = _job_storage(task)
         base = task.handle(task.plan.base)
         self.imports = [(task.handle(i.source), i.key_groups) for i in task.plan.imports]
         self.bytes_downloaded = base.size + sum(h.size for h, _ in self.imports)
@@ -173,21 +179,26 @@ class _NewSubtask:
         self.backend: KeyedStateBackend | None = None
         self.uploaded: tuple[str, ...] = ()
         self.timings: dict[str, float] = {}
+        self.import_pids: tuple[int, ...] = ()
         self.started = time.perf_counter()
 
     def run(self) -> RescaleTaskResult:
-        # The imports start at once, each in its own thread, and overlap the base's
-        # download, clip and count: a task's wall time is its longest chain, not their
-        # sum (rocksdict drops the GIL in RocksDB calls).
-        with ThreadPoolExecutor(max_workers=max(1, min(IMPORT_THREADS, len(self.imports)))
-                                ) as pool:
-            pending = [pool.submit(self._fetch_and_export, item) for item in self.imports]
-            try:
-                backend, rows, clipped, compacted = self._open_base()
-                entries = self._ingest(backend, pending, rows)
-            finally:
-                for f in pending:
-                    f.cancel()
+        # The imports start at once and overlap the base's download, clip and count: a
+        # task's wall time is its longest chain, not their sum. In the task's threads
+        # (rocksdict drops the GIL in RocksDB calls, not while it hands keys to Python),
+        # or in worker processes when the task says so.
+        threads = ThreadPoolExecutor(max_workers=max(1, min(IMPORT_THREADS, len(self.imports))))
+        pool = worker_pool() if self.task.import_processes else threads
+        pending = [pool.submit(fetch_and_export, self.task, h.index, key_groups, self.work)
+                   for h, key_groups in self.imports]
+        try:
+            backend, rows, clipped, compacted = self._open_base()
+            entries = self._ingest(backend, pending, rows)
+        finally:
+            for f in pending:
+                f.cancel()
+            wait(pending)  # the started ones finish before close() removes their folder
+            threads.shutdown()
         if self.task.compact:
             with self._timed("compact"):
                 backend.compact()
@@ -201,30 +212,8 @@ class _NewSubtask:
             bytes_downloaded=self.bytes_downloaded, files_reused=result.files_reused,
             entries_imported=entries, clipped_share=round(clipped, 3), compacted=compacted,
             rows=sum(result.handle.row_counts.values()), timings=dict(self.timings),
-            scratch=os.path.dirname(self.work), host=socket.gethostname(), pid=os.getpid())
-
-    def _fetch_and_export(self, item: tuple[SubtaskHandle, KeyGroupRange]
-                          ) -> tuple[dict[str, tuple[str, int]], float]:
-        """Download one import (two-phase: nothing opens half-downloaded), export its
-        part of the new range to SSTs, drop the download; (SSTs, seconds taken)."""
-        started = time.perf_counter()
-        h, key_groups = item
-        folder = os.path.join(self.work, f"old-{h.index}")
-        download_files(self.storage, h.files, os.path.join(folder, "db"))
-        src = KeyedStateBackend(folder, self.task.states, self.task.max_parallelism,
-                                h.key_group_range, read_only=True, origin=self._origin(h))
-        try:
-            ssts = export_key_groups(src, key_groups, os.path.join(self.work, f"export-{h.index}"))
-        finally:
-            src.close()
-            shutil.rmtree(folder, ignore_errors=True)
-        return ssts, time.perf_counter() - started
-
-    def _origin(self, h: SubtaskHandle) -> StoredInstance:
-        """Names the downloaded instance in scan errors, its files by stored path."""
-        return StoredInstance(
-            label=f"subtask {h.index} of checkpoint {self.task.source_checkpoint_id}",
-            file_paths={f.local_name: f.path for f in h.files})
+            scratch=os.path.dirname(self.work), host=socket.gethostname(), pid=os.getpid(),
+            import_pids=self.import_pids)
 
     def _open_base(self) -> tuple[KeyedStateBackend, dict[str, int], float, bool]:
         """Download the base, open it as the new instance and clip it to its own part of
@@ -236,7 +225,7 @@ class _NewSubtask:
         with self._timed("restore_clip"):
             self.backend = backend = KeyedStateBackend(
                 base_dir, task.states, task.max_parallelism, task.plan.key_groups,
-                origin=self._origin(base))
+                origin=_origin(task, base))
             # Only files of the committed source may be referenced instead of uploaded.
             backend.uploaded = {f.local_name: f for f in base.shared_files}
             # No automatic compaction in this short-lived instance: the clip's tombstones
@@ -269,13 +258,14 @@ class _NewSubtask:
         done = [f.result() for f in pending]
         self.timings["import_wait"] = time.perf_counter() - t
         # the longest import chain (download + open + export), which overlapped the above
-        self.timings["export"] = max((seconds for _, seconds in done), default=0.0)
+        self.timings["export"] = max((seconds for _, seconds, _ in done), default=0.0)
+        self.import_pids = tuple(pid for _, _, pid in done)
         entries = 0
         with self._timed("ingest"):
             # One ingestion per column family: the imported ranges are disjoint, so all
             # their SSTs go in together (one flush of the clip's tombstones, one version).
             per_family: dict[str, list[str]] = {}
-            for ssts, _ in done:
+            for ssts, _, _ in done:
                 for cf_name, (path, n) in ssts.items():
                     per_family.setdefault(cf_name, []).append(path)
                     entries += n
@@ -316,6 +306,35 @@ class _NewSubtask:
         shutil.rmtree(self.work, ignore_errors=True)
 
 
+def fetch_and_export(task: RescaleTask, source: int, key_groups: KeyGroupRange, work: str
+                     ) -> tuple[dict[str, tuple[str, int]], float, int]:
+    """Download old subtask ``source`` into ``work`` (two-phase: nothing opens
+    half-downloaded), export its ``key_groups`` to SSTs there, drop the download;
+    (SSTs, seconds taken, process id). Runs in a task's thread or a worker process."""
+    started = time.perf_counter()
+    h = task.handle(source)
+    folder = os.path.join(work, f"old-{h.index}")
+    download_files(_job_storage(task), h.files, os.path.join(folder, "db"))
+    src = KeyedStateBackend(folder, task.states, task.max_parallelism, h.key_group_range,
+                            read_only=True, origin=_origin(task, h))
+    try:
+        ssts = export_key_groups(src, key_groups, os.path.join(work, f"export-{h.index}"))
+    finally:
+        src.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    return ssts, time.perf_counter() - started, os.getpid()
+
+
+def _job_storage(task: RescaleTask) -> Storage:
+    return child_storage(open_storage(task.storage_url, **task.storage_options), task.job)
+
+
+def _origin(task: RescaleTask, h: SubtaskHandle) -> StoredInstance:
+    """Names a downloaded instance in scan errors, its files by stored path."""
+    return StoredInstance(label=f"subtask {h.index} of checkpoint {task.source_checkpoint_id}",
+                          file_paths={f.local_name: f.path for f in h.files})
+
+
 class _Timer:
     """``with`` block adding its seconds to ``timings[phase]``."""
 
@@ -340,14 +359,11 @@ def export_key_groups(source: KeyedStateBackend, key_groups: KeyGroupRange, out_
     out: dict[str, tuple[str, int]] = {}
     for name in source.column_families:
         path = os.path.join(out_dir, f"{name}.sst")
-        # Checked read: a damaged block raises instead of ending the export early
-        # (which would silently drop the rest of the range from the new checkpoint).
-        keys, values = source.read_raw(name, key_groups)
-        if not keys:
-            continue
-        if values is None:  # asked with values: never None (read_raw's type cannot say so)
-            raise RuntimeError(f"column family {name!r}: keys read without their values")
-        out[name] = (path, write_sst(path, keys, values))
+        # Checked: a damaged block raises instead of ending the export early (which
+        # would silently drop the rest of the range from the new checkpoint).
+        n = export_sst(path, source, name, key_groups)
+        if n:
+            out[name] = (path, n)
     return out
 
 

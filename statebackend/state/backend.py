@@ -39,7 +39,7 @@ import os
 import shutil
 import threading
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, overload
 
@@ -84,7 +84,13 @@ from statebackend.state.kinds import (
     _State,
     internal_descriptor,
 )
-from statebackend.state.scan import checked_count, checked_entries, checked_scan, damaged_state
+from statebackend.state.scan import (
+    checked_copy,
+    checked_count,
+    checked_entries,
+    checked_scan,
+    damaged_state,
+)
 
 if TYPE_CHECKING:
     from statebackend.state.timers import TimerFiring
@@ -584,6 +590,15 @@ class KeyedStateBackend:
         lower, upper = key_groups.byte_bounds() if key_groups is not None else (None, None)
         return checked_entries(self._cfs[cf_name], self.scan_where(cf_name), lower, upper,
                                values=values, file_paths=self.file_paths)
+
+    def copy_raw(self, cf_name: str, key_groups: KeyGroupRange,
+                 sink: Callable[[bytes, bytes], object]) -> int | None:
+        """Feed every entry of one column family within ``key_groups`` to ``sink``,
+        streamed; the number fed, or None when the caller must start over with
+        `read_raw` (`checked_copy`)."""
+        lower, upper = key_groups.byte_bounds()
+        return checked_copy(self._cfs[cf_name], self.scan_where(cf_name), lower, upper, sink,
+                            file_paths=self.file_paths)
 
     def count_keys(self, cf_name: str, key_groups: KeyGroupRange | None = None) -> int:
         """Live entries of one column family (within ``key_groups``), checked scan."""

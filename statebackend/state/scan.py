@@ -4,9 +4,9 @@ rocksdict's iterators (``Rdict.items/keys/values`` and a loop that stops at
 ``not it.valid()``) end *silently* when RocksDB hits a damaged block: the iterator
 turns invalid and only ``RdictIter.status()`` (raises ``Exception("Corruption: ...")``)
 tells an error from the end of the data. Every scan of the library goes through
-`checked_scan`, `checked_count` or `checked_entries`, which check the status once at
-the end (cheap: no per-entry cost) and raise `CorruptStateError` naming the column
-family, the instance and RocksDB's message.
+`checked_scan`, `checked_count`, `checked_entries` or `checked_copy`, which check the
+status once at the end (cheap: no per-entry cost) and raise `CorruptStateError` naming
+the column family, the instance and RocksDB's message.
 
 Also here: `prefix_upper_bound` (an iterator's upper bound for a key prefix),
 `earliest_time`, the one-seek-per-key-group lookup of the time-ordered families
@@ -17,7 +17,9 @@ kinds, timers and TTL all build on it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from itertools import count, starmap, tee
 from typing import TYPE_CHECKING, Literal, TypeAlias, cast, overload
 
 from rocksdict import Rdict, RdictIter, ReadOptions
@@ -35,11 +37,7 @@ _RdictKey: TypeAlias = str | int | float | bytes | bool
 
 
 def _scan_iter(cf: Rdict, lower: bytes | None, upper: bytes | None) -> RdictIter:
-    ro = ReadOptions()
-    ro.set_verify_checksums(True)  # the default, made explicit: scans must verify blocks
-    if upper is not None:
-        ro.set_iterate_upper_bound(upper)
-    it = cf.iter(ro)
+    it = cf.iter(_read_options(upper))
     if lower:
         it.seek(lower)
     else:
@@ -161,29 +159,62 @@ def checked_entries(cf: Rdict | MemoryTable, where: str, lower: bytes | None = N
     if isinstance(cf, MemoryTable):
         held_keys, held_values = cf.entries(lower, upper)
         return held_keys, held_values if values else None
-
-    def options() -> ReadOptions:
-        ro = ReadOptions()
-        ro.set_verify_checksums(True)
-        if upper is not None:
-            ro.set_iterate_upper_bound(upper)
-        return ro
-
     keys: list[bytes] | None
     vals: list[bytes] | None
     try:
         # rocksdict's stub types keys of every mode; a raw-mode family holds bytes only
-        keys = cast("list[bytes]", list(cf.keys(from_key=lower, read_opt=options())))
-        vals = list(cf.values(from_key=lower, read_opt=options())) if values else None
+        keys = cast("list[bytes]", list(cf.keys(from_key=lower, read_opt=_read_options(upper))))
+        vals = list(cf.values(from_key=lower, read_opt=_read_options(upper))) if values else None
     except Exception:  # noqa: BLE001 - the checked scan below names the damage
         keys, vals = None, None
-    if keys is not None and (vals is None or len(vals) == len(keys)):
-        tail = list(checked_scan(cf, where, keys[-1] if keys else lower, upper, values=False,
-                                 file_paths=file_paths))
-        if tail == keys[-1:]:
-            return keys, vals
+    if keys is not None and (vals is None or len(vals) == len(keys)) and _ends_at(
+            cf, where, keys[-1] if keys else None, lower, upper, file_paths):
+        return keys, vals
     pairs = list(checked_scan(cf, where, lower, upper, file_paths=file_paths))
     return [k for k, _ in pairs], [v for _, v in pairs] if values else None
+
+
+def checked_copy(cf: Rdict | MemoryTable, where: str, lower: bytes | None,
+                 upper: bytes | None, sink: Callable[[bytes, bytes], object], *,
+                 file_paths: Mapping[str, str] | None = None) -> int | None:
+    """Feed every entry of ``cf`` in [lower, upper) to ``sink(key, value)`` in key order,
+    streamed (no lists, no Python-level loop); the number of entries fed.
+
+    ``Rdict.items`` ends silently on a damaged block, like `checked_entries`' fast path,
+    so the last key fed is then checked the same way. None when that check disagrees or
+    the stream failed: what the sink holds is then incomplete, and the caller starts
+    over with `checked_entries`, which raises `CorruptStateError` on a damaged block.
+    """
+    if isinstance(cf, MemoryTable):
+        held_keys, held_values = cf.entries(lower, upper)
+        deque(map(sink, held_keys, held_values), maxlen=0)
+        return len(held_keys)
+    try:
+        fed, seen = tee(cf.items(from_key=lower, read_opt=_read_options(upper)))
+        # (entries so far, sink's result, (key, value)) of the last entry only
+        last = deque(zip(count(1), starmap(sink, fed), seen), maxlen=1)
+    except Exception:  # noqa: BLE001 - the caller's checked route names the damage
+        return None
+    n, last_key = (last[0][0], last[0][2][0]) if last else (0, None)
+    return n if _ends_at(cf, where, last_key, lower, upper, file_paths) else None
+
+
+def _read_options(upper: bytes | None) -> ReadOptions:
+    ro = ReadOptions()
+    ro.set_verify_checksums(True)  # the default, made explicit: scans must verify blocks
+    if upper is not None:
+        ro.set_iterate_upper_bound(upper)
+    return ro
+
+
+def _ends_at(cf: Rdict, where: str, last: bytes | None, lower: bytes | None,
+             upper: bytes | None, file_paths: Mapping[str, str] | None) -> bool:
+    """Whether a checked scan agrees that ``last`` (None: nothing) is the last key of
+    [lower, upper): on intact data it reads that key alone; where a fast scan ended on
+    a damaged block, it meets the same block and raises `CorruptStateError`."""
+    tail = list(checked_scan(cf, where, lower if last is None else last, upper,
+                             values=False, file_paths=file_paths))
+    return tail == ([] if last is None else [last])
 
 
 def multi_get(cf: Rdict | MemoryTable, keys: Iterable[bytes]) -> list[bytes | None]:

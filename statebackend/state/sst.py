@@ -1,19 +1,22 @@
 """Bulk load: sorted entries written to an SST file, then ingested into an instance.
 
 `write_sst` writes pairs already in RocksDB's key order (bytewise) with RocksDB's
-``SstFileWriter``; `ingest` moves SST files into a backend's column families (no put per
-key, no memtable, no WAL). Rescale (the key groups a new subtask imports) and bootstrap
-(a savepoint from tables) both load state this way.
+``SstFileWriter``; `export_sst` streams a key-group range of an instance into one;
+`ingest` moves SST files into a backend's column families (no put per key, no
+memtable, no WAL). Rescale (the key groups a new subtask imports) and bootstrap (a
+savepoint from tables) both load state this way.
 """
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Mapping, Sequence
 
 from rocksdict import IngestExternalFileOptions, Options, SstFileWriter
 
 from statebackend.state.backend import KeyedStateBackend
+from statebackend.state.keygroups import KeyGroupRange
 
 
 def write_sst(path: str, keys: Sequence[bytes], values: Sequence[bytes],
@@ -26,6 +29,27 @@ def write_sst(path: str, keys: Sequence[bytes], values: Sequence[bytes],
     deque(map(writer.__setitem__, keys, values), maxlen=0)
     writer.finish()
     return len(keys)
+
+
+def export_sst(path: str, source: KeyedStateBackend, cf_name: str,
+               key_groups: KeyGroupRange, options: Options | None = None) -> int:
+    """Write the entries of family ``cf_name`` within ``key_groups`` of ``source`` to a new
+    SST at ``path``, streamed from the instance into the writer (half the CPU of lists
+    in between); the number of entries, 0 with no file when the range is empty. Checked
+    like `KeyedStateBackend.read_raw`: a damaged block raises `CorruptStateError`."""
+    writer = SstFileWriter(options=options or Options(raw_mode=True))
+    writer.open(path)
+    n = source.copy_raw(cf_name, key_groups, writer.__setitem__)
+    if n:
+        writer.finish()
+        return n
+    del writer  # empty, or to be written again from the checked route
+    if os.path.exists(path):
+        os.remove(path)
+    if n is None:
+        keys, values = source.read_raw(cf_name, key_groups)  # raises on a damaged block
+        return write_sst(path, keys, values, options) if keys else 0
+    return 0
 
 
 def ingest(backend: KeyedStateBackend, ssts: Mapping[str, Sequence[str]]) -> None:

@@ -29,8 +29,10 @@ from statebackend.checkpoint.snapshot import checkpoint_backends
 from statebackend.checkpoint.store import CheckpointStore, metadata_path
 from statebackend.cli import app as cli
 from statebackend.errors import CkptError, CorruptStateError, StorageError
-from statebackend.rescale.executor import rescale
+from statebackend.rescale import executor
+from statebackend.rescale.executor import RescaleOptions, rescale
 from statebackend.state.kinds import StateDescriptor
+from statebackend.state.sst import export_sst
 from statebackend.storage import checksum_algorithm, checksum_of_bytes, open_storage
 from statebackend.validation.validate import ValidationOptions, validate_checkpoint
 from tests.statebackend.helpers import (
@@ -141,6 +143,9 @@ def test_every_scan_entry_point_raises(damaged):
                 be.read_raw("totals", values=values)
         with pytest.raises(CorruptStateError):
             be.count_keys("totals", be.key_group_range)
+        with pytest.raises(CorruptStateError, match=ref.path):  # streamed into an SST
+            export_sst(os.path.join(be.local_dir, "export.sst"), be, "totals",
+                       be.key_group_range)
         # the other column families are intact and scan to the end
         assert be.count_keys("events") == handle.row_counts["events"]
     with pytest.raises(CorruptStateError, match="subtask 1 of checkpoint 1"):
@@ -178,18 +183,27 @@ def test_deep_validation_fails_on_a_damaged_block(damaged):
     assert row["subtask"] == 1 and "Corruption" in row["restore_error"]
 
 
-@pytest.mark.parametrize("damaged_subtask,q", [(0, 1), (1, 1), (1, 4)])
-def test_rescale_fails_and_commits_nothing(spark, tmp_path, damaged_subtask, q):
+@pytest.mark.parametrize("damaged_subtask,q,engine", [
+    (0, 1, "spark"), (1, 1, "spark"), (1, 4, "spark"), (0, 1, "processes"), (1, 1, "processes")])
+def test_rescale_fails_and_commits_nothing(spark, tmp_path, monkeypatch, damaged_subtask, q,
+                                           engine):
     """P=2 -> 1: the damaged subtask is either the base kept whole (counted with a
     checked scan) or the exported import; P=2 -> 4: the bases are compacted (counted
-    from the compaction's output, no scan: the compaction reads every block)."""
+    from the compaction's output, no scan: the compaction reads every block). As Spark
+    tasks, or locally with the imports exported in worker processes (the error crosses
+    the process boundary as the same line)."""
     url = f"file://{tmp_path}/store"
     store, meta, _ = full_checkpoint(tmp_path, url)
     ref = sst_of_state(store, meta, damaged_subtask, "totals")
     damage_block_before_upload(store, 1, ref)
     before = state_files(store)
+    options = RescaleOptions()
+    if engine == "processes":
+        monkeypatch.setattr(executor, "IMPORT_PROCESSES_FROM_BYTES", 0)
+        monkeypatch.setattr(executor, "IMPORT_PROCESSES_COLD_FROM_BYTES", 0)
+        options = RescaleOptions(engine="local")
     with pytest.raises(CkptError, match="Corruption") as info:
-        rescale(store, "latest", q, spark=spark)
+        rescale(store, "latest", q, spark=spark, options=options)
     assert f"subtask {damaged_subtask} of checkpoint 1" in str(info.value)
     assert "\n" not in str(info.value)
     assert store.checkpoint_ids() == [1]

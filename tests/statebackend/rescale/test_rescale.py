@@ -8,12 +8,14 @@ import os
 
 import pytest
 
+from statebackend import worker_processes
 from statebackend.checkpoint.dump import checkpoint_rows
 from statebackend.checkpoint.leases import acquire_writer_lease, list_leases, release
 from statebackend.checkpoint.snapshot import checkpoint_backends
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.cli import app as cli
 from statebackend.errors import LeaseConflictError, SnapshotError, UsageError
+from statebackend.rescale import executor
 from statebackend.rescale.executor import RescaleOptions, rescale
 from statebackend.rescale.plan import NothingToRescaleError
 from statebackend.state.keygroups import key_group_for_bytes
@@ -135,6 +137,30 @@ def test_a_cluster_master_with_a_large_state_rescales_as_spark_tasks(tmp_path, m
     memory = build_source(tmp_path, f"memory://rescale-engine-{os.getpid()}", 2)
     with pytest.raises(UsageError, match="lives in one process"):
         choose_rescale_engine(memory, memory.latest(), RescaleOptions(engine="spark"))
+
+
+@pytest.mark.parametrize(("p", "q"), [(3, 2), (7, 3), (2, 5)])
+def test_exports_in_worker_processes_give_the_same_checkpoint(tmp_path, monkeypatch, p, q):
+    """A local rescale with enough to import exports its imports in this process's worker
+    processes (statebackend.worker_processes): other processes, the same checkpoint."""
+    monkeypatch.setattr(executor, "IMPORT_PROCESSES_FROM_BYTES", 0)
+    monkeypatch.setattr(executor, "IMPORT_PROCESSES_COLD_FROM_BYTES", 0)
+    store = build_source(tmp_path, f"file://{tmp_path}/store", p)
+    before = content(store, store.latest())
+    summary = rescale(store, "latest", q, options=RescaleOptions(engine="local"))
+    assert summary["engine"] == "local" and summary["import_processes"]
+    assert all(pid != s["pid"] for s in summary["subtasks"] for pid in s["import_pids"])
+    assert content(store, store.latest()) == before
+    check_ranges_and_clip(store, store.latest())
+
+
+def test_a_first_local_rescale_below_the_cold_figure_exports_in_threads(tmp_path, monkeypatch):
+    monkeypatch.setattr(executor, "IMPORT_PROCESSES_FROM_BYTES", 0)
+    monkeypatch.setattr(worker_processes.WorkerPool, "started", lambda self: False)
+    store = build_source(tmp_path, f"file://{tmp_path}/store", 3)
+    summary = rescale(store, "latest", 2, options=RescaleOptions(engine="local"))
+    assert not summary["import_processes"]
+    assert {pid for s in summary["subtasks"] for pid in s["import_pids"]} == {os.getpid()}
 
 
 @pytest.mark.parametrize(("p", "q"), [(2, 3), (3, 2)])

@@ -1,0 +1,220 @@
+"""Worker processes for the local engine's CPU-bound Python work, started once per process.
+
+Threads of one process share one GIL. Most of what a local rescale computes is RocksDB
+handing every key and value over as a Python object (rescale's exports), so its
+threads use one core however many there are. `worker_pool()` gives this process's pool
+of worker processes, one per core, with the ``submit`` / `Future` interface of
+``concurrent.futures``, for work that would otherwise queue on the GIL.
+
+- **Started once, kept.** A worker starts at the pool's first use that needs it and
+  lives as long as this process: a process's first use pays the start (about 0.3 s: a
+  Python and the work's imports, the workers in parallel), later uses none. A worker
+  that died (killed, out of memory) fails its work in one line naming its exit code
+  and is replaced at the next use. A worker exits when this process closes its pipe
+  (at exit, or when this process dies).
+- **A fresh interpreter** (this Python running `_serve_parent`), neither fork
+  nor multiprocessing: a fork would copy this process without its threads, RocksDB's
+  background threads among them (a flush in the child would wait for a thread that
+  does not exist), and multiprocessing's spawn and forkserver run this process's
+  ``__main__`` again in every worker (a user's unguarded script would run twice).
+- **The pipe carries pickles between this process and its own workers only**: the
+  function (by module and name) and its arguments (frozen task specs built by the
+  driver, never anything read from storage), then the result or the error.
+  Credentials travel inside them as storage options, never through the environment
+  or the command line. A worker's stdout goes to its stderr: prints cannot corrupt
+  the pipe.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import os
+import pickle
+import queue
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import IO, Any
+
+_HEADER = struct.Struct("<Q")  # the length of the pickle that follows
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process exited while it ran a piece of work."""
+
+
+class WorkerPool:
+    """Worker processes taking work from one queue (module doc)."""
+
+    def __init__(self, workers: int) -> None:
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._closed = False
+        self.max_workers = max(1, workers)
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any) -> Future:
+        """Run ``fn(*args)`` in a worker process; its result or error arrives in the Future.
+        ``fn`` must be a module-level function, its arguments picklable."""
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the worker pool is closed")
+            self._work.put((future, fn, args))
+            if self._idle:
+                self._idle -= 1
+            elif len(self._threads) < self.max_workers:
+                self._add_thread(None)
+        return future
+
+    def _add_thread(self, worker: _Worker | None) -> None:
+        thread = threading.Thread(target=self._serve, args=(worker,), daemon=True,
+                                  name="ckpt-worker-process")
+        self._threads.append(thread)
+        thread.start()
+
+    def start(self, preload: tuple[str, ...] = ()) -> None:
+        """Start every worker now, each importing ``preload`` (the work's modules), so
+        that the first use pays no start: for a long-lived process that will use the
+        pool (a notebook, a bench)."""
+        with self._lock:
+            while len(self._threads) < self.max_workers:
+                self._add_thread(_Worker(preload))
+                self._idle += 1
+
+    def started(self) -> bool:
+        """Whether a worker runs already (a use then pays no start, or less)."""
+        with self._lock:
+            return bool(self._threads)
+
+    def close(self) -> None:
+        """Stop taking work; each worker process exits once its pipe closes."""
+        with self._lock:
+            self._closed = True
+            for _ in self._threads:
+                self._work.put(None)
+
+    def _serve(self, worker: _Worker | None) -> None:
+        """One worker process and the thread that feeds it, one piece at a time."""
+        while True:
+            item = self._work.get()
+            if item is None:
+                break
+            future, fn, args = item
+            if future.set_running_or_notify_cancel():
+                if worker is None or not worker.alive():
+                    worker = _Worker((fn.__module__,))
+                try:
+                    future.set_result(worker.run(fn, args))
+                except BaseException as exc:  # noqa: BLE001 - handed to the Future's owner
+                    future.set_exception(exc)
+            with self._lock:
+                self._idle += 1
+        if worker is not None:
+            worker.stop()
+
+
+class _Worker:
+    """One worker process: this Python running `_serve_parent` on two pipes."""
+
+    def __init__(self, preload: tuple[str, ...]) -> None:
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", f"import sys; sys.path.insert(0, {package_root!r}); "
+                                   f"from {__name__} import _serve_parent; _serve_parent()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        # This process's import path first (a bench or a test may have extended it): the
+        # worker imports the work's modules from the same places.
+        assert self.process.stdin is not None
+        _send(self.process.stdin, (list(sys.path), preload))
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def run(self, fn: Callable[..., Any], args: tuple) -> Any:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        try:
+            _send(self.process.stdin, (fn, args))
+            ok, value = _receive(self.process.stdout)
+        except (EOFError, OSError) as exc:
+            code = self.process.wait()
+            raise WorkerDiedError(f"worker process {self.process.pid} exited with code {code} "
+                                  f"while it ran {fn.__qualname__}") from exc
+        if ok:
+            return value
+        raise value
+
+    def stop(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        self.process.wait()
+
+
+def _send(stream: IO[bytes], obj: object) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_HEADER.pack(len(data)) + data)
+    stream.flush()
+
+
+def _receive(stream: IO[bytes]) -> Any:
+    return pickle.loads(_receive_bytes(stream))  # noqa: S301 - from our own process only
+
+
+def _receive_bytes(stream: IO[bytes]) -> bytes:
+    header = stream.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        raise EOFError("the pipe closed")
+    (size,) = _HEADER.unpack(header)
+    data = stream.read(size)
+    if len(data) < size:
+        raise EOFError("the pipe closed")
+    return data
+
+
+_pool_lock = threading.Lock()
+_pool: WorkerPool | None = None
+
+
+def worker_pool() -> WorkerPool:
+    """This process's pool, one worker process per core (module doc)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = WorkerPool(os.cpu_count() or 1)
+            atexit.register(_pool.close)
+        return _pool
+
+
+def _serve_parent() -> None:
+    """A worker's loop: run what arrives on stdin, answer on the original stdout."""
+    answers = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # prints of the work go to stderr, never into the pipe
+    requests = sys.stdin.buffer
+    try:
+        sys.path[:], preload = _receive(requests)
+        for module in preload:
+            importlib.import_module(module)
+        while True:
+            work = _receive_bytes(requests)
+            try:
+                fn, args = pickle.loads(work)  # noqa: S301 - from our own parent process
+                answer: tuple[bool, Any] = (True, fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - sent back to the caller
+                answer = (False, _picklable(exc))
+            _send(answers, answer)
+    except EOFError:
+        return
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives a pickle round trip, else a RuntimeError with its text."""
+    try:
+        pickle.loads(pickle.dumps(exc))  # noqa: S301 - our own bytes, this process
+        return exc
+    except Exception:  # noqa: BLE001 - an exception type that cannot be rebuilt
+        return RuntimeError(f"{type(exc).__name__}: {' '.join(str(exc).split())}")
