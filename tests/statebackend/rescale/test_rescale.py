@@ -304,12 +304,19 @@ def test_rescale_of_an_older_checkpoint_is_refused(spark, tmp_path):
     assert store.checkpoint_ids() == [1, 2] and list_leases(store.storage) == []
 
 
-def test_rescale_on_s3(spark, s3_server, tmp_path):
+@pytest.mark.parametrize("engine", ["spark", "processes"])
+def test_rescale_on_s3(spark, s3_server, tmp_path, monkeypatch, engine):
     from tests.conftest import S3_BUCKET
 
-    store = build_source(tmp_path, f"s3://{S3_BUCKET}/rescale-{os.getpid()}", 2)
+    store = build_source(tmp_path, f"s3://{S3_BUCKET}/rescale-{engine}-{os.getpid()}", 2)
     before = content(store, store.latest())
-    rescale(store, "latest", 3, spark=spark)
+    options = RescaleOptions()
+    if engine == "processes":  # the workers reach S3 with the driver's storage options
+        monkeypatch.setattr(executor, "IMPORT_PROCESSES_FROM_BYTES", 0)
+        monkeypatch.setattr(executor, "IMPORT_PROCESSES_COLD_FROM_BYTES", 0)
+        options = RescaleOptions(engine="local")
+    summary = rescale(store, "latest", 3, spark=spark, options=options)
+    assert summary["import_processes"] == (engine == "processes")
     assert content(store, store.latest()) == before
 
 
