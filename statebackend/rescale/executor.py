@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import time
 from dataclasses import dataclass
 
@@ -144,7 +143,8 @@ def rescale(store: CheckpointStore, ref: str | int | None = "latest",
             t_tasks = time.perf_counter()
             results = memory_rescale.regrouped(meta, plan) if in_memory else _run_tasks(
                 _tasks(store, meta, plan, options, attempt.token,
-                       import_processes=_import_processes(store, plan, choice)),
+                       import_processes=_import_processes(store, plan, choice,
+                                                          _master(options, spark))),
                 store, choice, spark, options, progress)
             tasks_seconds = time.perf_counter() - t_tasks
             attempt.add_uploaded(p for r in results for p in r.uploaded_paths)
@@ -191,13 +191,15 @@ def _master(options: RescaleOptions, spark) -> str:
     return "local[*]"
 
 
-def _import_processes(store: CheckpointStore, plan: RescalePlan, choice: EngineChoice) -> bool:
+def _import_processes(store: CheckpointStore, plan: RescalePlan, choice: EngineChoice,
+                      master: str) -> bool:
     """Whether the imports' exports run in this process's worker processes: a local
     rescale on several cores with enough to import (``IMPORT_PROCESSES_FROM_BYTES``)."""
-    least = (IMPORT_PROCESSES_FROM_BYTES if worker_pool().started()
-             else IMPORT_PROCESSES_COLD_FROM_BYTES)
-    return (choice.engine == "local" and not store.storage.process_local
-            and (os.cpu_count() or 1) > 1 and plan.bytes_to_import >= least)
+    if choice.engine != "local" or store.storage.process_local or local_master_cores(
+            master if is_local_master(master) else None) < 2:
+        return False
+    return plan.bytes_to_import >= (IMPORT_PROCESSES_FROM_BYTES if worker_pool().started()
+                                    else IMPORT_PROCESSES_COLD_FROM_BYTES)
 
 
 def _tasks(store: CheckpointStore, meta: CheckpointMetadata, plan: RescalePlan,
