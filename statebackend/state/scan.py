@@ -195,7 +195,8 @@ def checked_copy(cf: Rdict | MemoryTable, where: str, lower: bytes | None,
         last = deque(zip(count(1), starmap(sink, fed), seen), maxlen=1)
     except Exception:  # noqa: BLE001 - the caller's checked route names the damage
         return None
-    n, last_key = (last[0][0], last[0][2][0]) if last else (0, None)
+    # rocksdict's stub types keys of every mode; a raw-mode family holds bytes only
+    n, last_key = (last[0][0], cast("bytes", last[0][2][0])) if last else (0, None)
     return n if _ends_at(cf, where, last_key, lower, upper, file_paths) else None
 
 
