@@ -15,7 +15,8 @@ executor may be using it. When the executor's ``snapshots/<snapshot id>`` holds 
 file of the handle with its recorded size, the reader hard-links them into a folder of
 its own (SSTs are immutable, and a link outlives a run pruning that snapshot); else it
 downloads them (`statebackend.checkpoint.restore`: checked sizes and checksums). It
-opens that copy read-only and removes the folder when done.
+opens that copy read-only and removes the folder when done. `seed_local_snapshot`
+places such links (or copies) for a writer of its own, such as a rescale's base.
 """
 
 from __future__ import annotations
@@ -47,18 +48,23 @@ def instance_dir(storage_url: str, job_dir: str, subtask: int,
 @contextmanager
 def restored_copy(job_storage: Storage, handle: SubtaskHandle,
                   descriptors: Sequence[StateDescriptor], max_parallelism: int,
-                  instance: str | None = None, read: RestoreOptions | None = None
-                  ) -> Iterator[KeyedStateBackend]:
+                  instance: str | None = None, read: RestoreOptions | None = None,
+                  work: str | None = None) -> Iterator[KeyedStateBackend]:
     """``handle`` opened read-only in a folder of its own, from the local snapshot in
     ``instance`` (`instance_dir`) when it holds the handle's files, else from storage;
     ``backend.restore_mode`` says which (``local-snapshot`` or ``download``). ``read``
-    gives the label and an external backend's database (`RestoreOptions`)."""
+    gives the label and an external backend's database (`RestoreOptions`). The folder
+    is made next to the instance when it has the snapshot (hard links need the same
+    filesystem), else in ``work`` (default: next to the instance, or the temp folder)."""
     parent = os.path.dirname(instance) if instance else None
+    if work is not None and not (instance and os.path.isdir(
+            os.path.join(instance, SNAPSHOTS_DIR, handle.snapshot_id))):
+        parent = work
     scratch = tempfile.mkdtemp(prefix=f".read-{handle.index}-",
                                dir=parent if parent and os.path.isdir(parent) else None)
     backend = None
     try:
-        seeded = instance is not None and _link_snapshot(instance, handle, scratch)
+        seeded = instance is not None and seed_local_snapshot(instance, handle, scratch)
         backend = restore_subtask(job_storage, handle, scratch, descriptors, max_parallelism,
                                   replace(read or RestoreOptions(), read_only=True,
                                           allow_local=seeded))
@@ -69,19 +75,27 @@ def restored_copy(job_storage: Storage, handle: SubtaskHandle,
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _link_snapshot(instance: str, handle: SubtaskHandle, scratch: str) -> bool:
-    """Hard-link the executor's snapshot of ``handle`` into ``scratch``'s snapshots folder,
-    where `restore_subtask` finds it; False (nothing left behind) unless every file is
-    there with its recorded size."""
+def seed_local_snapshot(instance: str, handle: SubtaskHandle, folder: str,
+                        copy: bool = False) -> bool:
+    """Hard-link the executor's snapshot of ``handle`` into ``folder``'s snapshots folder,
+    where `restore_subtask` (and `place_rocksdb_files`) find it; with ``copy``, copy what
+    cannot be linked (another filesystem: cheaper than a download from a remote store).
+    False (nothing left behind) unless every file is there with its recorded size."""
     source = os.path.join(instance, SNAPSHOTS_DIR, handle.snapshot_id)
-    target = os.path.join(scratch, SNAPSHOTS_DIR, handle.snapshot_id)
+    target = os.path.join(folder, SNAPSHOTS_DIR, handle.snapshot_id)
     try:
         if not all(os.path.getsize(os.path.join(source, f.local_name)) == f.size
                    for f in handle.files):
             return False
         os.makedirs(target)
         for f in handle.files:
-            os.link(os.path.join(source, f.local_name), os.path.join(target, f.local_name))
+            src, dst = os.path.join(source, f.local_name), os.path.join(target, f.local_name)
+            try:
+                os.link(src, dst)
+            except OSError:
+                if not copy:
+                    raise
+                shutil.copyfile(src, dst)
     except OSError:  # pruned meanwhile, or another filesystem: download instead
         shutil.rmtree(target, ignore_errors=True)
         return False

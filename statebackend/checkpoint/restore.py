@@ -137,7 +137,7 @@ def restore_subtask(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
     if handle.backend == "memory":
         mode = _place_memory_files(job_storage, handle, local_dir, options.allow_local)
     else:
-        mode = _place_rocksdb_files(job_storage, handle, local_dir, options.allow_local)
+        mode = place_rocksdb_files(job_storage, handle, local_dir, options.allow_local)
     report = ReuseReport()
     if mode != "download" and not options.read_only and options.reuse_check is not None:
         report = verify_reused_files(job_storage, handle, local_dir, options.reuse_check)
@@ -147,6 +147,14 @@ def restore_subtask(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
         origin=StoredInstance(handle.backend_id, options.label,
                               {f.local_name: f.path for f in handle.files}, handle.snapshot_id,
                               handle.row_counts, handle.file_key_groups))
+    adopt_stored_files(backend, handle, report, mode)
+    return backend
+
+
+def adopt_stored_files(backend: KeyedStateBackend, handle: SubtaskHandle,
+                       report: ReuseReport, mode: str) -> None:
+    """Let ``backend``'s next snapshot reference ``handle``'s stored shared files instead
+    of uploading them, except those ``report`` found damaged; record how it was restored."""
     bad = {d.split(": ", 1)[0] for d in report.damaged}
     # A damaged stored file is not referenced again: the next snapshot uploads the
     # (verified) local copy under a new shared name.
@@ -154,12 +162,12 @@ def restore_subtask(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
     backend.reuploaded = tuple(sorted(bad))
     backend.reuse_report = report
     backend.restore_mode = mode
-    return backend
 
 
-def _place_rocksdb_files(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
+def place_rocksdb_files(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
                          allow_local: bool) -> str:
-    """Put the handle's RocksDB instance in ``local_dir/db``; returns the restore mode."""
+    """Put the handle's RocksDB instance in ``local_dir/db``; returns the restore mode
+    (``local-instance``, ``local-snapshot`` from ``local_dir/snapshots``, ``download``)."""
     marker = read_instance_marker(local_dir) if allow_local else None
     db_path = os.path.join(local_dir, DB_DIR)
     if marker and marker.get("clean_snapshot_id") == handle.snapshot_id \

@@ -99,7 +99,9 @@ class RescaleOptions:
     new subtask to its live keys; ``dry_run`` only plans; ``fail_subtask`` is a test
     hook (that new subtask fails after its upload); ``connect_session`` on a Connect
     master: ``job`` attaches to the session kept for the job's rescales, ``new`` opens
-    one (statebackend.spark.connect_sessions)."""
+    one (statebackend.spark.connect_sessions); ``local_dir``: the root of the
+    local-recovery instances job runs left on the task's machine (None:
+    ``CKPT_LOCAL_DIR``, else the temp folder's; statebackend.checkpoint.local_copy)."""
 
     engine: str | None = None
     master: str | None = None
@@ -107,6 +109,7 @@ class RescaleOptions:
     dry_run: bool = False
     fail_subtask: int | None = None
     connect_session: str = "job"
+    local_dir: str | None = None
 
 
 def rescale(store: CheckpointStore, ref: str | int | None = "latest",
@@ -215,7 +218,7 @@ def _tasks(store: CheckpointStore, meta: CheckpointMetadata, plan: RescalePlan,
         # read at call time: bench/bench_rescale.py varies the rule
         compact_clipped_share=rescale_task.COMPACT_CLIPPED_SHARE,
         fail=options.fail_subtask == s.index, attempt_token=token,
-        import_processes=import_processes,
+        import_processes=import_processes, local_dir=options.local_dir,
         # What the driver opened the storage with: tasks on other hosts reach the same
         # storage; nothing goes through the environment.
         storage_options=store.root_storage.options) for s in plan.subtasks]
@@ -314,6 +317,7 @@ def _summary(store: CheckpointStore, new_meta: CheckpointMetadata, plan: Rescale
         "subtasks": [{"index": r.index, "base": s.base, "clipped_share": r.clipped_share,
                       "compacted": r.compacted, "scratch": r.scratch, "host": r.host,
                       "pid": r.pid, "import_pids": list(r.import_pids),
+                      "restore_modes": list(r.restore_modes),
                       "imports": [i.source for i in s.imports], "rows": r.rows,
                       "bytes_downloaded": r.bytes_downloaded,
                       "bytes_uploaded": r.bytes_uploaded, "files_reused": r.files_reused,

@@ -41,8 +41,15 @@ from rocksdict import (
 )
 
 from statebackend.checkpoint.attempt import record_uploads
+from statebackend.checkpoint.local_copy import instance_dir, restored_copy, seed_local_snapshot
 from statebackend.checkpoint.metadata import SubtaskHandle
-from statebackend.checkpoint.restore import download_files
+from statebackend.checkpoint.restore import (
+    RestoreOptions,
+    ReuseReport,
+    adopt_stored_files,
+    place_rocksdb_files,
+    verify_reused_files,
+)
 from statebackend.checkpoint.snapshot import SnapshotResult, upload_snapshot
 from statebackend.errors import SnapshotError
 from statebackend.rescale.plan import SubtaskPlan
@@ -83,6 +90,10 @@ class RescaleTask:
     # The imports' exports run in this process's worker processes (a local rescale with
     # much to export: statebackend.worker_processes), else in the task's threads.
     import_processes: bool = False
+    # The root of this machine's local-recovery instances (statebackend.checkpoint.
+    # local_copy; None: CKPT_LOCAL_DIR, else the temp folder's): what a job run on this
+    # machine left there is read instead of downloaded.
+    local_dir: str | None = None
     # The driver's `Attempt.token`: the upload record names it, so a failed rescale's
     # discard takes every upload of its tasks (statebackend.checkpoint.attempt).
     attempt_token: str = ""
@@ -115,6 +126,9 @@ class RescaleTaskResult:
     host: str = ""
     pid: int = 0  # the process that built it (a Spark task's Python worker)
     import_pids: tuple[int, ...] = ()  # the processes that exported the imports
+    # how the base and each import were placed: local-snapshot (this machine's copy) or
+    # download (statebackend.checkpoint.restore)
+    restore_modes: tuple[str, ...] = ()
 
     @property
     def bytes_uploaded(self) -> int:
@@ -127,14 +141,16 @@ class RescaleTaskResult:
                 "entries_imported": self.entries_imported, "clipped_share": self.clipped_share,
                 "compacted": self.compacted, "rows": self.rows, "timings": dict(self.timings),
                 "scratch": self.scratch, "host": self.host, "pid": self.pid,
-                "import_pids": list(self.import_pids)}
+                "import_pids": list(self.import_pids),
+                "restore_modes": list(self.restore_modes)}
 
     @staticmethod
     def from_json(data: Mapping) -> RescaleTaskResult:
         where = f"result of new subtask {data.get('index')}"
         return RescaleTaskResult(**{**data, "handle": SubtaskHandle.from_json(
             data["handle"], where), "uploaded_paths": tuple(data["uploaded_paths"]),
-            "import_pids": tuple(data.get("import_pids", ()))})
+            "import_pids": tuple(data.get("import_pids", ())),
+            "restore_modes": tuple(data.get("restore_modes", ()))})
 
 
 def run_rescale_task(task: RescaleTask, attempt: int = 0) -> RescaleTaskResult:
@@ -180,6 +196,7 @@ class _NewSubtask:
         self.uploaded: tuple[str, ...] = ()
         self.timings: dict[str, float] = {}
         self.import_pids: tuple[int, ...] = ()
+        self.restore_modes: tuple[str, ...] = ()  # the base's, then the imports'
         self.started = time.perf_counter()
 
     def run(self) -> RescaleTaskResult:
@@ -213,7 +230,7 @@ class _NewSubtask:
             entries_imported=entries, clipped_share=round(clipped, 3), compacted=compacted,
             rows=sum(result.handle.row_counts.values()), timings=dict(self.timings),
             scratch=os.path.dirname(self.work), host=socket.gethostname(), pid=os.getpid(),
-            import_pids=self.import_pids)
+            import_pids=self.import_pids, restore_modes=self.restore_modes)
 
     def _open_base(self) -> tuple[KeyedStateBackend, dict[str, int], float, bool]:
         """Download the base, open it as the new instance and clip it to its own part of
@@ -221,13 +238,21 @@ class _NewSubtask:
         base, task = self.base, self.task
         with self._timed("download"):
             base_dir = os.path.join(self.work, f"old-{base.index}")
-            download_files(self.storage, base.files, os.path.join(base_dir, "db"))
+            # This machine's snapshot of the base when a job run left one: linked, or
+            # copied on another filesystem when the store is remote (a local copy beats
+            # a download); its stored files are then checked before they are referenced.
+            seeded = seed_local_snapshot(_instance(task, base.index), base, base_dir,
+                                         copy=self.storage.remote)
+            mode = place_rocksdb_files(self.storage, base, base_dir, allow_local=seeded)
+            report = (verify_reused_files(self.storage, base, base_dir) if mode != "download"
+                      else ReuseReport())
         with self._timed("restore_clip"):
             self.backend = backend = KeyedStateBackend(
                 base_dir, task.states, task.max_parallelism, task.plan.key_groups,
                 origin=_origin(task, base))
             # Only files of the committed source may be referenced instead of uploaded.
-            backend.uploaded = {f.local_name: f for f in base.shared_files}
+            adopt_stored_files(backend, base, report, mode)
+            self.restore_modes = (mode, *self.restore_modes)
             # No automatic compaction in this short-lived instance: the clip's tombstones
             # and the ingested SSTs reach the level-0 trigger, and a compaction finishing
             # before the snapshot would upload the whole state again instead of
@@ -258,14 +283,15 @@ class _NewSubtask:
         done = [f.result() for f in pending]
         self.timings["import_wait"] = time.perf_counter() - t
         # the longest import chain (download + open + export), which overlapped the above
-        self.timings["export"] = max((seconds for _, seconds, _ in done), default=0.0)
-        self.import_pids = tuple(pid for _, _, pid in done)
+        self.timings["export"] = max((seconds for _, seconds, _, _ in done), default=0.0)
+        self.import_pids = tuple(pid for _, _, pid, _ in done)
+        self.restore_modes += tuple(mode for _, _, _, mode in done)
         entries = 0
         with self._timed("ingest"):
             # One ingestion per column family: the imported ranges are disjoint, so all
             # their SSTs go in together (one flush of the clip's tombstones, one version).
             per_family: dict[str, list[str]] = {}
-            for ssts, _, _ in done:
+            for ssts, _, _, _ in done:
                 for cf_name, (path, n) in ssts.items():
                     per_family.setdefault(cf_name, []).append(path)
                     entries += n
@@ -307,22 +333,20 @@ class _NewSubtask:
 
 
 def fetch_and_export(task: RescaleTask, source: int, key_groups: KeyGroupRange, work: str
-                     ) -> tuple[dict[str, tuple[str, int]], float, int]:
-    """Download old subtask ``source`` into ``work`` (two-phase: nothing opens
-    half-downloaded), export its ``key_groups`` to SSTs there, drop the download;
-    (SSTs, seconds taken, process id). Runs in a task's thread or a worker process."""
+                     ) -> tuple[dict[str, tuple[str, int]], float, int, str]:
+    """Open old subtask ``source`` read-only (this machine's snapshot of it when a job
+    run left one, else downloaded into ``work``: two-phase, nothing opens
+    half-downloaded), export its ``key_groups`` to SSTs in ``work``, drop the copy;
+    (SSTs, seconds taken, process id, restore mode). Runs in a task's thread or a
+    worker process."""
     started = time.perf_counter()
     h = task.handle(source)
-    folder = os.path.join(work, f"old-{h.index}")
-    download_files(_job_storage(task), h.files, os.path.join(folder, "db"))
-    src = KeyedStateBackend(folder, task.states, task.max_parallelism, h.key_group_range,
-                            read_only=True, origin=_origin(task, h))
-    try:
+    with restored_copy(_job_storage(task), h, task.states, task.max_parallelism,
+                       _instance(task, h.index), read=RestoreOptions(label=_label(task, h)),
+                       work=work) as src:
         ssts = export_key_groups(src, key_groups, os.path.join(work, f"export-{h.index}"))
-    finally:
-        src.close()
-        shutil.rmtree(folder, ignore_errors=True)
-    return ssts, time.perf_counter() - started, os.getpid()
+        mode = src.restore_mode
+    return ssts, time.perf_counter() - started, os.getpid(), mode
 
 
 def _job_storage(task: RescaleTask) -> Storage:
@@ -331,8 +355,17 @@ def _job_storage(task: RescaleTask) -> Storage:
 
 def _origin(task: RescaleTask, h: SubtaskHandle) -> StoredInstance:
     """Names a downloaded instance in scan errors, its files by stored path."""
-    return StoredInstance(label=f"subtask {h.index} of checkpoint {task.source_checkpoint_id}",
+    return StoredInstance(label=_label(task, h),
                           file_paths={f.local_name: f.path for f in h.files})
+
+
+def _label(task: RescaleTask, h: SubtaskHandle) -> str:
+    return f"subtask {h.index} of checkpoint {task.source_checkpoint_id}"
+
+
+def _instance(task: RescaleTask, subtask: int) -> str:
+    """Where a job run on this machine keeps old subtask ``subtask``'s instance."""
+    return instance_dir(task.storage_url, task.job, subtask, task.local_dir)
 
 
 class _Timer:

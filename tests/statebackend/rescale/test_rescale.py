@@ -11,6 +11,7 @@ import pytest
 from statebackend import worker_processes
 from statebackend.checkpoint.dump import checkpoint_rows
 from statebackend.checkpoint.leases import acquire_writer_lease, list_leases, release
+from statebackend.checkpoint.local_copy import instance_dir
 from statebackend.checkpoint.snapshot import checkpoint_backends
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.cli import app as cli
@@ -18,7 +19,8 @@ from statebackend.errors import LeaseConflictError, SnapshotError, UsageError
 from statebackend.rescale import executor
 from statebackend.rescale.executor import RescaleOptions, rescale
 from statebackend.rescale.plan import NothingToRescaleError
-from statebackend.state.keygroups import key_group_for_bytes
+from statebackend.state.backend import KeyedStateBackend
+from statebackend.state.keygroups import key_group_for_bytes, key_group_range_for_subtask
 from statebackend.state.kinds import StateDescriptor
 from statebackend.state.timers import with_timers
 from statebackend.state.ttl import StateTtl
@@ -318,6 +320,61 @@ def test_rescale_on_s3(spark, s3_server, tmp_path, monkeypatch, engine):
     summary = rescale(store, "latest", 3, spark=spark, options=options)
     assert summary["import_processes"] == (engine == "processes")
     assert content(store, store.latest()) == before
+
+
+# -- local recovery: what a job run left on this machine -----------------------------------
+
+def source_left_on_this_machine(tmp_path, url: str, p: int) -> tuple[CheckpointStore, str]:
+    """A checkpoint of ``p`` subtasks written from instances where job runs keep them
+    (`instance_dir` under a local-recovery root), so their snapshots stay on disk."""
+    store = CheckpointStore(open_storage(url), "orders")
+    local = str(tmp_path / "local")
+    backends = [KeyedStateBackend(instance_dir(url, "orders", i, local), DESCRIPTORS, M,
+                                  key_group_range_for_subtask(M, p, i)) for i in range(p)]
+    try:
+        fill(backends, keys(N_KEYS))
+        checkpoint_backends(store, backends, parent=None, run_id="r1")
+    finally:
+        close_all(backends)
+    return store, local
+
+
+def test_imports_read_this_machines_snapshots_instead_of_downloading(tmp_path):
+    store, local = source_left_on_this_machine(tmp_path, f"file://{tmp_path}/store", 3)
+    before = content(store, store.latest())
+    summary = rescale(store, "latest", 2, options=RescaleOptions(engine="local",
+                                                                 local_dir=local))
+    modes = [s["restore_modes"] for s in summary["subtasks"]]
+    assert all(len(m) == 1 + len(s["imports"]) for m, s in zip(modes, summary["subtasks"],
+                                                                strict=True))
+    assert {mode for m in modes for mode in m[1:]} == {"local-snapshot"}
+    assert content(store, store.latest()) == before
+    check_ranges_and_clip(store, store.latest())
+    elsewhere = rescale(store, "latest", 3, options=RescaleOptions(
+        engine="local", local_dir=str(tmp_path / "elsewhere")))
+    assert {mode for s in elsewhere["subtasks"] for mode in s["restore_modes"]} == {"download"}
+    assert content(store, store.latest()) == before
+
+
+def test_on_s3_a_rescale_needs_no_stored_file_this_machine_holds(s3_server, tmp_path):
+    """S3: the bases are copied from this machine's snapshots too (another filesystem than
+    the scratch folder), their stored files checked before being referenced: deleted
+    from the store, they are uploaded again from the verified local copies, so the new
+    checkpoint restores from storage alone."""
+    from tests.conftest import S3_BUCKET
+
+    url = f"s3://{S3_BUCKET}/rescale-local-{os.getpid()}"
+    store, local = source_left_on_this_machine(tmp_path, url, 3)
+    source = store.latest()
+    before = content(store, source)
+    store.storage.delete_many([f.path for h in source.subtasks for f in h.shared_files])
+    with pytest.raises(SnapshotError, match="restore failed"):  # nothing left to download
+        rescale(store, "latest", 2, options=RescaleOptions(
+            engine="local", local_dir=str(tmp_path / "elsewhere")))
+    summary = rescale(store, "latest", 2, options=RescaleOptions(engine="local",
+                                                                 local_dir=local))
+    assert {m for s in summary["subtasks"] for m in s["restore_modes"]} == {"local-snapshot"}
+    assert content(store, store.latest()) == before  # read back from S3 alone
 
 
 def test_cli_rescale_json_and_show(spark, tmp_path, capsys):
