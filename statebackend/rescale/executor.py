@@ -7,8 +7,9 @@ source id, ``rescaled_from`` = P. The source is never modified.
 The plan is pure (`statebackend.rescale.plan.plan_rescale`: for each new subtask,
 the old subtask it restores and clips, the key groups it imports from the others,
 the files it downloads); ``dry_run`` prints it. Each new subtask is one task
-(`statebackend.rescale.task.run_rescale_task`), so a task downloads only the files of
-the old handles that meet its range (local recovery is not assumed).
+(`statebackend.rescale.task.run_rescale_task`), so a task reads only the files of
+the old handles that meet its range: from the snapshots a job run left on its machine
+when they are there (local recovery, ``RescaleOptions.local_dir``), else downloaded.
 
 Where the tasks run is the engine policy every job run uses
 (`statebackend.engines.choose_engine`, over the source's state size and the
