@@ -17,20 +17,22 @@ of worker processes, one per core, with the ``submit`` / `Future` interface of
   background threads among them (a flush in the child would wait for a thread that
   does not exist), and multiprocessing's spawn and forkserver run this process's
   ``__main__`` again in every worker (a user's unguarded script would run twice).
-- **The pipe carries pickles between this process and its own workers only**: the
-  function (by module and name) and its arguments (frozen task specs built by the
-  driver, never anything read from storage), then the result or the error.
-  Credentials travel inside them as storage options, never through the environment
-  or the command line. A worker's stdout goes to its stderr: prints cannot corrupt
-  the pipe.
+- **The pipe carries JSON between this process and its own workers only** (no pickle:
+  nothing a worker reads can run code): the function by module and name, a
+  module-level function of this process's code, and its arguments (task specs the
+  driver built, as JSON; never anything read from storage), then the result or the
+  error (its type's name and one-line text: a `statebackend.errors` type is raised
+  again as itself, any other as RuntimeError). Credentials travel inside the specs as
+  storage options, never through the environment or the command line. A worker's
+  stdout goes to its stderr: prints cannot corrupt the pipe.
 """
 
 from __future__ import annotations
 
 import atexit
 import importlib
+import json
 import os
-import pickle
 import queue
 import struct
 import subprocess
@@ -40,7 +42,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import IO, Any
 
-_HEADER = struct.Struct("<Q")  # the length of the pickle that follows
+from statebackend import errors
+
+_HEADER = struct.Struct("<Q")  # the length of the JSON that follows
 
 
 class WorkerDiedError(RuntimeError):
@@ -60,7 +64,7 @@ class WorkerPool:
 
     def submit(self, fn: Callable[..., Any], /, *args: Any) -> Future:
         """Run ``fn(*args)`` in a worker process; its result or error arrives in the Future.
-        ``fn`` must be a module-level function, its arguments picklable."""
+        ``fn`` must be a module-level function, its arguments and result JSON values."""
         future: Future = Future()
         with self._lock:
             if self._closed:
@@ -131,7 +135,7 @@ class _Worker:
         # This process's import path first (a bench or a test may have extended it): the
         # worker imports the work's modules from the same places.
         assert self.process.stdin is not None
-        _send(self.process.stdin, (list(sys.path), preload))
+        _send(self.process.stdin, {"path": list(sys.path), "preload": list(preload)})
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -139,15 +143,16 @@ class _Worker:
     def run(self, fn: Callable[..., Any], args: tuple) -> Any:
         assert self.process.stdin is not None and self.process.stdout is not None
         try:
-            _send(self.process.stdin, (fn, args))
-            ok, value = _receive(self.process.stdout)
+            _send(self.process.stdin, {"module": fn.__module__, "name": fn.__qualname__,
+                                       "args": list(args)})
+            answer = _receive(self.process.stdout)
         except (EOFError, OSError) as exc:
             code = self.process.wait()
             raise WorkerDiedError(f"worker process {self.process.pid} exited with code {code} "
                                   f"while it ran {fn.__qualname__}") from exc
-        if ok:
-            return value
-        raise value
+        if "error" not in answer:
+            return answer["result"]
+        raise _rebuilt(answer["error"])
 
     def stop(self) -> None:
         if self.process.stdin is not None:
@@ -156,16 +161,15 @@ class _Worker:
 
 
 def _send(stream: IO[bytes], obj: object) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    _send_bytes(stream, json.dumps(obj).encode())
+
+
+def _send_bytes(stream: IO[bytes], data: bytes) -> None:
     stream.write(_HEADER.pack(len(data)) + data)
     stream.flush()
 
 
 def _receive(stream: IO[bytes]) -> Any:
-    return pickle.loads(_receive_bytes(stream))  # noqa: S301 - from our own process only
-
-
-def _receive_bytes(stream: IO[bytes]) -> bytes:
     header = stream.read(_HEADER.size)
     if len(header) < _HEADER.size:
         raise EOFError("the pipe closed")
@@ -173,7 +177,7 @@ def _receive_bytes(stream: IO[bytes]) -> bytes:
     data = stream.read(size)
     if len(data) < size:
         raise EOFError("the pipe closed")
-    return data
+    return json.loads(data)
 
 
 _pool_lock = threading.Lock()
@@ -196,25 +200,27 @@ def _serve_parent() -> None:
     os.dup2(2, 1)  # prints of the work go to stderr, never into the pipe
     requests = sys.stdin.buffer
     try:
-        sys.path[:], preload = _receive(requests)
-        for module in preload:
+        first = _receive(requests)
+        sys.path[:] = first["path"]
+        for module in first["preload"]:
             importlib.import_module(module)
         while True:
-            work = _receive_bytes(requests)
+            work = _receive(requests)
             try:
-                fn, args = pickle.loads(work)  # noqa: S301 - from our own parent process
-                answer: tuple[bool, Any] = (True, fn(*args))
+                fn = getattr(importlib.import_module(work["module"]), work["name"])
+                answer = json.dumps({"result": fn(*work["args"])}).encode()
             except BaseException as exc:  # noqa: BLE001 - sent back to the caller
-                answer = (False, _picklable(exc))
-            _send(answers, answer)
+                answer = json.dumps({"error": {"type": type(exc).__name__,
+                                               "message": " ".join(str(exc).split())}}).encode()
+            _send_bytes(answers, answer)
     except EOFError:
         return
 
 
-def _picklable(exc: BaseException) -> BaseException:
-    """``exc`` if it survives a pickle round trip, else a RuntimeError with its text."""
-    try:
-        pickle.loads(pickle.dumps(exc))  # noqa: S301 - our own bytes, this process
-        return exc
-    except Exception:  # noqa: BLE001 - an exception type that cannot be rebuilt
-        return RuntimeError(f"{type(exc).__name__}: {' '.join(str(exc).split())}")
+def _rebuilt(error: dict[str, str]) -> Exception:
+    """A worker's error here: a `statebackend.errors` type as itself, else RuntimeError."""
+    kind = getattr(errors, error["type"], None)
+    if isinstance(kind, type) and issubclass(kind, errors.CkptError):
+        return kind(error["message"])
+    return RuntimeError(f"{error['type']}: {error['message']}" if error["message"]
+                        else error["type"])

@@ -109,7 +109,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "progress": frozenset({"settings", "errors"}),
     "formatting": frozenset(),
     "fast_json": frozenset(),
-    "worker_processes": frozenset(),
+    "worker_processes": frozenset({"errors"}),
     "engines": frozenset({"errors", "defaults", "settings"}),
     "subtasks": frozenset({"errors", "progress"}),
     "run_options": frozenset({"errors", "defaults", "settings"}),

@@ -48,18 +48,13 @@ def instance_dir(storage_url: str, job_dir: str, subtask: int,
 @contextmanager
 def restored_copy(job_storage: Storage, handle: SubtaskHandle,
                   descriptors: Sequence[StateDescriptor], max_parallelism: int,
-                  instance: str | None = None, read: RestoreOptions | None = None,
-                  work: str | None = None) -> Iterator[KeyedStateBackend]:
+                  instance: str | None = None, read: RestoreOptions | None = None
+                  ) -> Iterator[KeyedStateBackend]:
     """``handle`` opened read-only in a folder of its own, from the local snapshot in
     ``instance`` (`instance_dir`) when it holds the handle's files, else from storage;
     ``backend.restore_mode`` says which (``local-snapshot`` or ``download``). ``read``
-    gives the label and an external backend's database (`RestoreOptions`). The folder
-    is made next to the instance when it has the snapshot (hard links need the same
-    filesystem), else in ``work`` (default: next to the instance, or the temp folder)."""
+    gives the label and an external backend's database (`RestoreOptions`)."""
     parent = os.path.dirname(instance) if instance else None
-    if work is not None and not (instance and os.path.isdir(
-            os.path.join(instance, SNAPSHOTS_DIR, handle.snapshot_id))):
-        parent = work
     scratch = tempfile.mkdtemp(prefix=f".read-{handle.index}-",
                                dir=parent if parent and os.path.isdir(parent) else None)
     backend = None

@@ -185,7 +185,7 @@ class _NewSubtask:
 
     def __init__(self, task: RescaleTask, attempt: int) -> None:
         self.task, self.attempt = task, attempt
-        self.storage: Storage = _job_storage(task)
+        self.storage: Storage = _job_storage(task.storage_url, task.storage_options, task.job)
         base = task.handle(task.plan.base)
         self.imports = [(task.handle(i.source), i.key_groups) for i in task.plan.imports]
         self.bytes_downloaded = base.size + sum(h.size for h, _ in self.imports)
@@ -206,7 +206,8 @@ class _NewSubtask:
         # or in worker processes when the task says so.
         threads = ThreadPoolExecutor(max_workers=max(1, min(IMPORT_THREADS, len(self.imports))))
         pool = worker_pool() if self.task.import_processes else threads
-        pending = [pool.submit(fetch_and_export, self.task, h.index, key_groups, self.work)
+        pending = [pool.submit(fetch_and_export, ImportSpec.of(self.task, h, key_groups,
+                                                               self.work).to_json())
                    for h, key_groups in self.imports]
         try:
             backend, rows, clipped, compacted = self._open_base()
@@ -241,7 +242,9 @@ class _NewSubtask:
             # This machine's snapshot of the base when a job run left one: linked, or
             # copied on another filesystem when the store is remote (a local copy beats
             # a download); its stored files are then checked before they are referenced.
-            seeded = seed_local_snapshot(_instance(task, base.index), base, base_dir,
+            seeded = seed_local_snapshot(
+                instance_dir(task.storage_url, task.job, base.index, task.local_dir), base,
+                base_dir,
                                          copy=self.storage.remote)
             mode = place_rocksdb_files(self.storage, base, base_dir, allow_local=seeded)
             report = (verify_reused_files(self.storage, base, base_dir) if mode != "download"
@@ -249,7 +252,8 @@ class _NewSubtask:
         with self._timed("restore_clip"):
             self.backend = backend = KeyedStateBackend(
                 base_dir, task.states, task.max_parallelism, task.plan.key_groups,
-                origin=_origin(task, base))
+                origin=StoredInstance(label=_label(task.source_checkpoint_id, base),
+                                      file_paths={f.local_name: f.path for f in base.files}))
             # Only files of the committed source may be referenced instead of uploaded.
             adopt_stored_files(backend, base, report, mode)
             self.restore_modes = (mode, *self.restore_modes)
@@ -332,40 +336,72 @@ class _NewSubtask:
         shutil.rmtree(self.work, ignore_errors=True)
 
 
-def fetch_and_export(task: RescaleTask, source: int, key_groups: KeyGroupRange, work: str
-                     ) -> tuple[dict[str, tuple[str, int]], float, int, str]:
-    """Open old subtask ``source`` read-only (this machine's snapshot of it when a job
-    run left one, else downloaded into ``work``: two-phase, nothing opens
-    half-downloaded), export its ``key_groups`` to SSTs in ``work``, drop the copy;
-    (SSTs, seconds taken, process id, restore mode). Runs in a task's thread or a
-    worker process."""
+@dataclass(frozen=True)
+class ImportSpec:
+    """One import of a new subtask (`fetch_and_export`), as JSON for a worker process."""
+
+    storage_url: str
+    storage_options: StorageOptions
+    job: str
+    source_checkpoint_id: int
+    max_parallelism: int
+    states: tuple[StateDescriptor, ...]
+    handle: SubtaskHandle
+    key_groups: KeyGroupRange
+    local_dir: str | None
+    work: str  # the task's scratch folder: downloads and exported SSTs go there
+
+    @staticmethod
+    def of(task: RescaleTask, handle: SubtaskHandle, key_groups: KeyGroupRange,
+           work: str) -> ImportSpec:
+        return ImportSpec(task.storage_url, task.storage_options, task.job,
+                          task.source_checkpoint_id, task.max_parallelism, task.states, handle,
+                          key_groups, task.local_dir, work)
+
+    def to_json(self) -> dict:
+        return {"storage_url": self.storage_url, "storage_options": self.storage_options.to_dict(),
+                "job": self.job, "source_checkpoint_id": self.source_checkpoint_id,
+                "max_parallelism": self.max_parallelism,
+                "states": [d.to_json() for d in self.states], "handle": self.handle.to_json(),
+                "key_groups": [self.key_groups.start, self.key_groups.end],
+                "local_dir": self.local_dir, "work": self.work}
+
+    @staticmethod
+    def from_json(data: Mapping) -> ImportSpec:
+        return ImportSpec(
+            data["storage_url"], StorageOptions(data["storage_options"]), data["job"],
+            data["source_checkpoint_id"], data["max_parallelism"],
+            tuple(StateDescriptor.from_json(d) for d in data["states"]),
+            SubtaskHandle.from_json(data["handle"], "an import's handle"),
+            KeyGroupRange(*data["key_groups"]), data["local_dir"], data["work"])
+
+
+def fetch_and_export(spec_json: Mapping) -> tuple[dict[str, tuple[str, int]], float, int, str]:
+    """Open one import's old subtask read-only (this machine's snapshot of it when a job
+    run left one, else downloaded: two-phase, nothing opens half-downloaded), export its
+    key groups to SSTs in the task's scratch folder, drop the copy; (SSTs, seconds
+    taken, process id, restore mode). Runs in a task's thread or a worker process
+    (`ImportSpec` as JSON in, JSON values out)."""
     started = time.perf_counter()
-    h = task.handle(source)
-    with restored_copy(_job_storage(task), h, task.states, task.max_parallelism,
-                       _instance(task, h.index), read=RestoreOptions(label=_label(task, h)),
-                       work=work) as src:
-        ssts = export_key_groups(src, key_groups, os.path.join(work, f"export-{h.index}"))
+    spec = ImportSpec.from_json(spec_json)
+    h = spec.handle
+    with restored_copy(_job_storage(spec.storage_url, spec.storage_options, spec.job), h,
+                       spec.states, spec.max_parallelism,
+                       instance_dir(spec.storage_url, spec.job, h.index, spec.local_dir),
+                       read=RestoreOptions(label=_label(spec.source_checkpoint_id, h))) as src:
+        ssts = export_key_groups(src, spec.key_groups,
+                                 os.path.join(spec.work, f"export-{h.index}"))
         mode = src.restore_mode
     return ssts, time.perf_counter() - started, os.getpid(), mode
 
 
-def _job_storage(task: RescaleTask) -> Storage:
-    return child_storage(open_storage(task.storage_url, **task.storage_options), task.job)
+def _job_storage(url: str, options: StorageOptions, job: str) -> Storage:
+    return child_storage(open_storage(url, **options), job)
 
 
-def _origin(task: RescaleTask, h: SubtaskHandle) -> StoredInstance:
-    """Names a downloaded instance in scan errors, its files by stored path."""
-    return StoredInstance(label=_label(task, h),
-                          file_paths={f.local_name: f.path for f in h.files})
-
-
-def _label(task: RescaleTask, h: SubtaskHandle) -> str:
-    return f"subtask {h.index} of checkpoint {task.source_checkpoint_id}"
-
-
-def _instance(task: RescaleTask, subtask: int) -> str:
-    """Where a job run on this machine keeps old subtask ``subtask``'s instance."""
-    return instance_dir(task.storage_url, task.job, subtask, task.local_dir)
+def _label(checkpoint_id: int, h: SubtaskHandle) -> str:
+    """Names an old subtask's instance in scan errors."""
+    return f"subtask {h.index} of checkpoint {checkpoint_id}"
 
 
 class _Timer:

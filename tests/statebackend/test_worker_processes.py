@@ -16,7 +16,9 @@ from statebackend.worker_processes import WorkerDiedError, WorkerPool
 
 
 class Unrebuildable(Exception):
-    def __init__(self, a: int, b: int) -> None:  # pickle rebuilds with one argument
+    """Not one of statebackend.errors: it comes back as a RuntimeError with its text."""
+
+    def __init__(self, a: int, b: int) -> None:
         super().__init__(f"{a}+{b}")
 
 
@@ -27,6 +29,8 @@ def work(kind: str, value: int) -> tuple[int, int]:
         raise CorruptStateError(f"damaged block {value}")
     elif kind == "unrebuildable":
         raise Unrebuildable(value, 1)
+    elif kind == "not json":
+        return {1, 2}  # type: ignore[return-value]
     elif kind == "die":
         os._exit(3)
     return value * 2, os.getpid()
@@ -62,10 +66,14 @@ def test_an_unguarded_script_runs_once(tmp_path):
 
 
 def test_errors_come_back_as_their_type_or_as_one_line(pool):
+    """Our error types as themselves, any other as a RuntimeError line; nothing is
+    unpickled (the pipe carries JSON)."""
     with pytest.raises(CorruptStateError, match="damaged block 7"):
         pool.submit(work, "corrupt", 7).result(timeout=60)
     with pytest.raises(RuntimeError, match=r"^Unrebuildable: 5\+1$"):
         pool.submit(work, "unrebuildable", 5).result(timeout=60)
+    with pytest.raises(RuntimeError, match="TypeError: Object of type set is not JSON"):
+        pool.submit(work, "not json", 0).result(timeout=60)
     assert pool.submit(work, "ok", 1).result(timeout=60)[0] == 2  # the worker lives on
 
 
