@@ -242,10 +242,8 @@ class _NewSubtask:
             # This machine's snapshot of the base when a job run left one: linked, or
             # copied on another filesystem when the store is remote (a local copy beats
             # a download); its stored files are then checked before they are referenced.
-            seeded = seed_local_snapshot(
-                instance_dir(task.storage_url, task.job, base.index, task.local_dir), base,
-                base_dir,
-                                         copy=self.storage.remote)
+            instance = instance_dir(task.storage_url, task.job, base.index, task.local_dir)
+            seeded = seed_local_snapshot(instance, base, base_dir, copy=self.storage.remote)
             mode = place_rocksdb_files(self.storage, base, base_dir, allow_local=seeded)
             report = (verify_reused_files(self.storage, base, base_dir) if mode != "download"
                       else ReuseReport())
@@ -349,7 +347,7 @@ class ImportSpec:
     handle: SubtaskHandle
     key_groups: KeyGroupRange
     local_dir: str | None
-    work: str  # the task's scratch folder: downloads and exported SSTs go there
+    work: str  # the task's scratch folder: the exported SSTs go there
 
     @staticmethod
     def of(task: RescaleTask, handle: SubtaskHandle, key_groups: KeyGroupRange,
