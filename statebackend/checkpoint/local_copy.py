@@ -73,7 +73,7 @@ def restored_copy(job_storage: Storage, handle: SubtaskHandle,
 def seed_local_snapshot(instance: str, handle: SubtaskHandle, folder: str,
                         copy: bool = False) -> bool:
     """Hard-link the executor's snapshot of ``handle`` into ``folder``'s snapshots folder,
-    where `restore_subtask` (and `place_rocksdb_files`) find it; with ``copy``, copy what
+    where `restore_subtask` finds it; with ``copy``, copy what
     cannot be linked (another filesystem: cheaper than a download from a remote store).
     False (nothing left behind) unless every file is there with its recorded size."""
     source = os.path.join(instance, SNAPSHOTS_DIR, handle.snapshot_id)

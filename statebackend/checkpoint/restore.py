@@ -43,6 +43,7 @@ from statebackend.state.backend_kinds import BACKEND_CLASSES, convert, new_backe
 from statebackend.state.external import ExternalStateBackend
 from statebackend.state.external_store import ExternalRead, ExternalStore
 from statebackend.state.external_wal import require_current
+from statebackend.state.keygroups import KeyGroupRange
 from statebackend.state.kinds import StateDescriptor
 from statebackend.state.memory import (
     MemoryStateBackend,
@@ -114,6 +115,10 @@ class RestoreOptions:
     backend: str | None = None  # convert into this backend kind (None: the handle's)
     # The external backend's database and the version to read (statebackend.state.external)
     external: ExternalRead | None = None
+    # Open as a new instance of these key groups (a rescale's new subtask built on the
+    # handle, statebackend.rescale.task): a new backend id, and none of the stored
+    # snapshot's recorded facts (its counts describe the handle's range, not this one).
+    key_groups: KeyGroupRange | None = None
 
 
 FROM_STORAGE = RestoreOptions(allow_local=False)  # always download
@@ -129,6 +134,11 @@ def restore_subtask(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
     ``options.reuse_check`` (None: not checked); see `verify_reused_files`.
     """
     local_dir = os.path.abspath(local_dir)
+    if options.key_groups is not None and handle.backend != "rocksdb":
+        # the other backends rescale without opening a base (statebackend.rescale.memory;
+        # the external backend's range is a query)
+        raise UsageError(f"only a RocksDB subtask opens as another key-group range, not "
+                         f"subtask {handle.index} on the {handle.backend} backend")
     if options.backend not in (None, handle.backend):
         return _converted(job_storage, handle, local_dir, (descriptors, max_parallelism),
                           options)
@@ -137,21 +147,22 @@ def restore_subtask(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
     if handle.backend == "memory":
         mode = _place_memory_files(job_storage, handle, local_dir, options.allow_local)
     else:
-        mode = place_rocksdb_files(job_storage, handle, local_dir, options.allow_local)
+        mode = _place_rocksdb_files(job_storage, handle, local_dir, options.allow_local)
     report = ReuseReport()
     if mode != "download" and not options.read_only and options.reuse_check is not None:
         report = verify_reused_files(job_storage, handle, local_dir, options.reuse_check)
+    file_paths = {f.local_name: f.path for f in handle.files}
+    origin = (StoredInstance(label=options.label, file_paths=file_paths) if options.key_groups
+              else StoredInstance(handle.backend_id, options.label, file_paths,
+                                  handle.snapshot_id, handle.row_counts, handle.file_key_groups))
     backend = BACKEND_CLASSES[handle.backend](
-        local_dir, descriptors, max_parallelism, handle.key_group_range,
-        read_only=options.read_only,
-        origin=StoredInstance(handle.backend_id, options.label,
-                              {f.local_name: f.path for f in handle.files}, handle.snapshot_id,
-                              handle.row_counts, handle.file_key_groups))
-    adopt_stored_files(backend, handle, report, mode)
+        local_dir, descriptors, max_parallelism, options.key_groups or handle.key_group_range,
+        read_only=options.read_only, origin=origin)
+    _adopt_stored_files(backend, handle, report, mode)
     return backend
 
 
-def adopt_stored_files(backend: KeyedStateBackend, handle: SubtaskHandle,
+def _adopt_stored_files(backend: KeyedStateBackend, handle: SubtaskHandle,
                        report: ReuseReport, mode: str) -> None:
     """Let ``backend``'s next snapshot reference ``handle``'s stored shared files instead
     of uploading them, except those ``report`` found damaged; record how it was restored."""
@@ -164,7 +175,7 @@ def adopt_stored_files(backend: KeyedStateBackend, handle: SubtaskHandle,
     backend.restore_mode = mode
 
 
-def place_rocksdb_files(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
+def _place_rocksdb_files(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
                          allow_local: bool) -> str:
     """Put the handle's RocksDB instance in ``local_dir/db``; returns the restore mode
     (``local-instance``, ``local-snapshot`` from ``local_dir/snapshots``, ``download``)."""

@@ -6,7 +6,8 @@
 
 1. the imports (download, open read-only, export their part of R_j to one SST per
    column family with a bounded iterator) start at once in threads and overlap
-2. the base's download, its open as the new instance and the clip: two
+2. the base's restore (`restore_subtask` with the new range: this machine's snapshot
+   of it or a download, its reused files checked) as the new instance, then the clip: two
    ``delete_range`` tombstones per column family keep the base's own part of R_j;
    when the base keeps more than ``COMPACT_CLIPPED_SHARE`` of its bytes only for key
    groups it no longer owns, a compaction of the clipped ranges; then its rows
@@ -43,20 +44,14 @@ from rocksdict import (
 from statebackend.checkpoint.attempt import record_uploads
 from statebackend.checkpoint.local_copy import instance_dir, restored_copy, seed_local_snapshot
 from statebackend.checkpoint.metadata import SubtaskHandle
-from statebackend.checkpoint.restore import (
-    RestoreOptions,
-    ReuseReport,
-    adopt_stored_files,
-    place_rocksdb_files,
-    verify_reused_files,
-)
+from statebackend.checkpoint.restore import RestoreOptions, restore_subtask
 from statebackend.checkpoint.snapshot import SnapshotResult, upload_snapshot
 from statebackend.errors import SnapshotError
 from statebackend.rescale.plan import SubtaskPlan
 from statebackend.rescale.scratch import scratch_parent
 from statebackend.spark.dispatch import task_context
 from statebackend.state import facts
-from statebackend.state.backend import KeyedStateBackend, StoredInstance
+from statebackend.state.backend import KeyedStateBackend
 from statebackend.state.keygroups import KeyGroupRange, key_group_of_rocks_key, key_group_prefix
 from statebackend.state.kinds import StateDescriptor
 from statebackend.state.sst import export_sst, ingest
@@ -237,24 +232,20 @@ class _NewSubtask:
         """Download the base, open it as the new instance and clip it to its own part of
         the new range; (instance, rows per column family, clipped share, compacted)."""
         base, task = self.base, self.task
-        with self._timed("download"):
-            base_dir = os.path.join(self.work, f"old-{base.index}")
+        with self._timed("restore"):
             # This machine's snapshot of the base when a job run left one: linked, or
             # copied on another filesystem when the store is remote (a local copy beats
-            # a download); its stored files are then checked before they are referenced.
+            # a download); restore then checks its stored files before they are
+            # referenced, and only files of the committed source are referenced.
             instance = instance_dir(task.storage_url, task.job, base.index, task.local_dir)
+            base_dir = os.path.join(self.work, f"old-{base.index}")
             seeded = seed_local_snapshot(instance, base, base_dir, copy=self.storage.remote)
-            mode = place_rocksdb_files(self.storage, base, base_dir, allow_local=seeded)
-            report = (verify_reused_files(self.storage, base, base_dir) if mode != "download"
-                      else ReuseReport())
-        with self._timed("restore_clip"):
-            self.backend = backend = KeyedStateBackend(
-                base_dir, task.states, task.max_parallelism, task.plan.key_groups,
-                origin=StoredInstance(label=_label(task.source_checkpoint_id, base),
-                                      file_paths={f.local_name: f.path for f in base.files}))
-            # Only files of the committed source may be referenced instead of uploaded.
-            adopt_stored_files(backend, base, report, mode)
-            self.restore_modes = (mode, *self.restore_modes)
+            self.backend = backend = restore_subtask(
+                self.storage, base, base_dir, task.states, task.max_parallelism,
+                RestoreOptions(allow_local=seeded, key_groups=task.plan.key_groups,
+                               label=_label(task.source_checkpoint_id, base)))
+            self.restore_modes = (backend.restore_mode, *self.restore_modes)
+        with self._timed("clip"):
             # No automatic compaction in this short-lived instance: the clip's tombstones
             # and the ingested SSTs reach the level-0 trigger, and a compaction finishing
             # before the snapshot would upload the whole state again instead of

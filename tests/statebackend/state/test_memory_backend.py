@@ -240,6 +240,7 @@ def test_a_lineage_moves_between_backends_with_every_entry(tmp_path):
     want = dump_backends(backends)
     meta = checkpoint_backends(store, backends, parent=None)
     close_all(backends)
+    metas = {}
     for kind, other in (("memory", "rocksdb"), ("rocksdb", "memory")):
         moved = [restore_subtask(store.storage, h, str(tmp_path / f"{kind}-{h.index}"),
                                  DESCRIPTORS, meta.max_parallelism,
@@ -250,6 +251,16 @@ def test_a_lineage_moves_between_backends_with_every_entry(tmp_path):
         meta = checkpoint_backends(store, moved)
         assert meta.state_backend == kind
         close_all(moved)
+        metas[kind] = meta
+    # Only a RocksDB subtask opens as another key-group range (a rescale's base): the
+    # memory backend rescales by handing key-group files over, never through a restore.
+    memory = metas["memory"].subtasks[0]
+    with pytest.raises(UsageError, match="only a RocksDB subtask opens as another key-group "
+                       r"range, not subtask 0 on the memory backend"):
+        restore_subtask(store.storage, memory, str(tmp_path / "as-range"), DESCRIPTORS,
+                        meta.max_parallelism,
+                        RestoreOptions(key_groups=memory.key_group_range))
+    assert not os.path.exists(tmp_path / "as-range")
 
 
 def test_past_the_limit_a_write_fails_in_one_line(tmp_path):
