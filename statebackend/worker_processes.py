@@ -6,12 +6,14 @@ threads use one core however many there are. `worker_pool()` gives this process'
 of worker processes, one per core, with the ``submit`` / `Future` interface of
 ``concurrent.futures``, for work that would otherwise queue on the GIL.
 
-- **Started once, kept.** A worker starts at the pool's first use that needs it and
-  lives as long as this process: a process's first use pays the start (about 0.3 s: a
-  Python and the work's imports, the workers in parallel), later uses none. A worker
-  that died (killed, out of memory) fails its work in one line naming its exit code
-  and is replaced at the next use. A worker exits when this process closes its pipe
-  (at exit, or when this process dies).
+- **Started once, kept while used.** A worker starts at the pool's first use that
+  needs it: a process's first use pays the start (about 0.3 s: a Python and the work's
+  imports, the workers in parallel), later uses none. A worker idle for
+  ``IDLE_SECONDS`` exits (each holds about 100 MB: a notebook that rescaled once should
+  not keep them; loky's reusable executor does the same), and a later use starts it
+  again. A worker that died (killed, out of memory) fails its work in one line naming
+  its exit code and is replaced at the next use. A worker exits when this process
+  closes its pipe (at exit, or when this process dies).
 - **A fresh interpreter** (this Python running `_serve_parent`), neither fork
   nor multiprocessing: a fork would copy this process without its threads, RocksDB's
   background threads among them (a flush in the child would wait for a thread that
@@ -45,6 +47,7 @@ from typing import IO, Any
 from statebackend import errors
 
 _HEADER = struct.Struct("<Q")  # the length of the JSON that follows
+IDLE_SECONDS = 300.0  # a worker process waiting this long for work exits (module doc)
 
 
 class WorkerDiedError(RuntimeError):
@@ -54,13 +57,15 @@ class WorkerDiedError(RuntimeError):
 class WorkerPool:
     """Worker processes taking work from one queue (module doc)."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, idle_seconds: float = IDLE_SECONDS) -> None:
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
+        # one thread per worker process, feeding it: both end together
         self._threads: list[threading.Thread] = []
         self._idle = 0
         self._closed = False
         self.max_workers = max(1, workers)
+        self.idle_seconds = idle_seconds
 
     def submit(self, fn: Callable[..., Any], /, *args: Any) -> Future:
         """Run ``fn(*args)`` in a worker process; its result or error arrives in the Future.
@@ -104,9 +109,15 @@ class WorkerPool:
                 self._work.put(None)
 
     def _serve(self, worker: _Worker | None) -> None:
-        """One worker process and the thread that feeds it, one piece at a time."""
+        """One worker process and the thread that feeds it, one piece at a time, until
+        the pool closes or no work came for ``idle_seconds``."""
         while True:
-            item = self._work.get()
+            try:
+                item = self._work.get(timeout=self.idle_seconds)
+            except queue.Empty:
+                if self._left_idle():
+                    break
+                continue
             if item is None:
                 break
             future, fn, args = item
@@ -121,6 +132,16 @@ class WorkerPool:
                 self._idle += 1
         if worker is not None:
             worker.stop()
+
+    def _left_idle(self) -> bool:
+        """Whether this idle thread leaves (with its worker process): only while no work
+        waits, under the lock `submit` queues work with, so no work is left unserved."""
+        with self._lock:
+            if not self._work.empty():
+                return False
+            self._idle -= 1
+            self._threads.remove(threading.current_thread())
+            return True
 
 
 class _Worker:

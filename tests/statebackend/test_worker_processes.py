@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -96,3 +97,40 @@ def test_cancelled_work_never_runs(pool):
         if f not in cancelled:
             assert f.result(timeout=60)[0] % 2 == 0
     assert all(f.cancelled() for f in cancelled)
+
+
+def _exited(pid: int) -> bool:
+    """Whether process ``pid`` is gone or a zombie (exited, not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_idle_workers_exit_and_the_next_use_starts_them_again():
+    """A worker process left without work for ``idle_seconds`` exits (its memory is
+    given back); the pool then says it has no worker running, and serves the next
+    work with a new one. Work arriving meanwhile is never left unserved."""
+    pool = WorkerPool(2, idle_seconds=0.5)
+    try:
+        pool.start((__name__,))
+        assert pool.started()
+        first = {pool.submit(work, "ok", i).result(timeout=60)[1] for i in range(4)}
+        deadline = time.monotonic() + 30
+        while pool.started() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not pool.started()
+        deadline = time.monotonic() + 30
+        while not all(_exited(pid) for pid in first) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(_exited(pid) for pid in first)
+        # near the idle limit, work keeps arriving: all of it is served
+        for _ in range(5):
+            futures = [pool.submit(work, "ok", i) for i in range(3)]
+            assert [f.result(timeout=60)[0] for f in futures] == [0, 2, 4]
+            time.sleep(0.45)
+        value, pid = pool.submit(work, "ok", 21).result(timeout=60)
+        assert value == 42 and pid not in first and pool.started()
+    finally:
+        pool.close()
