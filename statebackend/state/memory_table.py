@@ -23,9 +23,10 @@ applies in order. This module imports nothing of the state package.
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import compress, repeat
-from operator import is_, itemgetter
+from operator import is_, is_not, itemgetter
 from typing import Any
 
 from statebackend.errors import UsageError
@@ -119,8 +120,9 @@ class MemoryTable:
         """`put` of every pair, then `delete` of every key: the state kinds' batch write."""
         pairs = puts if isinstance(puts, list) else list(puts)
         self.write_columns(list(map(_first, pairs)), list(map(_second, pairs)))
-        for key in deletes:
-            self.delete(key)
+        deletes = deletes if isinstance(deletes, list) else list(deletes)
+        if deletes:
+            self.delete_many(deletes)
 
     def write_columns(self, keys: Sequence[bytes], values: Sequence[bytes]) -> None:
         """`put` of ``keys[i]`` -> ``values[i]``. Updates of existing keys take no Python
@@ -149,15 +151,27 @@ class MemoryTable:
         account.check()
 
     def delete(self, key: bytes) -> None:
+        self.delete_many([key])
+
+    def delete_many(self, keys: Sequence[bytes]) -> None:
+        """`delete` of every key, in the dictionary's and the sets' own loops (no Python
+        step per key: fired timers are deleted a chunk at a time). Only the key groups
+        that lost a key count as changed."""
         self._mutations += 1
-        old = self.data.pop(key, None)
-        if old is not None:
-            prefix = key[:2]
-            self.parts[prefix].discard(key)
-            self._account.bytes -= len(key) + self._size(old) + ENTRY_OVERHEAD
+        olds = list(map(self.data.pop, keys, repeat(None)))
+        present = list(map(is_not, olds, repeat(None)))
+        if not all(present):
+            keys, olds = list(compress(keys, present)), list(compress(olds, present))
+            if not keys:
+                return
+        prefixes = list(map(_key_group_of, keys))
+        deque(map(set.discard, map(self.parts.__getitem__, prefixes), keys), maxlen=0)
+        for prefix in set(prefixes):
             self._sorted.pop(prefix, None)
-            self._account.changed.add(prefix)
-            self._release(old)
+        self._account.changed.update(prefixes)
+        self._account.bytes -= (sum(map(len, keys)) + sum(map(self._size, olds))
+                                + ENTRY_OVERHEAD * len(keys))
+        deque(map(self._release, olds), maxlen=0)
 
     # What ``data`` holds per key: the value here; a subclass may hold something else
     # (`statebackend.state.memory_records`: a row number) and say how big it is.
@@ -169,8 +183,7 @@ class MemoryTable:
 
     def delete_range(self, lower: bytes, upper: bytes) -> None:
         """Delete every key in [lower, upper)."""
-        for key in list(self.scan(lower, upper, values=False)):
-            self.delete(key)
+        self.delete_many(list(self.scan(lower, upper, values=False)))
 
     # -- order -------------------------------------------------------------------
     def sorted_keys(self, prefix: bytes) -> list[bytes]:
@@ -338,30 +351,33 @@ class MemoryWriteBatch:
         return len(self.ops)
 
     def apply(self, account: MemoryAccount) -> None:
-        """Apply in order within each table (tables are independent): a table's puts
-        wait until its next delete or the end, then go in as one `write_columns` (one
-        put: `put_one`). The timers' batches alternate between two tables one put at a
-        time, so this makes them two column writes."""
-        pending: dict[MemoryTable, tuple[list[bytes], list[bytes]]] = {}  # (by identity)
+        """Apply in order within each table (tables are independent): a table's run of
+        puts, or of deletes, waits until an operation of another kind on that table or
+        the end, then goes in as one `write_columns` (one put: `put_one`) or one
+        `delete_many`. The timers' batches alternate between two tables one operation
+        at a time, so a registration or a chunk of fired timers is two column writes."""
+        runs: dict[MemoryTable, tuple[int, list[bytes], list[bytes]]] = {}  # (by identity)
         for op, table, a, b in self.ops:
-            if op == 0:
-                keys, values = pending.setdefault(table, ([], []))
-                keys.append(a)
-                values.append(b)
-                continue
-            if table in pending:
-                _put_all(table, *pending.pop(table))
-            if op == 1:
-                table.delete(a)
-            else:
+            run = runs.get(table)
+            if run is not None and run[0] != op:
+                _apply_run(table, *runs.pop(table))
+                run = None
+            if op == 2:
                 table.delete_range(a, b)
-        for table, (keys, values) in pending.items():
-            _put_all(table, keys, values)
+                continue
+            if run is None:
+                run = runs[table] = (op, [], [])
+            run[1].append(a)
+            run[2].append(b)
+        for table, run in runs.items():
+            _apply_run(table, *run)
         account.check()
 
 
-def _put_all(table: MemoryTable, keys: list[bytes], values: list[bytes]) -> None:
-    if len(keys) == 1:
+def _apply_run(table: MemoryTable, op: int, keys: list[bytes], values: list[bytes]) -> None:
+    if op == 1:
+        table.delete_many(keys)
+    elif len(keys) == 1:
         table.put_one(keys[0], values[0])
     else:
         table.write_columns(keys, values)

@@ -31,6 +31,7 @@ from statebackend.state.memory import (
     forget_live_instance,
 )
 from statebackend.state.memory_table import (
+    ENTRY_OVERHEAD,
     MemoryAccount,
     MemoryTable,
     MemoryWriteBatch,
@@ -57,7 +58,8 @@ def _random_key(rng: random.Random) -> bytes:
 def test_memory_table_reads_like_a_rocksdb_column_family(tmp_path):
     rng = random.Random(7)
     db = Rdict(str(tmp_path / "ref"), Options(raw_mode=True))
-    table = MemoryTable("t", MemoryAccount(None, "test"))
+    account = MemoryAccount(None, "test")
+    table = MemoryTable("t", account)
     for step in range(3000):
         op = rng.random()
         key = _random_key(rng)
@@ -66,7 +68,9 @@ def test_memory_table_reads_like_a_rocksdb_column_family(tmp_path):
             db.put(key, value)
             table.put(key, value)
         elif op < 0.6:  # the state kinds' batch write: puts, then deletes
-            pairs = [(_random_key(rng), bytes([step % 256])) for _ in range(rng.randint(0, 5))]
+            # each key once, as the state kinds write (the byte count is exact for those)
+            pairs = list({_random_key(rng): bytes([step % 256])
+                          for _ in range(rng.randint(0, 5))}.items())
             gone = [_random_key(rng) for _ in range(rng.randint(0, 2))]
             for k, v in pairs:
                 db.put(k, v)
@@ -90,6 +94,9 @@ def test_memory_table_reads_like_a_rocksdb_column_family(tmp_path):
                     checked_entries(db, "db", *bounds, values=False)[0]
             probe = [_random_key(rng) for _ in range(50)]
             assert multi_get(table, probe) == multi_get(db, probe)
+            # the bytes held, kept by every put and delete, as counted from scratch
+            assert account.bytes == sum(len(k) + len(v) + ENTRY_OVERHEAD
+                                        for k, v in table.data.items())
     assert len(table) == checked_count(db, "db") > 0
     db.close()
 
@@ -104,9 +111,12 @@ def test_write_batch_applies_in_order():
     wb.delete(b"\x00\x01k")
     wb.put(b"\x00\x02k", b"3")
     wb.delete_range(b"\x00\x02", b"\x00\x03", b)
+    wb.delete(b"\x00\x07absent")  # deletes nothing: key group 7 does not change
     wb.apply(account)
     assert (a.get(b"\x00\x01k"), a.get(b"\x00\x02k"), b.get(b"\x00\x01k")) == (None, b"3", b"2")
     assert account.changed == {b"\x00\x01", b"\x00\x02"}
+    assert account.bytes == sum(len(k) + len(v) + ENTRY_OVERHEAD
+                                for t in (a, b) for k, v in t.data.items())
 
 
 @pytest.mark.parametrize("seed", range(5))
