@@ -8,7 +8,7 @@ empty file, so every file has the schema).
 
 - Each subtask is restored read-only and written by its own thread
   (`statebackend.subtasks.run_in_threads`), from this machine's local-recovery
-  snapshot when it has one (`statebackend.checkpoint.local_copy.restored_copy`), else
+  snapshot when it has one (`statebackend.checkpoint.restore.restored_readonly`), else
   downloaded into a temp folder removed after.
 - The dump holds the checkpoint (a hold lease) while it reads, so retention keeps it
   and GC keeps its files.
@@ -33,9 +33,9 @@ import pyarrow.parquet as pq
 from statebackend.checkpoint.dump import descriptors_of
 from statebackend.checkpoint.dump_columns import dump_table
 from statebackend.checkpoint.leases import hold
-from statebackend.checkpoint.local_copy import instance_dir, restored_copy
+from statebackend.checkpoint.local_copy import instance_dir
 from statebackend.checkpoint.metadata import CheckpointMetadata
-from statebackend.checkpoint.restore import RestoreOptions, external_read
+from statebackend.checkpoint.restore import RestoreOptions, external_read, restored_readonly
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import UsageError
 from statebackend.progress import NO_PROGRESS, ProgressSink
@@ -79,10 +79,10 @@ def dump_parquet(store: CheckpointStore, meta: CheckpointMetadata, out: str, *,
     def write_one(i: int) -> int:
         handle = meta.subtasks[i]
         instance = instance_dir(store.root_storage.url, store.job, handle.index)
-        with restored_copy(store.storage, handle, descriptors, meta.max_parallelism,
-                           instance, RestoreOptions(
-                               label=f"subtask {handle.index} of checkpoint {cid}",
-                               external=external)) as be:
+        with restored_readonly(store.storage, handle, descriptors, meta.max_parallelism,
+                               options=RestoreOptions(
+                                   label=f"subtask {handle.index} of checkpoint {cid}",
+                                   external=external, local_instance=instance)) as be:
             table = dump_table(be, handle.index, handle.row_counts)
         pq.write_table(table, os.path.join(tmp, part_name(handle.index)))
         return int(table.num_rows)

@@ -119,6 +119,10 @@ class RestoreOptions:
     # handle, statebackend.rescale.task): a new backend id, and none of the stored
     # snapshot's recorded facts (its counts describe the handle's range, not this one).
     key_groups: KeyGroupRange | None = None
+    # `restored_readonly` only: an executor's local-recovery instance folder
+    # (statebackend.checkpoint.local_copy.instance_dir) whose snapshot of the handle is
+    # linked instead of downloaded when it holds every file
+    local_instance: str | None = None
 
 
 FROM_STORAGE = RestoreOptions(allow_local=False)  # always download
@@ -398,19 +402,54 @@ def restored_readonly(job_storage: Storage, handle: SubtaskHandle,
                       descriptors: Sequence[StateDescriptor], max_parallelism: int,
                       work_dir: str | None = None, options: RestoreOptions = RestoreOptions()
                       ) -> Iterator[KeyedStateBackend]:
-    """Download one subtask into a temp folder and open it read-only (removed after);
-    ``options`` give its label and an external backend's database."""
-    tmp = tempfile.mkdtemp(prefix=f"ckpt-read-{handle.index}-", dir=work_dir)
+    """``handle`` opened read-only in a folder of its own (in ``work_dir``, else the temp
+    folder), removed after: from ``options.local_instance``'s snapshot when it holds the
+    handle's files (hard links, in a folder beside that instance), else from storage;
+    ``backend.restore_mode`` says which (``local-snapshot`` or ``download``). ``options``
+    also give its label and an external backend's database."""
+    instance = options.local_instance
+    parent = os.path.dirname(instance) if instance else work_dir
+    tmp = tempfile.mkdtemp(prefix=f"ckpt-read-{handle.index}-",
+                           dir=parent if parent and os.path.isdir(parent) else None)
     backend = None
     try:
+        seeded = instance is not None and seed_local_snapshot(instance, handle, tmp)
         backend = restore_subtask(job_storage, handle, tmp, descriptors, max_parallelism,
-                                  replace(options, read_only=True, allow_local=False,
-                                          backend=None))
+                                  replace(options, read_only=True, allow_local=seeded,
+                                          backend=None, local_instance=None))
         yield backend
     finally:
         if backend is not None:
             backend.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def seed_local_snapshot(instance: str, handle: SubtaskHandle, folder: str,
+                        copy: bool = False) -> bool:
+    """Hard-link the executor's snapshot of ``handle`` (in the local-recovery folder
+    ``instance``) into ``folder``'s snapshots folder, where `restore_subtask` finds it;
+    with ``copy``, copy what cannot be linked (another filesystem: cheaper than a
+    download from a remote store). False (nothing left behind) unless every file is
+    there with its recorded size."""
+    source = os.path.join(instance, SNAPSHOTS_DIR, handle.snapshot_id)
+    target = os.path.join(folder, SNAPSHOTS_DIR, handle.snapshot_id)
+    try:
+        if not all(os.path.getsize(os.path.join(source, f.local_name)) == f.size
+                   for f in handle.files):
+            return False
+        os.makedirs(target)
+        for f in handle.files:
+            src, dst = os.path.join(source, f.local_name), os.path.join(target, f.local_name)
+            try:
+                os.link(src, dst)
+            except OSError:
+                if not copy:
+                    raise
+                shutil.copyfile(src, dst)
+    except OSError:  # pruned meanwhile, or another filesystem: download instead
+        shutil.rmtree(target, ignore_errors=True)
+        return False
+    return True
 
 
 def _local_checksum(path: str, algorithm: str) -> tuple[int, str]:

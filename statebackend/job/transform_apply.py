@@ -2,7 +2,7 @@
 applied, the new job's tables out (`statebackend.job.transform`).
 
 `transformed_spans(source, subtask)` restores the subtask read-only
-(`statebackend.checkpoint.local_copy.restored_copy`: the executor's local-recovery
+(`statebackend.checkpoint.restore.restored_readonly`: the executor's local-recovery
 snapshot when it holds the files, else a download), cuts its key groups into spans of
 about `BATCH_ROWS` entries, and for each span reads every state of the source
 (`statebackend.state.state_table.read_span`: live entries only, the checkpoint's clocks
@@ -39,9 +39,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from statebackend.checkpoint.local_copy import instance_dir, restored_copy
+from statebackend.checkpoint.local_copy import instance_dir
 from statebackend.checkpoint.metadata import SubtaskHandle
-from statebackend.checkpoint.restore import RestoreOptions
+from statebackend.checkpoint.restore import RestoreOptions, restored_readonly
 from statebackend.errors import UsageError
 from statebackend.job.api import Job
 from statebackend.state.codecs import BytesCodec, JsonCodec, RecordCodec, StrCodec
@@ -119,10 +119,10 @@ def transformed_spans(source: SourceRead, subtask: int) -> Iterator[dict[str, pa
     shape = TableShape(fields_as_columns=source.transform.per == "batch")
     reads = [StateRead(d, subtask, _clock(source, d), shape) for d in source.states]
     expected = max((handle.row_counts.get(d.name, 0) for d in source.states), default=0)
-    with restored_copy(storage, handle, source.descriptors, source.max_parallelism, instance,
-                       RestoreOptions(label=f"subtask {subtask} of checkpoint "
-                                            f"{source.checkpoint_id}",
-                                      external=source.external)) as backend:
+    with restored_readonly(storage, handle, source.descriptors, source.max_parallelism,
+                           options=RestoreOptions(
+                               label=f"subtask {subtask} of checkpoint {source.checkpoint_id}",
+                               external=source.external, local_instance=instance)) as backend:
         for span in key_group_spans(backend.key_group_range, expected, source.batch_rows):
             tables = {}
             for read in reads:

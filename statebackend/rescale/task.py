@@ -42,9 +42,14 @@ from rocksdict import (
 )
 
 from statebackend.checkpoint.attempt import record_uploads
-from statebackend.checkpoint.local_copy import instance_dir, restored_copy, seed_local_snapshot
+from statebackend.checkpoint.local_copy import instance_dir
 from statebackend.checkpoint.metadata import SubtaskHandle
-from statebackend.checkpoint.restore import RestoreOptions, restore_subtask
+from statebackend.checkpoint.restore import (
+    RestoreOptions,
+    restore_subtask,
+    restored_readonly,
+    seed_local_snapshot,
+)
 from statebackend.checkpoint.snapshot import SnapshotResult, upload_snapshot
 from statebackend.errors import SnapshotError
 from statebackend.rescale.plan import SubtaskPlan
@@ -374,10 +379,11 @@ def fetch_and_export(spec_json: Mapping) -> tuple[dict[str, tuple[str, int]], fl
     started = time.perf_counter()
     spec = ImportSpec.from_json(spec_json)
     h = spec.handle
-    with restored_copy(_job_storage(spec.storage_url, spec.storage_options, spec.job), h,
-                       spec.states, spec.max_parallelism,
-                       instance_dir(spec.storage_url, spec.job, h.index, spec.local_dir),
-                       read=RestoreOptions(label=_label(spec.source_checkpoint_id, h))) as src:
+    instance = instance_dir(spec.storage_url, spec.job, h.index, spec.local_dir)
+    with restored_readonly(_job_storage(spec.storage_url, spec.storage_options, spec.job), h,
+                           spec.states, spec.max_parallelism,
+                           options=RestoreOptions(label=_label(spec.source_checkpoint_id, h),
+                                                  local_instance=instance)) as src:
         ssts = export_key_groups(src, spec.key_groups,
                                  os.path.join(spec.work, f"export-{h.index}"))
         mode = src.restore_mode

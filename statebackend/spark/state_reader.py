@@ -12,7 +12,7 @@
 3. each task holds the checkpoint with a hold lease of its own (renewed while it runs,
    released when it ends), checks that ``_metadata`` is still the planned one (same
    digest), restores its subtask read-only
-   (`statebackend.checkpoint.local_copy.restored_copy`: from the executor's
+   (`statebackend.checkpoint.restore.restored_readonly`: from the executor's
    local-recovery snapshot when it holds the files, else downloaded into a temp folder
    removed after) and yields typed Arrow batches (`statebackend.state.state_table`:
    the columns, TTL and expiry rules). A memory-backend subtask is read straight from
@@ -38,10 +38,14 @@ import pyarrow as pa
 
 from statebackend.checkpoint.leases import hold
 from statebackend.checkpoint.lineage import digest_of
-from statebackend.checkpoint.local_copy import instance_dir, restored_copy
+from statebackend.checkpoint.local_copy import instance_dir
 from statebackend.checkpoint.memory_read import memory_state_batches
 from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskHandle
-from statebackend.checkpoint.restore import RestoreOptions, current_external_read
+from statebackend.checkpoint.restore import (
+    RestoreOptions,
+    current_external_read,
+    restored_readonly,
+)
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import CheckpointNotFoundError, UsageError
 from statebackend.state.external_store import ExternalRead, ExternalStore
@@ -241,10 +245,11 @@ def read_subtask(task: ReadTask, subtask: int) -> Iterator[pa.RecordBatch]:
             yield from memory_state_batches(
                 store.storage, handle, read, os.path.join(instance, MemoryStateBackend.files_dir))
             return
-        with restored_copy(store.storage, handle, task.descriptors, task.max_parallelism,
-                           instance, RestoreOptions(label=f"subtask {subtask} of checkpoint "
-                                                          f"{cid}", external=task.external)
-                           ) as backend:
+        with restored_readonly(store.storage, handle, task.descriptors, task.max_parallelism,
+                               options=RestoreOptions(
+                                   label=f"subtask {subtask} of checkpoint {cid}",
+                                   external=task.external, local_instance=instance)
+                               ) as backend:
             yield from state_batches(backend, read, handle.row_counts.get(task.state))
 
 

@@ -69,7 +69,7 @@ def test_subtasks_are_written_at_once_while_the_checkpoint_is_held(job, tmp_path
     turns), each seeing the dump's hold lease on checkpoint 1."""
     barrier = threading.Barrier(P, timeout=60)
     seen: list[list[tuple[int, ...]]] = []
-    original = dumping.restored_copy
+    original = dumping.restored_readonly
 
     def restored_together(storage, *args, **kwargs):
         seen.append([x.checkpoint_ids for x in list_leases(storage)
@@ -77,7 +77,7 @@ def test_subtasks_are_written_at_once_while_the_checkpoint_is_held(job, tmp_path
         barrier.wait()
         return original(storage, *args, **kwargs)
 
-    monkeypatch.setattr(dumping, "restored_copy", restored_together)
+    monkeypatch.setattr(dumping, "restored_readonly", restored_together)
     store = job["store"]
     count = dumping.dump_parquet(store, store.load(1), str(tmp_path / "d"), workers=P)
     assert count == len(job["rows"]) and seen == [[(1,)]] * P
@@ -88,7 +88,7 @@ def test_a_failing_subtask_leaves_no_dump(job, tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError("disk gone")
 
-    monkeypatch.setattr(dumping, "restored_copy", broken)
+    monkeypatch.setattr(dumping, "restored_readonly", broken)
     out = tmp_path / "d"
     with pytest.raises(Exception, match="disk gone"):
         dumping.dump_parquet(job["store"], job["store"].load(1), str(out))
