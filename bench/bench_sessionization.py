@@ -183,11 +183,20 @@ def parse(argv: list[str] | None, doc: str) -> argparse.Namespace:
     p.add_argument("--engine", choices=("auto", "spark", "local"), default="auto",
                    help="our runs' engine (statebackend.job.engine; default %(default)s: the "
                         "local engine for these inputs)")
-    p.add_argument("--backend", choices=("rocksdb", "memory"), default="rocksdb",
-                   help="our runs' state backend (statebackend.state.backend_kinds)")
+    p.add_argument("--backend", choices=("rocksdb", "memory", "no-state"), default="rocksdb",
+                   help="our runs' state backend (statebackend.state.backend_kinds); "
+                        "no-state: the ceiling of any backend (the memory backend patched "
+                        "so that state costs nothing: every read finds nothing, every write "
+                        "is dropped; not a product; --modes warm only)")
     args = p.parse_args(argv)
     os.environ["CKPT_ENGINE"] = args.engine  # our runs in this process and in child processes
-    os.environ[BACKEND_ENV] = args.backend
+    os.environ[BACKEND_ENV] = "memory" if args.backend == "no-state" else args.backend
+    if args.backend == "no-state":
+        if args.modes != "warm":
+            p.error("--backend no-state patches this process: use it with --modes warm")
+        from bench.bench_keyed_aggregation import drop_all_state
+
+        drop_all_state()
     return args
 
 
