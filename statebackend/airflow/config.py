@@ -14,6 +14,7 @@ Shape::
       storage: s3://bucket/checkpoints
       storage_conn_id: aws_ckpt   # AWS connection: credentials as storage options
       state_db_conn_id: ckpt_state  # postgres connection: the external backend's database
+      index_key_conn_id: ckpt_index_key  # its password signs GC's registry index
       spark: {mode: local, master: "local[*]"}
       engine: auto            # or spark / local (statebackend.job.engine)
     jobs:
@@ -122,6 +123,10 @@ class JobSpec(_RunSettings):  # type: ignore[misc,valid-type]
     storage_conn_id: str | None = None  # Airflow AWS connection -> storage options
     # Airflow postgres connection -> the external backend's database (instead of state_db)
     state_db_conn_id: str | None = None
+    # Airflow connection whose password signs the registry index GC and retention read:
+    # the same key on every worker (statebackend.lifecycle.index_signing), where each
+    # host's own key would leave another host's index untrusted (every record re-read)
+    index_key_conn_id: str | None = None
     spark: SparkSettings = field(default_factory=SparkSettings)
     schedule: str = "@daily"
     maintenance_schedule: str = "@daily"
@@ -269,7 +274,7 @@ def spec_from_dict(name: str, raw: dict, defaults: dict | None = None,
                              "task, spark.mode 'submit' in a spark-submit application: "
                              "choose one")
     merged["tags"] = tuple(merged.get("tags") or ())
-    for conn_key in ("storage_conn_id", "state_db_conn_id"):
+    for conn_key in ("storage_conn_id", "state_db_conn_id", "index_key_conn_id"):
         if merged.get(conn_key) == "":
             merged[conn_key] = None
     if merged.get("state_db_conn_id") and merged.get("state_db"):

@@ -1,5 +1,6 @@
-"""Storage options from an Airflow AWS connection, and the external state backend's
-database URL from an Airflow postgres connection; nothing goes through ``os.environ``.
+"""Storage options from an Airflow AWS connection, the external state backend's
+database URL from an Airflow postgres connection, and the registry index's signing key
+from any connection's password; nothing goes through ``os.environ``.
 
 The connection is read the way Airflow's amazon provider reads an ``aws``
 connection (that provider is not a dependency of this package, so the fields
@@ -27,6 +28,7 @@ from typing import Any
 from urllib.parse import quote
 
 from statebackend.errors import UsageError
+from statebackend.lifecycle.index_signing import checked_key
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,23 @@ def state_db_from_connection(conn_id: str | None,
     return f"postgresql://{auth}{conn.host}{port}/{quote(conn.schema or 'postgres', safe='')}"
 
 
+def index_key_from_connection(conn_id: str | None,
+                              get_connection: Callable[[str], Any] | None = None
+                              ) -> bytes | None:
+    """The registry index's signing key (statebackend.lifecycle.index_signing): the
+    password of connection ``conn_id`` (any type; at least 16 bytes), the same on every
+    worker; None without one. Only the id is logged, never the key."""
+    if not conn_id:
+        return None
+    conn = _read_connection(conn_id, get_connection, "index_key", "generic")
+    if not conn.password:
+        raise ConnectionConfigError(f"index key connection {conn_id!r} has no password: put "
+                                    "the key there (e.g. `openssl rand -hex 32`)")
+    key = checked_key(conn.password.encode(), f"connection {conn_id!r}")
+    log.info("index key connection %r read", conn_id)
+    return key
+
+
 def _read_connection(conn_id: str, get_connection: Callable[[str], Any] | None, use: str,
                      conn_type: str) -> Any:
     """Connection ``conn_id`` (``use``: the ckpt_jobs key's stem); any lookup failure is
@@ -94,7 +113,7 @@ def _read_connection(conn_id: str, get_connection: Callable[[str], Any] | None, 
     try:
         return (get_connection or default_get_connection)(conn_id)
     except Exception as exc:  # noqa: BLE001 - any lookup failure is one line naming the id
-        what = use.replace("_db", " database")
+        what = use.replace("_db", " database").replace("_", " ")
         raise ConnectionConfigError(
             f"{what} connection {conn_id!r} cannot be read ({type(exc).__name__}); create it "
             f"(type {conn_type}) or fix {use}_conn_id in ckpt_jobs") from exc

@@ -47,6 +47,7 @@ from urllib.parse import urlsplit
 from statebackend import defaults
 from statebackend.airflow.config import SPEC_RUN_OPTIONS, JobSpec, resolve_job_ref
 from statebackend.airflow.connection import (
+    index_key_from_connection,
     state_db_from_connection,
     storage_options_from_connection,
 )
@@ -134,10 +135,12 @@ def state_db_for(spec: JobSpec, get_connection: Callable[[str], Any] | None = No
 
 def open_store(spec: JobSpec, storage_options: Mapping[str, Any] | None = None, *,
                get_connection: Callable[[str], Any] | None = None):
-    """The job's `CheckpointStore`; options from its connection unless given."""
+    """The job's `CheckpointStore`; options from its connection unless given, and the
+    registry index's key from ``index_key_conn_id`` (else this host's)."""
     if storage_options is None:
         storage_options = storage_options_for(spec, get_connection)
-    return CheckpointStore(open_storage(spec.storage, **storage_options), spec.name)
+    return CheckpointStore(open_storage(spec.storage, **storage_options), spec.name,
+                           index_key_from_connection(spec.index_key_conn_id, get_connection))
 
 
 def checkpoint_facts(meta) -> dict:

@@ -90,12 +90,15 @@ def check_job_name(job: str) -> str:
 
 
 class CheckpointStore:
-    """Checkpoints of ``job`` under a storage root."""
+    """Checkpoints of ``job`` under a storage root. ``index_key`` signs and checks the
+    job's registry index instead of this host's key (statebackend.lifecycle.index_signing:
+    a key shared by hosts that have no disk in common); it is never shown."""
 
-    def __init__(self, storage: Storage, job: str) -> None:
+    def __init__(self, storage: Storage, job: str, index_key: bytes | None = None) -> None:
         self.root_storage = storage
         self.job = check_job_name(job)
         self.storage = child_storage(storage, job)  # job root
+        self.index_key = index_key
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.storage.url!r})"

@@ -16,6 +16,11 @@ Where the key comes from (``CKPT_INDEX_KEY_FILE``):
 - a path: that file (give one shared file to several hosts to share the trust);
 - ``off``: no key; indexes are written unsigned and never trusted.
 
+A `CheckpointStore` opened with ``index_key`` (the Airflow provider's
+``index_key_conn_id``: a connection's password, the same on every worker) uses that key
+instead: hosts without a shared disk, such as Kubernetes pods that each start with an
+empty home folder, then trust each other's indexes.
+
 A key file that others may read or write (any group or other permission bit) or that
 another user owns is not used (a warning says why): a signature anyone could make
 proves nothing. A key that cannot be read or created leaves the index unsigned,
@@ -31,6 +36,7 @@ import logging
 import os
 import secrets
 
+from statebackend.errors import UsageError
 from statebackend.settings import value
 
 log = logging.getLogger(__name__)
@@ -52,10 +58,25 @@ def key_path() -> str | None:
     return os.path.join(state, "ckpt", "index-key")
 
 
-def signing_key() -> bytes | None:
-    """This host's key (module doc), or None when there is none to use."""
+MIN_KEY_BYTES = 16
+
+
+def signing_key(given: bytes | None = None) -> bytes | None:
+    """``given`` (a store's own key), else this host's key (module doc), or None when
+    there is none to use."""
+    if given is not None:
+        return given
     path = key_path()
     return None if path is None else _key_at(path)
+
+
+def checked_key(key: bytes, source: str) -> bytes:
+    """``key`` when it is long enough to sign with, else a one-line error naming its
+    ``source`` (never the key)."""
+    if len(key) < MIN_KEY_BYTES:
+        raise UsageError(f"registry index key from {source} has {len(key)} bytes; at least "
+                         f"{MIN_KEY_BYTES} are needed (e.g. `openssl rand -hex 32`)")
+    return key
 
 
 @functools.cache
@@ -89,9 +110,9 @@ def _read_or_create(path: str) -> bytes | None:
                         "and readable by nobody else (chmod 600 %s)", path, path)
             return None
         key = fh.read()
-    if len(key) < 16:
-        log.warning("registry index key %s is not used: %d bytes, at least 16 needed",
-                    path, len(key))
+    if len(key) < MIN_KEY_BYTES:
+        log.warning("registry index key %s is not used: %d bytes, at least %d needed",
+                    path, len(key), MIN_KEY_BYTES)
         return None
     return key
 

@@ -455,7 +455,8 @@ def build_registry(store: CheckpointStore, *, now: datetime | float | None = Non
             lease_paths.append(path)
 
     index = read_index(store, files) if use_index else None
-    if update_index and index is not None and not index.signed and signing_key() is not None:
+    if update_index and index is not None and not index.signed \
+            and signing_key(store.index_key) is not None:
         index = None  # rebuilt from the records alone: a signature vouches only for them
     cached = index.usable(ids, files) if index is not None else {}
     to_parse = [cid for cid in ids if cid not in cached]
@@ -577,7 +578,9 @@ def read_index(store: CheckpointStore, files: Mapping[str, FileInfo]) -> Registr
     where = f"{store.storage.url}/{INDEX_FILE}"
     try:
         data = store.storage.read_bytes_if_exists(INDEX_FILE)
-        return parse_index(data, store.job, signing_key()) if data is not None else None
+        if data is None:
+            return None
+        return parse_index(data, store.job, signing_key(store.index_key))
     except (CkptError, ValueError, TypeError, KeyError) as exc:
         log.warning("registry index %s ignored (%s): every _metadata is parsed instead",
                     where, exc)
@@ -718,7 +721,7 @@ def write_index(store: CheckpointStore, registry: Registry, listing_age: float) 
         "refs": _encode_positions(all_refs), "listing_age_seconds": listing_age},
         separators=(",", ":")).encode()
     head = {"format": INDEX_FORMAT, "job": store.job, "sha256": hashlib.sha256(body).hexdigest()}
-    key = signing_key()
+    key = signing_key(store.index_key)
     if key is not None:
         head["mac"] = sign(key, _signed_message(store.job, body))
     header = json.dumps(head).encode()

@@ -292,3 +292,53 @@ def test_the_reports_dag_renders_the_newest_kept_checkpoint_its_events_published
     assert published_checkpoint(events, asset, [8]) == "latest"
     assert published_checkpoint(None, asset, [1]) == "latest"  # a manual run
     assert published_checkpoint({"other": events[asset]}, asset, [6]) == "latest"
+
+
+def test_the_registry_index_key_comes_from_a_connection(tmp_path, monkeypatch, caplog):
+    """`index_key_conn_id`: GC on one worker signs the registry index with the
+    connection's key, and another worker with a key file of its own (a fresh pod) trusts
+    that index; the key is never logged or shown, and a connection without one is
+    refused in one line naming it."""
+    import json
+
+    from demo.sample_data import generate_events
+    from statebackend.airflow.connection import ConnectionConfigError
+    from statebackend.checkpoint.store import CheckpointStore
+    from statebackend.lifecycle.registry import build_registry
+
+    key = "index-key-" + "7" * 30
+    monkeypatch.setenv("AIRFLOW_CONN_CKPT_INDEX_KEY",
+                       json.dumps({"conn_type": "generic", "password": key}))
+    spec = make_spec(tmp_path, index_key_conn_id="ckpt_index_key", engine="local")
+    for d in (1, 2):
+        day = datetime(2027, 1, d, tzinfo=UTC)
+        generate_events(str(tmp_path / f"in/day={day:%Y-%m-%d}"), n_events=200, n_keys=20,
+                        seed=d)
+        steps.run_pipeline_job(spec, logical_date=day, airflow_run_id=f"scheduled__{d}")
+    monkeypatch.setenv("CKPT_INDEX_KEY_FILE", str(tmp_path / "worker-a"))
+    with caplog.at_level("INFO"):
+        steps.gc_step(spec)  # plans from a fresh index, signed with the connection's key
+    monkeypatch.setenv("CKPT_INDEX_KEY_FILE", str(tmp_path / "worker-b"))
+    store = steps.open_store(spec)
+    assert store.index_key == key.encode()
+    assert build_registry(store).vouched_before is not None
+    assert build_registry(CheckpointStore(store.root_storage, "clicks")).vouched_before is None
+    assert key not in caplog.text and key not in repr(store) and key not in repr(spec)
+    monkeypatch.setenv("AIRFLOW_CONN_CKPT_INDEX_KEY", json.dumps({"conn_type": "generic"}))
+    with pytest.raises(ConnectionConfigError, match=r"^index key connection 'ckpt_index_key' "
+                                                    "has no password: put the key there"):
+        steps.gc_step(spec)
+    monkeypatch.setenv("AIRFLOW_CONN_CKPT_INDEX_KEY",
+                       json.dumps({"conn_type": "generic", "password": "short"}))
+    with pytest.raises(UsageError, match="from connection 'ckpt_index_key' has 5 bytes"):
+        steps.gc_step(spec)
+
+
+def test_the_page_reads_with_the_hosts_key_when_the_key_connection_is_missing(tmp_path):
+    """The Checkpoints page only reads: an index key connection it cannot read costs an
+    untrusted index (time), never the page."""
+    from statebackend.airflow.page import app
+
+    spec = make_spec(tmp_path, index_key_conn_id="no_such_connection")
+    store = app._open_store(spec)
+    assert store.index_key is None and store.job == "clicks"

@@ -43,6 +43,7 @@ import os
 import posixpath
 import re
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -105,14 +106,18 @@ def load_specs():
 
 
 def _open_store(spec):
-    """The job's store, opened with its storage connection's options (never os.environ)."""
-    if spec.storage_conn_id:
+    """The job's store, opened with its storage connection's options (never os.environ)
+    and its index key connection's key."""
+    if spec.storage_conn_id or spec.index_key_conn_id:
         try:
-            return open_store(spec, get_connection=_server_get_connection)
+            return open_store(spec, None if spec.storage_conn_id else {},
+                              get_connection=_server_get_connection)
         except Exception as exc:  # noqa: BLE001 - fall back to the server's own credentials
-            log.warning("storage connection %r unavailable: %s", spec.storage_conn_id,
+            log.warning("connections of job %r unavailable: %s", spec.name,
                         type(exc).__name__)
-    return open_store(spec, {})
+    # The server's own credentials and index key: the page only reads (an index it does
+    # not trust costs time, never correctness).
+    return open_store(replace(spec, index_key_conn_id=None), {})
 
 
 def job_history(spec, now: float | None = None) -> dict:

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from statebackend.checkpoint.store import CheckpointStore, metadata_path
-from statebackend.errors import MetadataError
+from statebackend.errors import MetadataError, UsageError
 from statebackend.lifecycle import index_signing
 from statebackend.lifecycle.gc import collect_garbage, plan_gc
 from statebackend.lifecycle.registry import INDEX_FILE, build_registry, parse_index
@@ -347,6 +347,30 @@ def test_only_this_hosts_key_signs_an_index(store, monkeypatch, tmp_path):
     rebuilt = build_registry(store, update_index=True)
     assert rebuilt.indexed_ids == frozenset() and sorted(read) == [1, 2, 3, 4]
     assert build_registry(store).vouched_before is not None
+
+
+def test_hosts_sharing_a_store_key_trust_each_others_index(store, monkeypatch, tmp_path):
+    """Two hosts with keys of their own (Kubernetes pods, each with an empty home) but
+    the same store key (the provider's ``index_key_conn_id``): an index one writes
+    vouches for its records on the other, whose executors then read none of them; a
+    host opening the store without that key does not trust it."""
+    shared = b"s" * 32
+    _age(store, 5 * 3600)
+    monkeypatch.setenv("CKPT_INDEX_KEY_FILE", str(tmp_path / "host-a"))
+    build_registry(CheckpointStore(store.root_storage, "j", shared), update_index=True)
+    monkeypatch.setenv("CKPT_INDEX_KEY_FILE", str(tmp_path / "host-b"))
+    on_b = CheckpointStore(store.root_storage, "j", shared)
+    registry = build_registry(on_b)
+    assert registry.indexed_ids == {1, 2, 3, 4} and registry.vouched_before is not None
+    read = _spy_reads(on_b)
+    report = collect_garbage(on_b, grace_seconds=0)
+    assert [f.path for f in report.deleted] == ["shared/orphan.sst"] and read == []
+    without = build_registry(CheckpointStore(store.root_storage, "j"))  # host b's own key
+    assert without.vouched_before is None and without.ids_to_recheck() == (1, 2, 3, 4)
+    assert "s" * 32 not in repr(on_b)
+    with pytest.raises(UsageError, match=r"^registry index key from connection 'k' has 5 "
+                                         r"bytes; at least 16 are needed"):
+        index_signing.checked_key(b"short", "connection 'k'")
 
 
 def test_the_key_file_is_private_and_made_once(monkeypatch, tmp_path, caplog):
