@@ -156,12 +156,15 @@ def restore_subtask(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
     if mode != "download" and not options.read_only and options.reuse_check is not None:
         report = verify_reused_files(job_storage, handle, local_dir, options.reuse_check)
     file_paths = {f.local_name: f.path for f in handle.files}
-    origin = (StoredInstance(label=options.label, file_paths=file_paths) if options.key_groups
-              else StoredInstance(handle.backend_id, options.label, file_paths,
-                                  handle.snapshot_id, handle.row_counts, handle.file_key_groups))
-    backend = BACKEND_CLASSES[handle.backend](
-        local_dir, descriptors, max_parallelism, options.key_groups or handle.key_group_range,
-        read_only=options.read_only, origin=origin)
+    key_groups, origin = handle.key_group_range, StoredInstance(
+        handle.backend_id, options.label, file_paths, handle.snapshot_id, handle.row_counts,
+        handle.file_key_groups)
+    if options.key_groups is not None:
+        key_groups, origin = options.key_groups, StoredInstance(label=options.label,
+                                                                file_paths=file_paths)
+    backend = BACKEND_CLASSES[handle.backend](local_dir, descriptors, max_parallelism,
+                                              key_groups, read_only=options.read_only,
+                                              origin=origin)
     _adopt_stored_files(backend, handle, report, mode)
     return backend
 

@@ -234,7 +234,7 @@ class _NewSubtask:
             import_pids=self.import_pids, restore_modes=self.restore_modes)
 
     def _open_base(self) -> tuple[KeyedStateBackend, dict[str, int], float, bool]:
-        """Download the base, open it as the new instance and clip it to its own part of
+        """Restore the base as the new instance and clip it to its own part of
         the new range; (instance, rows per column family, clipped share, compacted)."""
         base, task = self.base, self.task
         with self._timed("restore"):
