@@ -241,11 +241,13 @@ def task_failure(exc: BaseException) -> str:
 def root_cause(exc: BaseException) -> str:
     """The deepest ``SomeError: message`` line; never a JVM stack frame."""
     text = str(exc)
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    lines = [ln.strip().removeprefix("Caused by: ") for ln in text.splitlines() if ln.strip()]
+    # A task that named itself (subtasks.named_failure) is the cause, wherever Spark put
+    # its line: a JVM wrapper's line (PythonException ... SQLSTATE: 38000) may follow it.
     for ln in reversed(lines):
-        ln = ln.removeprefix("Caused by: ")
-        if ln.startswith(_NAMED_FAILURE):  # the task named itself (subtasks.named_failure)
+        if ln.startswith(_NAMED_FAILURE):
             return ln.removeprefix(_NAMED_FAILURE)[:500]
+    for ln in reversed(lines):
         if re.match(r"^[A-Za-z_.$]*(Error|Exception)\b.*:", ln) and "Py4J" not in ln:
             return ln[:500]
     # Spark Connect's text of a JVM failure ends in frames ("at ...", "... 12 more").

@@ -103,6 +103,23 @@ def test_task_failure_names_the_input_file_spark_could_not_read():
         "reached end of stream after reading 12 bytes; replace or remove that file and re-run")
 
 
+NAMED = """An error occurred while calling o88.collectToPython.
+: org.apache.spark.SparkException: Job aborted due to stage failure: Task 2 in stage 5.0 failed
+Caused by: org.apache.spark.api.python.PythonException: Traceback (most recent call last):
+  File "/statebackend/subtasks.py", line 64, in named_failure
+statebackend.errors.TaskFailedError: new subtask 2: SnapshotError: injected fault
+\tat org.apache.spark.api.python.BasePythonRunner$ReaderIterator.handlePythonException
+Caused by: org.apache.spark.api.python.PythonException: [PYTHON_EXCEPTION] An exception \
+was thrown from the Python worker. Please see the stack trace below. SQLSTATE: 38000
+"""
+
+
+def test_a_task_that_named_itself_is_the_cause_wherever_its_line_is():
+    """The failure `subtasks.named_failure` raised in the task, even when a JVM wrapper's
+    error line (SQLSTATE 38000) comes after it."""
+    assert root_cause(RuntimeError(NAMED)) == "new subtask 2: SnapshotError: injected fault"
+
+
 def test_root_cause_without_an_error_line():
     assert root_cause(RuntimeError("something odd\n\tat a.b.C(C.java:1)\n... 12 more")) == \
         "something odd"
