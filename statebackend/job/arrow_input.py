@@ -71,6 +71,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from statebackend.errors import InputError, UsageError
+from statebackend.fast_json import compact_json
 from statebackend.job.api import Input
 from statebackend.job.core import as_text, try_cast  # the validator's, shared
 from statebackend.job.input import JSON_EXT, InputFiles, ParquetFooter, open_input_file
@@ -446,7 +447,7 @@ def _as_json_text(value: Any) -> str | None:
         return value
     if isinstance(value, bool):
         return "true" if value else "false"
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    return compact_json(value)
 
 
 # -- typing (Spark's `_typed`, in Arrow) -----------------------------------------------

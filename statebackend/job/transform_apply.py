@@ -43,6 +43,7 @@ from statebackend.checkpoint.local_copy import instance_dir
 from statebackend.checkpoint.metadata import SubtaskHandle
 from statebackend.checkpoint.restore import RestoreOptions, restored_readonly
 from statebackend.errors import UsageError
+from statebackend.fast_json import compact_json
 from statebackend.job.api import Job
 from statebackend.state.codecs import BytesCodec, JsonCodec, RecordCodec, StrCodec
 from statebackend.state.external_store import ExternalRead
@@ -284,7 +285,7 @@ def _written_type(desc: StateDescriptor) -> tuple[pa.DataType, dict[bytes, bytes
 
 def json_texts(values: Sequence[Any]) -> list[str]:
     """Values as compact JSON text."""
-    return [json.dumps(v, separators=(",", ":"), ensure_ascii=False) for v in values]
+    return list(map(compact_json, values))
 
 
 def _ttl_clock(source: SourceRead, desc: StateDescriptor) -> int:

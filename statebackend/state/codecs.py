@@ -42,7 +42,7 @@ import numpy as np
 import pyarrow as pa
 
 from statebackend.errors import SerializationError, UsageError
-from statebackend.fast_json import fast_loads
+from statebackend.fast_json import compact_json, fast_loads
 
 JSON_FORMAT = 0x01
 RECORD_FORMAT = 0x02
@@ -148,15 +148,10 @@ def split_map_key(suffix: bytes) -> tuple[bytes, str]:
     return suffix[4 : 4 + n], deserialize_key(suffix[4 + n :])
 
 
-# One encoder for every JSON value: json.dumps with these arguments builds a new one per
-# call (the same bytes; its construction was a tenth of the encode of a session list)
-_JSON_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
-
-
 @dataclass(frozen=True)
 class JsonCodec:
     def encode(self, value: Any) -> bytes:
-        return b"\x01" + _JSON_ENCODER.encode(value).encode()
+        return b"\x01" + compact_json(value).encode()
 
     def decode(self, data: bytes) -> Any:
         _check_format(data, JSON_FORMAT, "json")
