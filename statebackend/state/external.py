@@ -62,9 +62,9 @@ class ExternalTable(MemoryTable):
         self.written.add(key)
         super().put_one(key, value)
 
-    def delete(self, key: bytes) -> None:
-        self.written.add(key)
-        super().delete(key)
+    def delete_many(self, keys: Sequence[bytes]) -> None:  # `delete` too
+        self.written.update(keys)
+        super().delete_many(keys)
 
     def drop_part(self, prefix: bytes) -> None:
         self.written.update(self.parts.get(prefix, ()))

@@ -26,6 +26,7 @@ from statebackend.checkpoint.snapshot import checkpoint_backends
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import CorruptStateError, UsageError
 from statebackend.state import memory_files
+from statebackend.state.external import ExternalTable
 from statebackend.state.memory import (
     MemoryStateBackend,
     forget_live_instance,
@@ -117,6 +118,25 @@ def test_write_batch_applies_in_order():
     assert account.changed == {b"\x00\x01", b"\x00\x02"}
     assert account.bytes == sum(len(k) + len(v) + ENTRY_OVERHEAD
                                 for t in (a, b) for k, v in t.data.items())
+
+
+def test_the_external_table_remembers_every_key_a_batch_deletes():
+    """The external backend's table writes what changed since its snapshot (its keys
+    written, deletes included): deletes that a batch applies together (`delete_many`),
+    one by one or by range count as written."""
+    account = MemoryAccount(None, "test")
+    table = ExternalTable("t", account)
+    table.write_columns([b"\x00\x01a", b"\x00\x01b", b"\x00\x02c", b"\x00\x03d"],
+                        [b"1", b"2", b"3", b"4"])
+    table.written.clear()
+    wb = MemoryWriteBatch()
+    wb.delete(b"\x00\x01a", table)
+    wb.delete(b"\x00\x01b", table)
+    wb.delete_range(b"\x00\x02", b"\x00\x03", table)
+    wb.apply(account)
+    table.delete(b"\x00\x03d")
+    assert table.written == {b"\x00\x01a", b"\x00\x01b", b"\x00\x02c", b"\x00\x03d"}
+    assert table.data == {}
 
 
 @pytest.mark.parametrize("seed", range(5))
