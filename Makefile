@@ -8,7 +8,7 @@ export PYSPARK_PYTHON := $(abspath $(VENV))/bin/python
 export PYSPARK_DRIVER_PYTHON := $(abspath $(VENV))/bin/python
 export PYTHONPATH := $(abspath .)
 
-.PHONY: install system-deps bytecode test test-fast demo ui bench lint clean
+.PHONY: install system-deps bytecode jar test test-fast demo ui bench lint clean
 
 # --locked: the versions in uv.lock, and a stop if pyproject.toml changed without
 # `uv lock`. The dev extra includes every runtime extra ([all]). --compile-bytecode: uv
@@ -22,6 +22,21 @@ $(VENV)/.installed: pyproject.toml uv.lock
 	@touch $@
 
 install: $(VENV)/.installed
+
+# The JVM state reader (statebackend/spark/jvm_reader.py): javac against pyspark's own
+# jars (Spark's DataSource V2 API, rocksdbjni, aircompressor, Jackson), no build tool.
+# Without a JDK read_state reads through Python and the JVM reader's tests fail under CI.
+JAR := statebackend/spark/jars/ckpt-state-reader.jar
+JAVA_SOURCES := $(wildcard jvm/src/ckpt/reader/*.java)
+$(JAR): $(VENV)/.installed $(JAVA_SOURCES)
+	@if command -v javac >/dev/null; then \
+		jars="$$($(PY) -c 'import os, pyspark; print(os.path.dirname(pyspark.__file__))')/jars"; \
+		rm -rf build/jvm && mkdir -p build/jvm $(dir $(JAR)) && \
+		javac --release 17 -nowarn -d build/jvm -cp "$$jars/*" $(JAVA_SOURCES) && \
+		jar cf $(JAR) -C build/jvm . && echo "built $(JAR)"; \
+	else echo "no javac: the JVM state reader is not built (read_state reads through Python)"; fi
+
+jar: $(JAR)
 
 # Headless Chromium renders the reports and the Airflow page in tests; PostgreSQL serves
 # the external state backend's tests (Debian packages).
@@ -39,15 +54,15 @@ bytecode: install
 		$(PY) -m compileall -q -j0 $(VENV)/lib/python3.11/site-packages >/dev/null 2>&1 || true
 	@$(PY) -m compileall -q -j0 statebackend jobs dags plugins examples demo bench tests >/dev/null
 
-test: install system-deps bytecode
+test: install system-deps bytecode jar
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest -q --timeout=900 --durations=25
 
-test-fast: install
+test-fast: install jar
 	$(VENV)/bin/pytest -q -m "not slow"
 
-demo: install bytecode
+demo: install bytecode jar
 	$(PY) -m demo.pipeline_demo
 
 # The Airflow UI on the demo's data (run `make demo` first): http://localhost:8080, user
@@ -65,7 +80,7 @@ ui: install
 	CKPT_DATA="$${CKPT_DATA:-$(CURDIR)/.demo/data}" \
 	PATH="$(abspath $(VENV))/bin:$$PATH" exec $(PY) -m demo.ui
 
-bench: install
+bench: install jar
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 lint: install

@@ -65,6 +65,7 @@ def connect_server(base: str, master: str = "local[2]",
     os.makedirs(base, exist_ok=True)
     port = free_port()
     from bench.process_env import child_env
+    from statebackend.spark.session import with_state_reader_jar
 
     env = {**child_env(), "SPARK_HOME": home, "SPARK_LOCAL_IP": "127.0.0.1",
            "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
@@ -74,6 +75,7 @@ def connect_server(base: str, master: str = "local[2]",
                 # foreachBatch's Python process imports the Connect client before it
                 # connects back: on a loaded 2-core machine that exceeds the 15 s default
                 "spark.python.authenticate.socketTimeout": "180s", **(conf or {})}
+    settings.update(with_state_reader_jar(settings))  # read_state inside the server's JVM
     flags = [x for key, value in settings.items() for x in ("--conf", f"{key}={value}")]
     log = os.path.join(base, "server.log")
     with open(log, "w") as fh:

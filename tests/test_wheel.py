@@ -170,3 +170,15 @@ def test_every_public_module_imports_from_the_installed_wheel(installed):
     assert result["failed"] == NEEDS_AIRFLOW_EXTRA, (
         "modules failing to import in a venv with only the core and "
         f"[{EXTRA}] dependencies (name -> missing module): {result['failed']}")
+
+
+def test_wheel_ships_the_jvm_state_readers_jar(installed):
+    """`make jar` (a dependency of `make test`) builds it before the wheel is built; an
+    installed read_state then reads inside the JVM (statebackend.spark.jvm_reader)."""
+    names = set(zipfile.ZipFile(installed["wheel"]).namelist())
+    assert "statebackend/spark/jars/ckpt-state-reader.jar" in names
+    site = Path(installed["python"]).parent.parent / "lib"
+    jar = list(site.glob("python*/site-packages/statebackend/spark/jars/ckpt-state-reader.jar"))
+    assert len(jar) == 1
+    with zipfile.ZipFile(jar[0]) as archive:
+        assert "ckpt/reader/StateSource.class" in archive.namelist()

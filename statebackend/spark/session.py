@@ -33,6 +33,7 @@ from statebackend.spark.connect_sessions import (
     new_session_id,
     with_session_id,
 )
+from statebackend.spark.reader_jar import jar_path
 
 DEFAULT_MASTER = "local[*]"
 # Without a conf that says how many cores the Connect server has.
@@ -84,9 +85,20 @@ def get_spark(master: str | None = None, app_name: str = "ckpt-job", conf: dict 
         if os.environ.get(var):
             settings[f"spark.executorEnv.{var}"] = os.environ[var]
     settings.update(conf or {})
+    settings.update(with_state_reader_jar(settings))
     for key, value in settings.items():
         builder = builder.config(key, value)
     return builder.getOrCreate()
+
+
+def with_state_reader_jar(settings: dict[str, str]) -> dict[str, str]:
+    """``spark.jars`` with the JVM state reader's jar added when it is built
+    (`statebackend.spark.jvm_reader`); {} without it."""
+    jar = jar_path()
+    if jar is None:
+        return {}
+    given = [j for j in settings.get("spark.jars", "").split(",") if j]
+    return {"spark.jars": ",".join([*given, jar] if jar not in given else given)}
 
 
 def quiet_console(master: str | None) -> dict[str, str]:

@@ -48,6 +48,7 @@ from statebackend.checkpoint.restore import (
 )
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import CheckpointNotFoundError, UsageError
+from statebackend.spark import jvm_reader
 from statebackend.state.external_store import ExternalRead, ExternalStore
 from statebackend.state.families import TIMERS
 from statebackend.state.kinds import StateDescriptor
@@ -64,6 +65,7 @@ from statebackend.storage import Storage, StorageOptions, open_storage
 from statebackend.subtasks import named_failure
 
 PAUSE_TIMEOUT_S = 300.0
+READERS = ("auto", "jvm", "python")  # ReadOptions.reader
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,9 @@ class ReadOptions:
     made by ``mapInArrow`` cannot have its columns pruned by Spark: every column a
     task yields crosses into the JVM, about a quarter of a read of 1M entries of 7
     columns. Name what a query needs (the columns: `statebackend.state.state_table`).
+    ``reader``: ``auto`` reads inside the JVM where `statebackend.spark.jvm_reader`
+    can (no Python worker; Spark prunes the columns), else through Python tasks;
+    ``jvm`` refuses in one line where it cannot; ``python`` always the Python tasks.
     ``pause_file`` is a test hook: each task, once it holds the checkpoint, creates
     ``<pause_file>.paused-<subtask>`` and waits until ``pause_file`` exists.
     """
@@ -92,6 +97,7 @@ class ReadOptions:
     pause_file: str | None = None
     state_db: ExternalStore | None = None
     columns: tuple[str, ...] | None = None
+    reader: str = "auto"
 
     @property
     def shape(self) -> TableShape:
@@ -122,11 +128,22 @@ def read_state(spark, storage: str | Storage, job: str, checkpoint: str | int = 
     """Checkpoint ``checkpoint`` (``latest``, an id or ``chk-<id>``) of ``job`` under
     ``storage`` (a URL, or a `Storage` with its options): state ``state`` as a DataFrame
     of one task per subtask (module doc; columns: `statebackend.state.state_table`)."""
-    task = plan_read(open_job_store(storage, job), checkpoint, state, options)
+    store = open_job_store(storage, job)
+    task = plan_read(store, checkpoint, state, options)
     # Spark only when a session is passed in: the planning above needs none
     from pyspark.sql.pandas.types import from_arrow_schema
 
     schema = from_arrow_schema(read_schema(task), prefer_timestamp_ntz=False)
+    if options.reader != "python":
+        desc = state_descriptor(task)
+        why_not = jvm_reader.reason_not_jvm(store, task, desc)
+        if why_not is None:
+            df = jvm_reader.jvm_dataframe(spark, store, task, desc, schema,
+                                          required=options.reader == "jvm")
+            if df is not None:
+                return df
+        elif options.reader == "jvm":
+            raise UsageError(f"read_state reader='jvm' cannot read this: {why_not}")
     n = len(task.handles)
     # range() puts exactly one id in each of its n partitions: one task per subtask.
     return spark.range(0, n, 1, n).mapInArrow(functools.partial(read_batches, task), schema)
@@ -156,6 +173,8 @@ def plan_read(store: CheckpointStore, checkpoint: str | int, state: str,
     meta = store.parse(meta.checkpoint_id, data)
     descriptors = tuple(StateDescriptor.from_json(s) for s in meta.states)
     desc = _state(descriptors, state, meta)
+    if options.reader not in READERS:
+        raise UsageError(f"read_state reader={options.reader!r}: use one of {', '.join(READERS)}")
     # a record field named like a column, or an unknown column asked for: refused now
     _projected(state_schema(desc, options.shape), options.columns, state)
     external = current_external_read(meta, options.state_db)  # one line if it cannot
@@ -185,7 +204,7 @@ def _clock(desc: StateDescriptor, meta: CheckpointMetadata) -> int | None:
 
 
 def read_schema(task: ReadTask) -> pa.Schema:
-    return _projected(state_schema(_descriptor(task), task.options.shape),
+    return _projected(state_schema(state_descriptor(task), task.options.shape),
                       task.options.columns, task.state)
 
 
@@ -206,7 +225,8 @@ def _projected(schema: pa.Schema, columns: tuple[str, ...] | None, state: str) -
     return pa.schema([schema.field(name) for name in columns])
 
 
-def _descriptor(task: ReadTask) -> StateDescriptor:
+def state_descriptor(task: ReadTask) -> StateDescriptor:
+    """The descriptor of the state ``task`` reads."""
     return next(d for d in task.descriptors if d.name == task.state)
 
 
@@ -240,7 +260,7 @@ def read_subtask(task: ReadTask, subtask: int) -> Iterator[pa.RecordBatch]:
         if data is None or digest_of(data) != task.record_digest:
             raise _retired(store, cid)
         instance = instance_dir(task.storage_url, task.job, subtask, task.options.local_dir)
-        read = StateRead(_descriptor(task), subtask, task.now, task.options.shape)
+        read = StateRead(state_descriptor(task), subtask, task.now, task.options.shape)
         if handle.backend == "memory" and task.state != TIMERS:
             yield from memory_state_batches(
                 store.storage, handle, read, os.path.join(instance, MemoryStateBackend.files_dir))

@@ -74,6 +74,8 @@ DESCRIPTORS = (
     StateDescriptor("labels", "map", StrCodec(), ttl=StateTtl(TTL_MS, "processing")),
 )
 BY_NAME = {d.name: d for d in DESCRIPTORS}
+# what the JVM reader reads of a RocksDB checkpoint: value states of record, str and bytes
+JVM_STATES = {"totals", "name", "blob", "seen"}
 HELD_TOTALS = HELPER_DESCRIPTORS[0]  # the "totals" record state `fill` writes
 STATES = [d.name for d in DESCRIPTORS]
 
@@ -226,6 +228,11 @@ def canonical(rows: list[dict]) -> list[str]:
 
 # -- equality with the dump, every kind ------------------------------------------------
 
+def uses_jvm(df) -> bool:
+    """Whether ``df`` reads inside the JVM (`statebackend.spark.jvm_reader`)."""
+    return "BatchScan checkpoint state" in df._jdf.queryExecution().executedPlan().toString()
+
+
 def test_the_fixture_has_live_and_expired_entries_of_every_ttl_state(kinds):
     for state in ("seen", "recent", "labels"):
         rows = [r for r in kinds["rows"] if r["state"] == state]
@@ -242,8 +249,11 @@ def test_read_state_equals_the_dump(spark, request, backend, state):
     """On RocksDB (a restore) and the memory backend (its key-group files read as they
     are), in one batch and in batches of about 50 entries."""
     checkpoint = request.getfixturevalue(backend)
-    for options in (ReadOptions(), ReadOptions(batch_rows=50)):
+    for options in (ReadOptions(), ReadOptions(batch_rows=50), ReadOptions(reader="python")):
         df = read_state(spark, checkpoint["url"], JOB, state=state, options=options)
+        # the default reads inside the JVM wherever it can (statebackend.spark.jvm_reader)
+        assert uses_jvm(df) == (backend == "kinds" and state in JVM_STATES
+                                and options.reader == "auto")
         got = as_dump_values(df.toArrow(), BY_NAME[state])
         assert got == expected(checkpoint["rows"], state)
         assert len(got) > 0
@@ -336,7 +346,9 @@ def test_only_the_columns_asked_for_in_their_order(spark, request, backend):
 
 @pytest.mark.slow
 def test_read_state_through_spark_connect_equals_the_dump(connect_server, kinds, tmp_path):
-    specs = [*STATES, "events:explode", "recent:explode", "totals:sum,key"]
+    # @jvm: read inside the server's JVM, or fail (the server loads the reader's jar)
+    specs = [*STATES, *(f"{s}@jvm" for s in sorted(JVM_STATES)), "events:explode",
+             "recent:explode", "totals:sum,key"]
     done = subprocess.run(
         [sys.executable, "-m", "tests.statebackend.spark.read_state_client", connect_server.url,
          kinds["url"], JOB, str(tmp_path), *specs],
@@ -345,6 +357,7 @@ def test_read_state_through_spark_connect_equals_the_dump(connect_server, kinds,
     for spec in specs[:-1]:
         state, _, mode = spec.partition(":")
         table = pq.read_table(tmp_path / f"{state}-{mode or 'rows'}.parquet")
+        state = state.removesuffix("@jvm")
         assert as_dump_values(table, BY_NAME[state]) == \
             expected(kinds["rows"], state, explode=mode == "explode"), spec
     cut = pq.read_table(tmp_path / "totals-sum,key.parquet")  # columns= through Connect
@@ -445,10 +458,12 @@ def test_subtasks_and_states_without_entries_read_as_no_rows(spark, tmp_path):
 
 # -- local recovery -----------------------------------------------------------------------
 
-def test_tasks_use_the_executors_local_snapshot_when_it_holds_the_files(spark, tmp_path):
+@pytest.mark.parametrize("reader", ["auto", "python"])
+def test_tasks_use_the_executors_local_snapshot_when_it_holds_the_files(spark, tmp_path,
+                                                                      reader):
     """Job-run instances left their snapshots under the local-recovery root: a read with
-    that root needs no file from storage (they are gone); with another root it downloads
-    them and fails in a line naming the subtask."""
+    that root needs no file from storage (they are gone); with another root it reads
+    storage and fails in a line naming the subtask (the JVM reader: and the file)."""
     url = f"file://{tmp_path}/store"
     store = CheckpointStore(open_storage(url), "local")
     local = str(tmp_path / "local")
@@ -462,14 +477,21 @@ def test_tasks_use_the_executors_local_snapshot_when_it_holds_the_files(spark, t
     want = cli_dump(url, "local", str(tmp_path / "d.jsonl"))
     store.storage.delete_many([f.path for h in meta.subtasks for f in h.shared_files])
 
-    df = read_state(spark, url, "local", state="totals", options=ReadOptions(local_dir=local))
+    df = read_state(spark, url, "local", state="totals",
+                    options=ReadOptions(local_dir=local, reader=reader))
+    assert uses_jvm(df) == (reader == "auto")
     assert as_dump_values(df.toArrow(), BY_NAME["totals"]) == expected(want, "totals")
     elsewhere = read_state(spark, url, "local", state="totals",
-                           options=ReadOptions(local_dir=str(tmp_path / "elsewhere")))
+                           options=ReadOptions(local_dir=str(tmp_path / "elsewhere"),
+                                               reader=reader))
     with pytest.raises(Exception) as err:
         elsewhere.collect()
-    assert "TaskFailedError: subtask " in str(err.value)
-    assert "restore failed" in str(err.value)
+    if reader == "python":
+        assert "TaskFailedError: subtask " in str(err.value)
+        assert "restore failed" in str(err.value)
+    else:
+        assert re.search(r"state 'totals' of subtask \d: \S+/shared/\S+\.sst is missing: the "
+                         r"checkpoint lost a file", str(err.value))
 
 
 # -- the hold lease: GC and retention during a read ---------------------------------------
@@ -496,13 +518,18 @@ def two_checkpoints_apart(tmp_path) -> tuple[str, CheckpointStore]:
 
 
 @pytest.mark.slow
-def test_gc_and_retention_during_a_read_delete_nothing_it_needs(spark, tmp_path, capsys):
+@pytest.mark.parametrize("reader", ["auto", "python"])
+def test_gc_and_retention_during_a_read_delete_nothing_it_needs(spark, tmp_path, capsys,
+                                                                reader):
+    """The JVM reader's tasks hold the checkpoint with leases of the Python format (GC
+    parses them strictly), as the Python tasks do."""
     url, store = two_checkpoints_apart(tmp_path)
     want = cli_dump(url, "held", str(tmp_path / "chk1.jsonl"), "1")
     files = [f.path for f in store.load(1).files]
     go = tmp_path / "go"
     df = read_state(spark, url, "held", checkpoint=1, state="totals",
-                    options=ReadOptions(pause_file=str(go)))
+                    options=ReadOptions(pause_file=str(go), reader=reader))
+    assert uses_jvm(df) == (reader == "auto")
     result: dict = {}
 
     def action() -> None:
@@ -540,10 +567,13 @@ def expected_plain(dump: list[dict], state: str) -> list[str]:
                       for r in dump if r["state"] == state])
 
 
+@pytest.mark.parametrize("reader", ["auto", "python"])
 def test_a_checkpoint_retired_before_the_action_fails_the_read_in_one_line(spark, tmp_path,
-                                                                         capsys):
+                                                                         capsys, reader):
     url, store = two_checkpoints_apart(tmp_path)
-    df = read_state(spark, url, "held", checkpoint=1, state="totals")
+    df = read_state(spark, url, "held", checkpoint=1, state="totals",
+                    options=ReadOptions(reader=reader))
+    assert uses_jvm(df) == (reader == "auto")
     _retain_and_gc(url, "held")  # nothing holds checkpoint 1 before the action runs
     capsys.readouterr()
     with pytest.raises(Exception) as err:
