@@ -7,10 +7,10 @@ read; Spark's own ``statestore`` reader never leaves the JVM, and neither does t
 one. Spark also prunes its columns (a ``mapInArrow`` DataFrame cannot be pruned).
 
 What it reads, and what it leaves to the Python reader (`reason_not_jvm`, one line):
-RocksDB subtasks on storage this host sees as files (``file://``); value, reducing and
-aggregating states whose codec is a record (fields as columns), ``str`` or ``bytes``,
-with or without TTL. Lists, maps, JSON values, the timers, memory and external
-backends, ``s3://``: the Python reader. The jar is built from source by ``make``
+RocksDB and memory-backend subtasks on storage this host sees as files (``file://``);
+value, reducing and aggregating states whose codec is a record (fields as columns),
+``str`` or ``bytes``, with or without TTL. Lists, maps, JSON values, the timers, the
+external backend, ``s3://``: the Python reader. The jar is built from source by ``make``
 (javac against pyspark's jars) into `statebackend.spark.reader_jar.JAR`; sessions made by
 `statebackend.spark.session.get_spark` load it (``spark.jars``), and so does the
 Connect server of `bench.connect_server`. A session without it reads through Python
@@ -24,7 +24,8 @@ local snapshot (the local-recovery folder a job run on the host left, named on t
 driver: ``ReadOptions.local_dir``, else ``CKPT_LOCAL_DIR``, else the temp folder's)
 when that holds it with its recorded size, else from storage. Files the direct SST reader does not
 read (range tombstones, the files a rescale or bootstrap ingested, a non-empty WAL) are read
-through rocksdbjni over links to the stored files.
+through rocksdbjni over links to the stored files. A memory-backend subtask's key-group
+files are decoded as the Python reader decodes them (`statebackend.checkpoint.memory_read`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import os
 
 from statebackend.checkpoint.layout import LEASES_DIR, metadata_path
 from statebackend.checkpoint.local_copy import instance_dir
+from statebackend.checkpoint.metadata import SubtaskHandle
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import UsageError
 from statebackend.settings import lease_timing
@@ -42,10 +44,12 @@ from statebackend.spark.session import is_connect
 from statebackend.state.backend import SNAPSHOTS_DIR
 from statebackend.state.codecs import BytesCodec, RecordCodec, StrCodec
 from statebackend.state.kinds import StateDescriptor
+from statebackend.state.memory import MemoryStateBackend, served_key_groups
 
 SOURCE = "ckpt.reader.StateSource"
 PLAN_FORMAT = 1  # ReadPlan.FORMAT in the jar
 _DIRECT_KINDS = ("value", "reducing", "aggregating")
+_BACKENDS = ("rocksdb", "memory")  # whose files the jar reads
 
 
 def reason_not_jvm(store: CheckpointStore, task, desc: StateDescriptor) -> str | None:
@@ -53,9 +57,10 @@ def reason_not_jvm(store: CheckpointStore, task, desc: StateDescriptor) -> str |
     when it can."""
     if store.storage.local_path("") is None:
         return f"storage {store.root_storage.url} is not a local folder (file://)"
-    backends = sorted({h.backend for h in task.handles} - {"rocksdb"})
+    backends = sorted({h.backend for h in task.handles} - set(_BACKENDS))
     if backends:
-        return f"the checkpoint has {backends[0]} subtasks (the JVM reader reads RocksDB)"
+        return f"the checkpoint has {backends[0]} subtasks (the JVM reader reads RocksDB " \
+               "and memory-backend files)"
     if desc.kind not in _DIRECT_KINDS:
         return f"state {desc.name!r} is a {desc.kind} state (the JVM reader reads value, " \
                "reducing and aggregating states)"
@@ -87,15 +92,23 @@ def plan_json(store: CheckpointStore, task, desc: StateDescriptor) -> str:
         "ttl": desc.ttl is not None, "now": task.now, "lease_ttl_seconds": ttl,
         "lease_heartbeat_seconds": beat, "pause_file": task.options.pause_file,
         "batch_rows": min(task.options.batch_rows, 4096),
-        "subtasks": [{"index": h.index, "key_group_start": h.key_group_start,
-                      "key_group_end": h.key_group_end,
-                      "local_snapshot": os.path.join(
-                          instance_dir(task.storage_url, task.job, h.index,
-                                       task.options.local_dir),
-                          SNAPSHOTS_DIR, h.snapshot_id),
-                      "files": [{"path": local(f.path), "local_name": f.local_name,
-                                 "size": f.size, "checksum": f.checksum} for f in h.files]}
-                     for h in task.handles]})
+        "backend": task.handles[0].backend if task.handles else "rocksdb",
+        "subtasks": [_subtask_json(task, h, local) for h in task.handles]})
+
+
+def _subtask_json(task, handle: SubtaskHandle, local) -> dict:
+    """One subtask's files (where storage has them, and where this host's copies would
+    be); a memory-backend file with the key groups the subtask reads from it."""
+    instance = instance_dir(task.storage_url, task.job, handle.index, task.options.local_dir)
+    memory = handle.backend == "memory"
+    copies = os.path.join(instance, MemoryStateBackend.files_dir) if memory else \
+        os.path.join(instance, SNAPSHOTS_DIR, handle.snapshot_id)
+    return {"index": handle.index, "key_group_start": handle.key_group_start,
+            "key_group_end": handle.key_group_end, "local_snapshot": copies,
+            "files": [{"path": local(f.path), "local_name": f.local_name, "size": f.size,
+                       "checksum": f.checksum,
+                       "key_groups": list(served_key_groups(f.local_name, f.key_group_ids))
+                       if memory else []} for f in handle.files]}
 
 
 def jvm_dataframe(spark, store: CheckpointStore, task, desc: StateDescriptor, schema, *,

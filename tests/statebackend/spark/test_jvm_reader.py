@@ -61,15 +61,24 @@ def delete(backends, ks: list[str]) -> None:
             b.value_state(state).delete_many([ks[i] for i in idx])
 
 
+@pytest.fixture(scope="module", params=["rocksdb", "memory"])
+def runs(tmp_path_factory, request):
+    return written_twice(tmp_path_factory.mktemp("runs"), request.param)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Checkpoint 2 of a job whose states are two sorted runs each (no compaction in
-    between): the second overwrites a third of the keys and deletes another third; the
-    expected values of checkpoint 2 per state."""
-    base = tmp_path_factory.mktemp("runs")
+def rocks_runs(tmp_path_factory):
+    return written_twice(tmp_path_factory.mktemp("rocks-runs"), "rocksdb")
+
+
+def written_twice(base, kind: str) -> dict:
+    """Checkpoint 2 of a job written twice: the second overwrites a third of the keys and
+    deletes another third (RocksDB: two sorted runs per state, no compaction in between;
+    memory backend: a second segment of the key groups changed); the expected values of
+    checkpoint 2 per state."""
     url = f"file://{base}/store"
     store = CheckpointStore(open_storage(url), "runs")
-    backends = open_backends(str(base / "work"), P, M, STATES)
+    backends = open_backends(str(base / "work"), P, M, STATES, kind=kind)
     write(backends, KEYS, 0)
     checkpoint_backends(store, backends, parent=None)
     changed, gone = KEYS[0::3], KEYS[1::3]
@@ -85,11 +94,11 @@ def runs(tmp_path_factory):
     for state in want:
         for k in gone:
             del want[state][k]
-    return {"url": url, "store": store, "meta": meta, "want": want}
+    return {"url": url, "store": store, "meta": meta, "want": want, "kind": kind}
 
 
-def test_the_fixture_has_overlapping_runs(runs):
-    ssts = [f for h in runs["meta"].subtasks for f in h.files if f.local_name.endswith(".sst")]
+def test_the_fixture_has_overlapping_runs(rocks_runs):
+    ssts = [f for h in rocks_runs["meta"].subtasks for f in h.files if f.local_name.endswith(".sst")]
     assert len(ssts) >= 4 * P  # two runs of two states in every subtask
 
 
@@ -105,7 +114,8 @@ def test_overlapping_runs_read_directly_equal_what_was_written(spark, runs, stat
     assert rows_of(python, state) == got
 
 
-def test_through_rocksdb_equals_the_direct_read(spark, runs, monkeypatch):
+def test_through_rocksdb_equals_the_direct_read(spark, rocks_runs, monkeypatch):
+    runs = rocks_runs
     direct = rows_of(read_state(spark, runs["url"], "runs", state="rec"), "rec")
     planned = jvm_reader.plan_json
     monkeypatch.setattr(jvm_reader, "plan_json",
@@ -123,12 +133,14 @@ def _task_and_desc(runs, state):
     return task, state_descriptor(task)
 
 
-def test_after_a_rescale_equals_the_python_reader_and_the_dump(spark, tmp_path):
-    """A rescale ingests other subtasks' SSTs and clips the bases (range deletions):
-    out then in, every state read equals the Python reader's and the dump."""
+@pytest.mark.parametrize("kind", ["rocksdb", "memory"])
+def test_after_a_rescale_equals_the_python_reader_and_the_dump(spark, tmp_path, kind):
+    """A RocksDB rescale ingests other subtasks' SSTs and clips the bases (range
+    deletions); a memory-backend one hands each new subtask some key groups of the old
+    segments: out then in, every state read equals the Python reader's and the dump."""
     url = f"file://{tmp_path}/store"
     store = CheckpointStore(open_storage(url), "moved")
-    backends = open_backends(str(tmp_path / "work"), P, M, STATES)
+    backends = open_backends(str(tmp_path / "work"), P, M, STATES, kind=kind)
     write(backends, KEYS, 0)
     checkpoint_backends(store, backends, parent=None)
     write(backends, KEYS[::2], 3)
@@ -154,14 +166,17 @@ def test_after_a_rescale_equals_the_python_reader_and_the_dump(spark, tmp_path):
             assert {v[2] for v in got.values()} == set(range(parallelism))
 
 
-def test_a_damaged_file_is_refused_in_one_line_naming_it(spark, tmp_path):
+@pytest.mark.parametrize("kind", ["rocksdb", "memory"])
+def test_a_damaged_file_is_refused_in_one_line_naming_it(spark, tmp_path, kind):
     url = f"file://{tmp_path}/store"
     store = CheckpointStore(open_storage(url), "hurt")
-    backends = open_backends(str(tmp_path / "work"), 2, M, STATES)
+    backends = open_backends(str(tmp_path / "work"), 2, M, STATES, kind=kind)
     write(backends, KEYS, 0)
     meta = checkpoint_backends(store, backends, parent=None)
     close_all(backends)
-    damaged = meta.subtasks[0].shared_files  # each state's SST: the read opens one of them
+    # each state's SST (or the memory backend's segment): the read opens one of them
+    damaged = [f for f in meta.subtasks[0].files if f.size > 1000]
+    assert damaged
     for sst in damaged:
         path = store.storage.local_path(sst.path)
         data = bytearray(open(path, "rb").read())

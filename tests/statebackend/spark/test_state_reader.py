@@ -74,7 +74,7 @@ DESCRIPTORS = (
     StateDescriptor("labels", "map", StrCodec(), ttl=StateTtl(TTL_MS, "processing")),
 )
 BY_NAME = {d.name: d for d in DESCRIPTORS}
-# what the JVM reader reads of a RocksDB checkpoint: value states of record, str and bytes
+# what the JVM reader reads (RocksDB and memory backend): value states of record, str, bytes
 JVM_STATES = {"totals", "name", "blob", "seen"}
 HELD_TOTALS = HELPER_DESCRIPTORS[0]  # the "totals" record state `fill` writes
 STATES = [d.name for d in DESCRIPTORS]
@@ -252,8 +252,7 @@ def test_read_state_equals_the_dump(spark, request, backend, state):
     for options in (ReadOptions(), ReadOptions(batch_rows=50), ReadOptions(reader="python")):
         df = read_state(spark, checkpoint["url"], JOB, state=state, options=options)
         # the default reads inside the JVM wherever it can (statebackend.spark.jvm_reader)
-        assert uses_jvm(df) == (backend == "kinds" and state in JVM_STATES
-                                and options.reader == "auto")
+        assert uses_jvm(df) == (state in JVM_STATES and options.reader == "auto")
         got = as_dump_values(df.toArrow(), BY_NAME[state])
         assert got == expected(checkpoint["rows"], state)
         assert len(got) > 0

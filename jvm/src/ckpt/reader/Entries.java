@@ -30,6 +30,7 @@ import java.util.List;
  */
 abstract class Entries implements AutoCloseable {
     byte[] key;
+    int keyOffset;
     int keyLength;
     byte[] value;
     int valueOffset;

@@ -13,19 +13,22 @@ import java.util.List;
  * the checkpoint (and the digest of its ``_metadata``), the state and its codec, and
  * each subtask's key-group range and files with their recorded sizes and checksums, and
  * the folder where a job run on this host left that subtask's local snapshot, if any.
- * ``direct`` (default true): false reads every subtask through RocksDB (a test hook).
+ * ``backend``: ``rocksdb`` or ``memory`` (its key-group files); ``direct`` (default
+ * true): false reads every RocksDB subtask through RocksDB (a test hook).
  */
 record ReadPlan(String job, String metadataPath, String leasesDir, long checkpointId,
                 String recordDigest, String state, String codec, List<Field> fields,
                 boolean ttl, Long now, double leaseTtlSeconds, double leaseHeartbeatSeconds,
-                String pauseFile, int batchRows, boolean direct, List<SubtaskFiles> subtaskFiles) {
+                String pauseFile, int batchRows, boolean memory, boolean direct,
+                List<SubtaskFiles> subtaskFiles) {
 
     static final int FORMAT = 1;
 
     record Field(String name, String type) {
     }
 
-    record StoredFile(String path, String localName, long size, String checksum) {
+    /** ``keyGroups``: a memory-backend file's key groups this subtask reads from it. */
+    record StoredFile(String path, String localName, long size, String checksum, List<Integer> keyGroups) {
     }
 
     record SubtaskFiles(int index, int keyGroupStart, int keyGroupEnd, String localSnapshot,
@@ -53,8 +56,10 @@ record ReadPlan(String job, String metadataPath, String leasesDir, long checkpoi
         for (JsonNode s : n.path("subtasks")) {
             List<StoredFile> files = new ArrayList<>();
             for (JsonNode f : s.path("files")) {
+                List<Integer> keyGroups = new ArrayList<>();
+                for (JsonNode kg : f.path("key_groups")) keyGroups.add(kg.asInt());
                 files.add(new StoredFile(f.get("path").asText(), f.get("local_name").asText(),
-                                         f.get("size").asLong(), f.get("checksum").asText()));
+                                         f.get("size").asLong(), f.get("checksum").asText(), keyGroups));
             }
             JsonNode local = s.path("local_snapshot");
             subtasks.add(new SubtaskFiles(s.get("index").asInt(), s.get("key_group_start").asInt(),
@@ -71,6 +76,7 @@ record ReadPlan(String job, String metadataPath, String leasesDir, long checkpoi
                             n.get("lease_ttl_seconds").asDouble(),
                             n.get("lease_heartbeat_seconds").asDouble(),
                             pause.isNull() || pause.isMissingNode() ? null : pause.asText(),
-                            n.get("batch_rows").asInt(), n.path("direct").asBoolean(true), subtasks);
+                            n.get("batch_rows").asInt(), "memory".equals(n.path("backend").asText()),
+                            n.path("direct").asBoolean(true), subtasks);
     }
 }

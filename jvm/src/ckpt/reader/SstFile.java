@@ -8,7 +8,6 @@ import java.nio.channels.FileChannel;
 import java.nio.charset.StandardCharsets;
 import java.util.HashMap;
 import java.util.Map;
-import java.util.zip.CRC32C;
 
 /**
  * One RocksDB block-based SST file, read from its bytes without RocksDB: the footer
@@ -20,7 +19,7 @@ import java.util.zip.CRC32C;
  * data blocks. Anything else (another compression, a hash index, a range tombstone)
  * raises {@link Unsupported}, and the caller reads the instance through RocksDB
  * instead. Block checksums are not verified here: the caller checks each whole file
- * against the CRC recorded in the checkpoint's metadata first.
+ * against the CRC recorded in the checkpoint's metadata first ({@link StoredFiles}).
  */
 final class SstFile {
     static final long BLOCK_BASED_MAGIC = 0x88e241b785f4cff7L;
@@ -107,22 +106,16 @@ final class SstFile {
     }
 
     /**
-     * Reads the whole file and returns its CRC-32C (the caller compares it with the
-     * checkpoint's record before reading an entry); then checks each data block's
-     * compression, so nothing is refused half-way through a scan.
+     * Reads the whole file (the caller checks its CRC before reading an entry) and each
+     * data block's compression, so nothing is refused half-way through a scan.
      */
-    long load() throws IOException, Unsupported {
-        byte[] all = read(0, (int) size);
-        CRC32C crc = new CRC32C();
-        crc.update(all, 0, all.length);
-        data = all;
+    byte[] load() throws IOException, Unsupported {
+        data = read(0, (int) size);
         for (int b = 0; b < dataBlocks.length; b += 2) {
-            if ((data[(int) (dataBlocks[b] + dataBlocks[b + 1])] & 0xff) > 1) {
-                throw new Unsupported(name + ": a data block of compression type "
-                    + data[(int) (dataBlocks[b] + dataBlocks[b + 1])]);
-            }
+            int compression = data[(int) (dataBlocks[b] + dataBlocks[b + 1])] & 0xff;
+            if (compression > 1) throw new Unsupported(name + ": a data block of compression type " + compression);
         }
-        return crc.getValue();
+        return data;
     }
 
     private byte[] read(long offset, int length) throws IOException {

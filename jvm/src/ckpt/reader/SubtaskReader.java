@@ -18,8 +18,6 @@ import java.security.NoSuchAlgorithmException;
 import java.util.ArrayList;
 import java.util.HexFormat;
 import java.util.List;
-import java.util.zip.CRC32;
-import java.util.zip.CRC32C;
 
 /**
  * One subtask's part of a read, as columnar batches: hold the checkpoint (a hold
@@ -108,9 +106,10 @@ final class SubtaskReader implements PartitionReader<ColumnarBatch> {
         int capacity = plan.batchRows();
         while (rows < capacity && entries.next()) {
             byte[] key = entries.key;
+            int k = entries.keyOffset;
             int keyLength = entries.keyLength;
             if (keyLength < 2) throw new IOException(label + ": a stored key is shorter than its key-group prefix");
-            int keyGroup = (key[0] & 0xff) << 8 | (key[1] & 0xff);
+            int keyGroup = (key[k] & 0xff) << 8 | (key[k + 1] & 0xff);
             if (keyGroup < subtask.keyGroupStart() || keyGroup > subtask.keyGroupEnd()) continue;
             byte[] value = entries.value;
             int at = entries.valueOffset;
@@ -124,7 +123,7 @@ final class SubtaskReader implements PartitionReader<ColumnarBatch> {
             for (int c = 0; c < kinds.length; c++) {
                 OnHeapColumnVector v = vectors[c];
                 switch (kinds[c]) {
-                    case KEY -> v.putByteArray(rows, key, 2, keyLength - 2);
+                    case KEY -> v.putByteArray(rows, key, k + 2, keyLength - 2);
                     case KEY_GROUP -> v.putInt(rows, keyGroup);
                     case SUBTASK -> v.putInt(rows, subtask.index());
                     case EXPIRES -> v.putLong(rows, Math.max(-MAX_MS, Math.min(MAX_MS, expiry)) * 1000);
@@ -170,7 +169,7 @@ final class SubtaskReader implements PartitionReader<ColumnarBatch> {
             plan.leaseTtlSeconds(), plan.leaseHeartbeatSeconds());
         pause();
         checkMetadata();
-        entries = directOrRocks();
+        entries = entriesOf();
     }
 
     private void checkMetadata() throws IOException {
@@ -188,28 +187,37 @@ final class SubtaskReader implements PartitionReader<ColumnarBatch> {
         }
     }
 
-    /** The SST files of the state read directly, else the instance through RocksDB. */
-    private Entries directOrRocks() throws IOException {
+    /** Memory-backend files, else the SST files of the state read directly, else the
+     *  instance through RocksDB. */
+    private Entries entriesOf() throws IOException {
+        StoredFiles stored = new StoredFiles(subtask.localSnapshot());
+        if (plan.memory()) return SegmentEntries.open(stored, subtask, plan.state());
         List<SstFile> mine = new ArrayList<>();
         List<FileChannel> channels = new ArrayList<>();
         boolean direct = plan.direct();
         try {
             for (ReadPlan.StoredFile f : subtask.files()) {
-                Path path = checkedPath(f);
                 String local = f.localName();
                 if (local.endsWith(".log") && f.size() > 0 || local.endsWith(".blob")) direct = false;
                 if (!direct || !local.endsWith(".sst")) continue;
-                FileChannel channel = FileChannel.open(path, StandardOpenOption.READ, LinkOption.NOFOLLOW_LINKS);
-                channels.add(channel);
-                SstFile sst = new SstFile(path.toString(), channel);
+                SstFile sst = null;
+                IOException mismatch = null;
+                for (Path path : stored.candidates(f)) {
+                    FileChannel channel = FileChannel.open(path, StandardOpenOption.READ, LinkOption.NOFOLLOW_LINKS);
+                    channels.add(channel);
+                    sst = new SstFile(path.toString(), channel);
+                    String family = sst.columnFamily();
+                    if (family == null || family.isEmpty() || !plan.state().equals(family)) break;
+                    mismatch = StoredFiles.mismatch(f, path, StoredFiles.crc(sst.load(), f.checksum()));
+                    if (mismatch == null) break;
+                }
+                if (mismatch != null) throw mismatch;
                 String family = sst.columnFamily();
                 if (family == null || family.isEmpty()) {
                     direct = false;  // an ingested file: its column family is in the MANIFEST only
-                    continue;
+                } else if (plan.state().equals(family)) {
+                    mine.add(sst);
                 }
-                if (!plan.state().equals(family)) continue;
-                requireRecorded(f, path, sst.load(), "crc32c");
-                mine.add(sst);
             }
             if (direct && mine.size() > 1 && mine.stream().anyMatch(SstFile::external)) direct = false;
         } catch (SstFile.Unsupported e) {
@@ -220,60 +228,9 @@ final class SubtaskReader implements PartitionReader<ColumnarBatch> {
         if (direct) return new Entries.Direct(mine);
         List<String[]> files = new ArrayList<>();
         for (ReadPlan.StoredFile f : subtask.files()) {
-            Path path = checkedPath(f);
-            requireRecorded(f, path, crcOf(path, f), null);
-            files.add(new String[] {path.toString(), f.localName()});
+            files.add(new String[] {stored.checkedPath(f).toString(), f.localName()});
         }
         return new Entries.Rocks(files, plan.state());
-    }
-
-    /**
-     * Where to read ``f``: the executor's local snapshot when it holds the file with its
-     * recorded size (as the Python reader's local recovery), else storage. Either way its
-     * bytes are checked against the recorded checksum before use.
-     */
-    private Path checkedPath(ReadPlan.StoredFile f) throws IOException {
-        if (subtask.localSnapshot() != null) {
-            Path local = Path.of(subtask.localSnapshot(), f.localName());
-            if (Files.isRegularFile(local, LinkOption.NOFOLLOW_LINKS) && Files.size(local) == f.size()) {
-                return local;
-            }
-        }
-        Path path = Path.of(f.path());
-        if (Files.isSymbolicLink(path)) {
-            throw new IOException("refused " + path + ": a symbolic link; storage holds regular files only");
-        }
-        if (!Files.isRegularFile(path, LinkOption.NOFOLLOW_LINKS)) {
-            throw new IOException(path + " is missing: the checkpoint lost a file (`ckpt validate --full`)");
-        }
-        long size = Files.size(path);
-        if (size != f.size()) {
-            throw new IOException(path + ": " + size + " bytes, metadata records " + f.size() + " bytes");
-        }
-        return path;
-    }
-
-    private static long crcOf(Path path, ReadPlan.StoredFile f) throws IOException {
-        byte[] data = Files.readAllBytes(path);
-        java.util.zip.Checksum crc = f.checksum().startsWith("crc32c:") ? new CRC32C() : new CRC32();
-        crc.update(data, 0, data.length);
-        return crc.getValue();
-    }
-
-    /**
-     * Throws unless ``crc`` (of ``path``'s bytes, by ``algorithm``; null: the recorded
-     * checksum's) is the checksum the checkpoint records for ``f``.
-     */
-    private static void requireRecorded(ReadPlan.StoredFile f, Path path, long crc, String algorithm)
-            throws IOException {
-        String recorded = f.checksum();
-        String name = recorded.substring(0, Math.max(0, recorded.indexOf(':')));
-        if (algorithm != null && !algorithm.equals(name)) crc = crcOf(path, f);
-        String found = name + ":" + String.format("%08x", crc);
-        if (!found.equals(recorded)) {
-            throw new IOException(path + ": " + f.size() + " bytes with " + found + ", metadata records "
-                + recorded + " (a damaged or replaced file)");
-        }
     }
 
     private void pause() throws IOException {
