@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from statebackend.checkpoint.layout import LEASES_DIR, metadata_path
 from statebackend.checkpoint.local_copy import instance_dir
@@ -46,13 +48,17 @@ from statebackend.state.codecs import BytesCodec, RecordCodec, StrCodec
 from statebackend.state.kinds import StateDescriptor
 from statebackend.state.memory import MemoryStateBackend, served_key_groups
 
+if TYPE_CHECKING:  # state_reader calls this module
+    from statebackend.spark.state_reader import ReadTask
+
 SOURCE = "ckpt.reader.StateSource"
 PLAN_FORMAT = 1  # ReadPlan.FORMAT in the jar
 _DIRECT_KINDS = ("value", "reducing", "aggregating")
 _BACKENDS = ("rocksdb", "memory")  # whose files the jar reads
 
 
-def reason_not_jvm(store: CheckpointStore, task, desc: StateDescriptor) -> str | None:
+def reason_not_jvm(store: CheckpointStore, task: ReadTask, desc: StateDescriptor
+                   ) -> str | None:
     """Why the JVM reader cannot read ``task`` (a `ReadTask` of state ``desc``), or None
     when it can."""
     if store.storage.local_path("") is None:
@@ -76,7 +82,7 @@ def reason_not_jvm(store: CheckpointStore, task, desc: StateDescriptor) -> str |
     return None
 
 
-def plan_json(store: CheckpointStore, task, desc: StateDescriptor) -> str:
+def plan_json(store: CheckpointStore, task: ReadTask, desc: StateDescriptor) -> str:
     """The jar's ``plan`` option (``ReadPlan``) for ``task`` (`reason_not_jvm` is None)."""
     codec = desc.codec
     ttl, beat = lease_timing()
@@ -96,7 +102,8 @@ def plan_json(store: CheckpointStore, task, desc: StateDescriptor) -> str:
         "subtasks": [_subtask_json(task, h, local) for h in task.handles]})
 
 
-def _subtask_json(task, handle: SubtaskHandle, local) -> dict:
+def _subtask_json(task: ReadTask, handle: SubtaskHandle, local: Callable[[str], str | None]
+                  ) -> dict:
     """One subtask's files (where storage has them, and where this host's copies would
     be); a memory-backend file with the key groups the subtask reads from it."""
     instance = instance_dir(task.storage_url, task.job, handle.index, task.options.local_dir)
@@ -111,7 +118,7 @@ def _subtask_json(task, handle: SubtaskHandle, local) -> dict:
                        if memory else []} for f in handle.files]}
 
 
-def jvm_dataframe(spark, store: CheckpointStore, task, desc: StateDescriptor, schema, *,
+def jvm_dataframe(spark, store: CheckpointStore, task: ReadTask, desc: StateDescriptor, schema, *,
                   required: bool):
     """The JVM reader's DataFrame of ``task`` (Spark ``schema``); None when this session
     cannot load the jar and ``required`` is False (UsageError when it is)."""
