@@ -16,8 +16,10 @@ executor may be using it. When the executor's ``snapshots/<snapshot id>`` holds 
 file of the handle with its recorded size, the reader hard-links them into a folder of
 its own (SSTs are immutable, and a link outlives a run pruning that snapshot); else it
 downloads them (`statebackend.checkpoint.restore`: checked sizes and checksums). It
-opens that copy read-only and removes the folder when done. `restore.seed_local_snapshot`
-places such links (or copies) for a writer of its own, such as a rescale's base.
+opens that copy read-only and removes the folder when done. A writer of its own (a
+rescale's base) is seeded the same way: `restore.restore_subtask` with
+``RestoreOptions(local_instance=...)``, copying across filesystems when the store is
+remote.
 """
 
 from __future__ import annotations

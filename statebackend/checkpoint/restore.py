@@ -119,9 +119,10 @@ class RestoreOptions:
     # handle, statebackend.rescale.task): a new backend id, and none of the stored
     # snapshot's recorded facts (its counts describe the handle's range, not this one).
     key_groups: KeyGroupRange | None = None
-    # `restored_readonly` only: an executor's local-recovery instance folder
-    # (statebackend.checkpoint.local_copy.instance_dir) whose snapshot of the handle is
-    # linked instead of downloaded when it holds every file
+    # An executor's local-recovery instance folder (statebackend.checkpoint.local_copy
+    # .instance_dir) whose snapshot of the handle is seeded into the new instance's folder
+    # when it holds every file (linked; copied across filesystems when the store is
+    # remote: a local copy beats a download), instead of downloading the files
     local_instance: str | None = None
 
 
@@ -148,6 +149,11 @@ def restore_subtask(job_storage: Storage, handle: SubtaskHandle, local_dir: str,
                           options)
     if handle.backend == "external":
         return _restore_external(handle, local_dir, (descriptors, max_parallelism), options)
+    if options.local_instance is not None:
+        seeded = _seed_local_snapshot(options.local_instance, handle, local_dir,
+                                     copy=job_storage.remote)
+        options = replace(options, allow_local=options.allow_local and seeded,
+                          local_instance=None)
     if handle.backend == "memory":
         mode = _place_memory_files(job_storage, handle, local_dir, options.allow_local)
     else:
@@ -416,10 +422,9 @@ def restored_readonly(job_storage: Storage, handle: SubtaskHandle,
                            dir=parent if parent and os.path.isdir(parent) else None)
     backend = None
     try:
-        seeded = instance is not None and seed_local_snapshot(instance, handle, tmp)
         backend = restore_subtask(job_storage, handle, tmp, descriptors, max_parallelism,
-                                  replace(options, read_only=True, allow_local=seeded,
-                                          backend=None, local_instance=None))
+                                  replace(options, read_only=True, backend=None,
+                                          allow_local=instance is not None))
         yield backend
     finally:
         if backend is not None:
@@ -427,7 +432,7 @@ def restored_readonly(job_storage: Storage, handle: SubtaskHandle,
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def seed_local_snapshot(instance: str, handle: SubtaskHandle, folder: str,
+def _seed_local_snapshot(instance: str, handle: SubtaskHandle, folder: str,
                         copy: bool = False) -> bool:
     """Hard-link the executor's snapshot of ``handle`` (in the local-recovery folder
     ``instance``) into ``folder``'s snapshots folder, where `restore_subtask` finds it;

@@ -48,7 +48,6 @@ from statebackend.checkpoint.restore import (
     RestoreOptions,
     restore_subtask,
     restored_readonly,
-    seed_local_snapshot,
 )
 from statebackend.checkpoint.snapshot import SnapshotResult, upload_snapshot
 from statebackend.errors import SnapshotError
@@ -244,10 +243,9 @@ class _NewSubtask:
             # referenced, and only files of the committed source are referenced.
             instance = instance_dir(task.storage_url, task.job, base.index, task.local_dir)
             base_dir = os.path.join(self.work, f"old-{base.index}")
-            seeded = seed_local_snapshot(instance, base, base_dir, copy=self.storage.remote)
             self.backend = backend = restore_subtask(
                 self.storage, base, base_dir, task.states, task.max_parallelism,
-                RestoreOptions(allow_local=seeded, key_groups=task.plan.key_groups,
+                RestoreOptions(local_instance=instance, key_groups=task.plan.key_groups,
                                label=_label(task.source_checkpoint_id, base)))
             self.restore_modes = (backend.restore_mode, *self.restore_modes)
         with self._timed("clip"):

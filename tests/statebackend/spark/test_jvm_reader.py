@@ -98,7 +98,8 @@ def written_twice(base, kind: str) -> dict:
 
 
 def test_the_fixture_has_overlapping_runs(rocks_runs):
-    ssts = [f for h in rocks_runs["meta"].subtasks for f in h.files if f.local_name.endswith(".sst")]
+    ssts = [f for h in rocks_runs["meta"].subtasks for f in h.files
+            if f.local_name.endswith(".sst")]
     assert len(ssts) >= 4 * P  # two runs of two states in every subtask
 
 
