@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from statebackend.checkpoint.layout import LEASES_DIR, metadata_path
 from statebackend.checkpoint.local_copy import instance_dir
@@ -41,15 +40,13 @@ from statebackend.checkpoint.metadata import SubtaskHandle
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import UsageError
 from statebackend.settings import lease_timing
+from statebackend.spark.read_task import ReadTask
 from statebackend.spark.reader_jar import jar_path
 from statebackend.spark.session import is_connect
 from statebackend.state.backend import SNAPSHOTS_DIR
 from statebackend.state.codecs import BytesCodec, RecordCodec, StrCodec
 from statebackend.state.kinds import StateDescriptor
 from statebackend.state.memory import MemoryStateBackend, served_key_groups
-
-if TYPE_CHECKING:  # state_reader calls this module
-    from statebackend.spark.state_reader import ReadTask
 
 SOURCE = "ckpt.reader.StateSource"
 PLAN_FORMAT = 1  # ReadPlan.FORMAT in the jar

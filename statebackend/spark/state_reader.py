@@ -32,7 +32,6 @@ import functools
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pyarrow as pa
 
@@ -40,7 +39,7 @@ from statebackend.checkpoint.leases import hold
 from statebackend.checkpoint.lineage import digest_of
 from statebackend.checkpoint.local_copy import instance_dir
 from statebackend.checkpoint.memory_read import memory_state_batches
-from statebackend.checkpoint.metadata import CheckpointMetadata, SubtaskHandle
+from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.restore import (
     RestoreOptions,
     current_external_read,
@@ -49,78 +48,20 @@ from statebackend.checkpoint.restore import (
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.errors import CheckpointNotFoundError, UsageError
 from statebackend.spark import jvm_reader
-from statebackend.state.external_store import ExternalRead, ExternalStore
+from statebackend.spark.read_task import READERS, ReadOptions, ReadTask, state_descriptor
 from statebackend.state.families import TIMERS
 from statebackend.state.kinds import StateDescriptor
 from statebackend.state.memory import MemoryStateBackend
 from statebackend.state.state_table import (
-    BATCH_ROWS,
     StateRead,
-    TableShape,
     readable,
     state_batches,
     state_schema,
 )
-from statebackend.storage import Storage, StorageOptions, open_storage
+from statebackend.storage import Storage, open_storage
 from statebackend.subtasks import named_failure
 
 PAUSE_TIMEOUT_S = 300.0
-READERS = ("auto", "jvm", "python")  # ReadOptions.reader
-
-
-@dataclass(frozen=True)
-class ReadOptions:
-    """How `read_state` shapes and reads the state.
-
-    ``explode_lists``: a list state as one row per element (``position``, the element)
-    instead of one row per key with an array; ``fields_as_columns``: a record's fields
-    as columns, else one struct column ``value``; ``local_dir``: the executors'
-    local-recovery root (default ``CKPT_LOCAL_DIR``, else ``<tmp>/ckpt-local``: where
-    job runs keep it); ``batch_rows``: about how many entries an Arrow batch holds;
-    ``state_db``: the database of an external-backend checkpoint (its key groups are
-    queried at the checkpoint's version; refused in one line without it);
-    ``columns``: only these columns, in this order (None: every column). A DataFrame
-    made by ``mapInArrow`` cannot have its columns pruned by Spark: every column a
-    task yields crosses into the JVM, about a quarter of a read of 1M entries of 7
-    columns. Name what a query needs (the columns: `statebackend.state.state_table`).
-    ``reader``: ``auto`` reads inside the JVM where `statebackend.spark.jvm_reader`
-    can (no Python worker; Spark prunes the columns), else through Python tasks;
-    ``jvm`` refuses in one line where it cannot; ``python`` always the Python tasks.
-    ``pause_file`` is a test hook: each task, once it holds the checkpoint, creates
-    ``<pause_file>.paused-<subtask>`` and waits until ``pause_file`` exists.
-    """
-
-    explode_lists: bool = False
-    fields_as_columns: bool = True
-    local_dir: str | None = None
-    batch_rows: int = BATCH_ROWS
-    pause_file: str | None = None
-    state_db: ExternalStore | None = None
-    columns: tuple[str, ...] | None = None
-    reader: str = "auto"
-
-    @property
-    def shape(self) -> TableShape:
-        return TableShape(self.explode_lists, self.fields_as_columns, self.batch_rows)
-
-
-@dataclass(frozen=True)
-class ReadTask:
-    """Everything a task needs (shipped with the function; storage options redacted in
-    its repr)."""
-
-    storage_url: str
-    storage_options: StorageOptions
-    job: str
-    checkpoint_id: int
-    record_digest: str  # sha256 of the planned `_metadata`
-    max_parallelism: int
-    descriptors: tuple[StateDescriptor, ...]  # every column family of the checkpoint
-    state: str
-    handles: tuple[SubtaskHandle, ...]
-    now: int | None  # the clock of the state's TTL domain at the checkpoint
-    options: ReadOptions
-    external: ExternalRead | None = None  # an external-backend checkpoint's database read
 
 
 def read_state(spark, storage: str | Storage, job: str, checkpoint: str | int = "latest", *,
@@ -223,11 +164,6 @@ def _projected(schema: pa.Schema, columns: tuple[str, ...] | None, state: str) -
     if len(set(columns)) != len(columns):
         raise UsageError(f"read_state columns={columns!r} names a column twice")
     return pa.schema([schema.field(name) for name in columns])
-
-
-def state_descriptor(task: ReadTask) -> StateDescriptor:
-    """The descriptor of the state ``task`` reads."""
-    return next(d for d in task.descriptors if d.name == task.state)
 
 
 def _retired(store: CheckpointStore, checkpoint_id: int) -> CheckpointNotFoundError:

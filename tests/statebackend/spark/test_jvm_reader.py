@@ -128,7 +128,8 @@ def test_through_rocksdb_equals_the_direct_read(spark, rocks_runs, monkeypatch):
 
 
 def _task_and_desc(runs, state):
-    from statebackend.spark.state_reader import plan_read, state_descriptor
+    from statebackend.spark.read_task import state_descriptor
+    from statebackend.spark.state_reader import plan_read
 
     task = plan_read(runs["store"], "latest", state)
     return task, state_descriptor(task)
