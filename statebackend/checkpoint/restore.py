@@ -423,8 +423,7 @@ def restored_readonly(job_storage: Storage, handle: SubtaskHandle,
     backend = None
     try:
         backend = restore_subtask(job_storage, handle, tmp, descriptors, max_parallelism,
-                                  replace(options, read_only=True, backend=None,
-                                          allow_local=instance is not None))
+                                  replace(options, read_only=True, backend=None))
         yield backend
     finally:
         if backend is not None:

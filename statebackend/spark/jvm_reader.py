@@ -126,8 +126,9 @@ def jvm_dataframe(spark, store: CheckpointStore, task: ReadTask, desc: StateDesc
         if is_connect(spark):
             df.columns  # noqa: B018 - Connect resolves the source only when asked
     except Exception as exc:  # noqa: BLE001 - Py4J / Connect errors: the source is missing
-        text = str(exc)
-        if "DATA_SOURCE_NOT_FOUND" not in text and SOURCE not in text:
+        # Spark's own error class for a source it cannot load, classic and Connect alike;
+        # any other error of the source is the read's and is raised as it is
+        if "DATA_SOURCE_NOT_FOUND" not in str(exc):
             raise
         if not required:
             return None

@@ -26,16 +26,13 @@ from statebackend.state.codecs import RecordCodec, StrCodec
 from statebackend.state.kinds import StateDescriptor
 from statebackend.storage import open_storage
 from tests.statebackend.helpers import close_all, keys, open_backends, route
+from tests.statebackend.spark.readers import uses_jvm
 
 M, P = 128, 3
 REC = RecordCodec((("n", "int64"), ("x", "float64"), ("on", "bool")))
 STATES = (StateDescriptor("rec", "value", REC), StateDescriptor("name", "value", StrCodec()),
           StateDescriptor("items", "list"))
 KEYS = keys(3000) + ["ключ", "キー", "🙂", "", "a/b"]
-
-
-def uses_jvm(df) -> bool:
-    return "BatchScan checkpoint state" in df._jdf.queryExecution().executedPlan().toString()
 
 
 def rows_of(df, state: str) -> dict[str, tuple]:

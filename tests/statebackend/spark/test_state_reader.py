@@ -47,6 +47,7 @@ from statebackend.storage import open_storage
 from tests.jobs.bootstrap_data import KINDS, kinds_tables
 from tests.statebackend.helpers import DESCRIPTORS as HELPER_DESCRIPTORS
 from tests.statebackend.helpers import Average, close_all, fill, keys, open_backends, route
+from tests.statebackend.spark.readers import uses_jvm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
@@ -227,11 +228,6 @@ def canonical(rows: list[dict]) -> list[str]:
 
 
 # -- equality with the dump, every kind ------------------------------------------------
-
-def uses_jvm(df) -> bool:
-    """Whether ``df`` reads inside the JVM (`statebackend.spark.jvm_reader`)."""
-    return "BatchScan checkpoint state" in df._jdf.queryExecution().executedPlan().toString()
-
 
 def test_the_fixture_has_live_and_expired_entries_of_every_ttl_state(kinds):
     for state in ("seen", "recent", "labels"):
