@@ -512,6 +512,20 @@ class KeyedStateBackend:
         backend takes the two lists as they are)."""
         self.write_pairs(handle, zip(keys, values, strict=True), (), changes)
 
+    def write_keys(self, families: Sequence[tuple[ColumnFamily, Sequence[bytes]]], *,
+                   delete: bool = False) -> None:
+        """One write of keys with empty values (``delete``: their deletion) in each of
+        ``families`` (handle, keys): the timers' two families, a column each (the memory
+        backend takes each list as it is, no step per key)."""
+        wb = self.write_batch()
+        for handle, keys in families:
+            for key in keys:
+                if delete:
+                    wb.delete(key, handle)
+                else:
+                    wb.put(key, b"", handle)
+        self.write(wb)
+
     # Record value states held as rows (the memory backend's RecordTable): the job API's
     # columnar calls go straight to them; here, and for any other family, they do not
     # apply (None / False: take the bytes path).

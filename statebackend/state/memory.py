@@ -227,6 +227,18 @@ class MemoryStateBackend(KeyedStateBackend):
         self.writes += 1
         handle.write_columns(keys, values)
 
+    def write_keys(self, families: Sequence[tuple[Any, Sequence[bytes]]], *,
+                   delete: bool = False) -> None:
+        self._dirty = True
+        self.writes += 1
+        for table, keys in families:
+            if not keys:
+                continue
+            if delete:
+                table.delete_many(keys)
+            else:
+                table.write_columns(keys, [b""] * len(keys))
+
     def is_shared_file(self, name: str) -> bool:
         return name.endswith(SUFFIX)
 

@@ -114,13 +114,20 @@ def _domain_name(b: int, data: bytes, what: str) -> str:
 
 def parse_timer_key(tk: bytes) -> Timer:
     """Inverse of `timer_key`; SerializationError if the bytes do not fit the layout."""
+    return _timer_and_reverse(tk)[0]
+
+
+def _timer_and_reverse(tk: bytes) -> tuple[Timer, bytes]:
+    """`parse_timer_key`, and the timer's `reverse_key` (the same parts, reordered: the
+    firing pass deletes both without encoding the time or the key again)."""
     what = "timer key"
     if len(tk) < 3 + TIME_BYTES:
         raise SerializationError(f"{what} {tk[:32].hex()} is truncated")
     domain = _domain_name(tk[2], tk, what)
     kb, pos = _split_framed(tk, 3 + TIME_BYTES, what)
-    return Timer(decode_time(tk, 3), int.from_bytes(tk[:2], "big"), deserialize_key(kb),
-                 _utf8(tk[pos:], tk, what), domain)
+    timer = Timer(decode_time(tk, 3), int.from_bytes(tk[:2], "big"), deserialize_key(kb),
+                  _utf8(tk[pos:], tk, what), domain)
+    return timer, tk[:2] + tk[3 + TIME_BYTES:pos] + tk[2:3 + TIME_BYTES] + tk[pos:]
 
 
 def parse_reverse_key(rk: bytes) -> Timer:
@@ -186,22 +193,19 @@ def _set_timers(backend: KeyedStateBackend, keys: Sequence[str], times: Sequence
         raise UsageError(f"timers: {len(keys)} keys, {len(times)} times and {len(tags)} tags; "
                          "pass one time (and tag) per key")
     dom = domain_byte(domain)
-    fwd, rev = backend.column_family_handle(TIMERS), backend.column_family_handle(TIMER_KEYS)
-    firing = backend.timer_firings.get(domain)
-    wb = backend.write_batch()
+    firing = backend.timer_firings.get(domain) if register else None
+    fwd: list[bytes] = []
+    rev: list[bytes] = []
     kgs, kbs = backend.key_groups_and_bytes(keys)
     for kg, kb, t, tag in zip(kgs, kbs, times, tags, strict=True):
         t = as_time(t)
         tk = timer_key(kg, dom, t, kb, tag)
-        if register:
-            wb.put(tk, b"", fwd)
-            wb.put(reverse_key(kg, dom, t, kb, tag), b"", rev)
-            if firing is not None:
-                firing.offer(tk, t)
-        else:
-            wb.delete(tk, fwd)
-            wb.delete(reverse_key(kg, dom, t, kb, tag), rev)
-    backend.write(wb)
+        fwd.append(tk)
+        rev.append(reverse_key(kg, dom, t, kb, tag))
+        if firing is not None:
+            firing.offer(tk, t)
+    backend.write_keys(((backend.column_family_handle(TIMERS), fwd),
+                        (backend.column_family_handle(TIMER_KEYS), rev)), delete=not register)
 
 
 def timers_of(backend: KeyedStateBackend, key: str, domain: str | None = None) -> list[Timer]:
@@ -336,16 +340,16 @@ class TimerFiring:
                     popped.append(tk)
             if not popped:
                 continue
-            wb = self.backend.write_batch()
+            fwd: list[bytes] = []
+            rev: list[bytes] = []
             for tk, stored in zip(popped, multi_get(self._cf, popped), strict=True):
                 if stored is None:
                     continue
-                timer = parse_timer_key(tk)
-                wb.delete(tk, self._fwd)
-                wb.delete(reverse_key(timer.key_group, self._dom, timer.time,
-                                      key_bytes_of(tk, "timers"), timer.tag), self._rev)
+                timer, rk = _timer_and_reverse(tk)
+                fwd.append(tk)
+                rev.append(rk)
                 out.append(timer)
-            self.backend.write(wb)
+            self.backend.write_keys(((self._fwd, fwd), (self._rev, rev)), delete=True)
         self.stats.fired += len(out)
         if len(out) < n:
             self.close()

@@ -19,12 +19,14 @@ from statebackend.checkpoint.store import CheckpointStore
 from statebackend.cli import app as cli
 from statebackend.errors import UsageError
 from statebackend.state.backend import KeyedStateBackend
+from statebackend.state.backend_kinds import new_backend
 from statebackend.state.codecs import decode_time, encode_time
 from statebackend.state.keygroups import KeyGroupRange, key_group_for_bytes
 from statebackend.state.kinds import StateDescriptor
 from statebackend.state.timers import (
     TIMERS,
     Timer,
+    _timer_and_reverse,
     delete_timer,
     delete_timers_of,
     fire_due,
@@ -45,8 +47,14 @@ M = 128
 DESCS = with_timers([StateDescriptor("count")])
 
 
-def one_backend(tmp_path, name: str = "b", descriptors=DESCS) -> KeyedStateBackend:
-    return KeyedStateBackend(str(tmp_path / name), descriptors, M, KeyGroupRange(0, M - 1))
+# The in-process backends: both keep timers in the same two families, through the
+# backend's own write path (rocksdict's write batches; the memory backend's column writes).
+LOCAL_BACKENDS = ("rocksdb", "memory")
+
+
+def one_backend(tmp_path, name: str = "b", descriptors=DESCS, kind: str = "rocksdb"
+                ) -> KeyedStateBackend:
+    return new_backend(kind, str(tmp_path / name), descriptors, M, KeyGroupRange(0, M - 1))
 
 
 def remaining(backend: KeyedStateBackend, domain: str = "event") -> list[tuple[int, str, str]]:
@@ -73,13 +81,19 @@ def test_timer_keys_round_trip_and_sort_by_time_within_a_key_group():
     rk = reverse_key(7, b"\x01", 20, kb, "s1")
     assert rk.startswith(b"\x00\x07\x00\x00\x00\x06user-1")  # the key's timers: one prefix
     assert parse_reverse_key(rk) == Timer(20, 7, "user-1", "s1", "processing")
+    # the firing pass derives the reverse key from the timer key's bytes
+    for key, tag in ((kb, "s1"), ("café".encode(), ""), (b"", "t\u00e9")):
+        parsed, derived = _timer_and_reverse(timer_key(9, b"\x01", -5, key, tag))
+        assert derived == reverse_key(9, b"\x01", -5, key, tag)
+        assert parse_reverse_key(derived) == parsed
 
 
 # -- register / delete / fire ------------------------------------------------------------
 
-def test_fire_due_in_global_time_order_across_key_groups(tmp_path):
+@pytest.mark.parametrize("kind", LOCAL_BACKENDS)
+def test_fire_due_in_global_time_order_across_key_groups(tmp_path, kind):
     rng = random.Random(12)
-    backends = open_backends(str(tmp_path), 2, M, DESCS)
+    backends = open_backends(str(tmp_path), 2, M, DESCS, kind)
     try:
         ref: dict[int, list[tuple[int, str, str]]] = {0: [], 1: []}
         for i in range(3000):
@@ -105,8 +119,9 @@ def test_fire_due_in_global_time_order_across_key_groups(tmp_path):
         close_all(backends)
 
 
-def test_register_is_idempotent_and_delete_removes_one_timer(tmp_path):
-    with one_backend(tmp_path) as be:
+@pytest.mark.parametrize("kind", LOCAL_BACKENDS)
+def test_register_is_idempotent_and_delete_removes_one_timer(tmp_path, kind):
+    with one_backend(tmp_path, kind=kind) as be:
         register_timers(be, ["a", "a", "a", "b"], [10, 10, 20, 10], tags=["x", "x", "", ""])
         assert remaining(be) == [(10, "a", "x"), (10, "b", ""), (20, "a", "")]
         delete_timer(be, "a", 10, tag="x")
@@ -121,8 +136,9 @@ def test_register_is_idempotent_and_delete_removes_one_timer(tmp_path):
         assert remaining(be, "processing") == []
 
 
-def test_event_and_processing_timers_fire_separately(tmp_path):
-    with one_backend(tmp_path) as be:
+@pytest.mark.parametrize("kind", LOCAL_BACKENDS)
+def test_event_and_processing_timers_fire_separately(tmp_path, kind):
+    with one_backend(tmp_path, kind=kind) as be:
         register_timer(be, "a", 10, "event")
         register_timer(be, "a", 10, "processing")
         assert [(t.key, t.domain) for t in fire_due(be, "processing", 100)] == [
@@ -133,8 +149,9 @@ def test_event_and_processing_timers_fire_separately(tmp_path):
             fire_due(be, "wall", 10)
 
 
-def test_firing_cost_follows_due_timers_not_state_size(tmp_path):
-    with one_backend(tmp_path) as be:
+@pytest.mark.parametrize("kind", LOCAL_BACKENDS)
+def test_firing_cost_follows_due_timers_not_state_size(tmp_path, kind):
+    with one_backend(tmp_path, kind=kind) as be:
         n = 100_000
         keys = [f"k{i}" for i in range(n)]
         register_timers(be, keys, [1_000 + i for i in range(n)])  # none due
@@ -151,8 +168,9 @@ def test_firing_cost_follows_due_timers_not_state_size(tmp_path):
         assert firing.stats.fired == 10
 
 
-def test_timers_registered_while_firing_fire_in_the_same_pass(tmp_path):
-    with one_backend(tmp_path) as be:
+@pytest.mark.parametrize("kind", LOCAL_BACKENDS)
+def test_timers_registered_while_firing_fire_in_the_same_pass(tmp_path, kind):
+    with one_backend(tmp_path, kind=kind) as be:
         register_timers(be, ["a", "b", "c", "d"], [10, 20, 30, 40])
         seen = []
         for t in fire_due(be, "event", 35):
@@ -169,8 +187,9 @@ def test_timers_registered_while_firing_fire_in_the_same_pass(tmp_path):
         assert remaining(be) == [(36, "next-a", ""), (40, "d", "")]
 
 
-def test_stopping_a_pass_early_keeps_the_rest(tmp_path):
-    with one_backend(tmp_path) as be:
+@pytest.mark.parametrize("kind", LOCAL_BACKENDS)
+def test_stopping_a_pass_early_keeps_the_rest(tmp_path, kind):
+    with one_backend(tmp_path, kind=kind) as be:
         register_timers(be, ["a", "b", "c"], [1, 2, 3])
         firing = fire_due(be, "event", 10)
         assert next(firing).key == "a"
