@@ -23,6 +23,13 @@ rows with the pandas reference).
 
     python bench/bench_sessionization.py --quick     # 3 days x 20,000 events
     python bench/bench_sessionization.py             # 4 days x 200,000 events
+
+``--backends rocksdb,memory,no-state`` compares our state backends side by side instead
+(issue 25's goal: the memory backend at 2x RocksDB's events/s): our warm runs only, no
+Spark peer and no Spark session (the local engine), each backend in a process of its
+own, ``--repeats`` times in alternating order; prints the median events/s of all runs
+and of the incremental ones (after the first), checkpoint bytes per incremental run,
+and each backend's ratio to RocksDB's.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -147,6 +155,72 @@ def spark_process(module: str, days: list[str], work: str, flags: list[str],
     return runs
 
 
+# -- backends side by side (--backends) ---------------------------------------------------
+def backend_runs(args: argparse.Namespace, job, options: dict) -> None:
+    """A child of `compare_backends`: one warm series of our runs on ``--backend`` (after
+    one run of the first day, not measured, as in `bench`), printed as one JSON line."""
+    work = tempfile.mkdtemp(prefix=f"bench-backend-{args.backend}-")
+    try:
+        days = make_input(args, work)
+        emitted = lambda s, w: output_rows(w, s["run_id"])  # noqa: E731
+        ours_warm(None, job, days[:1], f"{work}/warm-up", options, emitted)  # not measured
+        runs = ours_warm(None, job, days, f"{work}/ours", options, emitted)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps([r.__dict__ for r in runs]))
+
+
+def compare_backends(args: argparse.Namespace, backends: list[str]) -> dict[str, dict]:
+    """Each backend ``args.repeats`` times, alternating, a process per series."""
+    series: dict[str, list[list[Run]]] = {b: [] for b in backends}
+    flags = [f"--days={args.days}"] if args.days else []
+    flags += [f"--events-per-day={args.events_per_day}"] if args.events_per_day else []
+    flags += [f"--users={args.users}"] if args.users else []
+    flags += ["--quick"] if args.quick else []
+    print(f"backends {backends} side by side, {args.repeats} series each, load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    for i in range(args.repeats):
+        for b in backends if i % 2 == 0 else backends[::-1]:
+            done = subprocess.run(
+                [sys.executable, os.path.abspath(__file__), "--backend", b, "--modes", "warm",
+                 "--engine", "local", "--series", *flags],
+                env=env(), capture_output=True, text=True, check=False)
+            if done.returncode:
+                raise RuntimeError(f"backend {b} failed: {done.stderr[-2000:]}")
+            runs = [Run(**r) for r in json.loads(done.stdout.strip().splitlines()[-1])]
+            series[b].append(runs)
+            print(f"  {b:9s} series {i + 1}: {figures(runs)['events_per_s']:>9,} events/s, "
+                  f"emitted {[r.emitted for r in runs]}", flush=True)
+    emitted = {b: [r.emitted for r in s[0]] for b, s in series.items() if b != "no-state"}
+    if len({tuple(e) for e in emitted.values()}) > 1:  # same input, same sessions
+        raise RuntimeError(f"the backends emitted different sessions per run: {emitted}")
+    return report_backends(series)
+
+
+def report_backends(series: dict[str, list[list[Run]]]) -> dict[str, dict]:
+    def rate(runs: list[Run]) -> float:
+        return sum(r.events for r in runs) / max(1e-9, sum(r.wall_s for r in runs))
+
+    out = {}
+    for b, all_runs in series.items():
+        out[b] = {"events_per_s": statistics.median(rate(r) for r in all_runs),
+                  "incremental_events_per_s": statistics.median(rate(r[1:]) for r in all_runs),
+                  "bytes_per_incremental_run": statistics.median(
+                      r.checkpoint_bytes for runs in all_runs for r in runs[1:])}
+    base = out.get("rocksdb")
+    print(f"\nmedians, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}:")
+    print(f"  {'backend':9s} {'events/s':>10s} {'incremental':>12s} {'bytes/run':>10s}  "
+          "against RocksDB (all, incremental, bytes)")
+    for b, f in out.items():
+        vs = "" if base is None else (
+            f"{f['events_per_s'] / base['events_per_s']:.2f}x, "
+            f"{f['incremental_events_per_s'] / base['incremental_events_per_s']:.2f}x, "
+            f"{f['bytes_per_incremental_run'] / max(1, base['bytes_per_incremental_run']):.2f}x")
+        print(f"  {b:9s} {f['events_per_s']:>10,.0f} {f['incremental_events_per_s']:>12,.0f} "
+              f"{f['bytes_per_incremental_run']:>10,.0f}  {vs}")
+    return out
+
+
 # -- report ------------------------------------------------------------------------------
 def figures(runs: list[Run]) -> dict:
     events = sum(r.events for r in runs)
@@ -188,7 +262,18 @@ def parse(argv: list[str] | None, doc: str) -> argparse.Namespace:
                         "no-state: the ceiling of any backend (the memory backend patched "
                         "so that state costs nothing: every read finds nothing, every write "
                         "is dropped; not a product; --modes warm only)")
+    p.add_argument("--backends", default=None,
+                   help="compare these backends side by side (comma-separated, of rocksdb, "
+                        "memory, no-state): our runs only, no Spark peer (module doc)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="--backends: series per backend (default %(default)s)")
+    p.add_argument("--series", action="store_true", help=argparse.SUPPRESS)  # a child's
     args = p.parse_args(argv)
+    if args.backends is not None:
+        bad = sorted(set(args.backends.split(",")) - {"rocksdb", "memory", "no-state"})
+        if bad:
+            p.error(f"--backends: {bad} not among rocksdb, memory, no-state")
+        return args
     os.environ["CKPT_ENGINE"] = args.engine  # our runs in this process and in child processes
     os.environ[BACKEND_ENV] = "memory" if args.backend == "no-state" else args.backend
     if args.backend == "no-state":
@@ -255,8 +340,14 @@ def main(argv: list[str] | None = None) -> int:
     from jobs import sessionization
 
     args = parse(argv, __doc__)
-    bench(args, "sessionization", sessionization.JOB, "jobs.sessionization",
-          {"gap_minutes": 30, "allowed_lateness_minutes": 60},
+    options = {"gap_minutes": 30, "allowed_lateness_minutes": 60}
+    if args.backends is not None:
+        compare_backends(args, args.backends.split(","))
+        return 0
+    if args.series:
+        backend_runs(args, sessionization.JOB, options)
+        return 0
+    bench(args, "sessionization", sessionization.JOB, "jobs.sessionization", options,
           "bench.peers.spark_sessionization", peer.run_batches,
           {"gap_ms": 30 * 60_000, "lateness_ms": 60 * 60_000},
           ["--gap-ms", str(30 * 60_000), "--lateness-ms", str(60 * 60_000)],
