@@ -28,6 +28,8 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import replace
+from functools import reduce
+from operator import add
 from typing import Any
 
 if __package__ in (None, ""):  # spark-submit jobs/sessionization.py: make the repo importable
@@ -85,6 +87,63 @@ def merge_sessions(sessions: list, ts: np.ndarray, values: np.ndarray, gap: int)
     return out
 
 
+# Times and counts up to 2**53 pass through float64 exactly (`merge_all`'s arrays)
+_EXACT = 2 ** 53
+
+
+def merge_all(old: list, ts: np.ndarray, values: np.ndarray, offsets: np.ndarray,
+              gap: int) -> list:
+    """`merge_sessions` of every key at once: ``old[i]`` and the events
+    ``ts[offsets[i]:offsets[i + 1]]`` -> key i's open sessions (equal to the per-key
+    merge, value sums added in the same order). NumPy over all keys' intervals: sorted
+    by (key, start), a session starts where the key changes or where an interval begins
+    ``>= gap`` after the furthest end so far."""
+    n_old = np.fromiter((len(o) if o else 0 for o in old), np.int64, len(old))
+    flat = [s for o in old if o for s in o]
+    held = np.array(flat, dtype=np.float64).reshape(-1, 4)
+    if len(ts) and max(abs(int(ts.min())), abs(int(ts.max()))) >= _EXACT or \
+            len(held) and np.abs(held[:, :3]).max() >= _EXACT:
+        return [merge_sessions(o or [], ts[lo:hi], values[lo:hi], gap)
+                for o, lo, hi in zip(old, offsets[:-1], offsets[1:], strict=True)]
+    n_new = np.diff(offsets)
+    key = np.concatenate([np.repeat(np.arange(len(old)), n_old),
+                          np.repeat(np.arange(len(old)), n_new)])
+    start = np.concatenate([held[:, 0].astype(np.int64), ts])
+    end = np.concatenate([held[:, 1].astype(np.int64), ts])
+    count = np.concatenate([held[:, 2].astype(np.int64), np.ones(len(ts), np.int64)])
+    total = np.concatenate([held[:, 3], values])
+    order = _by_key_then_start(key, start)
+    key, start, end, count = key[order], start[order], end[order], count[order]
+    totals = total[order].tolist()
+    # the furthest end so far within each key: a running max of (key, rank of the end)
+    ends, rank = np.unique(end, return_inverse=True)
+    base = key * len(ends)
+    furthest = ends[np.maximum.accumulate(base + rank) - base]
+    first = np.ones(len(key), dtype=bool)
+    first[1:] = (key[1:] != key[:-1]) | (start[1:] - furthest[:-1] >= gap)
+    at = np.flatnonzero(first)
+    bounds = np.append(at, len(key)).tolist()
+    sums = [reduce(add, totals[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    rows = list(map(list, zip(start[at].tolist(), np.maximum.reduceat(end, at).tolist(),
+                              np.add.reduceat(count, at).tolist(), sums, strict=True)))
+    per_key = np.zeros(len(old) + 1, dtype=np.int64)
+    np.cumsum(np.bincount(key[at], minlength=len(old)), out=per_key[1:])
+    cuts = per_key.tolist()
+    return [rows[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+
+
+def _by_key_then_start(key: np.ndarray, start: np.ndarray) -> np.ndarray:
+    """The order by (key, start), stable (held sessions first, events in row order): one
+    sort of a combined int64 where it fits (6x faster than `np.lexsort`)."""
+    if not len(start):
+        return np.arange(0)
+    low = int(start.min())
+    span = int(start.max()) - low + 1
+    if (int(key.max()) + 1) * span >= 2 ** 62:
+        return np.lexsort((start, key))
+    return np.argsort(key * span + (start - low), kind="stable")
+
+
 def _next_timer(sessions: list | None, gap: int) -> int | None:
     return min(s[1] for s in sessions) + gap if sessions else None
 
@@ -93,16 +152,12 @@ def assign(batch: pa.Table, ctx: BatchContext) -> None:
     """Merge each user's events into its open sessions; keep its timer at the next close."""
     gap = ctx.options["gap_minutes"] * MINUTE_MS
     keys, rows, offsets = group_by_key(batch, "user")
-    ts = rows["ts"].to_numpy()
-    values = rows["value"].to_numpy()
     state = ctx.state("sessions")
     old = state.value(keys)
-    merged, drop_k, drop_t, add_k, add_t = [], [], [], [], []
-    for i, k in enumerate(keys):
-        lo, hi = offsets[i], offsets[i + 1]
-        new = merge_sessions(old[i] or [], ts[lo:hi], values[lo:hi], gap)
-        merged.append(new)
-        before, after = _next_timer(old[i], gap), _next_timer(new, gap)
+    merged = merge_all(old, rows["ts"].to_numpy(), rows["value"].to_numpy(), offsets, gap)
+    drop_k, drop_t, add_k, add_t = [], [], [], []
+    for k, was, new in zip(keys, old, merged, strict=True):
+        before, after = _next_timer(was, gap), _next_timer(new, gap)
         if before != after:
             if before is not None:
                 drop_k.append(k)

@@ -161,3 +161,38 @@ def test_sessionization_logic_matches_reference_in_process():
     pd.testing.assert_frame_equal(got, ref.open_sessions, check_dtype=False)
     closes = ref.open_sessions.groupby("user")["session_end"].min() + gap
     assert sorted(timers) == sorted(closes.items())
+
+
+def test_merge_all_equals_the_per_key_merge():
+    """`merge_all` (every key in NumPy at once) against `merge_sessions` (one key in plain
+    Python, the semantics as written): equal sessions, value sums added in the same order
+    (non-integer values compared exactly), the same Python types; random held sessions,
+    empty and missing ones, ties at the gap, duplicate times, and times past 2**53 (the
+    exact per-key path)."""
+    import random
+
+    import numpy as np
+
+    rng = random.Random(5)
+    for trial in range(2000):
+        gap = rng.choice([1, 5, 30])
+        base = 2 ** 60 if trial % 20 == 0 else 1_700_000_000_000
+        old, ts, values, offsets = [], [], [], [0]
+        for _ in range(rng.randint(1, 6)):
+            held, t = [], base + rng.randint(0, 50)
+            for _ in range(rng.randint(0, 3) if rng.random() < 0.6 else 0):
+                end = t + rng.randint(0, 10)
+                held.append([t, end, rng.randint(1, 5), rng.choice([0.1, 2.5, 1e-3]) * 3])
+                t = end + gap + rng.randint(0, 10)
+            old.append(held if held or rng.random() < 0.5 else None)
+            n = rng.randint(1, 8)
+            ts += [base + rng.randint(0, 100) for _ in range(n)]
+            values += [rng.choice([0.1, 0.7, 3.3]) * rng.randint(1, 9) for _ in range(n)]
+            offsets.append(offsets[-1] + n)
+        ts_a, values_a, offsets_a = np.array(ts), np.array(values), np.array(offsets)
+        got = sz.merge_all(old, ts_a, values_a, offsets_a, gap)
+        want = [sz.merge_sessions(o or [], ts_a[lo:hi], values_a[lo:hi], gap)
+                for o, lo, hi in zip(old, offsets[:-1], offsets[1:], strict=True)]
+        assert got == want, trial
+        assert [[type(v) for v in s] for k in got for s in k] == \
+            [[type(v) for v in s] for k in want for s in k]
