@@ -122,6 +122,15 @@ def ours_process(module: str, days: list[str], work: str, options: dict,
     return runs
 
 
+def emitted_rows(summary: dict, work: str) -> int:
+    """The rows a run of ours emitted (its published output)."""
+    return output_rows(work, summary["run_id"])
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def output_rows(work: str, run_id: str) -> int:
     import pyarrow.parquet as pq
 
@@ -162,9 +171,8 @@ def backend_runs(args: argparse.Namespace, job, options: dict) -> None:
     work = tempfile.mkdtemp(prefix=f"bench-backend-{args.backend}-")
     try:
         days = make_input(args, work)
-        emitted = lambda s, w: output_rows(w, s["run_id"])  # noqa: E731
-        ours_warm(None, job, days[:1], f"{work}/warm-up", options, emitted)  # not measured
-        runs = ours_warm(None, job, days, f"{work}/ours", options, emitted)
+        ours_warm(None, job, days[:1], f"{work}/warm-up", options, emitted_rows)  # unmeasured
+        runs = ours_warm(None, job, days, f"{work}/ours", options, emitted_rows)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps([r.__dict__ for r in runs]))
@@ -178,7 +186,7 @@ def compare_backends(args: argparse.Namespace, backends: list[str]) -> dict[str,
     flags += [f"--users={args.users}"] if args.users else []
     flags += ["--quick"] if args.quick else []
     print(f"backends {backends} side by side, {args.repeats} series each, load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+          f"{load_average()}", flush=True)
     for i in range(args.repeats):
         for b in backends if i % 2 == 0 else backends[::-1]:
             done = subprocess.run(
@@ -208,7 +216,7 @@ def report_backends(series: dict[str, list[list[Run]]]) -> dict[str, dict]:
                   "bytes_per_incremental_run": statistics.median(
                       r.checkpoint_bytes for runs in all_runs for r in runs[1:])}
     base = out.get("rocksdb")
-    print(f"\nmedians, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}:")
+    print(f"\nmedians, load average {load_average()}:")
     print(f"  {'backend':9s} {'events/s':>10s} {'incremental':>12s} {'bytes/run':>10s}  "
           "against RocksDB (all, incremental, bytes)")
     for b, f in out.items():
@@ -301,7 +309,6 @@ def bench(args, name: str, job, module: str, options: dict, peer_module: str,
     print(f"{name}: {len(days)} days under {work}, our engine {args.engine}, backend "
           f"{args.backend}, load average {os.getloadavg()[0]:.2f} (machine shared "
           "with other jobs: figures are indicative)")
-    emitted = lambda s, w: output_rows(w, s["run_id"])  # noqa: E731
     out = []
     modes = args.modes.split(",")
     if "warm" in modes:
@@ -310,21 +317,21 @@ def bench(args, name: str, job, module: str, options: dict, peer_module: str,
         spark = get_spark(MASTER, app_name=f"bench-{name}")
         # A warm session has run both sides before: one day each, not measured (else the
         # side measured first pays the session's first Python workers and class loading).
-        ours_warm(spark, job, days[:1], f"{work}/ours-warm-up", options, emitted)
+        ours_warm(spark, job, days[:1], f"{work}/ours-warm-up", options, emitted_rows)
         spark_warm(spark, peer_run_batches, days[:1], f"{work}/spark-warm-up", **peer_kw)
-        ours = ours_warm(spark, job, days, f"{work}/ours-warm", options, emitted)
+        ours = ours_warm(spark, job, days, f"{work}/ours-warm", options, emitted_rows)
         peer = spark_warm(spark, peer_run_batches, days, f"{work}/spark-warm", **peer_kw)
         spark.stop()
         out.append(report(name, "warm session", ours, peer, goals["warm"]))
     if "process" in modes:
-        ours = ours_process(module, days, f"{work}/ours-proc", options, emitted)
+        ours = ours_process(module, days, f"{work}/ours-proc", options, emitted_rows)
         peer = spark_process(peer_module, days, f"{work}/spark-proc", peer_flags)
         out.append(report(name, "new process per run", ours, peer, goals["process"]))
     if "connect" in modes:
         from bench.connect_server import connect_server
 
         with connect_server(f"{work}/connect-server", master=MASTER) as server:
-            ours = ours_process(module, days, f"{work}/ours-connect", options, emitted,
+            ours = ours_process(module, days, f"{work}/ours-connect", options, emitted_rows,
                                 master=server.url)
             peer = spark_process(peer_module, days, f"{work}/spark-connect", peer_flags,
                                  master=server.url)
