@@ -91,7 +91,7 @@ class MemoryTable:
 
     def put_one(self, key: bytes, value: bytes) -> None:
         """`put` without the limit check (the caller checks once): one entry in a few
-        dictionary steps, for the timers' and TTL's write batches of single puts."""
+        dictionary steps, for the TTL's write batches of single puts."""
         self._mutations += 1
         self._last_read = None
         data, account = self.data, self._account
@@ -354,8 +354,9 @@ class MemoryWriteBatch:
         """Apply in order within each table (tables are independent): a table's run of
         puts, or of deletes, waits until an operation of another kind on that table or
         the end, then goes in as one `write_columns` (one put: `put_one`) or one
-        `delete_many`. The timers' batches alternate between two tables one operation
-        at a time, so a registration or a chunk of fired timers is two column writes."""
+        `delete_many`. A batch that alternates between two tables one operation at a
+        time (the TTL's: a state entry and its index entry) is then two column writes.
+        (Timers skip write batches: `KeyedStateBackend.write_keys`.)"""
         runs: dict[MemoryTable, tuple[int, list[bytes], list[bytes]]] = {}  # (by identity)
         for op, table, a, b in self.ops:
             run = runs.get(table)

@@ -114,19 +114,24 @@ def _domain_name(b: int, data: bytes, what: str) -> str:
 
 def parse_timer_key(tk: bytes) -> Timer:
     """Inverse of `timer_key`; SerializationError if the bytes do not fit the layout."""
-    return _timer_and_reverse(tk)[0]
+    return _parse_timer_key(tk)[0]
 
 
-def _timer_and_reverse(tk: bytes) -> tuple[Timer, bytes]:
-    """`parse_timer_key`, and the timer's `reverse_key` (the same parts, reordered: the
-    firing pass deletes both without encoding the time or the key again)."""
+def _parse_timer_key(tk: bytes) -> tuple[Timer, int]:
+    """`parse_timer_key`, and where the framed key ends (the tag starts)."""
     what = "timer key"
     if len(tk) < 3 + TIME_BYTES:
         raise SerializationError(f"{what} {tk[:32].hex()} is truncated")
     domain = _domain_name(tk[2], tk, what)
     kb, pos = _split_framed(tk, 3 + TIME_BYTES, what)
-    timer = Timer(decode_time(tk, 3), int.from_bytes(tk[:2], "big"), deserialize_key(kb),
-                  _utf8(tk[pos:], tk, what), domain)
+    return Timer(decode_time(tk, 3), int.from_bytes(tk[:2], "big"), deserialize_key(kb),
+                 _utf8(tk[pos:], tk, what), domain), pos
+
+
+def _timer_and_reverse(tk: bytes) -> tuple[Timer, bytes]:
+    """`parse_timer_key`, and the timer's `reverse_key` (the same parts, reordered: the
+    firing pass deletes both without encoding the time or the key again)."""
+    timer, pos = _parse_timer_key(tk)
     return timer, tk[:2] + tk[3 + TIME_BYTES:pos] + tk[2:3 + TIME_BYTES] + tk[pos:]
 
 
