@@ -42,7 +42,7 @@ import numpy as np
 import pyarrow as pa
 
 from statebackend.errors import SerializationError, UsageError
-from statebackend.fast_json import compact_json, fast_loads
+from statebackend.fast_json import compact_json_bytes, fast_loads
 
 JSON_FORMAT = 0x01
 RECORD_FORMAT = 0x02
@@ -151,7 +151,7 @@ def split_map_key(suffix: bytes) -> tuple[bytes, str]:
 @dataclass(frozen=True)
 class JsonCodec:
     def encode(self, value: Any) -> bytes:
-        return b"\x01" + compact_json(value).encode()
+        return b"\x01" + compact_json_bytes(value)
 
     def decode(self, data: bytes) -> Any:
         _check_format(data, JSON_FORMAT, "json")

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import statebackend
 from statebackend.errors import SerializationError, UsageError
+from statebackend.fast_json import compact_json
 from statebackend.state.codecs import (
     BytesCodec,
     JsonCodec,
@@ -66,6 +67,37 @@ def test_json_decodes_what_the_stdlib_decodes(value):
     except UnicodeEncodeError:  # a lone surrogate cannot be stored (UTF-8)
         return
     assert repr(JsonCodec().decode(data)) == repr(json.loads(data[1:]))
+
+
+# what the stdlib's encoder turns into other JSON types, or refuses
+_other_python = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text()
+    | st.binary(max_size=4) | st.frozensets(st.integers(), max_size=3),
+    lambda children: st.lists(children, max_size=4) | st.tuples(children, children)
+    | st.dictionaries(st.integers() | st.floats() | st.none() | st.booleans() | st.text(
+        max_size=4), children, max_size=4), max_leaves=10)
+
+
+@settings(max_examples=400, deadline=None)
+@given(any_json_values | _other_python)
+def test_json_encodes_what_the_stdlib_encodes(value):
+    """The fast encoder (msgspec, where it gives the same value back) stores what the
+    stdlib's encoder stores, or refuses what it refuses: NaN and infinities stay NaN and
+    infinities, tuples and non-string keys are converted as the stdlib converts them,
+    bytes and sets are refused."""
+    try:
+        want = compact_json(value)
+    except (TypeError, ValueError) as exc:
+        with pytest.raises(type(exc)):
+            JsonCodec().encode(value)
+        return
+    try:
+        data = JsonCodec().encode(value)
+    except UnicodeEncodeError:  # a lone surrogate cannot be stored (UTF-8)
+        return
+    assert data[:1] == b"\x01"
+    assert repr(json.loads(data[1:])) == repr(json.loads(want))
+    assert repr(JsonCodec().decode(data)) == repr(json.loads(want))
 
 
 @settings(max_examples=100, deadline=None)
