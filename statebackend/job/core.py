@@ -42,7 +42,8 @@ from statebackend.job.api import RAW, Job, Output, PerKey, Vectorized
 from statebackend.job.context import BatchContext, PerKeyFeed, RunInfo, run_per_key_timers
 from statebackend.state.backend import KeyedStateBackend
 from statebackend.state.keygroups import KeyGroupRange
-from statebackend.state.timers import Timer, fire_due, next_timer_time
+from statebackend.state.timer_columns import FIRED_SCHEMA
+from statebackend.state.timers import fire_due, next_timer_time
 from statebackend.state.ttl import next_expiry, purge_expired
 
 REASON_COLUMN = "_reason"
@@ -51,8 +52,7 @@ PHASES = ("validating", "processing", "grouping", "prefetch", "write_back", "tim
           "outputs")
 LATE = "late"
 TIMER_BATCH = 10_000  # due timers per call of a vectorized timer handler
-TIMER_SCHEMA = pa.schema([("key", pa.string()), ("time", pa.int64()), ("tag", pa.string()),
-                          ("domain", pa.string()), ("key_group", pa.int32())])
+TIMER_SCHEMA = FIRED_SCHEMA  # the timers one handler call gets
 # Purge compacts a TTL state (a rewrite of the whole family, so the next checkpoint
 # uploads all of it) only once half of it expired in one run, e.g. keys going quiet;
 # a steady share expiring each run is left to RocksDB's own compactions.
@@ -474,24 +474,20 @@ class SubtaskProcessor:
             fired = 0
             try:
                 while True:
-                    chunk = firing.take(TIMER_BATCH)
-                    if not chunk:
+                    chunk = firing.take_table(TIMER_BATCH)
+                    if not chunk.num_rows:
                         break
-                    fired += len(chunk)
+                    fired += chunk.num_rows
                     self._handle_timers(handler, chunk)
-                    if len(chunk) < TIMER_BATCH:
+                    if chunk.num_rows < TIMER_BATCH:
                         break  # the pass ran dry (and closed itself)
             finally:
                 firing.close()
             if not fired:
                 return
 
-    def _handle_timers(self, handler: Vectorized | PerKey, chunk: list[Timer]) -> None:
-        self.timers_fired += len(chunk)
-        table = pa.table({
-            "key": [t.key for t in chunk], "time": [t.time for t in chunk],
-            "tag": [t.tag for t in chunk], "domain": [t.domain for t in chunk],
-            "key_group": [t.key_group for t in chunk]}, schema=TIMER_SCHEMA)
+    def _handle_timers(self, handler: Vectorized | PerKey, table: pa.Table) -> None:
+        self.timers_fired += table.num_rows
         if isinstance(handler, PerKey):
             run_per_key_timers(handler.fn, table, self.ctx, self.timings)
         else:

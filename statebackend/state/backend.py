@@ -371,22 +371,16 @@ class KeyedStateBackend:
 
     def rocks_keys(self, keys: Iterable[str] | pa.Array | pa.ChunkedArray) -> list[bytes]:
         """`rocks_key` of every key, computed column-wise (no per-key Python step)."""
-        kgs, key_bytes = self._key_groups_of(keys)
+        kgs, key_bytes = self.key_groups_and_bytes(keys)
         if not len(key_bytes):
             return []
         out: list[bytes] = prefixed_keys(kgs, key_bytes).to_pylist()
         return out
 
     def key_groups_and_bytes(self, keys: Iterable[str] | pa.Array | pa.ChunkedArray
-                             ) -> tuple[list[int], list[bytes]]:
-        """`key_group_and_bytes` of every key, computed column-wise."""
-        kgs, key_bytes = self._key_groups_of(keys)
-        return kgs.tolist(), key_bytes.to_pylist()
-
-    def _key_groups_of(self, keys: Iterable[str] | pa.Array | pa.ChunkedArray
-                       ) -> tuple[np.ndarray, pa.Array]:
-        """(key groups, serialized keys) of ``keys``; UsageError naming the first key
-        outside this backend's range."""
+                             ) -> tuple[np.ndarray, pa.Array]:
+        """`key_group_and_bytes` of every key, computed column-wise: (key groups,
+        serialized keys); UsageError naming the first key outside this backend's range."""
         key_bytes = serialize_keys(keys)
         if not len(key_bytes):
             return np.zeros(0, np.int64), key_bytes

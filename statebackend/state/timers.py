@@ -23,7 +23,10 @@ subtask, a heap over their heads: global time order) and deletes each timer as
 it fires, before the caller handles it. Timers registered while a pass runs at
 or before its ``up_to`` join the same pass in time order; timers deleted while it
 runs do not fire (Flink's ``InternalTimerServiceImpl.advanceWatermark``). Cost:
-the key groups (seeks) plus the due timers, never the state size.
+the key groups (seeks) plus the due timers, never the state size. Registering,
+deleting and firing build and parse the keys of a batch of timers column-wise
+(`statebackend.state.timer_columns`); `timer_key`, `reverse_key` and
+`parse_timer_key` are the same layouts a timer at a time.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
+
+import numpy as np
+import pyarrow as pa
 
 from statebackend.errors import SerializationError, UsageError
 from statebackend.state.codecs import (
@@ -49,6 +55,11 @@ from statebackend.state.families import TIMER_KEYS, TIMERS
 from statebackend.state.keygroups import key_group_prefix
 from statebackend.state.kinds import StateDescriptor, internal_descriptor
 from statebackend.state.scan import checked_scan, earliest_time, multi_get, prefix_upper_bound
+from statebackend.state.timer_columns import (
+    FIRED_SCHEMA,
+    parse_timer_key_columns,
+    timer_key_columns,
+)
 
 if TYPE_CHECKING:
     from statebackend.state.backend import KeyedStateBackend
@@ -135,6 +146,22 @@ def _timer_and_reverse(tk: bytes) -> tuple[Timer, bytes]:
     return timer, tk[:2] + tk[3 + TIME_BYTES:pos] + tk[2:3 + TIME_BYTES] + tk[pos:]
 
 
+def _fired(timer_keys: list[bytes]) -> tuple[pa.Table, list[bytes]]:
+    """The timers of ``timer_keys`` (a `FIRED_SCHEMA` table) and their reverse keys:
+    column-wise, else (a tag, or bytes that do not fit) a timer at a time."""
+    columns = parse_timer_key_columns(timer_keys)
+    if columns is not None:
+        return columns
+    timers, reverse = [], []
+    for tk in timer_keys:
+        timer, rk = _timer_and_reverse(tk)
+        timers.append(timer)
+        reverse.append(rk)
+    table = pa.table({name: [getattr(t, name) for t in timers] for name in FIRED_SCHEMA.names},
+                     schema=FIRED_SCHEMA)
+    return table, reverse
+
+
 def parse_reverse_key(rk: bytes) -> Timer:
     """Inverse of `reverse_key`."""
     what = "timer reverse key"
@@ -193,24 +220,38 @@ def delete_timer(backend: KeyedStateBackend, key: str, time: int, domain: str = 
 def _set_timers(backend: KeyedStateBackend, keys: Sequence[str], times: Sequence[int],
                 domain: str, tags: Sequence[str] | None, *, register: bool) -> None:
     _require_timers(backend)
-    tags = [""] * len(keys) if tags is None else tags
-    if not len(keys) == len(times) == len(tags):
-        raise UsageError(f"timers: {len(keys)} keys, {len(times)} times and {len(tags)} tags; "
+    n_tags = len(keys) if tags is None else len(tags)
+    if not len(keys) == len(times) == n_tags:
+        raise UsageError(f"timers: {len(keys)} keys, {len(times)} times and {n_tags} tags; "
                          "pass one time (and tag) per key")
     dom = domain_byte(domain)
-    firing = backend.timer_firings.get(domain) if register else None
-    fwd: list[bytes] = []
-    rev: list[bytes] = []
+    if tags is not None:
+        bad = next((t for t in tags if not isinstance(t, str)), None)
+        if bad is not None:
+            raise UsageError(f"timer tags must be strings, got {type(bad).__name__}: {bad!r}")
+        if not any(tags):
+            tags = None
     kgs, kbs = backend.key_groups_and_bytes(keys)
-    for kg, kb, t, tag in zip(kgs, kbs, times, tags, strict=True):
-        t = as_time(t)
-        tk = timer_key(kg, dom, t, kb, tag)
-        fwd.append(tk)
-        rev.append(reverse_key(kg, dom, t, kb, tag))
-        if firing is not None:
-            firing.offer(tk, t)
+    if not len(kbs):
+        return
+    at = _times_array(times)
+    fwd, rev = timer_key_columns(kgs, kbs, at, dom, tags)
+    firing = backend.timer_firings.get(domain) if register else None
+    if firing is not None:
+        for i in np.flatnonzero(at <= firing.up_to).tolist():
+            firing.offer(fwd[i], int(at[i]))
     backend.write_keys(((backend.column_family_handle(TIMERS), fwd),
                         (backend.column_family_handle(TIMER_KEYS), rev)), delete=not register)
+
+
+def _times_array(times: Sequence[int]) -> np.ndarray:
+    """``times`` as int64 epoch ms; `as_time`'s error for the first that is not one."""
+    if all(type(t) is int for t in times):  # the common case: one conversion (bools are not)
+        try:
+            return np.array(times, dtype=np.int64)
+        except OverflowError:
+            pass
+    return np.array([as_time(t) for t in times], dtype=np.int64)
 
 
 def timers_of(backend: KeyedStateBackend, key: str, domain: str | None = None) -> list[Timer]:
@@ -323,8 +364,15 @@ class TimerFiring:
         return chunk[0]
 
     def take(self, n: int) -> list[Timer]:
-        """The next ``n`` due timers in firing order, deleted (one write batch) before the
-        caller handles them; fewer than ``n``: the pass ran dry and is closed.
+        """`take_table`'s timers as `Timer` objects."""
+        table = self.take_table(n)
+        return [Timer(time, kg, key, tag, domain) for key, time, tag, domain, kg in zip(
+            *(table.column(c).to_pylist() for c in FIRED_SCHEMA.names), strict=True)]
+
+    def take_table(self, n: int) -> pa.Table:
+        """The next ``n`` due timers in firing order (a `FIRED_SCHEMA` table), deleted
+        (one write) before the caller handles them; fewer than ``n``: the pass ran dry
+        and is closed.
 
         No handler runs while a chunk is gathered, so its timers are checked against the
         queue in one multi-get: one deleted while the pass ran, or already fired (a
@@ -332,33 +380,26 @@ class TimerFiring:
         """
         if not self._started:
             self._start()
-        out: list[Timer] = []
+        due: list[bytes] = []
         seen: set[bytes] = set()
-        while self._heap and len(out) < n:
+        while self._heap and len(due) < n:
             popped: list[bytes] = []
-            while self._heap and len(popped) < n - len(out):
+            while self._heap and len(popped) < n - len(due):
                 _, _, _, tk, scan = heapq.heappop(self._heap)
                 if scan is not None:
                     self._advance(scan)
                 if tk not in seen:
                     seen.add(tk)
                     popped.append(tk)
-            if not popped:
-                continue
-            fwd: list[bytes] = []
-            rev: list[bytes] = []
-            for tk, stored in zip(popped, multi_get(self._cf, popped), strict=True):
-                if stored is None:
-                    continue
-                timer, rk = _timer_and_reverse(tk)
-                fwd.append(tk)
-                rev.append(rk)
-                out.append(timer)
-            self.backend.write_keys(((self._fwd, fwd), (self._rev, rev)), delete=True)
-        self.stats.fired += len(out)
-        if len(out) < n:
+            due.extend(tk for tk, stored in zip(popped, multi_get(self._cf, popped),
+                                                 strict=True) if stored is not None)
+        table, reverse = _fired(due)
+        if due:
+            self.backend.write_keys(((self._fwd, due), (self._rev, reverse)), delete=True)
+        self.stats.fired += len(due)
+        if len(due) < n:
             self.close()
-        return out
+        return table
 
     def close(self) -> None:
         """End the pass (also when the caller stops early); the rest stays registered."""

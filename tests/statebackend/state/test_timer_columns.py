@@ -1,0 +1,95 @@
+"""The column-wise timer keys equal the per-timer layout (`timer_key`, `reverse_key`,
+`parse_timer_key`) byte for byte; what the parser does not take comes back as None."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from statebackend.errors import UsageError
+from statebackend.state.backend_kinds import new_backend
+from statebackend.state.codecs import TIME_DOMAINS, serialize_keys
+from statebackend.state.keygroups import KeyGroupRange
+from statebackend.state.kinds import StateDescriptor
+from statebackend.state.timer_columns import (
+    FIRED_SCHEMA,
+    parse_timer_key_columns,
+    timer_key_columns,
+)
+from statebackend.state.timers import (
+    _timer_and_reverse,
+    iter_timers,
+    register_timers,
+    reverse_key,
+    timer_key,
+    with_timers,
+)
+
+TIMES = st.integers(-(2**63), 2**63 - 1)
+KEYS = st.text(max_size=12)
+TIMERS = st.lists(st.tuples(st.integers(0, 2**15 - 1), KEYS, TIMES), max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(TIMERS, st.sampled_from(sorted(TIME_DOMAINS)), st.none() | st.lists(
+    st.text(max_size=5), min_size=40, max_size=40))
+def test_built_keys_equal_the_per_timer_layout(timers, domain, tags):
+    kgs = np.array([t[0] for t in timers], np.int64)
+    key_bytes = serialize_keys([t[1] for t in timers])
+    times = np.array([t[2] for t in timers], np.int64)
+    dom = TIME_DOMAINS[domain]
+    tags = None if tags is None else tags[:len(timers)]
+    fwd, rev = timer_key_columns(kgs, key_bytes, times, dom, tags)
+    each = [(kg, dom, t, k.encode(), "" if tags is None else tags[i])
+            for i, (kg, k, t) in enumerate(timers)]
+    assert fwd == [timer_key(*e) for e in each]
+    assert rev == [reverse_key(*e) for e in each]
+
+
+@settings(max_examples=200, deadline=None)
+@given(TIMERS, st.sampled_from(sorted(TIME_DOMAINS)))
+def test_parsed_columns_equal_the_per_timer_parse(timers, domain):
+    tks = [timer_key(kg, TIME_DOMAINS[domain], t, k.encode(), "") for kg, k, t in timers]
+    parsed = parse_timer_key_columns(tks)
+    if not tks:
+        assert parsed is None
+        return
+    assert parsed is not None
+    table, reverse = parsed
+    assert table.schema == FIRED_SCHEMA
+    each = [_timer_and_reverse(tk) for tk in tks]
+    assert table.to_pylist() == [
+        {"key": t.key, "time": t.time, "tag": t.tag, "domain": t.domain,
+         "key_group": t.key_group} for t, _ in each]
+    assert reverse == [rk for _, rk in each]
+
+
+def test_what_the_parser_does_not_take_is_left_to_the_per_timer_parse():
+    good = timer_key(3, b"\x00", 5, b"user", "")
+    assert parse_timer_key_columns([good]) is not None
+    for bad in (timer_key(3, b"\x00", 5, b"user", "tag"),  # a tag
+                good[:14],  # shorter than the head
+                good[:-1],  # the key is shorter than its length says
+                good[:2] + b"\x07" + good[3:],  # an unknown time domain
+                timer_key(3, b"\x00", 5, b"\xff\xfe", "")):  # a key that is not UTF-8
+        assert parse_timer_key_columns([good, bad]) is None
+
+
+@pytest.mark.parametrize("kind", ["rocksdb", "memory"])
+def test_bad_times_and_tags_are_refused_naming_them(tmp_path, kind):
+    be = new_backend(kind, str(tmp_path / "b"), with_timers([StateDescriptor("s")]), 128,
+                     KeyGroupRange(0, 127))
+    try:
+        for times, tags, named in (([True], None, "True"), ([2**63], None, str(2**63)),
+                                   ([1.5], None, "1.5"), ([1], [7], "7")):
+            with pytest.raises(UsageError, match=named):
+                register_timers(be, ["k"], times, tags=tags)
+        register_timers(be, ["k", "l"], [np.int64(5), 2**63 - 1], tags=["", "é"])
+        register_timers(be, pa.array(["m"]), [-(2**63)])
+        assert sorted((t.key, t.time, t.tag) for t in iter_timers(be)) == [
+            ("k", 5, ""), ("l", 2**63 - 1, "é"), ("m", -(2**63), "")]
+    finally:
+        be.close()
