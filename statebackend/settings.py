@@ -21,6 +21,8 @@ refused, not clamped.
     CKPT_ROW_COUNTS                 tracked | scan | verify: a RocksDB snapshot's row counts
     CKPT_INDEX_KEY_FILE             the key that signs registry indexes, or ``off``
                                     (statebackend.lifecycle.index_signing)
+    CKPT_PYTHON_GC_THRESHOLD        Python's gen-0 GC threshold while subtasks run,
+                                    20000; 0: the process's own (statebackend.python_gc)
 
 `check_environment` validates every one that is set (the CLI and a job run call it
 first). This module imports only `statebackend.errors` and `defaults`: DAG files and
@@ -50,7 +52,7 @@ class Setting:
     """One ``CKPT_*`` variable: its kind, default and range (numbers) or choices."""
 
     name: str
-    kind: str                      # "seconds" | "bytes" | "choice" | "path"
+    kind: str                      # "seconds" | "bytes" | "count" | "choice" | "path"
     default: float | int | str | None
     help: str
     minimum: float = 0.0
@@ -71,7 +73,7 @@ class Setting:
                                  f"{list(self.choices)}")
             return value
         return number(text, self.name, minimum=self.minimum, maximum=self.maximum,
-                      integer=self.kind == "bytes")
+                      integer=self.kind in ("bytes", "count"))
 
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
@@ -106,6 +108,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("CKPT_INDEX_KEY_FILE", "path", None,
             "this host's key that signs registry indexes (default "
             "~/.local/state/ckpt/index-key, made on first use; `off`: never signed)"),
+    Setting("CKPT_PYTHON_GC_THRESHOLD", "count", defaults.PYTHON_GC_THRESHOLD,
+            "the youngest generation's garbage-collection threshold while subtasks run "
+            "(0: leave the process's own)", maximum=10**9),
 )}
 
 
@@ -131,6 +136,14 @@ def byte_count(name: str, environ: Mapping[str, str] | None = None) -> int:
     got = value(name, environ)
     if not isinstance(got, int):
         raise LookupError(f"{name} is not a bytes setting")
+    return got
+
+
+def count(name: str, environ: Mapping[str, str] | None = None) -> int:
+    """The "count" setting ``name`` (checked), else its default."""
+    got = value(name, environ)
+    if not isinstance(got, int):
+        raise LookupError(f"{name} is not a count setting")
     return got
 
 

@@ -50,6 +50,7 @@ from statebackend.job.arrow_input import LINE, raw_table
 from statebackend.job.core import REASON, ProcessResult, SubtaskProcessor
 from statebackend.job.external_commit import Prepared
 from statebackend.job.results import PHASES, TaskResult
+from statebackend.python_gc import fewer_collections
 from statebackend.state.backend import KeyedStateBackend
 from statebackend.state.backend_kinds import new_backend
 from statebackend.state.external import ExternalStateBackend
@@ -154,7 +155,9 @@ def run_one_subtask(params: TaskParams, subtask: int, attempt: int,
     runner = SubtaskRun(params, subtask, attempt)
     started = time.time()  # wall clock: the driver places the task in the run's timeline
     try:
-        return replace(runner.run(batches), window=(started, time.time()))
+        with fewer_collections():
+            result = runner.run(batches)
+        return replace(result, window=(started, time.time()))
     except BaseException as exc:
         runner.discard()
         # The failed frames hold state handles, and RocksDB keeps the instance open (its
