@@ -58,6 +58,8 @@ SESSIONS = value_state("sessions")  # JSON: [[start, end, events, value_sum], ..
 OUTPUT_SCHEMA = pa.schema([("user", pa.string()), ("session_start", pa.int64()),
                            ("session_end", pa.int64()), ("events", pa.int64()),
                            ("value_sum", pa.float64())])
+# The emitted columns of a session ``[start, end, events, value_sum]``, in its order
+SESSION_FIELDS = {f.name: f for f in OUTPUT_SCHEMA if f.name != "user"}
 INPUT = Input(
     schema=pa.schema([("user", pa.string()), ("ts", pa.int64()), ("value", pa.float64())]),
     key="user",
@@ -172,38 +174,41 @@ def assign(batch: pa.Table, ctx: BatchContext) -> None:
 
 
 def close(timers: pa.Table, ctx: BatchContext) -> None:
-    """Emit the sessions the watermark closed; move each user's timer to its next close."""
+    """Emit the sessions the watermark closed; move each user's timer to its next close.
+
+    Column-wise over the fired users' sessions (in user, then session order): the closed
+    ones are emitted as columns, the others stay, split back per user."""
     gap = ctx.options["gap_minutes"] * MINUTE_MS
     wm = ctx.new_watermark
     keys = list(dict.fromkeys(timers["key"].to_pylist()))
     state = ctx.state("sessions")
-    out: dict[str, list] = {n: [] for n in OUTPUT_SCHEMA.names}
-    keep_k, keep_v, gone, add_k, add_t = [], [], [], [], []
-    for k, sessions in zip(keys, state.value(keys), strict=True):
-        if not sessions:
-            continue
-        remaining = []
-        for s in sessions:
-            if s[1] + gap <= wm:
-                for name, v in zip(OUTPUT_SCHEMA.names, (k, *s), strict=True):
-                    out[name].append(v)
-            else:
-                remaining.append(s)
-        if remaining:
-            keep_k.append(k)
-            keep_v.append(remaining)
-            add_k.append(k)
-            add_t.append(_next_timer(remaining, gap))
-        else:
-            gone.append(k)
+    held = [s or [] for s in state.value(keys)]
+    flat = [session for sessions in held for session in sessions]
+    if not flat:
+        return
+    sizes = np.array([len(sessions) for sessions in held])
+    owner = np.repeat(np.arange(len(keys)), sizes)
+    closed = np.fromiter((s[1] + gap <= wm for s in flat), bool, len(flat))
+    shut = np.flatnonzero(closed)
+    if len(shut):
+        columns = zip(*flat, strict=True)
+        ctx.emit("sessions", {"user": pa.array(keys, pa.string()).take(owner[shut]), **{
+            name: pa.array(list(values), field.type).take(shut)
+            for (name, field), values in zip(list(SESSION_FIELDS.items()), columns,
+                                             strict=True)}})
+    still = np.flatnonzero(~closed)
+    left = np.bincount(owner[still], minlength=len(keys))
+    gone = [keys[i] for i in np.flatnonzero((left == 0) & (sizes > 0))]
+    kept = np.flatnonzero(left).tolist()
+    cuts = [0, *np.cumsum(left[kept]).tolist()]
+    remaining = [flat[j] for j in still.tolist()]
+    keep_v = [remaining[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+    keep_k = [keys[i] for i in kept]
     if keep_k:
         state.update(keep_k, keep_v)
+        ctx.timers.register(keep_k, [_next_timer(v, gap) for v in keep_v])
     if gone:
         state.clear(gone)
-    if add_k:
-        ctx.timers.register(add_k, add_t)
-    if out["user"]:
-        ctx.emit("sessions", out)
 
 
 def configure(job: Job, options: Mapping[str, Any]) -> Job:
