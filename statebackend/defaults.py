@@ -35,9 +35,9 @@ LOCAL_ENGINE_MAX_MEMORY_BYTES = 2**30
 # A Spark run's tasks, one per core, each read the whole input (no shuffle) while its
 # decompressed bytes times those tasks stay under this (statebackend.job.spark_direct).
 SPARK_DIRECT_READ_MAX_BYTES = 512 * 2**20
-# Python's youngest-generation GC threshold while subtasks run (statebackend.python_gc;
-# CPython's default is 700).
-PYTHON_GC_THRESHOLD = 20_000
+# Python's youngest-generation GC threshold while subtasks run (statebackend.python_gc:
+# the objects made before them are frozen too; CPython's default is 700).
+PYTHON_GC_THRESHOLD = 2_000
 
 # Where a job's keyed state lives (statebackend.state.backend_kinds): embedded RocksDB
 # (out of core), or in memory (hash tables per key group, for states that fit; each

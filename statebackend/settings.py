@@ -21,8 +21,9 @@ refused, not clamped.
     CKPT_ROW_COUNTS                 tracked | scan | verify: a RocksDB snapshot's row counts
     CKPT_INDEX_KEY_FILE             the key that signs registry indexes, or ``off``
                                     (statebackend.lifecycle.index_signing)
-    CKPT_PYTHON_GC_THRESHOLD        Python's gen-0 GC threshold while subtasks run,
-                                    20000; 0: the process's own (statebackend.python_gc)
+    CKPT_PYTHON_GC_THRESHOLD        Python's gen-0 GC threshold while subtasks run (and
+                                    older objects frozen), 2000; 0: the process's own
+                                    (statebackend.python_gc)
 
 `check_environment` validates every one that is set (the CLI and a job run call it
 first). This module imports only `statebackend.errors` and `defaults`: DAG files and
@@ -109,8 +110,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "this host's key that signs registry indexes (default "
             "~/.local/state/ckpt/index-key, made on first use; `off`: never signed)"),
     Setting("CKPT_PYTHON_GC_THRESHOLD", "count", defaults.PYTHON_GC_THRESHOLD,
-            "the youngest generation's garbage-collection threshold while subtasks run "
-            "(0: leave the process's own)", maximum=10**9),
+            "the youngest generation's garbage-collection threshold while subtasks run, "
+            "older objects frozen (0: leave the process's collector alone)", maximum=10**9),
 )}
 
 
