@@ -162,7 +162,8 @@ def add_global_options(parser: argparse.ArgumentParser, *, with_defaults: bool) 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ckpt",
-        description="Inspect and maintain incremental RocksDB checkpoints of stateful jobs.",
+        description="Run stateful jobs; inspect and maintain their incremental checkpoints\n"
+                    "(state in RocksDB, in memory or in an external database).",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"ckpt {ckpt_version()}")
