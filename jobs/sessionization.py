@@ -100,8 +100,7 @@ def merge_all(old: list, ts: np.ndarray, values: np.ndarray, offsets: np.ndarray
     merge, value sums added in the same order). NumPy over all keys' intervals: sorted
     by (key, start), a session starts where the key changes or where an interval begins
     ``>= gap`` after the furthest end so far."""
-    n_old = np.fromiter((len(o) if o else 0 for o in old), np.int64, len(old))
-    flat = [s for o in old if o for s in o]
+    flat, n_old = _flattened(old)
     held = np.array(flat, dtype=np.float64).reshape(-1, 4)
     if len(ts) and max(abs(int(ts.min())), abs(int(ts.max()))) >= _EXACT or \
             len(held) and np.abs(held[:, :3]).max() >= _EXACT:
@@ -128,9 +127,19 @@ def merge_all(old: list, ts: np.ndarray, values: np.ndarray, offsets: np.ndarray
     sums = [reduce(add, totals[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     rows = list(map(list, zip(start[at].tolist(), np.maximum.reduceat(end, at).tolist(),
                               np.add.reduceat(count, at).tolist(), sums, strict=True)))
-    per_key = np.zeros(len(old) + 1, dtype=np.int64)
-    np.cumsum(np.bincount(key[at], minlength=len(old)), out=per_key[1:])
-    cuts = per_key.tolist()
+    return _per_key(rows, np.bincount(key[at], minlength=len(old)))
+
+
+def _flattened(held: list) -> tuple[list, np.ndarray]:
+    """Every key's sessions in one list (in key order; None holds none), and how many
+    each key holds."""
+    sizes = np.fromiter((len(h) if h else 0 for h in held), np.int64, len(held))
+    return [s for sessions in held if sessions for s in sessions], sizes
+
+
+def _per_key(rows: list, counts: np.ndarray) -> list[list]:
+    """``rows`` (in key order) split back into one list per key, ``counts[i]`` for key i."""
+    cuts = [0, *np.cumsum(counts).tolist()]
     return [rows[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
 
 
@@ -182,11 +191,9 @@ def close(timers: pa.Table, ctx: BatchContext) -> None:
     wm = ctx.new_watermark
     keys = list(dict.fromkeys(timers["key"].to_pylist()))
     state = ctx.state("sessions")
-    held = [s or [] for s in state.value(keys)]
-    flat = [session for sessions in held for session in sessions]
+    flat, sizes = _flattened(state.value(keys))
     if not flat:
         return
-    sizes = np.array([len(sessions) for sessions in held])
     owner = np.repeat(np.arange(len(keys)), sizes)
     closed = np.fromiter((s[1] + gap <= wm for s in flat), bool, len(flat))
     shut = np.flatnonzero(closed)
@@ -199,11 +206,9 @@ def close(timers: pa.Table, ctx: BatchContext) -> None:
     still = np.flatnonzero(~closed)
     left = np.bincount(owner[still], minlength=len(keys))
     gone = [keys[i] for i in np.flatnonzero((left == 0) & (sizes > 0))]
-    kept = np.flatnonzero(left).tolist()
-    cuts = [0, *np.cumsum(left[kept]).tolist()]
-    remaining = [flat[j] for j in still.tolist()]
-    keep_v = [remaining[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
-    keep_k = [keys[i] for i in kept]
+    kept = [(k, v) for k, v in zip(keys, _per_key([flat[j] for j in still.tolist()], left),
+                                   strict=True) if v]
+    keep_k, keep_v = [k for k, _ in kept], [v for _, v in kept]
     if keep_k:
         state.update(keep_k, keep_v)
         ctx.timers.register(keep_k, [_next_timer(v, gap) for v in keep_v])

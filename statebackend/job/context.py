@@ -61,6 +61,7 @@ from statebackend.state.timers import (
     register_timer,
     register_timers,
     timers_of,
+    timers_of_table,
 )
 
 if TYPE_CHECKING:  # the backend is passed in; its type only
@@ -773,11 +774,10 @@ def run_per_key(fn: Callable[..., Any], rows: pa.Table, ctx: BatchContext,
 def run_per_key_timers(fn: Callable[..., Any], timers: pa.Table, ctx: BatchContext,
                        timings: dict[str, float]) -> None:
     """Call ``fn(key, timers, state)`` once per key of the chunk ``timers`` (columns
-    `statebackend.job.core.TIMER_SCHEMA`, time order) with that key's due timers, a list
-    of `Timer` in time order; keys in the order of their first due timer."""
+    `statebackend.state.timer_columns.FIRED_SCHEMA`, time order) with that key's due
+    timers, a list of `Timer` in time order; keys in the order of their first due timer."""
     keys, grouped, offsets = group_by_key(timers, "key")
-    cols = [grouped[c].to_pylist() for c in ("time", "key_group", "key", "tag", "domain")]
-    fired = [Timer(*timer) for timer in zip(*cols, strict=True)]
+    fired = timers_of_table(grouped)
     _call_each(fn, ctx, keys, lambda i: fired[offsets[i]:offsets[i + 1]], timings,
                "timer handler")
 

@@ -42,7 +42,6 @@ from statebackend.job.api import RAW, Job, Output, PerKey, Vectorized
 from statebackend.job.context import BatchContext, PerKeyFeed, RunInfo, run_per_key_timers
 from statebackend.state.backend import KeyedStateBackend
 from statebackend.state.keygroups import KeyGroupRange
-from statebackend.state.timer_columns import FIRED_SCHEMA
 from statebackend.state.timers import fire_due, next_timer_time
 from statebackend.state.ttl import next_expiry, purge_expired
 
@@ -52,7 +51,6 @@ PHASES = ("validating", "processing", "grouping", "prefetch", "write_back", "tim
           "outputs")
 LATE = "late"
 TIMER_BATCH = 10_000  # due timers per call of a vectorized timer handler
-TIMER_SCHEMA = FIRED_SCHEMA  # the timers one handler call gets
 # Purge compacts a TTL state (a rewrite of the whole family, so the next checkpoint
 # uploads all of it) only once half of it expired in one run, e.g. keys going quiet;
 # a steady share expiring each run is left to RocksDB's own compactions.

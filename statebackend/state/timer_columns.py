@@ -46,7 +46,7 @@ def timer_key_columns(key_groups: np.ndarray, key_bytes: pa.Array, times: np.nda
     head = np.empty(n, _HEAD)
     head["key_group"] = key_groups
     head["domain"] = domain[0]
-    head["time"] = times.astype(np.int64).view(np.uint64) ^ _SIGN
+    head["time"] = times.view(np.uint64) ^ _SIGN
     head["length"] = pc.binary_length(key_bytes).to_numpy(zero_copy_only=False)
     rows = head.view(np.uint8).reshape(n, _WIDTH)
     kind = key_bytes.type

@@ -162,6 +162,13 @@ def _fired(timer_keys: list[bytes]) -> tuple[pa.Table, list[bytes]]:
     return table, reverse
 
 
+def timers_of_table(table: pa.Table) -> list[Timer]:
+    """The rows of a `FIRED_SCHEMA` table as `Timer` objects, in their order."""
+    columns = [table.column(c).to_pylist() for c in ("time", "key_group", "key", "tag",
+                                                      "domain")]
+    return [Timer(*timer) for timer in zip(*columns, strict=True)]
+
+
 def parse_reverse_key(rk: bytes) -> Timer:
     """Inverse of `reverse_key`."""
     what = "timer reverse key"
@@ -365,9 +372,7 @@ class TimerFiring:
 
     def take(self, n: int) -> list[Timer]:
         """`take_table`'s timers as `Timer` objects."""
-        table = self.take_table(n)
-        return [Timer(time, kg, key, tag, domain) for key, time, tag, domain, kg in zip(
-            *(table.column(c).to_pylist() for c in FIRED_SCHEMA.names), strict=True)]
+        return timers_of_table(self.take_table(n))
 
     def take_table(self, n: int) -> pa.Table:
         """The next ``n`` due timers in firing order (a `FIRED_SCHEMA` table), deleted
