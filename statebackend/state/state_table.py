@@ -67,7 +67,7 @@ from statebackend.state.codecs import (
 from statebackend.state.families import TIMERS
 from statebackend.state.keygroups import KeyGroupRange
 from statebackend.state.kinds import STATE_KINDS, StateDescriptor
-from statebackend.state.timers import parse_timer_key
+from statebackend.state.timers import fired_timers
 
 # Stored keys or values: Python bytes (a backend's scan) or an Arrow binary array (read
 # from a memory-backend key-group file without a Python object per entry).
@@ -207,17 +207,15 @@ def _timer_batch(backend: KeyedStateBackend, subtask: int, span: KeyGroupRange
     if not keys:
         return None
     try:
-        timers = [parse_timer_key(k) for k in keys]
+        fired, _ = fired_timers(keys)  # column-wise (a timer at a time for tags)
     except SerializationError as exc:
         raise SerializationError(f"timers of {backend.label}: {exc}") from exc
-    n = len(timers)
     return pa.RecordBatch.from_arrays([
-        pa.array([t.key for t in timers], pa.string()),
-        _timestamps(np.fromiter((t.time for t in timers), np.int64, n)),
-        pa.array([t.domain for t in timers], pa.string()),
-        pa.array([t.tag for t in timers], pa.string()),
-        pa.array(np.fromiter((t.key_group for t in timers), np.int32, n)),
-        pa.array(np.full(n, subtask, np.int32))], schema=TIMER_SCHEMA)
+        fired.column("key").combine_chunks(),
+        _timestamps(fired.column("time").to_numpy()),
+        fired.column("domain").combine_chunks(), fired.column("tag").combine_chunks(),
+        fired.column("key_group").combine_chunks(),
+        pa.array(np.full(fired.num_rows, subtask, np.int32))], schema=TIMER_SCHEMA)
 
 
 def key_group_spans(whole: KeyGroupRange, expected_rows: int | None,

@@ -146,7 +146,7 @@ def _timer_and_reverse(tk: bytes) -> tuple[Timer, bytes]:
     return timer, tk[:2] + tk[3 + TIME_BYTES:pos] + tk[2:3 + TIME_BYTES] + tk[pos:]
 
 
-def _fired(timer_keys: list[bytes]) -> tuple[pa.Table, list[bytes]]:
+def fired_timers(timer_keys: list[bytes]) -> tuple[pa.Table, list[bytes]]:
     """The timers of ``timer_keys`` (a `FIRED_SCHEMA` table) and their reverse keys:
     column-wise, else (a tag, or bytes that do not fit) a timer at a time."""
     columns = parse_timer_key_columns(timer_keys)
@@ -398,7 +398,7 @@ class TimerFiring:
                     popped.append(tk)
             due.extend(tk for tk, stored in zip(popped, multi_get(self._cf, popped),
                                                  strict=True) if stored is not None)
-        table, reverse = _fired(due)
+        table, reverse = fired_timers(due)
         if due:
             self.backend.write_keys(((self._fwd, due), (self._rev, reverse)), delete=True)
         self.stats.fired += len(due)

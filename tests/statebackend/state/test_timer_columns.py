@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -14,6 +16,7 @@ from statebackend.state.backend_kinds import new_backend
 from statebackend.state.codecs import TIME_DOMAINS, serialize_keys
 from statebackend.state.keygroups import KeyGroupRange
 from statebackend.state.kinds import StateDescriptor
+from statebackend.state.state_table import TIMER_SCHEMA, StateRead, read_span
 from statebackend.state.timer_columns import (
     FIRED_SCHEMA,
     parse_timer_key_columns,
@@ -30,6 +33,7 @@ from statebackend.state.timers import (
 
 TIMES = st.integers(-(2**63), 2**63 - 1)
 KEYS = st.text(max_size=12)
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 TIMERS = st.lists(st.tuples(st.integers(0, 2**15 - 1), KEYS, TIMES), max_size=40)
 
 
@@ -91,5 +95,32 @@ def test_bad_times_and_tags_are_refused_naming_them(tmp_path, kind):
         register_timers(be, pa.array(["m"]), [-(2**63)])
         assert sorted((t.key, t.time, t.tag) for t in iter_timers(be)) == [
             ("k", 5, ""), ("l", 2**63 - 1, "é"), ("m", -(2**63), "")]
+    finally:
+        be.close()
+
+
+@pytest.mark.parametrize("kind", ["rocksdb", "memory"])
+@pytest.mark.parametrize("tagged", [False, True], ids=["column-wise", "a-timer-at-a-time"])
+def test_the_timers_table_equals_the_timers(tmp_path, kind, tagged):
+    """``read_state(..., state="_timers")``'s table (`state_table.read_span`) lists every
+    timer of the span as `iter_timers` does: parsed column-wise, or with a tag a timer
+    at a time."""
+    states = with_timers([StateDescriptor("s")])
+    be = new_backend(kind, str(tmp_path / "b"), states, 128, KeyGroupRange(0, 127))
+    rng = np.random.default_rng(7)
+    keys = [f"user-{i}-é" for i in range(300)]
+    times = rng.integers(-(2**40), 2**40, len(keys))
+    try:
+        register_timers(be, keys, times, tags=[f"t{i % 3}" for i in range(300)] if tagged
+                        else None)
+        register_timers(be, keys[:50], times[:50] + 1, domain="processing")
+        timers_desc = next(d for d in states if d.name == "_timers")
+        batch = read_span(be, StateRead(timers_desc, subtask=3), KeyGroupRange(0, 127))
+        assert batch is not None and batch.schema == TIMER_SCHEMA
+        got = sorted((r["key"], r["time"], r["domain"], r["tag"], r["key_group"], r["subtask"])
+                     for r in batch.to_pylist())
+        want = sorted((t.key, EPOCH + timedelta(milliseconds=t.time), t.domain,
+                       t.tag, t.key_group, 3) for t in iter_timers(be))
+        assert len(got) == 350 and got == want
     finally:
         be.close()
