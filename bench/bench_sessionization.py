@@ -29,7 +29,9 @@ rows with the pandas reference).
 Spark peer and no Spark session (the local engine), each backend in a process of its
 own, ``--repeats`` times in alternating order; prints the median events/s of all runs
 and of the incremental ones (after the first), checkpoint bytes per incremental run,
-and each backend's ratio to RocksDB's.
+and each backend's ratio to RocksDB's; with ``no-state``, each backend's cost per event
+over it, the memory backend's budget for 2x and the ratio's limit however cheap the
+job's own work (`print_cost_above_stand_in`).
 """
 
 from __future__ import annotations
@@ -226,7 +228,29 @@ def report_backends(series: dict[str, list[list[Run]]]) -> dict[str, dict]:
             f"{f['bytes_per_incremental_run'] / max(1, base['bytes_per_incremental_run']):.2f}x")
         print(f"  {b:9s} {f['events_per_s']:>10,.0f} {f['incremental_events_per_s']:>12,.0f} "
               f"{f['bytes_per_incremental_run']:>10,.0f}  {vs}")
+    print_cost_above_stand_in(out)
     return out
+
+
+def print_cost_above_stand_in(out: dict[str, dict]) -> None:
+    """Per event, each backend's run and its cost above the no-state stand-in (what the
+    backend and the timers' handler add to the job's own work), what the memory
+    backend's would have to be for 2x RocksDB's events/s (issue 25's goal), and the
+    ratio's limit as the job's own work goes to nothing."""
+    if "no-state" not in out:
+        return
+    us = {b: 1e6 / f["events_per_s"] for b, f in out.items()}
+    floor = us["no-state"]
+    print("  per event (all runs): " + ", ".join(
+        f"{b} {us[b]:.2f} us ({us[b] - floor:+.2f} over no-state)" for b in us))
+    if "rocksdb" in us and "memory" in us:
+        over = us["memory"] - floor
+        limit = (f"the ratio stays under {(us['rocksdb'] - floor) / over:.2f}x (RocksDB's "
+                 "cost over no-state / the memory backend's)" if over > 0 else
+                 "the memory backend costs no more than no-state here")
+        print(f"  2x RocksDB's events/s needs {us['rocksdb'] / 2:.2f} us per event: the memory "
+              f"backend's cost over no-state at most {us['rocksdb'] / 2 - floor:.2f} us (now "
+              f"{over:.2f} us); however cheap the job's own work, {limit}")
 
 
 # -- report ------------------------------------------------------------------------------

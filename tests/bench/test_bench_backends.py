@@ -31,6 +31,24 @@ def test_backends_side_by_side():
     assert [r[0] for r in rows] == ["rocksdb", "memory", "no-state"]
     assert rows[0][1:] == ("1.00", "1.00", "1.00")
     assert float(rows[2][3]) == 0.0  # the stand-in writes no checkpoint bytes
+    assert re.search(r"^  per event \(all runs\): rocksdb [\d.]+ us .* no-state [\d.]+ us "
+                     r"\(\+0\.00 over no-state\)$", table, re.M), table
+    assert "2x RocksDB's events/s needs" in table
+
+
+def test_the_cost_over_the_stand_in_and_the_ratios_limit(capsys):
+    """1 us, 0.5 us and 0.25 us per event: 2x RocksDB needs 0.5 us, so at most 0.25 us
+    over the stand-in (the memory backend's is 0.25 us); the limit is 0.75 / 0.25."""
+    sys.path.insert(0, ROOT)
+    from bench.bench_sessionization import print_cost_above_stand_in
+
+    print_cost_above_stand_in({"rocksdb": {"events_per_s": 1e6}, "memory": {
+        "events_per_s": 2e6}, "no-state": {"events_per_s": 4e6}})
+    out = capsys.readouterr().out
+    assert "rocksdb 1.00 us (+0.75 over no-state), memory 0.50 us (+0.25 over no-state)" in out
+    assert "needs 0.50 us per event: the memory backend's cost over no-state at most 0.25 us " \
+           "(now 0.25 us)" in out
+    assert "the ratio stays under 3.00x" in out
 
 
 def test_backends_refuses_an_unknown_one():
