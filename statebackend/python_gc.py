@@ -20,6 +20,11 @@ After the last subtask the objects are unfrozen and the process's own threshold 
 back. What the process chose stands: a higher threshold, collection turned off
 (``gc.disable()`` or a threshold of 0), objects it froze itself (then nothing is
 frozen here); ``CKPT_PYTHON_GC_THRESHOLD=0`` leaves the collector alone.
+
+After a subtask failed, the next freeze first collects the whole heap: the failed
+attempt's reference cycles (a traceback's frames holding its open state backend, and
+with it the instance's RocksDB lock) would otherwise be frozen, alive, while a retry in
+the same process (a reused Spark worker) opens the same instance.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class _Held:
     active = 0
     threshold: tuple[int, int, int] | None = None
     froze = False
+    failed = False  # a subtask failed since the last freeze: collect before the next
 
 
 @contextmanager
@@ -52,11 +58,17 @@ def fewer_collections() -> Iterator[None]:
                 _Held.threshold = current
                 gc.set_threshold(wanted, *current[1:])
             if current[0] and gc.get_freeze_count() == 0:
+                if _Held.failed:
+                    gc.collect()
+                    _Held.failed = False
                 gc.freeze()
                 _Held.froze = True
         _Held.active += 1
     try:
         yield
+    except BaseException:
+        _Held.failed = True
+        raise
     finally:
         with _Held.lock:
             _Held.active -= 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import weakref
 
 import pyarrow as pa
 import pytest
@@ -81,6 +82,22 @@ def test_given_back_by_the_last_of_concurrent_subtasks():
 def test_given_back_when_the_subtask_fails():
     with pytest.raises(RuntimeError), fewer_collections():
         raise RuntimeError("the subtask failed")
+    assert held() == (700, False)
+
+
+def test_a_failed_subtasks_cycles_are_collected_before_the_next_freeze():
+    """A failed attempt's reference cycle (here an object that refers to itself; in a
+    run, a traceback's frames holding an open state backend) is collected when the next
+    subtask starts, not frozen alive while a retry runs."""
+    gc.collect()  # a fresh young generation: no collection comes between by chance
+    with pytest.raises(RuntimeError), fewer_collections():
+        obj = Tracked()
+        obj.cycle = obj  # type: ignore[attr-defined]
+        ref = weakref.ref(obj)
+        del obj
+        raise RuntimeError("the subtask failed")
+    with fewer_collections():
+        assert ref() is None and held() == (2_000, True)
     assert held() == (700, False)
 
 
