@@ -12,7 +12,7 @@ from statebackend.checkpoint.dump_parquet import check_parquet_target, dump_parq
 from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.cli.app import emit_json, json_flag, state_db_flags, state_db_of
-from statebackend.errors import CheckpointNotFoundError, MetadataError
+from statebackend.errors import CheckpointNotFoundError, MetadataError, UsageError
 from statebackend.formatting import age_of, epoch_ms, human_bytes
 from statebackend.progress import Progress
 from statebackend.state.schema import describe_schema
@@ -31,12 +31,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint", nargs="?", default="latest", help="ID, chk-ID or latest")
     p.set_defaults(handler=cmd_show)
 
-    p = sub.add_parser("dump", parents=[state_db_flags()],
+    p = sub.add_parser("dump", parents=[json_flag(), state_db_flags()],
                        help="write every state entry as rows",
                        description="Restore a checkpoint read-only into a temp folder and write "
                                    "each state entry as a row: state, key, user_key, value, "
                                    "key_group, subtask. An external-backend checkpoint is read "
-                                   "from its database (--state-db) at its version.")
+                                   "from its database (--state-db) at its version. With --json "
+                                   "(not with --out -) the report is one JSON object: "
+                                   "checkpoint, rows, out, format.")
     p.add_argument("checkpoint", nargs="?", default="latest", help="ID, chk-ID or latest")
     p.add_argument("--out", required=True,
                    help="output file (jsonl), folder (parquet: one part file per subtask, "
@@ -131,6 +133,9 @@ def cmd_show(args: argparse.Namespace, store: CheckpointStore) -> int:
 
 
 def cmd_dump(args: argparse.Namespace, store: CheckpointStore) -> int:
+    if args.json and args.out == STDOUT:
+        raise UsageError("dump --json: stdout carries the rows with --out -; write them to "
+                         "a file or folder to get the JSON report")
     check_dump_target(args.out, args.format)  # refuse before restoring anything
     if args.format == "parquet":
         check_parquet_target(args.out)
@@ -146,6 +151,10 @@ def cmd_dump(args: argparse.Namespace, store: CheckpointStore) -> int:
                            unit="rows")
             parts = checkpoint_lines(store, meta, state_db_of(args))
             count = write_lines(progress.wrap(parts, size=len), args.out)
+    if args.json:
+        emit_json({"checkpoint": meta.checkpoint_id, "rows": count, "out": args.out,
+                   "format": args.format})
+        return 0
     where = "stdout" if args.out == STDOUT else args.out
     # with --out - stdout carries the rows: the report goes to stderr
     print(f"wrote {count} rows of checkpoint {meta.checkpoint_id} to {where}",

@@ -98,6 +98,18 @@ def test_dump_jsonl_and_parquet(job, capsys, tmp_path):
     assert set(json.loads(first["value"])) == {"count", "sum", "flag"}
 
 
+def test_dump_json_report(job, capsys, tmp_path):
+    for fmt, out_path in (("jsonl", tmp_path / "rows.jsonl"), ("parquet", tmp_path / "pq")):
+        code, out, _ = run(capsys, "--storage", job["url"], "--job", JOB, "dump", "--out",
+                           str(out_path), "--format", fmt, "--json")
+        assert code == 0
+        assert json.loads(out) == {"checkpoint": 2, "rows": len(job["rows"]),
+                                   "out": str(out_path), "format": fmt}
+    assert len(pq.read_table(tmp_path / "pq")) == len(job["rows"])
+    line = _error(capsys, "--storage", job["url"], "--job", JOB, "dump", "--out", "-", "--json")
+    assert "dump --json" in line and "--out -" in line
+
+
 def test_console_script(job, tmp_path):
     env = dict(os.environ, CKPT_STORAGE=job["url"], CKPT_JOB=JOB)
     proc = subprocess.run([CKPT_BIN, "show", "latest", "--json"], capture_output=True, text=True,
