@@ -184,7 +184,7 @@ class RunOptions:
         help="external backend: mvcc (rows versioned per checkpoint: any retained "
              "checkpoint restores) or wal (one current state; each checkpoint's "
              "write-ahead log is applied after its commit); default: the lineage's, "
-             "else mvcc")
+             "else mvcc; refused on another backend")
     memory_limit_mb: int = option(
         defaults.MEMORY_LIMIT_MB, metavar="MIB", argument="memory_limit_mb",
         help="memory backend: a subtask whose state grows past this fails (never swaps)")

@@ -287,9 +287,13 @@ class _JobRun:
         """The external backend's database, prepared for this run (None: another backend).
         A database ahead of the plan's parent is first checked against the lease: a
         writer paused while another took over is fenced off (LeaseLostError)."""
-        if plan.backend != "external":
-            return None
         config = self.config
+        if plan.backend != "external":
+            if config.state_mode is not None:  # a contradiction, not a choice to ignore
+                raise UsageError(f"--state-mode {config.state_mode} (ckpt_jobs: state_mode) "
+                                 "is a mode of the external backend; this run of job "
+                                 f"{self.store.job!r} is on the {plan.backend} backend")
+            return None
         ext = external_commit.store_of(config.state_db, config.state_table,
                                        f"job {self.store.job!r}")
         self.progress.phase(f"run {config.run_id}: preparing the state database "

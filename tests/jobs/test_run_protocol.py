@@ -221,6 +221,25 @@ def test_states_of_another_job_are_refused(spark, tmp_path):
                                   run_id="b", output=str(tmp_path / "o2")), spark)
 
 
+def test_a_state_mode_on_another_backend_is_refused_before_any_work(tmp_path):
+    """``--state-mode`` chooses how the external backend commits: on another backend it
+    contradicts the run's choice, so the run refuses it and commits nothing."""
+    activity_events(str(tmp_path / "in"), rows=100, users=10, seed=9, day=0)
+    url = f"file://{tmp_path}/store"
+    for backend in ("memory", "rocksdb"):
+        with pytest.raises(UsageError, match=rf"^--state-mode wal \(ckpt_jobs: state_mode\) is "
+                                             rf"a mode of the external backend; this run of job "
+                                             rf"'user_activity' is on the {backend} backend$"):
+            run_job(user_activity.job, RunConfig(
+                input=str(tmp_path / "in"), storage=url, run_id="a", engine="local",
+                output=str(tmp_path / "out"), backend=backend, state_mode="wal"))
+    assert CheckpointStore(open_storage(url), "user_activity").load_all() == []
+    s = run_job(user_activity.job, RunConfig(input=str(tmp_path / "in"), storage=url,
+                                             run_id="a", engine="local",
+                                             output=str(tmp_path / "out"), backend="memory"))
+    assert s["checkpoint_id"] == 1  # the same run, without the contradiction
+
+
 def test_builtin_names_and_load_job():
     assert load_job(BUILTIN_JOBS["keyed_aggregation"]) is ka.JOB
     assert load_job("examples.user_activity:job") is user_activity.job
