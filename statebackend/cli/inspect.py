@@ -77,11 +77,12 @@ def cmd_list(args: argparse.Namespace, store: CheckpointStore) -> int:
     if args.json:
         emit_json([m.summary() for m in metas])
         return code
-    print(f"{'id':>6}  {'parent':>6}  {'created':>12}  {'P':>3}/{'M':<4}  {'files':>6}  "
-          f"{'size':>10}  {'uploaded':>10}  run_id (kind)")
+    print(f"{'id':>6}  {'parent':>6}  {'created':>12}  {'P':>3}/{'M':<4}  {'backend':<8}  "
+          f"{'files':>6}  {'size':>10}  {'uploaded':>10}  run_id (kind)")
     for m in metas:
         print(f"{m.checkpoint_id:>6}  {m.parent if m.parent is not None else '-':>6}  "
               f"{age_of(m.created_at):>12}  {m.parallelism:>3}/{m.max_parallelism:<4}  "
+              f"{m.state_backend:<8}  "
               f"{len(m.files):>6}  {human_bytes(m.bytes_referenced):>10}  "
               f"{human_bytes(m.bytes_uploaded):>10}  {m.run_id or '-'} ({describe(m)})")
     for cid, why in sorted(broken.items()):

@@ -262,6 +262,9 @@ def test_list_and_jobs_text_is_human_json_is_exact(job, capsys):
         assert cli.human_bytes(item["bytes_referenced"]) in line
         assert str(item["bytes_referenced"]) not in line  # no raw byte counts
         assert item["created_at"] not in line and ("ago" in line or "just now" in line)
+        words = line.split()
+        backend = words[words.index(f"{item['parallelism']}/{item['max_parallelism']}") + 1]
+        assert backend == item["state_backend"] == "rocksdb"  # the column after P/M
     code, out, _ = run(capsys, argv_of(job, "jobs", ["--json"]))
     (row,) = [j for j in json.loads(out) if j["job"] == JOB]
     latest = job["store"].load(2)
