@@ -2,8 +2,8 @@
 
 A job is a folder of the root that holds something committed: a checkpoint
 (``chk-<id>/_metadata``) or a complete savepoint (``savepoints/<name>/_metadata``).
-Per job: committed checkpoints, the latest one's id, age, parallelism and size,
-savepoints and live leases. One job with unreadable metadata is reported in its
+Per job: committed checkpoints, the latest one's id, age, parallelism, state backend
+and size, savepoints and live leases. One job with unreadable metadata is reported in its
 row (``error``), not as a failure of the listing.
 
 A folder with nothing committed (only leases, run history under ``runs/``, the
@@ -62,13 +62,14 @@ class JobInfo:
     # A checkpoint or a complete savepoint exists (None: unknown, see ``error``). Rows
     # without are shown only with --all.
     committed: bool | None = True
+    backend: str | None = None  # the latest checkpoint's state backend
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("jobs", parents=[json_flag()], help="list the jobs under a storage root",
                        description="List the jobs under --storage (folders with a committed "
                                    "checkpoint or a complete savepoint), with their latest "
-                                   "checkpoint's id, age, parallelism and size. Needs no "
+                                   "checkpoint's id, age, parallelism, backend and size. Needs no "
                                    "--job.")
     p.add_argument("--all", action="store_true",
                    help="also list folders with nothing committed (only leases, run history "
@@ -110,7 +111,8 @@ def job_info(storage: Storage, name: str) -> JobInfo | None:
             info = replace(info, latest=meta.checkpoint_id, created_at=meta.created_at,
                            parallelism=meta.parallelism,
                            max_parallelism=meta.max_parallelism,
-                           bytes_referenced=meta.bytes_referenced)
+                           bytes_referenced=meta.bytes_referenced,
+                           backend=meta.state_backend)
     except CkptError as exc:
         return replace(info, error=str(exc))
     return info
@@ -144,7 +146,7 @@ def cmd_jobs(args: argparse.Namespace, storage: Storage) -> int:
             print(note)
         return 0
     print(f"{'job':24}  {'checkpoints':>11}  {'latest':>6}  {'created':>12}  {'P':>3}  "
-          f"{'size':>10}  {'savepoints':>10}  {'leases':>6}")
+          f"{'backend':<8}  {'size':>10}  {'savepoints':>10}  {'leases':>6}")
     for j in jobs:
         if j.error:
             print(f"{j.job:24}  unreadable: {j.error}")
@@ -152,7 +154,8 @@ def cmd_jobs(args: argparse.Namespace, storage: Storage) -> int:
         latest = "-" if j.latest is None else str(j.latest)
         size = "-" if j.bytes_referenced is None else human_bytes(j.bytes_referenced)
         print(f"{j.job:24}  {j.checkpoints:>11}  {latest:>6}  {age_of(j.created_at):>12}  "
-              f"{j.parallelism if j.parallelism is not None else '-':>3}  {size:>10}  "
+              f"{j.parallelism if j.parallelism is not None else '-':>3}  "
+              f"{j.backend or '-':<8}  {size:>10}  "
               f"{j.savepoints:>10}  {j.live_leases:>6}"
               + ("" if j.committed else f"  ({NOTHING_COMMITTED})"))
     if note:

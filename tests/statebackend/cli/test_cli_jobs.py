@@ -8,6 +8,7 @@ committed``. Runs go through ``ckpt run`` on the local engine (no Spark).
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -39,7 +40,7 @@ def jobs(capsys, url, *flags) -> dict[str, dict]:
     code, out, err = ckpt(capsys, "--storage", url, "jobs", "--json", *flags)
     assert (code, err) == (0, ""), err
     rows = json.loads(out)
-    assert all(set(r) == OLD_KEYS | {"committed"} for r in rows)  # --json: one key added
+    assert all(set(r) == OLD_KEYS | {"committed", "backend"} for r in rows)  # keys added
     return {r["job"]: r for r in rows}
 
 
@@ -107,6 +108,12 @@ def test_committed_checkpoints_or_a_complete_savepoint_make_a_job(tmp_path, caps
     assert rows["clicks"]["committed"] and rows["clicks"]["latest"] == 2
     assert rows["clicks"]["savepoints"] == 1
     assert rows["spare"]["committed"] and rows["spare"]["checkpoints"] == 0
+    assert (rows["clicks"]["backend"], rows["spare"]["backend"]) == ("rocksdb", None)
+    code, out, _ = ckpt(capsys, "--storage", url, "jobs")
+    assert out.splitlines()[0].split()[5] == "backend"  # after P
+    lines = {line.split()[0]: line for line in out.splitlines()[1:]}
+    assert re.search(r"  2  rocksdb +\S+ KiB", lines["clicks"]), lines["clicks"]  # P=2
+    assert re.search(r"  -  - +- +1 +0$", lines["spare"]), lines["spare"]  # no checkpoint
     assert rows["leased"]["committed"] is None and "malformed lease" in rows["leased"]["error"]
     everything = jobs(capsys, url, "--all")
     assert set(everything) == {"clicks", "spare", "leased", "attempt", "partial", "history"}
