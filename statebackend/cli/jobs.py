@@ -3,8 +3,8 @@
 A job is a folder of the root that holds something committed: a checkpoint
 (``chk-<id>/_metadata``) or a complete savepoint (``savepoints/<name>/_metadata``).
 Per job: committed checkpoints, the latest one's id, age, parallelism, state backend
-and size, savepoints and live leases. One job with unreadable metadata is reported in its
-row (``error``), not as a failure of the listing.
+and size, savepoints and live leases. One job with unreadable metadata is reported in
+its row (``error``), not as a failure of the listing.
 
 A folder with nothing committed (only leases, run history under ``runs/``, the
 leftovers of failed attempts or of an interrupted savepoint: what a failed first
