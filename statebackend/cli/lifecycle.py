@@ -153,14 +153,16 @@ def cmd_savepoints(args: argparse.Namespace, store: CheckpointStore) -> int:
     if args.json:
         emit_json([s.to_json() for s in savepoints])
         return 0
-    print(f"{'name':28}  {'source':>6}  {'created':>12}  {'P':>3}  {'files':>6}  {'size':>10}")
+    print(f"{'name':28}  {'source':>6}  {'created':>12}  {'P':>3}  {'backend':<8}  "
+          f"{'files':>6}  {'size':>10}")
     for s in savepoints:
         source = "-" if s.source_checkpoint is None else str(s.source_checkpoint)
         if s.source_job not in (None, store.job):
             source = f"{s.source_job}:{source}"
         created = age_of(s.created_at) if s.complete else "incomplete"
         print(f"{s.name:28}  {source:>6}  {created:>12}  "
-              f"{s.parallelism if s.parallelism is not None else '-':>3}  {s.files:>6}  "
+              f"{s.parallelism if s.parallelism is not None else '-':>3}  "
+              f"{s.backend or '-':<8}  {s.files:>6}  "
               f"{human_bytes(s.bytes):>10}")
     if not savepoints:
         print(f"(no savepoints of job {store.job})")

@@ -114,11 +114,15 @@ class SavepointInfo:
     parallelism: int | None
     files: int
     bytes: int
+    # Its state's backend (a WAL-mode export is a memory-backend savepoint); None while
+    # incomplete
+    backend: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "complete": self.complete, "source_job": self.source_job,
                 "source_checkpoint": self.source_checkpoint, "created_at": self.created_at,
-                "parallelism": self.parallelism, "files": self.files, "bytes": self.bytes}
+                "parallelism": self.parallelism, "files": self.files, "bytes": self.bytes,
+                "backend": self.backend}
 
 
 @dataclass(frozen=True)
@@ -151,7 +155,7 @@ def list_savepoints(store: CheckpointStore) -> list[SavepointInfo]:
             source = meta.source or {}
             out.append(SavepointInfo(
                 name, True, source.get("job"), source.get("checkpoint"), meta.created_at,
-                meta.parallelism, len(meta.files), meta.bytes_referenced))
+                meta.parallelism, len(meta.files), meta.bytes_referenced, meta.state_backend))
         else:
             files = store.storage.walk_files(savepoint_dir(name))
             out.append(SavepointInfo(name, False, None, None, None, None, len(files),

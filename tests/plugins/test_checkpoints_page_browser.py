@@ -204,7 +204,7 @@ def test_runs_savepoints_leases(browser):
     assert outcomes[:3] == ["failed", "failed", "skipped"] and outcomes.count("committed") == 3
     assert ops["savepoints"] == [[
         ops_job.SAVEPOINT, f"clicks chk-{ops_job.SAVEPOINT_FROM}", ops["savepoints"][0][2], "4",
-        "4", ops["savepoints"][0][5], f"clicks/savepoints/{ops_job.SAVEPOINT}"]]
+        "rocksdb", "4", ops["savepoints"][0][6], f"clicks/savepoints/{ops_job.SAVEPOINT}"]]
     leases = {r[0]: r for r in ops["leases"]}
     assert leases["writer"][1] == "live" and leases["writer"][5] == f"chk-{N}"
     assert leases["hold-validate"][1] == "expired" and leases["hold-validate"][5] == "chk-12"

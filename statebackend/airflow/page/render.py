@@ -246,11 +246,12 @@ def render_savepoints(job: str, savepoints: list[dict]) -> str:
         source = (f"{esc(s['source_job'])} chk-{s['source_checkpoint']}" if s["complete"]
                   else "incomplete (being created or interrupted)")
         out.append(f'<tr><td>{esc(s["name"])}</td><td>{source}</td><td>{when(s["created_at"])}'
-                   f'</td><td>{esc(s["parallelism"] or "–")}</td><td>{s["files"]}</td>'
+                   f'</td><td>{esc(s["parallelism"] or "–")}</td>'
+                   f'<td>{esc(s["backend"] or "–")}</td><td>{s["files"]}</td>'
                    f'<td>{human_bytes(s["bytes"])}</td>'
                    f'<td><code>{esc(job)}/{esc(savepoint_dir(s["name"]))}</code></td></tr>')
-    return table_or_note("savepoints", job, ("name", "from", "created (UTC)", "P", "files",
-                                             "size", "path (for start_from)"), out,
+    return table_or_note("savepoints", job, ("name", "from", "created (UTC)", "P", "backend",
+                                             "files", "size", "path (for start_from)"), out,
                          "no savepoints")
 
 

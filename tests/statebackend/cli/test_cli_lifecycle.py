@@ -112,13 +112,15 @@ def test_savepoints_list_text_and_json(job, capsys):
     assert items["before"]["bytes"] == sum(f.size for f in copied if f.path.count("/") > 2)
     assert items["before"]["created_at"]
     assert items["before"]["parallelism"] == job.store.load(2).parallelism
+    assert (items["before"]["backend"], items["half"]["backend"]) == ("rocksdb", None)
     assert not items["half"]["complete"] and items["half"]["files"] == 1
     code, out, _ = run(job, capsys, "savepoints")
     lines = out.splitlines()
     assert code == 0 and len(lines) == 3
     assert "before" in lines[1] and re.search(r"just now|\d+ s ago", lines[1])
     assert re.search(r"\d+\.\d KiB$", lines[1])
-    assert "incomplete" in lines[2]
+    assert re.search(r"  \d+  rocksdb +\d+ +\d+\.\d KiB$", lines[1])  # P, backend, files
+    assert "incomplete" in lines[2] and re.search(r"  -  - +1 ", lines[2])
 
 
 def test_savepoint_delete_dry_run_then_real(job, capsys):
