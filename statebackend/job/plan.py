@@ -77,13 +77,7 @@ class RunPlan:
 
     @property
     def backend(self) -> str:
-        """The state backend of this run: the run's choice (--backend), else the job's,
-        else the lineage's, else `statebackend.defaults.BACKEND`. A choice other than
-        the lineage's converts its state at restore."""
-        chosen = self.config.backend or self.job.backend
-        if chosen:
-            return chosen
-        return self.parent.state_backend if self.parent is not None else defaults.BACKEND
+        return run_backend(self.config, self.job, self.parent)
 
     @property
     def migration(self) -> EvolutionPlan | None:
@@ -140,6 +134,23 @@ def plan_for(job: Job, base: CheckpointMetadata | None) -> EvolutionPlan | None:
             f"the key column changes from {stored_key!r} to {job.key!r}; {MIGRATE_HINT}",))
         plan = replace(plan, changes=(key, *plan.changes))
     return plan
+
+
+def run_backend(config: RunConfig, job: Job, parent: CheckpointMetadata | None) -> str:
+    """The state backend of a run: its choice (--backend), else the job's, else the
+    lineage's, else `statebackend.defaults.BACKEND`. A choice other than the lineage's
+    converts its state at restore."""
+    return config.backend or job.backend or (
+        parent.state_backend if parent is not None else defaults.BACKEND)
+
+
+def check_state_mode(config: RunConfig, backend: str, job_dir: str) -> None:
+    """UsageError for ``--state-mode`` on a run that is not on the external backend: a
+    contradiction, not a choice to ignore."""
+    if config.state_mode is not None and backend != "external":
+        raise UsageError(f"--state-mode {config.state_mode} (ckpt_jobs: state_mode) is a "
+                         f"mode of the external backend; this run of job {job_dir!r} is on "
+                         f"the {backend} backend")
 
 
 def check_max_parallelism(config: RunConfig, base: CheckpointMetadata | None) -> None:

@@ -73,9 +73,11 @@ from statebackend.job.plan import (
     RunPlan,
     base_of,
     check_max_parallelism,
+    check_state_mode,
     evolution_plan,
     lineage_shape,
     parent_of,
+    run_backend,
 )
 from statebackend.job.publish import (
     delete_run_outputs,
@@ -178,6 +180,8 @@ class _JobRun:
         parent = initial_state(job, config, store, session.lineage.latest, warnings) \
             if config.initial_state else parent_of(config, store, session.lineage.latest,
                                                    warnings)
+        # before the input is read or Spark starts
+        check_state_mode(config, run_backend(config, job, parent), store.job)
         files = list_input(config.input, config.storage_options)
         self.progress.phase(f"run {config.run_id}: checking {files.count} input files")
         check_parquet(files, job.input)  # before Spark starts: a bad file costs no session
@@ -287,13 +291,9 @@ class _JobRun:
         """The external backend's database, prepared for this run (None: another backend).
         A database ahead of the plan's parent is first checked against the lease: a
         writer paused while another took over is fenced off (LeaseLostError)."""
-        config = self.config
         if plan.backend != "external":
-            if config.state_mode is not None:  # a contradiction, not a choice to ignore
-                raise UsageError(f"--state-mode {config.state_mode} (ckpt_jobs: state_mode) "
-                                 "is a mode of the external backend; this run of job "
-                                 f"{self.store.job!r} is on the {plan.backend} backend")
             return None
+        config = self.config
         ext = external_commit.store_of(config.state_db, config.state_table,
                                        f"job {self.store.job!r}")
         self.progress.phase(f"run {config.run_id}: preparing the state database "
