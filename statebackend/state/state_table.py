@@ -207,7 +207,7 @@ def _timer_batch(backend: KeyedStateBackend, subtask: int, span: KeyGroupRange
     if not keys:
         return None
     try:
-        fired, _ = fired_timers(keys)  # column-wise (a timer at a time for tags)
+        fired, _ = fired_timers(keys, reverse=False)  # column-wise (tags: one at a time)
     except SerializationError as exc:
         raise SerializationError(f"timers of {backend.label}: {exc}") from exc
     return pa.RecordBatch.from_arrays([

@@ -59,9 +59,11 @@ def timer_key_columns(key_groups: np.ndarray, key_bytes: pa.Array, times: np.nda
     return fwd.to_pylist(), rev.to_pylist()
 
 
-def parse_timer_key_columns(timer_keys: list[bytes]) -> tuple[pa.Table, list[bytes]] | None:
-    """(the timers as a `FIRED_SCHEMA` table, their ``_timer_keys`` keys), or None for a
-    batch to parse a timer at a time (module docstring)."""
+def parse_timer_key_columns(timer_keys: list[bytes], *, reverse: bool = True
+                            ) -> tuple[pa.Table, list[bytes]] | None:
+    """(the timers as a `FIRED_SCHEMA` table, their ``_timer_keys`` keys; none with
+    ``reverse=False``), or None for a batch to parse a timer at a time (module
+    docstring)."""
     n = len(timer_keys)
     keys = pa.array(timer_keys, pa.binary())
     offsets = np.frombuffer(keys.buffers()[1], np.int32, n + 1)
@@ -84,10 +86,12 @@ def parse_timer_key_columns(timer_keys: list[bytes]) -> tuple[pa.Table, list[byt
                       pa.nulls(n, pa.string()).fill_null(""),
                       names.take(np.searchsorted(domains, head["domain"])),
                       pa.array(head["key_group"].astype(np.int32))], schema=FIRED_SCHEMA)
-    reverse = pc.binary_join_element_wise(
+    if not reverse:
+        return table, []
+    reverse_keys = pc.binary_join_element_wise(
         pc.binary_slice(keys, 0, 2), pc.binary_slice(keys, 11, _END),
         pc.binary_slice(keys, 2, 11), pa.scalar(b"", pa.binary()))
-    return table, reverse.to_pylist()
+    return table, reverse_keys.to_pylist()
 
 
 def _as_binary(rows: np.ndarray, kind: pa.DataType) -> pa.Array:

@@ -146,20 +146,22 @@ def _timer_and_reverse(tk: bytes) -> tuple[Timer, bytes]:
     return timer, tk[:2] + tk[3 + TIME_BYTES:pos] + tk[2:3 + TIME_BYTES] + tk[pos:]
 
 
-def fired_timers(timer_keys: list[bytes]) -> tuple[pa.Table, list[bytes]]:
-    """The timers of ``timer_keys`` (a `FIRED_SCHEMA` table) and their reverse keys:
-    column-wise, else (a tag, or bytes that do not fit) a timer at a time."""
-    columns = parse_timer_key_columns(timer_keys)
+def fired_timers(timer_keys: list[bytes], *, reverse: bool = True
+                 ) -> tuple[pa.Table, list[bytes]]:
+    """The timers of ``timer_keys`` (a `FIRED_SCHEMA` table) and their reverse keys (none
+    with ``reverse=False``: a reader of the timers deletes nothing): column-wise, else (a
+    tag, or bytes that do not fit) a timer at a time."""
+    columns = parse_timer_key_columns(timer_keys, reverse=reverse)
     if columns is not None:
         return columns
-    timers, reverse = [], []
+    timers, reverse_keys = [], []
     for tk in timer_keys:
         timer, rk = _timer_and_reverse(tk)
         timers.append(timer)
-        reverse.append(rk)
+        reverse_keys.append(rk)
     table = pa.table({name: [getattr(t, name) for t in timers] for name in FIRED_SCHEMA.names},
                      schema=FIRED_SCHEMA)
-    return table, reverse
+    return table, reverse_keys if reverse else []
 
 
 def timers_of_table(table: pa.Table) -> list[Timer]:

@@ -69,6 +69,8 @@ def test_parsed_columns_equal_the_per_timer_parse(timers, domain):
         {"key": t.key, "time": t.time, "tag": t.tag, "domain": t.domain,
          "key_group": t.key_group} for t, _ in each]
     assert reverse == [rk for _, rk in each]
+    no_reverse = parse_timer_key_columns(tks, reverse=False)  # a reader deletes nothing
+    assert no_reverse is not None and no_reverse[0].equals(table) and no_reverse[1] == []
 
 
 def test_what_the_parser_does_not_take_is_left_to_the_per_timer_parse():
