@@ -50,6 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.process_env import child_env  # noqa: E402
+from bench.state_stand_ins import drop_all_state  # noqa: E402
 
 ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
 VARIANTS = ("ours", "ours-spark", "ours-memory", "ours-spark-memory", "ours-no-state",
@@ -67,18 +68,6 @@ OURS = {"ours": ("auto", None), "ours-spark": ("spark", None),
 # nothing, every write is dropped, no key-group file is written. Not a product.
 NO_STATE = "ours-no-state"
 PRE_PORT = "fa6e095"  # the last commit before the job API port
-
-
-def drop_all_state() -> None:
-    """Patch this process's memory backend into the no-state stand-in (NO_STATE)."""
-    from statebackend.state.memory import MemoryStateBackend
-    from statebackend.state.memory_table import MemoryTable
-
-    MemoryStateBackend._write_segment = lambda self, prefixes, spare: None
-    MemoryStateBackend.record_tables = False  # every state in a (patched) MemoryTable
-    MemoryTable.get = lambda self, key: [None] * len(key) if isinstance(key, list) else None
-    MemoryTable.write_many = lambda self, puts, deletes=(): None
-    MemoryTable.write_columns = lambda self, keys, values: None
 
 
 def dir_bytes(path: str) -> int:
