@@ -155,6 +155,13 @@ def _by_key_then_start(key: np.ndarray, start: np.ndarray) -> np.ndarray:
     return np.argsort(key * span + (start - low), kind="stable")
 
 
+def _at_most(values: np.ndarray, limit: int) -> np.ndarray:
+    """``values <= limit`` for int64 values and any Python int ``limit`` (exact)."""
+    if limit < -2**63:
+        return np.zeros(len(values), dtype=bool)
+    return values <= min(limit, 2**63 - 1)
+
+
 def _next_timer(sessions: list | None, gap: int) -> int | None:
     return min(s[1] for s in sessions) + gap if sessions else None
 
@@ -195,14 +202,13 @@ def close(timers: pa.Table, ctx: BatchContext) -> None:
     if not flat:
         return
     owner = np.repeat(np.arange(len(keys)), sizes)
-    closed = np.fromiter((s[1] + gap <= wm for s in flat), bool, len(flat))
+    columns = {name: pa.array(values, field.type) for (name, field), values in
+               zip(SESSION_FIELDS.items(), zip(*flat, strict=True), strict=True)}
+    closed = _at_most(columns["session_end"].to_numpy(), wm - gap)  # end + gap <= wm
     shut = np.flatnonzero(closed)
     if len(shut):
-        columns = zip(*flat, strict=True)
-        ctx.emit("sessions", {"user": pa.array(keys, pa.string()).take(owner[shut]), **{
-            name: pa.array(list(values), field.type).take(shut)
-            for (name, field), values in zip(list(SESSION_FIELDS.items()), columns,
-                                             strict=True)}})
+        ctx.emit("sessions", {"user": pa.array(keys, pa.string()).take(owner[shut]),
+                              **{name: column.take(shut) for name, column in columns.items()}})
     still = np.flatnonzero(~closed)
     left = np.bincount(owner[still], minlength=len(keys))
     gone = [keys[i] for i in np.flatnonzero((left == 0) & (sizes > 0))]

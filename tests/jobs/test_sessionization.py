@@ -201,3 +201,14 @@ def test_merge_all_equals_the_per_key_merge():
         assert got == want, trial
         assert [[type(v) for v in s] for k in got for s in k] == \
             [[type(v) for v in s] for k in want for s in k]
+
+
+def test_at_most_compares_int64_with_any_int_exactly():
+    """`close`'s ``end + gap <= watermark`` as ``end <= watermark - gap``: exact at the
+    boundary and for limits outside int64 (no wrap-around, no float rounding)."""
+    import numpy as np
+
+    ends = np.array([-2**63, -1, 0, 2**53 + 1, 2**63 - 1], np.int64)
+    for limit in (-2**64, -2**63 - 1, -2**63, -1, 0, 2**53, 2**53 + 1, 2**63 - 1, 2**63,
+                  2**70):
+        assert sz._at_most(ends, limit).tolist() == [int(e) <= limit for e in ends], limit
