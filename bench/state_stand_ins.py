@@ -14,8 +14,9 @@ backend's name, so a run is configured as a memory-backend run:
   The job runs correctly on it (tests/bench/test_state_stand_ins.py: sessionization
   equals the pandas reference run by run), so its events/s is the most any state
   backend could give that job: what is left is the job's own work and the engine's.
-  It covers what a vectorized job with value states and untagged timers calls; it
-  refuses any other job rather than send part of its state to the memory backend.
+  It covers a vectorized job's value states (``value``, ``update``, ``clear``) and
+  untagged timers (``register``, ``delete``, firing); it refuses any other job, and any
+  other call fails, rather than send part of the state to the memory backend.
 """
 
 from __future__ import annotations
@@ -119,9 +120,17 @@ def keep_state_free(job: Any) -> None:
                     "domain": pa.array([domain] * n, pa.string()),
                     "key_group": pa.array([0] * n, pa.int32())}))
 
+    def uncovered(name: str) -> Any:
+        def refuse(self: Any, *args: Any, **kwargs: Any) -> None:
+            raise ValueError(f"the free stand-in does not cover {name}")
+        return refuse
+
     context.ValueBatch.value = value
     context.ValueBatch.update = update
     context.ValueBatch.clear = clear
     context.Timers.register = register
     context.Timers.delete = delete
     core.SubtaskProcessor._fire = fire
+    for name in ("exists", "insert_absent", "value_columns", "update_columns"):
+        setattr(context.ValueBatch, name, uncovered(f"ValueBatch.{name}"))
+    context.Timers.list = uncovered("Timers.list")

@@ -120,3 +120,30 @@ def test_the_free_stand_in_refuses_what_it_does_not_cover(change, message):
 
     with pytest.raises(ValueError, match=message):
         keep_state_free(replace(sessionization.JOB, **change))
+
+
+UNCOVERED_DRIVER = """
+import sys
+from bench.state_stand_ins import keep_state_free
+from jobs.keyed_aggregation import JOB
+from statebackend.job import RunConfig, run_job
+keep_state_free(JOB)
+work, inp = sys.argv[1], sys.argv[2]
+run_job(JOB, RunConfig(input=inp, storage=f"file://{work}/store", job="free", run_id="a",
+                       output=f"{work}/out", parallelism=1, local_dir=f"{work}/local",
+                       engine="local", backend="memory"))
+"""
+
+
+def test_a_call_the_free_stand_in_does_not_cover_fails_the_run(tmp_path):
+    """The keyed aggregation's record state is read column-wise (`value_columns`): the
+    stand-in keeps no such state, so the run fails instead of using the memory backend."""
+    generate_events(str(tmp_path / "in"), n_events=200, n_keys=20, seed=3,
+                    start_ts_ms=1_800_000_000_000)
+    proc = subprocess.run([sys.executable, "-c", UNCOVERED_DRIVER, str(tmp_path),
+                           str(tmp_path / "in")], env={**os.environ, "PYTHONPATH": ROOT},
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode != 0
+    assert "the free stand-in does not cover ValueBatch.value_columns" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert not (tmp_path / "out" / "run=a").exists()
