@@ -50,6 +50,7 @@ from bench.bench_sessionization import (  # noqa: E402
     output_rows,
     parse,
     report,
+    stand_in,
 )
 
 DAY_MS = 24 * 60 * 60 * 1000
@@ -109,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     from jobs import dedup
 
     args = parse(argv, __doc__)
+    stand_in(args.backend, dedup.JOB)
     modes = args.modes.split(",")
     if args.modes == DEFAULT_MODES:
         modes.insert(0, "interleaved")

@@ -83,3 +83,15 @@ def test_backends_refuses_an_unknown_one():
         env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, capture_output=True, text=True,
         timeout=120)
     assert proc.returncode == 2 and "--backends: ['heap'] not among" in proc.stderr
+
+
+def test_a_stand_in_refuses_a_job_it_does_not_cover_in_one_line():
+    """The dedup job's state has a TTL: `--backend free` stops before any run."""
+    proc = subprocess.run(
+        [sys.executable, "bench/bench_dedup.py", "--backend", "free", "--modes", "warm",
+         "--quick"], env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, capture_output=True,
+        text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == ("--backend free: the free stand-in keeps value states "
+                                   "without a TTL only: dedup's state 'seen' is a value "
+                                   "state with a TTL"), proc.stderr[-2000:]
