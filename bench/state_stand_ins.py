@@ -23,8 +23,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pyarrow as pa
-
 
 def drop_all_state() -> None:
     """Patch this process's memory backend into the no-state stand-in."""
@@ -41,6 +39,8 @@ def drop_all_state() -> None:
 def keep_state_free(job: Any) -> None:
     """Patch this process so that ``job``'s state is kept as objects at no cost (module
     docstring); ValueError naming what the stand-in does not cover."""
+    import pyarrow as pa
+
     from statebackend.job import Vectorized, context, core
 
     handlers = {"logic": job.logic, "on_timer": job.on_timer}
@@ -61,10 +61,6 @@ def keep_state_free(job: Any) -> None:
     def table(backend: Any, name: Any) -> dict:
         return stores.setdefault(backend.local_dir, {}).setdefault(name, {})
 
-    def untagged(tags: Any) -> None:
-        if tags is not None:
-            raise ValueError("the free stand-in keeps untagged timers only")
-
     def value(self: Any, keys: Any) -> list:
         values = table(self._keys.backend, self.name)
         return [values.get(k) for k in context._key_list(keys)]
@@ -78,25 +74,33 @@ def keep_state_free(job: Any) -> None:
         for k in context._key_list(keys):
             values.pop(k, None)
 
+    def timer_calls(backend: Any, keys: Any, times: Any, tags: Any, domain: str
+                    ) -> tuple[dict, Any]:
+        """The domain's timers, and the (key, time) pairs of a register or delete."""
+        if tags is not None:
+            raise ValueError("the free stand-in keeps untagged timers only")
+        ks = context._key_list(keys)
+        return (table(backend, ("timers", domain)),
+                zip(ks, context._int_list(times, len(ks)), strict=True))
+
+    def drop(timers: dict, key: str, time: int) -> None:
+        held = timers.get(key)
+        if held is not None:
+            held.discard(time)
+            if not held:
+                del timers[key]
+
     def register(self: Any, keys: Any, times: Any, tags: Any = None,
                  domain: str = "event") -> None:
-        untagged(tags)
-        timers = table(self.backend, ("timers", domain))
-        ks = context._key_list(keys)
-        for k, t in zip(ks, context._int_list(times, len(ks)), strict=True):
+        timers, pairs = timer_calls(self.backend, keys, times, tags, domain)
+        for k, t in pairs:
             timers.setdefault(k, set()).add(t)
 
     def delete(self: Any, keys: Any, times: Any, tags: Any = None,
                domain: str = "event") -> None:
-        untagged(tags)
-        timers = table(self.backend, ("timers", domain))
-        ks = context._key_list(keys)
-        for k, t in zip(ks, context._int_list(times, len(ks)), strict=True):
-            held = timers.get(k)
-            if held is not None:
-                held.discard(t)
-                if not held:
-                    del timers[k]
+        timers, pairs = timer_calls(self.backend, keys, times, tags, domain)
+        for k, t in pairs:
+            drop(timers, k, t)
 
     def fire(self: Any, handler: Any, domain: str, up_to: int) -> None:
         """The due timers, time order, to the handler in chunks; a pass per round, so
@@ -107,9 +111,7 @@ def keep_state_free(job: Any) -> None:
             if not due:
                 return
             for t, k in due:
-                timers[k].discard(t)
-                if not timers[k]:
-                    del timers[k]
+                drop(timers, k, t)
             for lo in range(0, len(due), core.TIMER_BATCH):
                 chunk = due[lo:lo + core.TIMER_BATCH]
                 n = len(chunk)

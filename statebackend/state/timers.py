@@ -155,13 +155,16 @@ def fired_timers(timer_keys: list[bytes], *, reverse: bool = True
     if columns is not None:
         return columns
     timers, reverse_keys = [], []
-    for tk in timer_keys:
-        timer, rk = _timer_and_reverse(tk)
-        timers.append(timer)
-        reverse_keys.append(rk)
+    if reverse:
+        for tk in timer_keys:
+            timer, rk = _timer_and_reverse(tk)
+            timers.append(timer)
+            reverse_keys.append(rk)
+    else:
+        timers = [parse_timer_key(tk) for tk in timer_keys]
     table = pa.table({name: [getattr(t, name) for t in timers] for name in FIRED_SCHEMA.names},
                      schema=FIRED_SCHEMA)
-    return table, reverse_keys if reverse else []
+    return table, reverse_keys
 
 
 def timers_of_table(table: pa.Table) -> list[Timer]:
