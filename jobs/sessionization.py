@@ -29,7 +29,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import replace
 from functools import reduce
-from operator import add
+from operator import add, itemgetter
 from typing import Any
 
 if __package__ in (None, ""):  # spark-submit jobs/sessionization.py: make the repo importable
@@ -91,6 +91,7 @@ def merge_sessions(sessions: list, ts: np.ndarray, values: np.ndarray, gap: int)
 
 # Times and counts up to 2**53 pass through float64 exactly (`merge_all`'s arrays)
 _EXACT = 2 ** 53
+_END = itemgetter(1)  # a session's end
 
 
 def merge_all(old: list, ts: np.ndarray, values: np.ndarray, offsets: np.ndarray,
@@ -115,7 +116,7 @@ def merge_all(old: list, ts: np.ndarray, values: np.ndarray, offsets: np.ndarray
     total = np.concatenate([held[:, 3], values])
     order = _by_key_then_start(key, start)
     key, start, end, count = key[order], start[order], end[order], count[order]
-    totals = total[order].tolist()
+    total = total[order]
     # the furthest end so far within each key: a running max of (key, rank of the end)
     ends, rank = np.unique(end, return_inverse=True)
     base = key * len(ends)
@@ -123,11 +124,37 @@ def merge_all(old: list, ts: np.ndarray, values: np.ndarray, offsets: np.ndarray
     first = np.ones(len(key), dtype=bool)
     first[1:] = (key[1:] != key[:-1]) | (start[1:] - furthest[:-1] >= gap)
     at = np.flatnonzero(first)
-    bounds = np.append(at, len(key)).tolist()
-    sums = [reduce(add, totals[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    sums = _sums_in_order(total, np.append(at, len(key))).tolist()
     rows = list(map(list, zip(start[at].tolist(), np.maximum.reduceat(end, at).tolist(),
                               np.add.reduceat(count, at).tolist(), sums, strict=True)))
     return _per_key(rows, np.bincount(key[at], minlength=len(old)))
+
+
+# Steps `_sums_in_order` takes in NumPy; a longer run's rest is added in Python
+_VECTOR_STEPS = 32
+
+
+def _sums_in_order(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """The sum of each run ``values[bounds[i]:bounds[i + 1]]`` (non-empty runs), added left
+    to right as ``reduce(add, ...)`` does: bit-equal to the per-key merge (NumPy's own
+    sums add pairwise, in another order). Step p adds the p-th value of every run that
+    has one, for all runs at once; the few runs longer than `_VECTOR_STEPS` finish in
+    Python."""
+    starts, lengths = bounds[:-1], np.diff(bounds)
+    sums = values[starts]
+    longest = int(lengths.max()) if len(lengths) else 0
+    if longest > 1:
+        by_length = np.argsort(-lengths, kind="stable")  # the runs still going: a prefix
+        ordered_starts, ordered_lengths = starts[by_length], lengths[by_length]
+        acc = sums[by_length]
+        for p in range(1, min(longest, _VECTOR_STEPS)):
+            going = int(np.searchsorted(-ordered_lengths, -p, side="left"))
+            acc[:going] += values[ordered_starts[:going] + p]
+        sums[by_length] = acc
+        for i in np.flatnonzero(lengths > _VECTOR_STEPS).tolist():
+            a, b = int(starts[i]), int(bounds[i + 1])
+            sums[i] = reduce(add, values[a + _VECTOR_STEPS:b].tolist(), float(sums[i]))
+    return sums
 
 
 def _flattened(held: list) -> tuple[list, np.ndarray]:
@@ -166,6 +193,30 @@ def _next_timer(sessions: list | None, gap: int) -> int | None:
     return min(s[1] for s in sessions) + gap if sessions else None
 
 
+_INT64_MAX = 2 ** 63 - 1
+
+
+def _next_closes(held: list, gap: int) -> tuple[np.ndarray, np.ndarray]:
+    """`_next_timer` of every key at once: each key's earliest ``end + gap`` (int64) and
+    whether it holds a session. Ends that are not int64, or a close past it, take the
+    per-key path (whose timer the timer API then refuses in one line)."""
+    flat, sizes = _flattened(held)
+    has = sizes > 0
+    closes = np.zeros(len(held), np.int64)
+    if not flat:
+        return closes, has
+    try:
+        ends = np.fromiter(map(_END, flat), np.int64, len(flat))
+    except OverflowError:
+        ends = None
+    if ends is None or int(ends.max()) > _INT64_MAX - gap:
+        per_key = [_next_timer(h, gap) for h in held]
+        return np.array([0 if c is None else c for c in per_key], object), has
+    firsts = (np.cumsum(sizes) - sizes)[has]
+    closes[has] = np.minimum.reduceat(ends, firsts) + gap
+    return closes, has
+
+
 def assign(batch: pa.Table, ctx: BatchContext) -> None:
     """Merge each user's events into its open sessions; keep its timer at the next close."""
     gap = ctx.options["gap_minutes"] * MINUTE_MS
@@ -173,20 +224,15 @@ def assign(batch: pa.Table, ctx: BatchContext) -> None:
     state = ctx.state("sessions")
     old = state.value(keys)
     merged = merge_all(old, rows["ts"].to_numpy(), rows["value"].to_numpy(), offsets, gap)
-    drop_k, drop_t, add_k, add_t = [], [], [], []
-    for k, was, new in zip(keys, old, merged, strict=True):
-        before, after = _next_timer(was, gap), _next_timer(new, gap)
-        if before != after:
-            if before is not None:
-                drop_k.append(k)
-                drop_t.append(before)
-            add_k.append(k)
-            add_t.append(after)
+    before, had = _next_closes(old, gap)
+    after, _ = _next_closes(merged, gap)  # every key holds a session now
+    moved = ~had | (before != after)
     state.update(keys, merged)
-    if drop_k:
-        ctx.timers.delete(drop_k, drop_t)
-    if add_k:
-        ctx.timers.register(add_k, add_t)
+    drop, add = np.flatnonzero(had & moved).tolist(), np.flatnonzero(moved).tolist()
+    if drop:
+        ctx.timers.delete([keys[i] for i in drop], before[drop])
+    if add:
+        ctx.timers.register([keys[i] for i in add], after[add])
 
 
 def close(timers: pa.Table, ctx: BatchContext) -> None:
@@ -217,7 +263,7 @@ def close(timers: pa.Table, ctx: BatchContext) -> None:
     keep_k, keep_v = [k for k, _ in kept], [v for _, v in kept]
     if keep_k:
         state.update(keep_k, keep_v)
-        ctx.timers.register(keep_k, [_next_timer(v, gap) for v in keep_v])
+        ctx.timers.register(keep_k, _next_closes(keep_v, gap)[0])
     if gone:
         state.clear(gone)
 

@@ -203,6 +203,55 @@ def test_merge_all_equals_the_per_key_merge():
             [[type(v) for v in s] for k in want for s in k]
 
 
+def test_sums_in_order_add_left_to_right_bit_exactly():
+    """`merge_all`'s value sums, NumPy over all sessions at once, against `reduce(add)` of
+    each run in plain Python: bit-equal where the order of the additions matters (values
+    of very different sizes, cancellations, negative zero), for runs of one value, runs
+    up to the NumPy steps and runs longer than them (finished in Python)."""
+    import random
+    from functools import reduce
+    from operator import add
+
+    import numpy as np
+
+    rng = random.Random(11)
+    pool = [1e16, -1e16, 1.0, 0.1, 3.3, -0.0, 1e-300, 2.0 ** 53, -7.25]
+    for trial in range(300):
+        lengths = [rng.choice([1, 2, 3, sz._VECTOR_STEPS, sz._VECTOR_STEPS + 1,
+                               rng.randint(1, 3 * sz._VECTOR_STEPS)])
+                   for _ in range(rng.randint(1, 12))]
+        values = np.array([rng.choice(pool) * rng.randint(1, 9) for _ in range(sum(lengths))])
+        bounds = np.cumsum([0, *lengths])
+        got = sz._sums_in_order(values, bounds).tolist()
+        want = [reduce(add, values[a:b].tolist())
+                for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        assert [v.hex() for v in got] == [v.hex() for v in want], trial
+    # the order shows: pairwise (NumPy's sum) and left-to-right differ on this run
+    run = np.array([1e16, 1.0, 1.0, 1.0, 1.0, -1e16, 1.0, 1.0])
+    assert sz._sums_in_order(run, np.array([0, len(run)])).tolist() == [reduce(add, run)]
+
+
+def test_next_closes_equal_the_per_key_timer():
+    """`assign`'s and `close`'s timers, every key at once, against `_next_timer` per key:
+    keys without sessions (None, empty), several sessions in any order, and closes at and
+    past the int64 limit (the per-key path, exact Python ints)."""
+    import random
+
+    rng = random.Random(3)
+    top = 2 ** 63 - 1
+    for trial in range(500):
+        gap = rng.choice([1, 30 * 60_000])
+        near = top - gap if trial % 50 == 0 else (top - gap + 1 if trial % 50 == 1 else 0)
+        held = [None if rng.random() < 0.2 else
+                [[0, near or rng.randint(-10**12, 10**12), 1, 0.5]
+                 for _ in range(rng.randint(0, 4))] for _ in range(rng.randint(1, 9))]
+        closes, has = sz._next_closes(held, gap)
+        want = [sz._next_timer(h, gap) for h in held]
+        assert has.tolist() == [w is not None for w in want], trial
+        assert [c if h else None for c, h in zip(closes.tolist(), has.tolist(), strict=True)] \
+            == want, trial
+
+
 def test_at_most_compares_int64_with_any_int_exactly():
     """`close`'s ``end + gap <= watermark`` as ``end <= watermark - gap``: exact at the
     boundary and for limits outside int64 (no wrap-around, no float rounding)."""
