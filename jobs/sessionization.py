@@ -101,12 +101,25 @@ def merge_all(old: list, ts: np.ndarray, values: np.ndarray, offsets: np.ndarray
     merge, value sums added in the same order). NumPy over all keys' intervals: sorted
     by (key, start), a session starts where the key changes or where an interval begins
     ``>= gap`` after the furthest end so far."""
+    return merge_with_closes(old, ts, values, offsets, gap)[0]
+
+
+def merge_with_closes(old: list, ts: np.ndarray, values: np.ndarray, offsets: np.ndarray,
+                      gap: int) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
+    """`merge_all`, and from the same arrays `_next_closes` of the old sessions (closes,
+    whether held) and the merged ones' closes: `assign`'s timers."""
     flat, n_old = _flattened(old)
     held = np.array(flat, dtype=np.float64).reshape(-1, 4)
     if len(ts) and max(abs(int(ts.min())), abs(int(ts.max()))) >= _EXACT or \
-            len(held) and np.abs(held[:, :3]).max() >= _EXACT:
-        return [merge_sessions(o or [], ts[lo:hi], values[lo:hi], gap)
-                for o, lo, hi in zip(old, offsets[:-1], offsets[1:], strict=True)]
+            len(held) and np.abs(held[:, :3]).max() >= _EXACT or gap >= _EXACT:
+        merged = [merge_sessions(o or [], ts[lo:hi], values[lo:hi], gap)
+                  for o, lo, hi in zip(old, offsets[:-1], offsets[1:], strict=True)]
+        return merged, *_next_closes(old, gap), _next_closes(merged, gap)[0]
+    had = n_old > 0
+    before = np.zeros(len(old), np.int64)
+    if len(held):
+        before[had] = np.minimum.reduceat(held[:, 1].astype(np.int64),
+                                          (np.cumsum(n_old) - n_old)[had]) + gap
     n_new = np.diff(offsets)
     key = np.concatenate([np.repeat(np.arange(len(old)), n_old),
                           np.repeat(np.arange(len(old)), n_new)])
@@ -125,9 +138,12 @@ def merge_all(old: list, ts: np.ndarray, values: np.ndarray, offsets: np.ndarray
     first[1:] = (key[1:] != key[:-1]) | (start[1:] - furthest[:-1] >= gap)
     at = np.flatnonzero(first)
     sums = _sums_in_order(total, np.append(at, len(key))).tolist()
-    rows = list(map(list, zip(start[at].tolist(), np.maximum.reduceat(end, at).tolist(),
+    session_end = np.maximum.reduceat(end, at)
+    rows = list(map(list, zip(start[at].tolist(), session_end.tolist(),
                               np.add.reduceat(count, at).tolist(), sums, strict=True)))
-    return _per_key(rows, np.bincount(key[at], minlength=len(old)))
+    per_key = np.bincount(key[at], minlength=len(old))  # every key holds one at least
+    after = np.minimum.reduceat(session_end, np.cumsum(per_key) - per_key) + gap
+    return _per_key(rows, per_key), before, had, after
 
 
 # Steps `_sums_in_order` takes in NumPy; a longer run's rest is added in Python
@@ -223,9 +239,8 @@ def assign(batch: pa.Table, ctx: BatchContext) -> None:
     keys, rows, offsets = group_by_key(batch, "user")
     state = ctx.state("sessions")
     old = state.value(keys)
-    merged = merge_all(old, rows["ts"].to_numpy(), rows["value"].to_numpy(), offsets, gap)
-    before, had = _next_closes(old, gap)
-    after, _ = _next_closes(merged, gap)  # every key holds a session now
+    merged, before, had, after = merge_with_closes(
+        old, rows["ts"].to_numpy(), rows["value"].to_numpy(), offsets, gap)
     moved = ~had | (before != after)
     state.update(keys, merged)
     drop, add = np.flatnonzero(had & moved).tolist(), np.flatnonzero(moved).tolist()

@@ -171,9 +171,10 @@ def test_sessionization_logic_matches_reference_in_process(spec):
 def test_merge_all_equals_the_per_key_merge():
     """`merge_all` (every key in NumPy at once) against `merge_sessions` (one key in plain
     Python, the semantics as written): equal sessions, value sums added in the same order
-    (non-integer values compared exactly), the same Python types; random held sessions,
-    empty and missing ones, ties at the gap, duplicate times, and times past 2**53 (the
-    exact per-key path)."""
+    (non-integer values compared exactly), the same Python types, and the timers' next
+    closes before and after (`merge_with_closes`); random held sessions, empty and missing
+    ones, ties at the gap, duplicate times, and times past 2**53 (the exact per-key
+    path)."""
     import random
 
     import numpy as np
@@ -195,10 +196,14 @@ def test_merge_all_equals_the_per_key_merge():
             values += [rng.choice([0.1, 0.7, 3.3]) * rng.randint(1, 9) for _ in range(n)]
             offsets.append(offsets[-1] + n)
         ts_a, values_a, offsets_a = np.array(ts), np.array(values), np.array(offsets)
-        got = sz.merge_all(old, ts_a, values_a, offsets_a, gap)
+        got, before, had, after = sz.merge_with_closes(old, ts_a, values_a, offsets_a, gap)
         want = [sz.merge_sessions(o or [], ts_a[lo:hi], values_a[lo:hi], gap)
                 for o, lo, hi in zip(old, offsets[:-1], offsets[1:], strict=True)]
         assert got == want, trial
+        assert sz.merge_all(old, ts_a, values_a, offsets_a, gap) == want, trial
+        assert [b if h else None for b, h in zip(before.tolist(), had.tolist(), strict=True)] \
+            == [sz._next_timer(o, gap) for o in old], trial
+        assert after.tolist() == [sz._next_timer(w, gap) for w in want], trial
         assert [[type(v) for v in s] for k in got for s in k] == \
             [[type(v) for v in s] for k in want for s in k]
 
