@@ -263,8 +263,7 @@ def close(timers: pa.Table, ctx: BatchContext) -> None:
     if not flat:
         return
     owner = np.repeat(np.arange(len(keys)), sizes)
-    columns = {name: pa.array(values, field.type) for (name, field), values in
-               zip(SESSION_FIELDS.items(), zip(*flat, strict=True), strict=True)}
+    columns = _session_columns(flat)
     closed = _at_most(columns["session_end"].to_numpy(), wm - gap)  # end + gap <= wm
     shut = np.flatnonzero(closed)
     if len(shut):
@@ -281,6 +280,22 @@ def close(timers: pa.Table, ctx: BatchContext) -> None:
         ctx.timers.register(keep_k, _next_closes(keep_v, gap)[0])
     if gone:
         state.clear(gone)
+
+
+def _session_columns(flat: list) -> dict[str, pa.Array]:
+    """Sessions ``[start, end, events, value_sum]`` as the output's columns: through one
+    float64 array when every number is exact in it (as in `merge_with_closes`: 1.6x
+    faster than a column at a time from Python), else column by column."""
+    try:
+        held = np.array(flat, dtype=np.float64)
+    except OverflowError:
+        held = None
+    if held is not None and np.abs(held[:, :3]).max() < _EXACT:
+        return {name: pa.array(held[:, i] if field.type == pa.float64() else
+                               held[:, i].astype(np.int64), field.type)
+                for i, (name, field) in enumerate(SESSION_FIELDS.items())}
+    return {name: pa.array(values, field.type) for (name, field), values in
+            zip(SESSION_FIELDS.items(), zip(*flat, strict=True), strict=True)}
 
 
 def configure(job: Job, options: Mapping[str, Any]) -> Job:

@@ -257,6 +257,25 @@ def test_next_closes_equal_the_per_key_timer():
             == want, trial
 
 
+def test_session_columns_are_exact_on_both_paths():
+    """`close`'s emitted columns: through float64 when every number is exact in it, and
+    column by column when one is not (an end past 2**53, or past int64: refused by
+    Arrow, as before)."""
+    import pytest
+
+    def want(flat):
+        return {name: list(col) for name, col in
+                zip(sz.SESSION_FIELDS, zip(*flat, strict=True), strict=True)}
+
+    for flat in ([[1, 2, 3, 0.1], [-5, 2**53 - 1, 7, -0.0]],
+                 [[1, 2**53 + 1, 1, 2.5]], [[2**62 + 1, 2**62 + 3, 2, 1e300]]):
+        got = sz._session_columns(flat)
+        assert {n: c.to_pylist() for n, c in got.items()} == want(flat)
+        assert [c.type for c in got.values()] == [f.type for f in sz.SESSION_FIELDS.values()]
+    with pytest.raises(OverflowError):
+        sz._session_columns([[1, 2**64, 1, 0.5]])
+
+
 def test_at_most_compares_int64_with_any_int_exactly():
     """`close`'s ``end + gap <= watermark`` as ``end <= watermark - gap``: exact at the
     boundary and for limits outside int64 (no wrap-around, no float rounding)."""
