@@ -19,11 +19,12 @@ prefix. Both are key-group-prefixed, so rescale clips and moves them with the
 state, and checkpoints carry them incrementally like any column family.
 
 `fire_due` merges the per-key-group ranges (one seek per key group of the
-subtask, a heap over their heads: global time order) and deletes each timer as
-it fires, before the caller handles it. Timers registered while a pass runs at
-or before its ``up_to`` join the same pass in time order; timers deleted while it
-runs do not fire (Flink's ``InternalTimerServiceImpl.advanceWatermark``). Cost:
-the key groups (seeks) plus the due timers, never the state size. Registering,
+subtask, read a chunk at a time and merged by one sort per round: global time
+order) and deletes each timer as it fires, before the caller handles it. Timers
+registered while a pass runs at or before its ``up_to`` join the same pass in time
+order; timers deleted while it runs do not fire (Flink's
+``InternalTimerServiceImpl.advanceWatermark``). Cost: the key groups (seeks) plus
+the due timers, never the state size. Registering,
 deleting and firing build and parse the keys of a batch of timers column-wise
 (`statebackend.state.timer_columns`); `timer_key`, `reverse_key` and
 `parse_timer_key` are the same layouts a timer at a time.
@@ -31,11 +32,13 @@ deleting and firing build and parse the keys of a batch of timers column-wise
 
 from __future__ import annotations
 
-import heapq
 import struct
+from bisect import bisect_right, insort
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias
+from itertools import islice
+from operator import itemgetter
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -68,7 +71,10 @@ TIMER_DESCRIPTORS: tuple[StateDescriptor, ...] = (internal_descriptor(TIMERS),
                                                   internal_descriptor(TIMER_KEYS))
 _U32 = struct.Struct(">I")
 # (time + key + tag bytes, key group, sequence, timer key, the scan it came from or None)
-_HeapEntry: TypeAlias = tuple[bytes, int, int, bytes, Iterator[bytes] | None]
+# A timer's firing order within its domain: its key after key group and domain (time,
+# key, tag), distinct for distinct timers whatever their key groups
+_FIRING_ORDER = itemgetter(slice(3, None))
+_CHUNK = 4096  # due timers read from a key group at a time
 
 
 def with_timers(descriptors: Sequence[StateDescriptor]) -> list[StateDescriptor]:
@@ -317,7 +323,14 @@ class FireStats:
 
 
 class TimerFiring:
-    """Iterator over the due timers of one domain, in time order; see `fire_due`."""
+    """Iterator over the due timers of one domain, in time order; see `fire_due`.
+
+    Each key group's due range is read a chunk at a time (`_CHUNK` keys). A timer's
+    order is its key after the key group and domain (time, key, tag: distinct for
+    distinct timers of a domain, whatever their key groups), so the next timers in
+    order are, at any point, every one read up to the smallest last key among the key
+    groups not read to the end: one sort of those (`_refill`), not a heap step per timer.
+    """
 
     def __init__(self, backend: KeyedStateBackend, domain: str, up_to: int) -> None:
         _require_timers(backend)
@@ -331,8 +344,12 @@ class TimerFiring:
         self._cf = backend.column_family(TIMERS)
         self._fwd = backend.column_family_handle(TIMERS)
         self._rev = backend.column_family_handle(TIMER_KEYS)
-        self._heap: list[_HeapEntry] = []
-        self._seq = 0  # tie-breaker: a heap entry never compares its iterator
+        self._scans: list[Iterator[bytes] | None] = []  # per key group; None: read to the end
+        self._read: list[list[bytes]] = []  # per key group: read, not yet in ``_ready``
+        self._ready: list[bytes] = []  # in firing order; ``_ready[:_next]`` are taken
+        self._next = 0
+        self._offered: list[bytes] = []  # registered while firing, after ``_last``
+        self._last: bytes | None = None  # firing order of the last of ``_ready`` (None: all)
         self._started = False
         self._dom = domain_byte(domain)
         backend.timer_firings[domain] = self
@@ -344,27 +361,61 @@ class TimerFiring:
         where = self.backend.scan_where(TIMERS)
         for kg in range(r.start, r.end + 1):
             lower = key_group_prefix(kg) + self._dom
-            scan = checked_scan(self._cf, where, lower, lower + upper_time, values=False,
-                                file_paths=self.backend.file_paths)
+            self._scans.append(checked_scan(self._cf, where, lower, lower + upper_time,
+                                            values=False, file_paths=self.backend.file_paths))
+            self._read.append([])
             self.stats.seeks += 1
-            self._advance(scan)
+        self._refill()
 
-    def _advance(self, scan: Iterator[bytes]) -> None:
-        tk = next(scan, None)
-        if tk is not None:
-            self.stats.entries_read += 1
-            # heap order = firing order: (time, key, tag) bytes, then key group
-            self._push(tk, scan)
+    def _refill(self) -> None:
+        """The next timers in firing order into ``_ready``: every one read or offered up
+        to the smallest last one read of a key group not read to the end (what it has
+        not read comes after it); all of them once every key group is read."""
+        for i, scan in enumerate(self._scans):
+            if scan is not None and not self._read[i]:
+                chunk = list(islice(scan, _CHUNK))
+                self.stats.entries_read += len(chunk)
+                self._read[i] = chunk
+                if len(chunk) < _CHUNK:
+                    self._scans[i] = None
+        ends = [_FIRING_ORDER(read[-1]) for read, scan in zip(self._read, self._scans,
+                                                            strict=True) if scan is not None]
+        last = min(ends) if ends else None
+        ready: list[bytes] = []
+        for i, read in enumerate(self._read):
+            n = len(read) if last is None else bisect_right(read, read[0][:3] + last) \
+                if read else 0
+            ready += read[:n]
+            self._read[i] = read[n:]
+        if self._offered:
+            ready += [tk for tk in self._offered if last is None or tk[3:] <= last]
+            self._offered = [] if last is None else [tk for tk in self._offered
+                                                     if tk[3:] > last]
+        ready.sort(key=_FIRING_ORDER)
+        self._ready, self._next, self._last = ready, 0, last
 
     def offer(self, tk: bytes, time: int) -> None:
         """A timer registered during the pass: it fires in this pass if due."""
         if time <= self.up_to and self._started:
             self.stats.entries_read += 1
-            self._push(tk, None)
+            if self._last is None or tk[3:] <= self._last:
+                insort(self._ready, tk, lo=self._next, key=_FIRING_ORDER)
+            else:
+                self._offered.append(tk)
 
-    def _push(self, tk: bytes, scan: Iterator[bytes] | None) -> None:
-        self._seq += 1
-        heapq.heappush(self._heap, (tk[3:], int.from_bytes(tk[:2], "big"), self._seq, tk, scan))
+    def _take_next(self, n: int) -> list[bytes]:
+        """Up to ``n`` next timers in firing order (fewer: none left)."""
+        out: list[bytes] = []
+        while len(out) < n:
+            if self._next == len(self._ready):
+                if self._last is None and not self._offered:
+                    break
+                self._refill()
+                continue
+            chunk = self._ready[self._next:self._next + n - len(out)]
+            self._next += len(chunk)
+            out += chunk
+        return out
 
     def __iter__(self) -> TimerFiring:
         return self
@@ -385,23 +436,20 @@ class TimerFiring:
         and is closed.
 
         No handler runs while a chunk is gathered, so its timers are checked against the
-        queue in one multi-get: one deleted while the pass ran, or already fired (a
-        duplicate heap entry), is skipped.
+        queue in one multi-get: one deleted while the pass ran, or already fired (offered
+        again, or read and offered), is skipped.
         """
         if not self._started:
             self._start()
         due: list[bytes] = []
         seen: set[bytes] = set()
-        while self._heap and len(due) < n:
-            popped: list[bytes] = []
-            while self._heap and len(popped) < n - len(due):
-                _, _, _, tk, scan = heapq.heappop(self._heap)
-                if scan is not None:
-                    self._advance(scan)
-                if tk not in seen:
-                    seen.add(tk)
-                    popped.append(tk)
-            due.extend(tk for tk, stored in zip(popped, multi_get(self._cf, popped),
+        while len(due) < n:
+            chunk = self._take_next(n - len(due))
+            if not chunk:
+                break
+            fresh = [tk for tk in dict.fromkeys(chunk) if tk not in seen]
+            seen.update(fresh)
+            due.extend(tk for tk, stored in zip(fresh, multi_get(self._cf, fresh),
                                                  strict=True) if stored is not None)
         table, reverse = fired_timers(due)
         if due:
@@ -413,7 +461,8 @@ class TimerFiring:
 
     def close(self) -> None:
         """End the pass (also when the caller stops early); the rest stays registered."""
-        self._heap.clear()
+        self._scans, self._read, self._ready, self._offered = [], [], [], []
+        self._next, self._last = 0, None
         if self.backend.timer_firings.get(self.domain) is self:
             del self.backend.timer_firings[self.domain]
 

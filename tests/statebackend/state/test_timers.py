@@ -18,6 +18,7 @@ from statebackend.checkpoint.snapshot import checkpoint_backends
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.cli import app as cli
 from statebackend.errors import UsageError
+from statebackend.state import timers as timers_module
 from statebackend.state.backend import KeyedStateBackend
 from statebackend.state.backend_kinds import new_backend
 from statebackend.state.codecs import decode_time, encode_time
@@ -185,6 +186,48 @@ def test_timers_registered_while_firing_fire_in_the_same_pass(tmp_path, kind):
                 register_timer(be, "past", 5)  # behind the pass: fires next (Flink)
         assert seen == [(10, "a"), (20, "b"), (5, "past"), (20, "b"), (25, "late-a")]
         assert remaining(be) == [(36, "next-a", ""), (40, "d", "")]
+
+
+@pytest.mark.parametrize("kind", LOCAL_BACKENDS)
+@pytest.mark.parametrize("chunk", [1, 3, 4096])
+def test_a_pass_fires_the_smallest_due_timer_at_every_step(tmp_path, kind, chunk,
+                                                           monkeypatch):
+    """Against a model (a set of timers): each timer a pass hands out is the smallest due
+    one registered at that moment, while the handler registers timers before, at and
+    after the pass's position, re-registers fired ones and deletes others; with key
+    groups read one, three or 4,096 timers at a time (several merge rounds)."""
+    monkeypatch.setattr(timers_module, "_CHUNK", chunk)
+    rng = random.Random(chunk)
+
+    def order(t):  # a timer key's order: time, then the key framed by its length, tag
+        return t[0], len(t[1].encode()), t[1].encode(), t[2].encode()
+
+    def any_timer():
+        return rng.randrange(0, 60), f"k{rng.randrange(40)}", rng.choice(["", "x"])
+
+    with one_backend(tmp_path, kind=kind) as be:
+        store = set()
+        for _ in range(400):
+            t = any_timer()
+            register_timer(be, t[1], t[0], tag=t[2])
+            store.add(t)
+        fired = 0
+        for timer in fire_due(be, "event", 40):
+            got = (timer.time, timer.key, timer.tag)
+            assert got == min((t for t in store if t[0] <= 40), key=order), fired
+            store.discard(got)
+            fired += 1
+            for _ in range(rng.randrange(3)):  # the handler
+                t = rng.choice(sorted(store)) if store and rng.random() < 0.3 else any_timer()
+                if t in store:
+                    delete_timer(be, t[1], t[0], tag=t[2])
+                    store.discard(t)
+                else:
+                    register_timer(be, t[1], t[0], tag=t[2])
+                    store.add(t)
+        assert fired > 300
+        assert not [t for t in store if t[0] <= 40]
+        assert remaining(be) == sorted(store)
 
 
 @pytest.mark.parametrize("kind", LOCAL_BACKENDS)
