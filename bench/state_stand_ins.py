@@ -45,6 +45,7 @@ def keep_state_free(job: Any) -> None:
     import pyarrow as pa
 
     from statebackend.job import Vectorized, context, core
+    from statebackend.state.timer_columns import FIRED_SCHEMA
 
     handlers = {"logic": job.logic, "on_timer": job.on_timer}
     for what, handler in handlers.items():
@@ -119,11 +120,9 @@ def keep_state_free(job: Any) -> None:
                 chunk = due[lo:lo + core.TIMER_BATCH]
                 n = len(chunk)
                 self._handle_timers(handler, pa.table({
-                    "key": pa.array([k for _, k in chunk], pa.string()),
-                    "time": pa.array([t for t, _ in chunk], pa.int64()),
-                    "tag": pa.nulls(n, pa.string()),
-                    "domain": pa.array([domain] * n, pa.string()),
-                    "key_group": pa.array([0] * n, pa.int32())}))
+                    "key": [k for _, k in chunk], "time": [t for t, _ in chunk],
+                    "tag": [None] * n, "domain": [domain] * n, "key_group": [0] * n},
+                    schema=FIRED_SCHEMA))
 
     def uncovered(name: str) -> Any:
         def refuse(self: Any, *args: Any, **kwargs: Any) -> None:

@@ -383,14 +383,14 @@ class TimerFiring:
         last = min(ends) if ends else None
         ready: list[bytes] = []
         for i, read in enumerate(self._read):
-            n = len(read) if last is None else bisect_right(read, read[0][:3] + last) \
-                if read else 0
+            n = len(read) if last is None or not read else \
+                bisect_right(read, read[0][:3] + last)
             ready += read[:n]
             self._read[i] = read[n:]
         if self._offered:
-            ready += [tk for tk in self._offered if last is None or tk[3:] <= last]
+            ready += [tk for tk in self._offered if last is None or _FIRING_ORDER(tk) <= last]
             self._offered = [] if last is None else [tk for tk in self._offered
-                                                     if tk[3:] > last]
+                                                     if _FIRING_ORDER(tk) > last]
         ready.sort(key=_FIRING_ORDER)
         self._ready, self._next, self._last = ready, 0, last
 
@@ -398,7 +398,7 @@ class TimerFiring:
         """A timer registered during the pass: it fires in this pass if due."""
         if time <= self.up_to and self._started:
             self.stats.entries_read += 1
-            if self._last is None or tk[3:] <= self._last:
+            if self._last is None or _FIRING_ORDER(tk) <= self._last:
                 insort(self._ready, tk, lo=self._next, key=_FIRING_ORDER)
             else:
                 self._offered.append(tk)

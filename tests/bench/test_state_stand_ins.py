@@ -6,7 +6,8 @@ process of its own (the patches are global).
   table kind, a new write call) must show up here, not as a ceiling that quietly
   stores state. Two runs over the same keys write no state file, and the second run's
   totals are its own events only, as pandas counts them.
-- ``free`` (the ceiling of any backend on sessionization) keeps the state, correctly:
+- ``free`` (the ceiling of the backends measured on sessionization) keeps the state,
+  correctly:
   runs over generated days (late rows, merges, sessions across midnight) emit what the
   pandas reference does, run by run, and write no state file. It refuses the jobs it
   does not cover.
@@ -31,6 +32,17 @@ from tests.reference.sessions import canonical, sessionize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+
+def run_driver(script: str, *args: object) -> subprocess.CompletedProcess:
+    """``script`` in a Python process of its own (a stand-in patches its process)."""
+    return subprocess.run([sys.executable, "-c", script, *map(str, args)],
+                          env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+
+
+def state_files(root) -> list[str]:
+    return [f for _, _, files in os.walk(root) for f in files if f.endswith(".kgs")]
+
 DRIVER = """
 import json, sys
 from bench.state_stand_ins import drop_all_state
@@ -49,12 +61,9 @@ print(json.dumps("done"))
 def test_the_no_state_stand_in_stores_nothing(tmp_path):
     events = generate_events(str(tmp_path / "in"), n_events=3000, n_keys=200, seed=3,
                              start_ts_ms=1_800_000_000_000)
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    proc = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path), str(tmp_path / "in")],
-                          env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = run_driver(DRIVER, tmp_path, tmp_path / "in")
     assert proc.returncode == 0 and json.loads(proc.stdout) == "done", proc.stderr[-3000:]
-    state_files = [f for _, _, files in os.walk(tmp_path) for f in files if f.endswith(".kgs")]
-    assert state_files == []
+    assert state_files(tmp_path) == []
     second = pd.read_parquet(tmp_path / "out" / "run=b").set_index("key")["count"]
     want = events.groupby("key").size()
     assert second.sort_index().tolist() == want.loc[second.sort_index().index].tolist()
@@ -91,9 +100,7 @@ def test_the_free_stand_in_keeps_state_as_the_reference_says(tmp_path):
     ref = sessionize([d[["user", "ts", "value"]] for d in days], 30 * 60_000, 60 * 60_000)
     assert sum(len(r.emitted) for r in ref.runs[1:]) > 0 and sum(r.late for r in ref.runs)
     assert "edge" in set(ref.runs[-1].emitted["user"])
-    proc = subprocess.run([sys.executable, "-c", FREE_DRIVER, str(tmp_path), *dirs],
-                          env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True,
-                          text=True, timeout=300, cwd=ROOT)
+    proc = run_driver(FREE_DRIVER, tmp_path, *dirs)
     assert proc.returncode == 0, proc.stderr[-3000:]
     fired = json.loads(proc.stdout.strip().splitlines()[-1])
     assert sum(fired[1:]) > 0  # its timers are kept and fire
@@ -105,8 +112,7 @@ def test_the_free_stand_in_keeps_state_as_the_reference_says(tmp_path):
             continue
         pd.testing.assert_frame_equal(canonical(got), run.emitted, check_dtype=False,
                                       obj=f"run {d}")
-    state_files = [f for _, _, files in os.walk(tmp_path) for f in files if f.endswith(".kgs")]
-    assert state_files == []  # the state stayed in the stand-in's dicts
+    assert state_files(tmp_path) == []  # the state stayed in the stand-in's dicts
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -140,9 +146,7 @@ def test_a_call_the_free_stand_in_does_not_cover_fails_the_run(tmp_path):
     stand-in keeps no such state, so the run fails instead of using the memory backend."""
     generate_events(str(tmp_path / "in"), n_events=200, n_keys=20, seed=3,
                     start_ts_ms=1_800_000_000_000)
-    proc = subprocess.run([sys.executable, "-c", UNCOVERED_DRIVER, str(tmp_path),
-                           str(tmp_path / "in")], env={**os.environ, "PYTHONPATH": ROOT},
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = run_driver(UNCOVERED_DRIVER, tmp_path, tmp_path / "in")
     assert proc.returncode != 0
     assert "the free stand-in does not cover ValueBatch.value_columns" in proc.stderr, \
         proc.stderr[-3000:]
