@@ -99,7 +99,9 @@ class ExternalStore:
             return psycopg.connect(self.url, connect_timeout=10, autocommit=True,
                                    application_name="ckpt-state")
         except psycopg.OperationalError as exc:
-            reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else "refused"
+            # psycopg's text spans lines: the failure first, then a hint; keep both
+            reason = "; ".join(line.strip() for line in str(exc).splitlines()
+                               if line.strip()) or "refused"
             raise UsageError(f"state database {self.identity} cannot be reached: "
                              f"{reason}") from None
 

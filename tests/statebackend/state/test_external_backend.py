@@ -11,6 +11,7 @@ restore and rescale move no state bytes; vacuum keeps exactly what retained vers
 from __future__ import annotations
 
 import json
+import socket
 import threading
 
 import psycopg
@@ -51,6 +52,18 @@ def test_the_store_names_no_password_and_refuses_bad_names():
         ExternalStore("mysql://127.0.0.1/x")
     with pytest.raises(UsageError, match="plain lower-case SQL name"):
         ExternalStore("postgresql://127.0.0.1/x", table="state; DROP TABLE x")
+
+
+def test_an_unreachable_database_is_one_line_naming_the_cause():
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(UsageError) as info:
+        ExternalStore(f"postgresql://app:s3cret@127.0.0.1:{port}/state").connect()
+    text = str(info.value)
+    assert "\n" not in text and "s3cret" not in text
+    assert f"postgresql://app@127.0.0.1:{port}/state#ckpt_state cannot be reached" in text
+    assert "Connection refused" in text, text
 
 
 @pytest.fixture
