@@ -24,7 +24,8 @@ caller takes the bytes path (whose decoding reports what is wrong with it).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import compress, repeat
 from operator import is_not
 from typing import Any
@@ -88,6 +89,9 @@ class RecordTable(MemoryTable):
     def _size(self, held: Any) -> int:
         return len(held) if held.__class__ is bytes else self.width
 
+    def _held_size(self, held: Iterable[Any]) -> int:
+        return sum(map(self._size, held))
+
     def _allocate(self, keys: Sequence[bytes]) -> np.ndarray:
         """Rows for new ``keys`` (distinct, not held), their key groups set."""
         n, free = len(keys), self._free
@@ -111,10 +115,13 @@ class RecordTable(MemoryTable):
         else:
             self._free.append(held)
 
-    def _added(self, key: bytes) -> int:
+    def _released(self, held: Iterable[Any]) -> None:
+        deque(map(self._release, held), maxlen=0)
+
+    def _added_many(self, keys: Sequence[bytes]) -> int:
         if self._key_column is not None:
-            self._appended.append(key)
-        return super()._added(key)
+            self._appended.extend(keys)
+        return super()._added_many(keys)
 
     # -- columns (the job API's columnar calls) ------------------------------------
     def read_records(self, keys: list[bytes], dtype: np.dtype
@@ -160,7 +167,7 @@ class RecordTable(MemoryTable):
             given = dict(zip(distinct, self._allocate(distinct).tolist(), strict=True))
             rows[new_at] = [given[k] for k in new_keys]
             data.update(given)
-            account.bytes += sum(map(self._added, distinct)) + self.width * len(distinct)
+            account.bytes += self._added_many(distinct) + self.width * len(distinct)
         else:
             rows = np.array(held, np.int64)
         self.rows[rows] = records
