@@ -274,6 +274,9 @@ def test_session_columns_are_exact_on_both_paths():
         assert [c.type for c in got.values()] == [f.type for f in sz.SESSION_FIELDS.values()]
     with pytest.raises(OverflowError):
         sz._session_columns([[1, 2**64, 1, 0.5]])
+    # a held value of another shape is refused, even when its numbers would fill rows of 4
+    with pytest.raises(ValueError, match="not \\[start, end, events, value_sum\\]"):
+        sz._session_columns([[1, 2, 3, 4, 5], [6, 7, 8]])
 
 
 def test_at_most_compares_int64_with_any_int_exactly():
