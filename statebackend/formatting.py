@@ -70,6 +70,12 @@ def human_count(n: float | None) -> str:
     return f"{n:,.0f}" if n >= 100 or n == int(n) else f"{n:,.1f}"
 
 
+def rows_text(n: int | None) -> str:
+    """``12 rows``; None (not recorded: a rescale that read nothing, e.g. an external
+    checkpoint's, whose rows are in its database) says so rather than ``0 rows``."""
+    return "rows not recorded" if n is None else f"{n} rows"
+
+
 def parse_time(text: object) -> datetime | None:
     """An ISO-8601 text as an aware datetime (a naive one is UTC); None when unreadable."""
     try:

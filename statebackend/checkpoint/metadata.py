@@ -392,6 +392,19 @@ class CheckpointMetadata:
     def with_changes(self, **changes: Any) -> CheckpointMetadata:
         return replace(self, **changes)
 
+    def subtask_rows(self, handle: SubtaskHandle) -> int | None:
+        """The entries ``handle`` records over every state; None when it records none of
+        a checkpoint with states: a rescale that read nothing (an external checkpoint's
+        rows are in its database), counted again by the next run."""
+        if not handle.row_counts and self.states:
+            return None
+        return sum(handle.row_counts.values())
+
+    def rows(self) -> int | None:
+        """`subtask_rows` over every subtask; None when one of them is not recorded."""
+        counts = [self.subtask_rows(s) for s in self.subtasks]
+        return None if None in counts else sum(counts)  # type: ignore[arg-type]
+
     def summary(self) -> dict[str, Any]:
         """The stable JSON shape of `ckpt show --json` / `ckpt list --json`."""
         return {
@@ -408,7 +421,7 @@ class CheckpointMetadata:
             "files_referenced": len(self.files),
             "bytes_referenced": self.bytes_referenced,
             "bytes_uploaded": self.bytes_uploaded,
-            "rows": sum(sum(s.row_counts.values()) for s in self.subtasks),
+            "rows": self.rows(),  # None: not recorded (`subtask_rows`)
             "watermark": self.watermark,
             "processing_time": self.processing_time,
             "key_hash": self.key_hash,
@@ -421,7 +434,7 @@ class CheckpointMetadata:
                 {"index": s.index, "key_group_start": s.key_group_start,
                  "key_group_end": s.key_group_end, "files": len(s.files),
                  "bytes": s.size, "bytes_uploaded": s.bytes_uploaded,
-                 "rows": sum(s.row_counts.values())}
+                 "rows": self.subtask_rows(s)}
                 for s in self.subtasks
             ],
         }

@@ -13,7 +13,7 @@ from statebackend.checkpoint.metadata import CheckpointMetadata
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.cli.app import emit_json, json_flag, state_db_flags, state_db_of
 from statebackend.errors import CheckpointNotFoundError, MetadataError, UsageError
-from statebackend.formatting import age_of, epoch_ms, human_bytes
+from statebackend.formatting import age_of, epoch_ms, human_bytes, rows_text
 from statebackend.progress import Progress
 from statebackend.state.schema import describe_schema
 
@@ -109,7 +109,9 @@ def cmd_show(args: argparse.Namespace, store: CheckpointStore) -> int:
     s = meta.summary()
     shown = dict(s, created_at=f"{meta.created_at} ({age_of(meta.created_at)})",
                  bytes_referenced=human_bytes(s["bytes_referenced"]),
-                 bytes_uploaded=human_bytes(s["bytes_uploaded"]))
+                 bytes_uploaded=human_bytes(s["bytes_uploaded"]),
+                 rows=s["rows"] if s["rows"] is not None else
+                 "not recorded (a rescale that read nothing; the next run counts them)")
     print(f"checkpoint {meta.checkpoint_id} of job {meta.job} ({describe(meta)})")
     for key in ("parent", "created_at", "run_id", "parallelism", "max_parallelism",
                 "state_backend", "files_referenced", "bytes_referenced", "bytes_uploaded",
@@ -129,7 +131,7 @@ def cmd_show(args: argparse.Namespace, store: CheckpointStore) -> int:
     print("  subtasks:")
     for st in s["subtasks"]:
         print(f"    {st['index']:>3}  key groups [{st['key_group_start']}, {st['key_group_end']}]  "
-              f"{st['files']} files  {human_bytes(st['bytes'])}  {st['rows']} rows")
+              f"{st['files']} files  {human_bytes(st['bytes'])}  {rows_text(st['rows'])}")
     return 0
 
 

@@ -7,6 +7,7 @@ import argparse
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.cli.app import connect_session_flag, emit_json, human_bytes, json_flag
 from statebackend.engines import ENGINES
+from statebackend.formatting import rows_text
 from statebackend.progress import Progress
 from statebackend.rescale.executor import (
     RescaleOptions,
@@ -77,10 +78,10 @@ def cmd_rescale(args: argparse.Namespace, store: CheckpointStore) -> int:
           f"{summary['engine']} engine{workers}; "
           f"downloaded {human_bytes(summary['bytes_downloaded'])}, "
           f"uploaded {human_bytes(summary['bytes_uploaded'])}, "
-          f"reused {summary['files_reused']} files, {summary['rows']} rows")
+          f"reused {summary['files_reused']} files, {rows_text(summary['rows'])}")
     for s in summary["subtasks"]:
         print(f"  subtask {s['index']:>3}: base {s['base']} imports {s['imports'] or '-'}  "
-              f"{s['rows']} rows  {s['timings'].get('total', 0):.2f} s")
+              f"{rows_text(s['rows'])}  {s['timings'].get('total', 0):.2f} s")
     return 0
 
 

@@ -58,7 +58,7 @@ def regrouped(meta: CheckpointMetadata, plan: RescalePlan) -> list[RescaleTaskRe
         results.append(RescaleTaskResult(
             index=s.index, attempt=0, handle=handle, uploaded_paths=(), bytes_downloaded=0,
             files_reused=len(files), entries_imported=0, clipped_share=0.0, compacted=False,
-            rows=sum(handle.row_counts.values()), timings={}))
+            rows=meta.subtask_rows(handle), timings={}))
     return results
 
 

@@ -119,7 +119,7 @@ class RescaleTaskResult:
     entries_imported: int
     clipped_share: float
     compacted: bool
-    rows: int
+    rows: int | None  # None: not recorded (an external or memory rescale reads nothing)
     timings: Mapping[str, float]
     scratch: str = ""
     host: str = ""

@@ -187,6 +187,9 @@ def test_runs_match_pandas_across_failures_kills_rescale_and_a_database_restart(
 
     r = rescale(state, "latest", 2)  # a query per new subtask: nothing moves
     assert (r["bytes_downloaded"], r["bytes_uploaded"], r["checkpoint_id"]) == (0, 0, 3)
+    # its rows are in the database: unknown to the record, not 0
+    assert r["rows"] is None and [s["rows"] for s in r["subtasks"]] == [None, None]
+    assert state.latest().summary()["rows"] is None
     assert state.latest().external.version == 3
 
     # The database restarts while run d2 snapshots: the run fails in one line, nothing

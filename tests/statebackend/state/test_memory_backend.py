@@ -412,8 +412,10 @@ def test_rescale_counts_rows_from_the_key_group_files_it_regroups(tmp_path):
     from statebackend.rescale.memory import regrouped
     from statebackend.rescale.plan import plan_rescale
 
-    assert all(r.handle.row_counts == {} for r in
-               regrouped(stripped, plan_rescale(stripped, 2)))
+    unknown = regrouped(stripped, plan_rescale(stripped, 2))
+    # ... and said to be unknown, not 0 (`ckpt rescale`, `ckpt show`, the page)
+    assert all(r.handle.row_counts == {} and r.rows is None for r in unknown)
+    assert stripped.subtask_rows(unknown[0].handle) is None
     assert all(r.handle.row_counts for r in regrouped(old, plan_rescale(old, 2)))
 
 
