@@ -133,7 +133,8 @@ def rescale(store: CheckpointStore, ref: str | int | None = "latest",
                 "from_parallelism": plan.from_parallelism, "to_parallelism": parallelism,
                 "bytes_to_download": 0 if in_memory else plan.bytes_to_download,
                 "plan": plan.to_json(),
-                "plan_text": memory_rescale.describe(plan) if in_memory else plan.describe()}
+                "plan_text": (memory_rescale.describe(plan, meta.state_backend) if in_memory
+                              else plan.describe())}
     purpose = f"rescale of checkpoint {meta.checkpoint_id} to parallelism {parallelism}"
     with store.writer(purpose, checkpoint_ids=[meta.checkpoint_id]) as session, \
             hold(store.storage, purpose, [meta.checkpoint_id]):

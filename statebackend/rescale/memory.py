@@ -98,13 +98,16 @@ def _row_counts(meta: CheckpointMetadata, files: list[FileRef]) -> dict[str, int
     return counts
 
 
-def describe(plan: RescalePlan) -> list[str]:
-    """``--dry-run`` lines of a memory-backend rescale."""
+# What a rescale of each backend `regrouped` serves does, for ``--dry-run``
+_HOW = {"memory": "each new subtask names the files serving its key groups",
+        "external": "each new subtask's range is a query at the same database version"}
+
+
+def describe(plan: RescalePlan, backend: str) -> list[str]:
+    """``--dry-run`` lines of a memory- or external-backend rescale."""
     lines = [f"rescale plan: job {plan.job} checkpoint {plan.source_checkpoint_id} from "
-             f"parallelism {plan.from_parallelism} to {plan.to_parallelism} (memory "
-             "backend: each new subtask names the files serving its key groups; external "
-             "backend: its range is a query at the same version; 0 bytes to download or "
-             "upload)"]
+             f"parallelism {plan.from_parallelism} to {plan.to_parallelism} ({backend} "
+             f"backend: {_HOW[backend]}; 0 bytes to download or upload)"]
     lines += [f"  new subtask {s.index}: key groups [{s.key_groups.start}, "
               f"{s.key_groups.end}]" for s in plan.subtasks]
     return lines

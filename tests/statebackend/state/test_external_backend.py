@@ -23,7 +23,7 @@ from statebackend.checkpoint.store import CheckpointStore
 from statebackend.cli.app import main
 from statebackend.errors import UsageError
 from statebackend.job import JobRunError, RunConfig, external_commit, run_job
-from statebackend.rescale.executor import rescale
+from statebackend.rescale.executor import RescaleOptions, rescale
 from statebackend.state.external import ExternalStateBackend
 from statebackend.state.external_store import (
     ExternalRead,
@@ -190,6 +190,9 @@ def test_runs_match_pandas_across_failures_kills_rescale_and_a_database_restart(
     # its rows are in the database: unknown to the record, not 0
     assert r["rows"] is None and [s["rows"] for s in r["subtasks"]] == [None, None]
     assert state.latest().summary()["rows"] is None
+    plan = rescale(state, "latest", 3, options=RescaleOptions(dry_run=True))["plan_text"]
+    assert "(external backend: each new subtask's range is a query at the same database " \
+        "version; 0 bytes" in plan[0] and "memory" not in plan[0]
     assert state.latest().external.version == 3
 
     # The database restarts while run d2 snapshots: the run fails in one line, nothing

@@ -417,6 +417,12 @@ def test_rescale_counts_rows_from_the_key_group_files_it_regroups(tmp_path):
     assert all(r.handle.row_counts == {} and r.rows is None for r in unknown)
     assert stripped.subtask_rows(unknown[0].handle) is None
     assert all(r.handle.row_counts for r in regrouped(old, plan_rescale(old, 2)))
+    # --dry-run says what this backend's rescale does, and only that
+    from statebackend.rescale.memory import describe
+
+    first = describe(plan_rescale(old, 2), "memory")[0]
+    assert "(memory backend: each new subtask names the files serving its key groups;" \
+        in first and "external" not in first
 
 
 def _as_key_group_files(store: CheckpointStore, meta):
