@@ -342,6 +342,12 @@ class ExternalVersion:
                                version, parent, mode)
 
 
+def recorded_total(counts: Iterable[int | None]) -> int | None:
+    """The sum of row ``counts``; None when one of them is not recorded."""
+    known = list(counts)
+    return None if None in known else sum(c or 0 for c in known)
+
+
 @dataclass(frozen=True)
 class CheckpointMetadata:
     """The commit record of one checkpoint (or savepoint)."""
@@ -402,8 +408,7 @@ class CheckpointMetadata:
 
     def rows(self) -> int | None:
         """`subtask_rows` over every subtask; None when one of them is not recorded."""
-        counts = [self.subtask_rows(s) for s in self.subtasks]
-        return None if None in counts else sum(counts)  # type: ignore[arg-type]
+        return recorded_total(self.subtask_rows(s) for s in self.subtasks)
 
     def summary(self) -> dict[str, Any]:
         """The stable JSON shape of `ckpt show --json` / `ckpt list --json`."""

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 from statebackend.checkpoint.attempt import Attempt
 from statebackend.checkpoint.leases import hold
-from statebackend.checkpoint.metadata import CheckpointMetadata
+from statebackend.checkpoint.metadata import CheckpointMetadata, recorded_total
 from statebackend.checkpoint.store import CheckpointStore, MetadataParts, build_metadata
 from statebackend.engines import (
     EngineChoice,
@@ -311,8 +311,7 @@ def _summary(store: CheckpointStore, new_meta: CheckpointMetadata, plan: Rescale
         "bytes_referenced": new_meta.bytes_referenced,
         "files_reused": sum(r.files_reused for r in results),
         "entries_imported": sum(r.entries_imported for r in results),
-        "rows": None if any(r.rows is None for r in results) else sum(
-            r.rows or 0 for r in results),
+        "rows": recorded_total(r.rows for r in results),
         "compacted": options.compact,
         "compacted_subtasks": sum(r.compacted for r in results),
         # the imports exported in worker processes (statebackend.worker_processes)

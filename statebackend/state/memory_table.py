@@ -296,10 +296,10 @@ class MemoryTable:
         """`load` of what ``data`` holds for ``keys``, ``value_bytes`` in all."""
         data, account = self.data, self._account
         self._mutations += 1
-        for key in self.parts.pop(prefix, ()):
-            old = data.pop(key)
-            account.bytes -= len(key) + self._size(old) + ENTRY_OVERHEAD
-            self._release(old)
+        gone = list(self.parts.pop(prefix, ()))
+        olds = list(map(data.pop, gone))
+        account.bytes -= sum(map(len, gone)) + self._held_size(olds) + ENTRY_OVERHEAD * len(gone)
+        self._released(olds)
         if not keys:
             self._sorted.pop(prefix, None)
             return
