@@ -230,10 +230,17 @@ def _next_closes(held: list, gap: int) -> tuple[np.ndarray, np.ndarray]:
         ends = np.fromiter(map(_END, flat), np.int64, len(flat))
     except OverflowError:
         ends = None
+    return _closes_or_per_key(ends, sizes, held, gap), sizes > 0
+
+
+def _closes_or_per_key(ends: np.ndarray | None, sizes: np.ndarray, held: list,
+                       gap: int) -> np.ndarray:
+    """`_closes` of ``held``'s sessions (their ``ends``, None: not all int64), or
+    `_next_timer` per key when an end is not int64 or a close would pass it."""
     if ends is None or len(ends) and int(ends.max()) > _INT64_MAX - gap:
         per_key = [_next_timer(h, gap) for h in held]
-        return np.array([0 if c is None else c for c in per_key], object), sizes > 0
-    return _closes(ends, sizes, gap), sizes > 0
+        return np.array([0 if c is None else c for c in per_key], object)
+    return _closes(ends, sizes, gap)
 
 
 def _closes(ends: np.ndarray, sizes: np.ndarray, gap: int) -> np.ndarray:
@@ -277,7 +284,8 @@ def close(timers: pa.Table, ctx: BatchContext) -> None:
         return
     owner = np.repeat(np.arange(len(keys)), sizes)
     columns = _session_columns(flat)
-    closed = _at_most(columns["session_end"].to_numpy(), wm - gap)  # end + gap <= wm
+    ends = columns["session_end"].to_numpy()
+    closed = _at_most(ends, wm - gap)  # end + gap <= wm
     shut = np.flatnonzero(closed)
     if len(shut):
         ctx.emit("sessions", {"user": pa.array(keys, pa.string()).take(owner[shut]),
@@ -290,7 +298,9 @@ def close(timers: pa.Table, ctx: BatchContext) -> None:
     keep_k, keep_v = [k for k, _ in kept], [v for _, v in kept]
     if keep_k:
         state.update(keep_k, keep_v)
-        ctx.timers.register(keep_k, _next_closes(keep_v, gap)[0])
+        # the kept sessions' ends are the emitted column's: no second pass over them
+        ctx.timers.register(keep_k, _closes_or_per_key(ends[still], left[left > 0],
+                                                       keep_v, gap))
     if gone:
         state.clear(gone)
 

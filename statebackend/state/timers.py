@@ -70,7 +70,6 @@ if TYPE_CHECKING:
 TIMER_DESCRIPTORS: tuple[StateDescriptor, ...] = (internal_descriptor(TIMERS),
                                                   internal_descriptor(TIMER_KEYS))
 _U32 = struct.Struct(">I")
-# (time + key + tag bytes, key group, sequence, timer key, the scan it came from or None)
 # A timer's firing order within its domain: its key after key group and domain (time,
 # key, tag), distinct for distinct timers whatever their key groups
 _FIRING_ORDER = itemgetter(slice(3, None))

@@ -43,6 +43,7 @@ def run_driver(script: str, *args: object) -> subprocess.CompletedProcess:
 def state_files(root) -> list[str]:
     return [f for _, _, files in os.walk(root) for f in files if f.endswith(".kgs")]
 
+
 DRIVER = """
 import json, sys
 from bench.state_stand_ins import drop_all_state
