@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 
 from statebackend.checkpoint.store import CheckpointStore
-from statebackend.cli.app import connect_session_flag, emit_json, human_bytes, json_flag
+from statebackend.cli.app import (
+    connect_session_flag,
+    emit_json,
+    human_bytes,
+    json_flag,
+    state_db_flags,
+    state_db_of,
+)
 from statebackend.engines import ENGINES
 from statebackend.formatting import rows_text
 from statebackend.progress import Progress
@@ -21,7 +28,7 @@ from statebackend.spark.session import owned_session, quiet_console
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "rescale", parents=[json_flag(), connect_session_flag("rescales")],
+        "rescale", parents=[json_flag(), connect_session_flag("rescales"), state_db_flags()],
         help="rescale a checkpoint to a new parallelism",
         description="Write a new checkpoint with parallelism Q from checkpoint ID (default: "
                     "latest), one task per new subtask: each restores the old subtask with "
@@ -30,7 +37,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "process's threads or as Spark tasks (--engine; auto: Spark for a cluster "
                     "or Connect master with a large state). Later job runs continue from the "
                     "new checkpoint. Holds the job's writer lease and a hold on the source; a "
-                    "failure commits nothing.")
+                    "failure commits nothing. A memory- or external-backend checkpoint "
+                    "moves whole key-group files or nothing: an external one's new subtasks "
+                    "query the same database version (no --state-db needed; given, it is "
+                    "checked to be the checkpoint's own).")
     p.add_argument("checkpoint", nargs="?", default="latest",
                    help="ID, chk-ID or latest (a rescale continues from the latest)")
     p.add_argument("--parallelism", "-p", type=int, required=True, metavar="Q",
@@ -53,7 +63,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_rescale(args: argparse.Namespace, store: CheckpointStore) -> int:
     options = RescaleOptions(engine=args.engine, master=args.remote or args.master,
                              compact=args.compact, dry_run=args.dry_run,
-                             connect_session=args.connect_session)
+                             connect_session=args.connect_session,
+                             state_db=state_db_of(args))
     if args.dry_run:
         summary = rescale(store, args.checkpoint, args.parallelism, options=options)
     else:

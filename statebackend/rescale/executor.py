@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from statebackend.checkpoint.attempt import Attempt
 from statebackend.checkpoint.leases import hold
 from statebackend.checkpoint.metadata import CheckpointMetadata, recorded_total
+from statebackend.checkpoint.restore import external_read
 from statebackend.checkpoint.store import CheckpointStore, MetadataParts, build_metadata
 from statebackend.engines import (
     EngineChoice,
@@ -75,6 +76,7 @@ from statebackend.rescale.task import (
 from statebackend.spark.connect_sessions import kept_session
 from statebackend.spark.dispatch import run_tasks as run_spark_tasks
 from statebackend.spark.progress import TaskStages, report_tasks
+from statebackend.state.external_store import ExternalStore
 from statebackend.state.kinds import StateDescriptor
 from statebackend.subtasks import one_line, run_in_threads
 from statebackend.worker_processes import worker_pool
@@ -102,7 +104,10 @@ class RescaleOptions:
     master: ``job`` attaches to the session kept for the job's rescales, ``new`` opens
     one (statebackend.spark.connect_sessions); ``local_dir``: the root of the
     local-recovery instances job runs left on the task's machine (None:
-    ``CKPT_LOCAL_DIR``, else the temp folder's; statebackend.checkpoint.local_copy)."""
+    ``CKPT_LOCAL_DIR``, else the temp folder's; statebackend.checkpoint.local_copy);
+    ``state_db``: an external checkpoint's database, if the caller names one (a rescale
+    reads none: it is checked to be the checkpoint's own, so a run pointed at another
+    database fails here rather than after the new checkpoint is committed)."""
 
     engine: str | None = None
     master: str | None = None
@@ -111,6 +116,7 @@ class RescaleOptions:
     fail_subtask: int | None = None
     connect_session: str = "job"
     local_dir: str | None = None
+    state_db: ExternalStore | None = None
 
 
 def rescale(store: CheckpointStore, ref: str | int | None = "latest",
@@ -127,6 +133,8 @@ def rescale(store: CheckpointStore, ref: str | int | None = "latest",
     started = time.perf_counter()
     meta = store.resolve(ref)
     plan = plan_rescale(meta, parallelism)  # fail fast, before taking any lease
+    if options.state_db is not None:
+        external_read(meta, options.state_db)  # its own database, else one line
     in_memory = meta.state_backend in ("memory", "external")
     if options.dry_run:
         return {"dry_run": True, "job": store.job, "source_checkpoint_id": meta.checkpoint_id,

@@ -309,6 +309,17 @@ def test_cli_dump_validate_and_retention_vacuum_through_the_database(tmp_path, t
     assert code == 0 and f"mvcc version 3 (over 2) of {JOB} in {store.identity}" in out
     code, out, _ = ckpt("validate", "--deep", "--report", "none", "--json", *db)
     assert code == 0 and json.loads(out)["success"], out
+    # a rescale reads no database; one passed along with the others is checked to be the
+    # checkpoint's own before anything is written
+    code, _, err = ckpt("rescale", "-p", "3", "--state-db", store.url, "--state-table",
+                        "elsewhere")
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"keeps its state in {store.identity}, not " in err and "#elsewhere" in err
+    assert CheckpointStore(open_storage(root), JOB).checkpoint_ids() == [1, 2, 3]
+    code, out, err = ckpt("rescale", "-p", "3", "--json", *db)
+    assert code == 0 and json.loads(out)["bytes_uploaded"] == 0, err
+    code, out, err = ckpt("rescale", "-p", "2", "--json")  # without it, as before
+    assert code == 0 and json.loads(out)["checkpoint_id"] == 5, err
 
     with store.connect() as conn:
         rows_before = conn.execute(f"SELECT count(*) FROM {store.table}").fetchone()[0]
@@ -316,7 +327,7 @@ def test_cli_dump_validate_and_retention_vacuum_through_the_database(tmp_path, t
     assert json.loads(out)["vacuum"]["retained_versions"] == [1, 2, 3]  # nothing retired yet
     code, out, _ = ckpt("retain", "--keep", "1", "--json", *db)
     report = json.loads(out)
-    assert code == 0 and report["retired"] == [1, 2]
+    assert code == 0 and report["retired"] == [1, 2, 3, 4]
     vac = report["vacuum"]
     assert vac["vacuumed"] and vac["retained_versions"] == [3] and vac["versions_deleted"] == []
     with store.connect() as conn:
