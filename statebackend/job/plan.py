@@ -188,5 +188,9 @@ def lineage_shape(config: RunConfig, parent: CheckpointMetadata | None, engine: 
 
 
 def warn(warnings: list[str], text: str) -> None:
-    log.warning("%s", text)
+    """Add ``text`` to the run's warnings (its summary carries them: the CLI prints each
+    once on stderr) and log it where the application set up logging (Airflow's task log);
+    without a handler Python's last resort would print it a second time."""
+    if log.hasHandlers():
+        log.warning("%s", text)
     warnings.append(text)

@@ -2,7 +2,9 @@
 
 `TaskResult` is one subtask attempt's report (`statebackend.job.task`): its new
 handle (None: nothing changed, the parent's is carried forward), what it uploaded,
-counts, timings, the earliest due time per domain. Its row form (`to_row`,
+counts, timings, the earliest due time per domain, and on the memory backend the
+state it held (as its limit counts it: `memory_headroom` warns before the limit fails a
+run). Its row form (`to_row`,
 `from_row`, `RESULT_SCHEMA`) is what a Spark task returns; the local engine hands
 the objects over as they are. `aggregate` sums a run's results into `RunTotals`
 (pure); `run_metrics` is the ``extra["metrics"]`` of the commit record.
@@ -30,7 +32,7 @@ RESULT_SCHEMA = pa.schema([
     *[(f"t_{p}", pa.float64()) for p in PHASES], ("t_detail", pa.string()),
     ("t_started", pa.float64()), ("t_finished", pa.float64()),
     ("timers_fired", pa.int64()), ("ttl_purged", pa.int64()), ("counters", pa.string()),
-    ("next_times", pa.string())])
+    ("next_times", pa.string()), ("memory_bytes", pa.int64())])
 # The JSON-text columns of a result row and the fields they carry.
 _JSON_COLUMNS = {"uploaded": "uploaded", "reasons": "reasons", "reuploaded": "reuploaded",
                  "outputs": "outputs", "t_detail": "logic_timings", "counters": "counters"}
@@ -58,6 +60,7 @@ class TaskResult:
     counters: Mapping[str, int] = field(default_factory=dict)  # the job's own counters
     next_times: Mapping[str, int | None] | None = None  # None: the state was not opened
     window: tuple[float, float] = (0.0, 0.0)  # epoch seconds the task started and ended
+    memory_bytes: int | None = None  # memory backend: state held at the end (else None)
 
     @property
     def bytes_uploaded(self) -> int:
@@ -71,7 +74,8 @@ class TaskResult:
                "keys_touched": self.keys_touched, "restore_mode": self.restore_mode,
                "bytes_uploaded": self.bytes_uploaded, "timers_fired": self.timers_fired,
                "ttl_purged": self.ttl_purged,
-               "next_times": json.dumps(self.next_times) if self.next_times else None}
+               "next_times": json.dumps(self.next_times) if self.next_times else None,
+               "memory_bytes": self.memory_bytes}
         for column, name in _JSON_COLUMNS.items():
             value = getattr(self, name)
             row[column] = json.dumps(list(value) if isinstance(value, tuple) else dict(value),
@@ -98,6 +102,7 @@ class TaskResult:
             next_times=json.loads(row["next_times"]) if row.get("next_times") else None,
             phases={p: row[f"t_{p}"] for p in PHASES},
             window=(row.get("t_started") or 0.0, row.get("t_finished") or 0.0),
+            memory_bytes=row.get("memory_bytes"),
             **{**texts, "uploaded": tuple(texts["uploaded"]),
                "reuploaded": tuple(texts["reuploaded"])})
 
@@ -148,6 +153,67 @@ def _summed(parts: Iterable[Mapping[str, float]]) -> dict:
         for k, v in part.items():
             out[k] = out.get(k, 0) + v
     return dict(sorted(out.items()))
+
+
+# The share of its limit a memory-backend subtask's state may reach before a run warns
+MEMORY_WARN_SHARE = 0.8
+
+
+@dataclass(frozen=True)
+class MemoryHeadroom:
+    """The memory-backend subtask that held the most state at the end of a run, against
+    the limit each subtask has (``limit_bytes`` None: unbounded)."""
+
+    subtask: int
+    held_bytes: int
+    limit_bytes: int | None
+
+    @property
+    def share(self) -> float | None:
+        return None if not self.limit_bytes else self.held_bytes / self.limit_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        share = self.share
+        return {"subtask": self.subtask, "held_bytes": self.held_bytes,
+                "limit_bytes": self.limit_bytes,
+                "share": None if share is None else round(share, 4)}
+
+    @staticmethod
+    def from_json(d: Mapping[str, Any]) -> MemoryHeadroom:
+        return MemoryHeadroom(int(d["subtask"]), int(d["held_bytes"]), d.get("limit_bytes"))
+
+    def warning(self) -> str | None:
+        """One line when the state is at `MEMORY_WARN_SHARE` of the limit or more: the
+        next runs that add state fail, so say so while this one still committed."""
+        share = self.share
+        if share is None or share < MEMORY_WARN_SHARE:
+            return None
+        return (f"subtask {self.subtask} holds {_mib(self.held_bytes)} of state in memory, "
+                f"{share:.0%} of the limit of {_mib(self.limit_bytes or 0)} per subtask "
+                "(--memory-limit-mb): a run whose state grows past it fails; raise the "
+                "limit, add subtasks (ckpt rescale) or move the job to rocksdb")
+
+    def text(self) -> str:
+        """The summary's clause: the largest state in memory against its limit."""
+        share = self.share
+        of = "" if share is None else f", {share:.0%} of its limit"
+        return f"state in memory up to {_mib(self.held_bytes)} (subtask {self.subtask}{of})"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def memory_headroom(results: Sequence[TaskResult], limit_mb: int | None
+                    ) -> MemoryHeadroom | None:
+    """The subtask of ``results`` holding the most memory-backend state (None: none
+    opened a memory backend), with the limit ``limit_mb`` (MiB per subtask) (pure)."""
+    held = [r for r in results if r.memory_bytes is not None]
+    if not held:
+        return None
+    top = max(held, key=lambda r: (r.memory_bytes, -r.subtask))
+    return MemoryHeadroom(top.subtask, int(top.memory_bytes or 0),
+                          None if limit_mb is None else int(limit_mb) * 2**20)
 
 
 METRIC_PHASES = {"restore": "restoring", "process": "processing",

@@ -78,6 +78,7 @@ from statebackend.job.plan import (
     lineage_shape,
     parent_of,
     run_backend,
+    warn,
 )
 from statebackend.job.publish import (
     delete_run_outputs,
@@ -85,7 +86,7 @@ from statebackend.job.publish import (
     publish_outputs,
     run_dir_name,
 )
-from statebackend.job.results import RunTotals, TaskResult
+from statebackend.job.results import RunTotals, TaskResult, memory_headroom
 from statebackend.job.summary import CommittedRun, RunSummary, RunTimeline
 from statebackend.job.task import TaskParams
 from statebackend.progress import NO_PROGRESS, ProgressSink
@@ -328,6 +329,11 @@ class _JobRun:
     def _committed(self, plan: RunPlan, meta: CheckpointMetadata, results: list[TaskResult],
                    totals: RunTotals, timeline: RunTimeline) -> RunSummary:
         files, clock = plan.files, plan.clock
+        memory = memory_headroom(results, self.config.memory_limit_mb)
+        warnings = list(plan.warnings)
+        near_limit = memory.warning() if memory is not None else None
+        if near_limit:
+            warn(warnings, near_limit)
         return self._summary(
             meta.checkpoint_id, plan.parallelism, plan.started, totals=totals,
             bytes_uploaded=meta.bytes_uploaded,
@@ -339,8 +345,8 @@ class _JobRun:
                 input_files=files.count, input_bytes=files.total_bytes,
                 skipped_files=files.skipped, input_reader=plan.input_reader,
                 engine=plan.choice.engine, engine_reason=plan.choice.reason,
-                warnings=plan.warnings, watermark=clock.new_watermark,
-                processing_time=clock.processing_time))
+                warnings=tuple(warnings), watermark=clock.new_watermark,
+                processing_time=clock.processing_time, state_memory=memory))
 
     def skipped(self, done: RunRecord, started: float) -> RunSummary:
         """A committed run id: count nothing again, but finish what a crash after its

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from statebackend.job.input import SKIPPED_NAMES_SHOWN
-from statebackend.job.results import RunTotals, TaskResult
+from statebackend.job.results import MemoryHeadroom, RunTotals, TaskResult
 
 TIMING_KEYS = ("restoring", "processing", "snapshotting", "uploading", "committing")
 TIME_SPLIT_KEYS = ("planning", "before_subtasks", "subtasks", "after_subtasks", "committing")
@@ -70,6 +70,7 @@ class CommittedRun:
     warnings: tuple[str, ...] = ()
     watermark: int | None = None
     processing_time: int | None = None
+    state_memory: MemoryHeadroom | None = None  # memory and external backends
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,8 @@ class RunSummary:
         if c.warnings:
             out["warnings"] = list(c.warnings)
         out["time_split"] = dict(self.time_split)
+        if c.state_memory is not None:
+            out["state_memory"] = c.state_memory.to_json()
         out.update(watermark=c.watermark, processing_time=c.processing_time,
                    timers_fired=t.timers_fired, ttl_purged=t.ttl_purged, late_rows=t.late,
                    counters=dict(t.counters))
@@ -134,10 +137,12 @@ def format_summary(s: dict) -> str:
         return (f"run {s['run_id']}: skipped, already committed as checkpoint "
                 f"{s['checkpoint_id']} of job {s['job']}{done}")
     t = ", ".join(f"{k} {v:.2f}s" for k, v in s["timings"].items())
+    memory = f"; {MemoryHeadroom.from_json(s['state_memory']).text()}" \
+        if s.get("state_memory") else ""
     return (f"run {s['run_id']}: checkpoint {s['checkpoint_id']} of job {s['job']} "
             f"(P={s['parallelism']}): {s['events_read']} events read, {s['events_rejected']} "
             f"rejected, {s['keys_touched']} keys touched, {s['bytes_uploaded']} bytes uploaded "
-            f"in {s['duration_s']:.2f}s ({t})")
+            f"in {s['duration_s']:.2f}s ({t}){memory}")
 
 
 def skipped_warning(input_url: str, s: dict) -> str:

@@ -290,7 +290,9 @@ class SubtaskRun:
             timers_fired=result.timers_fired, ttl_purged=result.ttl_purged,
             counters=result.counters,
             # None: the state was not opened (the driver keeps the parent's record)
-            next_times=result.next_times or None)
+            next_times=result.next_times or None,
+            memory_bytes=self.backend.memory_bytes
+            if isinstance(self.backend, MemoryStateBackend) else None)
 
     # -- outputs -----------------------------------------------------------------------
     def _write_outputs(self, result: ProcessResult) -> dict[str, int]:

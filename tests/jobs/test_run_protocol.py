@@ -16,6 +16,7 @@ import sys
 import pandas as pd
 import pytest
 
+from demo.sample_data import generate_events
 from examples import user_activity
 from jobs import BUILTIN_JOBS
 from jobs import keyed_aggregation as ka
@@ -294,6 +295,15 @@ def test_ckpt_run_cli_with_a_job_option(tmp_path):
         check_activity_output(read_output(str(tmp_path / "out"), f"run=d{d}"), expected[d])
     assert final_state(store, "user_activity") == state
 
+    # a warning is one line on stderr (not a second, unprefixed one from logging)
+    warned = _ckpt("run", "examples.user_activity:job", "--input", str(tmp_path / "in1"),
+                   "--storage", store, "--run-id", "d1-again", "--output",
+                   str(tmp_path / "out"), "--parallelism", "3", "--engine", "local")
+    assert warned.returncode == 0, warned.stderr[-3000:]
+    assert [x for x in warned.stderr.splitlines() if "ignored" in x] == [
+        "ckpt run: warning: parallelism 3 ignored: the lineage keeps 2 (use rescale-restore "
+        "to change parallelism)"], warned.stderr
+
     bad = _ckpt("run", "examples.user_activity:job", "--input", str(tmp_path / "in0"),
                 "--storage", store, "--run-id", "d9", "--output", str(tmp_path / "out"),
                 "--normalize-case", "maybe")
@@ -338,3 +348,54 @@ def test_commit_records_metrics_context_and_run_history(spark, tmp_path):
         ("d0", "committed"), ("d1", "failed"), ("d0", "skipped")]
     assert records[1]["error"] and "injected failure" in records[1]["error"]
     assert records[0]["checkpoint_id"] == 1 and records[0]["context"] == ctx["airflow"]
+
+
+def test_a_run_reports_the_state_it_holds_in_memory_and_warns_near_the_limit(spark, tmp_path,
+                                                                              capsys):
+    """The memory backend's summary names its largest subtask's state as the limit counts
+    it (the same on Spark): a limit just under that figure fails the same run from
+    scratch, one just over it commits with one warning line (the next growth would fail)."""
+    from statebackend.cli import app as cli
+
+    days = [generate_events(str(tmp_path / "in"), n_events=120_000, n_keys=80_000, seed=11,
+                            start_ts_ms=1_800_000_000_000, fmt="parquet")]
+    want = totals_reference(days)[1]["totals"]
+
+    def run(name: str, *flags: str) -> tuple[int, str, str]:
+        code = cli.main(["run", "jobs.keyed_aggregation:JOB", "--storage",
+                         f"file://{tmp_path}/{name}", "--input", str(tmp_path / "in"),
+                         "--output", str(tmp_path / f"out-{name}"), "--run-id", "d0",
+                         "--engine", "local", "--parallelism", "2", "--backend", "memory",
+                         *flags])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    code, out, err = run("roomy", "--json")
+    summary = json.loads(out)
+    mem = summary["state_memory"]
+    held = mem["held_bytes"]
+    assert code == 0 and err == "" and "warnings" not in summary
+    assert mem["limit_bytes"] == 2048 * 2**20 and mem["share"] == round(held / 2**31, 4)
+    assert held > 4 * 2**20  # the limits below are whole MiB: one over it is within 80%
+    assert_totals_equal(final_state(f"file://{tmp_path}/roomy", "keyed_aggregation")["totals"],
+                        want)
+    on_spark = run_job(ka.JOB, RunConfig(
+        input=str(tmp_path / "in"), storage=f"file://{tmp_path}/spark", run_id="d0",
+        output=str(tmp_path / "out-spark"), parallelism=2, backend="memory"), spark)
+    assert on_spark["engine"] == "spark" and on_spark["state_memory"] == mem
+
+    code, _, err = run("tight", "--memory-limit-mb", str(held // 2**20))
+    assert code != 0 and f"limit of {held // 2**20} MiB" in err and "rocksdb" in err, err
+    assert CheckpointStore(open_storage(f"file://{tmp_path}/tight"),
+                           "keyed_aggregation").load_all() == []
+
+    over = -(-held // 2**20)
+    code, out, err = run("near", "--memory-limit-mb", str(over))
+    assert code == 0, err
+    line = f"subtask {mem['subtask']} holds {held / 2**20:.1f} MiB of state in memory, " \
+        f"{held / (over * 2**20):.0%} of the limit of {over:.1f} MiB per subtask " \
+        "(--memory-limit-mb)"
+    assert err.splitlines() == [err.splitlines()[0]] and line in err, err
+    assert f"; state in memory up to {held / 2**20:.1f} MiB (subtask {mem['subtask']}, " in out
+    assert_totals_equal(final_state(f"file://{tmp_path}/near", "keyed_aggregation")["totals"],
+                        want)
