@@ -7,10 +7,15 @@ older releases instead carry ``events_read``, ``events_rejected``,
 ``rejects_by_reason`` and ``keys_touched`` at the top level of ``extra`` (no
 timings); records of 2026 builds before the cleanup carry both, with equal values.
 Readers go through `run_figures`, so every one of them loads all three forms.
+
+A run on the memory or external backend also records ``run["state_memory"]``
+(`MemoryHeadroom`: its largest subtask's state in memory against the limit) and each
+subtask's ``memory_bytes``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 METRICS_FORMAT = 1
@@ -28,3 +33,66 @@ def run_figures(extra: Any) -> dict[str, Any]:
         if isinstance(run, dict):
             return run
     return {k: extra[k] for k in LEGACY_RUN_KEYS if k in extra}
+
+
+# The share of its limit a subtask's state in memory may reach before a run warns
+MEMORY_WARN_SHARE = 0.8
+
+
+@dataclass(frozen=True)
+class MemoryHeadroom:
+    """The subtask that held the most state in memory at the end of a run (memory and
+    external backends), against the limit each subtask has (``limit_bytes`` None:
+    unbounded)."""
+
+    subtask: int
+    held_bytes: int
+    limit_bytes: int | None
+
+    @property
+    def share(self) -> float | None:
+        return None if not self.limit_bytes else self.held_bytes / self.limit_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        share = self.share
+        return {"subtask": self.subtask, "held_bytes": self.held_bytes,
+                "limit_bytes": self.limit_bytes,
+                "share": None if share is None else round(share, 4)}
+
+    @staticmethod
+    def from_json(data: Any) -> MemoryHeadroom | None:
+        """A recorded ``state_memory``; None where it is missing or not of this shape
+        (records are read, not trusted: a reader shows nothing rather than fail)."""
+        if not isinstance(data, dict):
+            return None
+        subtask: Any = data.get("subtask")
+        held: Any = data.get("held_bytes")
+        limit: Any = data.get("limit_bytes")
+        if not (_count(subtask) and _count(held) and (limit is None or _count(limit))):
+            return None
+        return MemoryHeadroom(int(subtask), int(held), None if limit is None else int(limit))
+
+    def warning(self) -> str | None:
+        """One line when the state is at `MEMORY_WARN_SHARE` of the limit or more: a run
+        that adds state fails, so say so while this one still committed."""
+        share = self.share
+        if share is None or share < MEMORY_WARN_SHARE:
+            return None
+        return (f"subtask {self.subtask} holds {_mib(self.held_bytes)} of state in memory, "
+                f"{share:.0%} of the limit of {_mib(self.limit_bytes or 0)} per subtask "
+                "(--memory-limit-mb): a run whose state grows past it fails; raise the "
+                "limit, add subtasks (ckpt rescale) or move the job to rocksdb")
+
+    def text(self) -> str:
+        """The largest state in memory against its limit, as a clause."""
+        share = self.share
+        of = "" if share is None else f", {share:.0%} of its limit"
+        return f"state in memory up to {_mib(self.held_bytes)} (subtask {self.subtask}{of})"
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"

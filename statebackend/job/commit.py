@@ -32,7 +32,7 @@ def check_results(plan: RunPlan, results: Sequence[TaskResult]) -> RunTotals:
     if reported != list(range(plan.parallelism)):
         raise JobRunError(f"run {config.run_id!r}: subtasks {reported} reported, expected "
                           f"0..{plan.parallelism - 1}; nothing committed")
-    totals = aggregate(results)
+    totals = aggregate(results, config.memory_limit_mb)
     bad = totals.rejected - totals.late  # late rows are not bad data
     if bad and bad > config.max_reject_fraction * totals.read:
         detail = ", ".join(f"{k}={v}" for k, v in totals.reasons.items())
@@ -82,7 +82,7 @@ def record_extra(plan: RunPlan, results: Sequence[TaskResult], totals: RunTotals
              # Which parts the run wrote: a re-run may only publish complete folders.
              "output_parts": output_parts(plan.job, results), "job_kind": plan.job.name,
              "key": plan.job.key,
-             "metrics": run_metrics(results, handles, plan.started, totals.reasons)}
+             "metrics": run_metrics(results, handles, plan.started, totals)}
     if config.context:
         extra["context"] = dict(config.context)
     if _keeps_time(plan):

@@ -16,11 +16,12 @@ import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 import pyarrow as pa
 
 from statebackend.checkpoint.metadata import SubtaskHandle
+from statebackend.checkpoint.metrics import MemoryHeadroom
 from statebackend.job.core import LATE
 
 PHASES = ("restoring", "processing", "snapshotting", "uploading")
@@ -107,6 +108,18 @@ class TaskResult:
                "reuploaded": tuple(texts["reuploaded"])})
 
 
+def memory_headroom(results: Sequence[TaskResult], limit_mb: int | None
+                    ) -> MemoryHeadroom | None:
+    """The subtask of ``results`` holding the most memory-backend state (None: none
+    opened a memory backend), with the limit ``limit_mb`` (MiB per subtask) (pure)."""
+    held = [r for r in results if r.memory_bytes is not None]
+    if not held:
+        return None
+    top = max(held, key=lambda r: (r.memory_bytes, -r.subtask))
+    return MemoryHeadroom(top.subtask, int(top.memory_bytes or 0),
+                          None if limit_mb is None else int(limit_mb) * 2**20)
+
+
 @dataclass(frozen=True)
 class RunTotals:
     """The sum of a run's `TaskResult`s (`aggregate`)."""
@@ -121,6 +134,7 @@ class RunTotals:
     phases: Mapping[str, float] = field(default_factory=dict)  # summed over subtasks
     logic_timings: Mapping[str, float] = field(default_factory=dict)
     reuploaded: tuple[str, ...] = ()
+    memory: MemoryHeadroom | None = None  # memory and external backends
 
     @property
     def read(self) -> int:
@@ -132,8 +146,10 @@ class RunTotals:
         return self.reasons.get(LATE, 0)
 
 
-def aggregate(results: Sequence[TaskResult]) -> RunTotals:
-    """The run's totals over its subtasks' results (pure)."""
+def aggregate(results: Sequence[TaskResult], memory_limit_mb: int | None = None
+              ) -> RunTotals:
+    """The run's totals over its subtasks' results, the state in memory against
+    ``memory_limit_mb`` (pure)."""
     return RunTotals(
         events=sum(r.events for r in results), rejected=sum(r.rejected for r in results),
         reasons=_summed(r.reasons for r in results),
@@ -144,7 +160,8 @@ def aggregate(results: Sequence[TaskResult]) -> RunTotals:
         phases={p: sum(r.phases.get(p, 0.0) for r in results) for p in PHASES},
         logic_timings={k: round(v, 4) for k, v in
                        _summed(r.logic_timings for r in results).items()},
-        reuploaded=tuple(sorted(p for r in results for p in r.reuploaded)))
+        reuploaded=tuple(sorted(p for r in results for p in r.reuploaded)),
+        memory=memory_headroom(results, memory_limit_mb))
 
 
 def _summed(parts: Iterable[Mapping[str, float]]) -> dict:
@@ -153,67 +170,6 @@ def _summed(parts: Iterable[Mapping[str, float]]) -> dict:
         for k, v in part.items():
             out[k] = out.get(k, 0) + v
     return dict(sorted(out.items()))
-
-
-# The share of its limit a memory-backend subtask's state may reach before a run warns
-MEMORY_WARN_SHARE = 0.8
-
-
-@dataclass(frozen=True)
-class MemoryHeadroom:
-    """The memory-backend subtask that held the most state at the end of a run, against
-    the limit each subtask has (``limit_bytes`` None: unbounded)."""
-
-    subtask: int
-    held_bytes: int
-    limit_bytes: int | None
-
-    @property
-    def share(self) -> float | None:
-        return None if not self.limit_bytes else self.held_bytes / self.limit_bytes
-
-    def to_json(self) -> dict[str, Any]:
-        share = self.share
-        return {"subtask": self.subtask, "held_bytes": self.held_bytes,
-                "limit_bytes": self.limit_bytes,
-                "share": None if share is None else round(share, 4)}
-
-    @staticmethod
-    def from_json(d: Mapping[str, Any]) -> MemoryHeadroom:
-        return MemoryHeadroom(int(d["subtask"]), int(d["held_bytes"]), d.get("limit_bytes"))
-
-    def warning(self) -> str | None:
-        """One line when the state is at `MEMORY_WARN_SHARE` of the limit or more: the
-        next runs that add state fail, so say so while this one still committed."""
-        share = self.share
-        if share is None or share < MEMORY_WARN_SHARE:
-            return None
-        return (f"subtask {self.subtask} holds {_mib(self.held_bytes)} of state in memory, "
-                f"{share:.0%} of the limit of {_mib(self.limit_bytes or 0)} per subtask "
-                "(--memory-limit-mb): a run whose state grows past it fails; raise the "
-                "limit, add subtasks (ckpt rescale) or move the job to rocksdb")
-
-    def text(self) -> str:
-        """The summary's clause: the largest state in memory against its limit."""
-        share = self.share
-        of = "" if share is None else f", {share:.0%} of its limit"
-        return f"state in memory up to {_mib(self.held_bytes)} (subtask {self.subtask}{of})"
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
-def memory_headroom(results: Sequence[TaskResult], limit_mb: int | None
-                    ) -> MemoryHeadroom | None:
-    """The subtask of ``results`` holding the most memory-backend state (None: none
-    opened a memory backend), with the limit ``limit_mb`` (MiB per subtask) (pure)."""
-    held = [r for r in results if r.memory_bytes is not None]
-    if not held:
-        return None
-    top = max(held, key=lambda r: (r.memory_bytes, -r.subtask))
-    return MemoryHeadroom(top.subtask, int(top.memory_bytes or 0),
-                          None if limit_mb is None else int(limit_mb) * 2**20)
 
 
 METRIC_PHASES = {"restore": "restoring", "process": "processing",
@@ -230,14 +186,17 @@ class SubtaskMetrics(TypedDict):
     bytes_uploaded: int
     state_rows: int
     phases: dict[str, float]  # seconds per `METRIC_PHASES` key, and "timers"
+    memory_bytes: NotRequired[int]  # memory and external backends
 
 
 def run_metrics(results: Sequence[TaskResult], handles: Sequence[SubtaskHandle],
-                started: float, reasons: Mapping[str, int]) -> dict[str, Any]:
+                started: float, totals: RunTotals) -> dict[str, Any]:
     """``extra["metrics"]`` of a commit record (format 1; read by the Checkpoints page).
 
     Phases are seconds summed over subtasks (they overlap in wall time); ``commit`` is
     not in the record that the commit writes. ``timers``: firing the due timers.
+    On the memory and external backends each subtask's ``memory_bytes`` and the run's
+    ``state_memory`` (`MemoryHeadroom`) say how much of the limit the state took.
     """
     by_subtask = {r.subtask: r for r in results}
     subtasks: list[SubtaskMetrics] = []
@@ -249,14 +208,19 @@ def run_metrics(results: Sequence[TaskResult], handles: Sequence[SubtaskHandle],
             "state_rows": sum(h.row_counts.values()),
             "phases": {k: round(r.phases.get(p, 0.0), 4) for k, p in METRIC_PHASES.items()}
             | {"timers": round(r.logic_timings.get("timers", 0.0), 4)}})
+        if r.memory_bytes is not None:
+            subtasks[-1]["memory_bytes"] = r.memory_bytes
     total = {k: round(sum(s["phases"][k] for s in subtasks), 4)
              for k in (*METRIC_PHASES, "timers")}
     events = sum(s["events"] for s in subtasks)
     rejected = sum(s["rejected"] for s in subtasks)
-    return {"format": 1, "subtasks": subtasks, "run": {
+    run: dict[str, Any] = {
         "duration_s": round(time.perf_counter() - started, 3),
         "events_read": events + rejected, "events_rejected": rejected,
-        "rejects_by_reason": dict(reasons),
+        "rejects_by_reason": dict(totals.reasons),
         "keys_touched": sum(s["keys_touched"] for s in subtasks),
         "bytes_uploaded": sum(s["bytes_uploaded"] for s in subtasks),
-        "state_rows": sum(s["state_rows"] for s in subtasks), "phases": total}}
+        "state_rows": sum(s["state_rows"] for s in subtasks), "phases": total}
+    if totals.memory is not None:
+        run["state_memory"] = totals.memory.to_json()
+    return {"format": 1, "subtasks": subtasks, "run": run}

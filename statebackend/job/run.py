@@ -86,7 +86,7 @@ from statebackend.job.publish import (
     publish_outputs,
     run_dir_name,
 )
-from statebackend.job.results import RunTotals, TaskResult, memory_headroom
+from statebackend.job.results import RunTotals, TaskResult
 from statebackend.job.summary import CommittedRun, RunSummary, RunTimeline
 from statebackend.job.task import TaskParams
 from statebackend.progress import NO_PROGRESS, ProgressSink
@@ -329,9 +329,8 @@ class _JobRun:
     def _committed(self, plan: RunPlan, meta: CheckpointMetadata, results: list[TaskResult],
                    totals: RunTotals, timeline: RunTimeline) -> RunSummary:
         files, clock = plan.files, plan.clock
-        memory = memory_headroom(results, self.config.memory_limit_mb)
         warnings = list(plan.warnings)
-        near_limit = memory.warning() if memory is not None else None
+        near_limit = totals.memory.warning() if totals.memory is not None else None
         if near_limit:
             warn(warnings, near_limit)
         return self._summary(
@@ -346,7 +345,7 @@ class _JobRun:
                 skipped_files=files.skipped, input_reader=plan.input_reader,
                 engine=plan.choice.engine, engine_reason=plan.choice.reason,
                 warnings=tuple(warnings), watermark=clock.new_watermark,
-                processing_time=clock.processing_time, state_memory=memory))
+                processing_time=clock.processing_time))
 
     def skipped(self, done: RunRecord, started: float) -> RunSummary:
         """A committed run id: count nothing again, but finish what a crash after its

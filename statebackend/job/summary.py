@@ -12,8 +12,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from statebackend.checkpoint.metrics import MemoryHeadroom
 from statebackend.job.input import SKIPPED_NAMES_SHOWN
-from statebackend.job.results import MemoryHeadroom, RunTotals, TaskResult
+from statebackend.job.results import RunTotals, TaskResult
 
 TIMING_KEYS = ("restoring", "processing", "snapshotting", "uploading", "committing")
 TIME_SPLIT_KEYS = ("planning", "before_subtasks", "subtasks", "after_subtasks", "committing")
@@ -70,7 +71,6 @@ class CommittedRun:
     warnings: tuple[str, ...] = ()
     watermark: int | None = None
     processing_time: int | None = None
-    state_memory: MemoryHeadroom | None = None  # memory and external backends
 
 
 @dataclass(frozen=True)
@@ -118,8 +118,8 @@ class RunSummary:
         if c.warnings:
             out["warnings"] = list(c.warnings)
         out["time_split"] = dict(self.time_split)
-        if c.state_memory is not None:
-            out["state_memory"] = c.state_memory.to_json()
+        if t.memory is not None:  # memory and external backends
+            out["state_memory"] = t.memory.to_json()
         out.update(watermark=c.watermark, processing_time=c.processing_time,
                    timers_fired=t.timers_fired, ttl_purged=t.ttl_purged, late_rows=t.late,
                    counters=dict(t.counters))
@@ -137,8 +137,8 @@ def format_summary(s: dict) -> str:
         return (f"run {s['run_id']}: skipped, already committed as checkpoint "
                 f"{s['checkpoint_id']} of job {s['job']}{done}")
     t = ", ".join(f"{k} {v:.2f}s" for k, v in s["timings"].items())
-    memory = f"; {MemoryHeadroom.from_json(s['state_memory']).text()}" \
-        if s.get("state_memory") else ""
+    headroom = MemoryHeadroom.from_json(s.get("state_memory"))
+    memory = f"; {headroom.text()}" if headroom is not None else ""
     return (f"run {s['run_id']}: checkpoint {s['checkpoint_id']} of job {s['job']} "
             f"(P={s['parallelism']}): {s['events_read']} events read, {s['events_rejected']} "
             f"rejected, {s['keys_touched']} keys touched, {s['bytes_uploaded']} bytes uploaded "

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pandas as pd
 import pytest
@@ -355,6 +356,7 @@ def test_a_run_reports_the_state_it_holds_in_memory_and_warns_near_the_limit(spa
     """The memory backend's summary names its largest subtask's state as the limit counts
     it (the same on Spark): a limit just under that figure fails the same run from
     scratch, one just over it commits with one warning line (the next growth would fail)."""
+    from statebackend.airflow.page.data import run_metrics as page_run_metrics
     from statebackend.cli import app as cli
 
     days = [generate_events(str(tmp_path / "in"), n_events=120_000, n_keys=80_000, seed=11,
@@ -396,6 +398,20 @@ def test_a_run_reports_the_state_it_holds_in_memory_and_warns_near_the_limit(spa
         f"{held / (over * 2**20):.0%} of the limit of {over:.1f} MiB per subtask " \
         "(--memory-limit-mb)"
     assert err.splitlines() == [err.splitlines()[0]] and line in err, err
-    assert f"; state in memory up to {held / 2**20:.1f} MiB (subtask {mem['subtask']}, " in out
+    clause = f"state in memory up to {held / 2**20:.1f} MiB (subtask {mem['subtask']}, " \
+        f"{held / (over * 2**20):.0%} of its limit)"
+    assert out.rstrip().endswith("; " + clause), out
+    # the commit record keeps it: per subtask, and the run's line on the Checkpoints page
+    meta = CheckpointStore(open_storage(f"file://{tmp_path}/near"), "keyed_aggregation").latest()
+    metrics = meta.extra["metrics"]
+    assert max(s["memory_bytes"] for s in metrics["subtasks"]) == held
+    assert metrics["run"]["state_memory"] == {**mem, "limit_bytes": over * 2**20,
+                                              "share": round(held / (over * 2**20), 4)}
+    assert page_run_metrics(meta)["state_memory"] == clause
+    for garbage in (None, "x", {"subtask": "0", "held_bytes": 1}, {"subtask": True,
+                                                                    "held_bytes": 1}):
+        tampered = replace(meta, extra={**meta.extra, "metrics": {
+            **metrics, "run": {**metrics["run"], "state_memory": garbage}}})
+        assert page_run_metrics(tampered)["state_memory"] is None
     assert_totals_equal(final_state(f"file://{tmp_path}/near", "keyed_aggregation")["totals"],
                         want)

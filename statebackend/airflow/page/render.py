@@ -209,7 +209,8 @@ def render_detail(job: str, r: dict, is_open: bool) -> str:
         ("state", f"{human_bytes(r['state_bytes'])} in {r['files']} files, "
                   f"{human_count(r['state_rows'])} rows, {esc(r['state_backend'])} backend"
                   + (f" (database version {r['external_version']})"
-                     if r.get("external_version") is not None else "")),
+                     if r.get("external_version") is not None else "")
+                  + (f"; {esc(m['state_memory'])}" if m.get("state_memory") else "")),
         ("run", f"{human_duration(m['duration_s'])}: {phases}"),
         ("events", f"{human_count(m['events_read'])} read, {human_count(m['events_rejected'])} "
                    f"rejected ({reasons}), {human_count(m['keys_touched'])} keys touched"),
