@@ -83,6 +83,7 @@ from functools import cache
 from typing import Any, TypeAlias
 
 from statebackend.checkpoint.layout import METADATA_FILE, SAVEPOINTS_DIR, SHARED_DIR, chk_id_of
+from statebackend.checkpoint.metrics import MemoryHeadroom, run_figures
 from statebackend.defaults import BACKENDS, EXTERNAL_MODES
 from statebackend.errors import CkptError, MetadataError, UnsupportedFormatVersionError
 from statebackend.fast_json import fast_loads, pretty_json
@@ -410,6 +411,11 @@ class CheckpointMetadata:
         """`subtask_rows` over every subtask; None when one of them is not recorded."""
         return recorded_total(self.subtask_rows(s) for s in self.subtasks)
 
+    def state_memory(self) -> MemoryHeadroom | None:
+        """The run's largest subtask state in memory against its limit, as its commit
+        recorded it (None: not a memory or external backend's run, or not recorded)."""
+        return MemoryHeadroom.from_json(run_figures(self.extra).get("state_memory"))
+
     def summary(self) -> dict[str, Any]:
         """The stable JSON shape of `ckpt show --json` / `ckpt list --json`."""
         return {
@@ -432,6 +438,9 @@ class CheckpointMetadata:
             "key_hash": self.key_hash,
             "state_backend": self.state_backend,
             "external": None if self.external is None else self.external.to_json(),
+            # a memory or external backend's run: its largest state in memory, its limit
+            "state_memory": None if (memory := self.state_memory()) is None
+            else memory.to_json(),
             "states": [s["name"] for s in self.states],
             # each state's schema (statebackend.state.schema): versions and history
             "schemas": [dict(s) for s in self.states],

@@ -83,15 +83,26 @@ class MemoryHeadroom:
                 "(--memory-limit-mb): a run whose state grows past it fails; raise the "
                 "limit, add subtasks (ckpt rescale) or move the job to rocksdb")
 
+    def held(self) -> str:
+        """``up to 4.8 MiB (subtask 0, 80% of its limit)``."""
+        share = self.share
+        of = "" if share is None else f", {_percent(share)} of its limit"
+        return f"up to {_mib(self.held_bytes)} (subtask {self.subtask}{of})"
+
     def text(self) -> str:
         """The largest state in memory against its limit, as a clause."""
-        share = self.share
-        of = "" if share is None else f", {share:.0%} of its limit"
-        return f"state in memory up to {_mib(self.held_bytes)} (subtask {self.subtask}{of})"
+        return f"state in memory {self.held()}"
 
 
 def _count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _percent(share: float) -> str:
+    """``80%``, ``0.2%``, ``<0.1%``: a small share does not read as none."""
+    if share >= 0.01:
+        return f"{share:.0%}"
+    return f"{share:.1%}" if share >= 0.001 else "<0.1%"
 
 
 def _mib(n: int) -> str:

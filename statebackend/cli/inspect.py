@@ -128,6 +128,9 @@ def cmd_show(args: argparse.Namespace, store: CheckpointStore) -> int:
         ext = meta.external
         print(f"  {'external':17} {ext.mode} version {ext.version} (over "
               f"{ext.parent or '-'}) of {ext.job} in {ext.store}")
+    memory = meta.state_memory()
+    if memory is not None:
+        print(f"  {'state in memory':17} {memory.held()}")
     print("  subtasks:")
     for st in s["subtasks"]:
         print(f"    {st['index']:>3}  key groups [{st['key_group_start']}, {st['key_group_end']}]  "

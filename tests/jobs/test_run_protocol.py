@@ -408,6 +408,12 @@ def test_a_run_reports_the_state_it_holds_in_memory_and_warns_near_the_limit(spa
     assert metrics["run"]["state_memory"] == {**mem, "limit_bytes": over * 2**20,
                                               "share": round(held / (over * 2**20), 4)}
     assert page_run_metrics(meta)["state_memory"] == clause
+    code, out, _ = cli.main(["--storage", f"file://{tmp_path}/near", "--job",
+                             "keyed_aggregation", "show", "--json"]), *capsys.readouterr()
+    assert code == 0 and json.loads(out)["state_memory"] == metrics["run"]["state_memory"]
+    cli.main(["--storage", f"file://{tmp_path}/near", "--job", "keyed_aggregation", "show"])
+    assert "  state in memory   " + clause.removeprefix("state in memory ") in \
+        capsys.readouterr().out
     for garbage in (None, "x", {"subtask": "0", "held_bytes": 1}, {"subtask": True,
                                                                     "held_bytes": 1}):
         tampered = replace(meta, extra={**meta.extra, "metrics": {

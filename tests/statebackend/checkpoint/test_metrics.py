@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from statebackend.checkpoint.metrics import LEGACY_RUN_KEYS, run_figures
+from statebackend.checkpoint.metrics import LEGACY_RUN_KEYS, MemoryHeadroom, run_figures
 from statebackend.checkpoint.runs import RunRecord
 from statebackend.checkpoint.snapshot import checkpoint_backends
 from statebackend.checkpoint.store import CheckpointStore
@@ -41,3 +41,25 @@ def test_every_record_form_gives_the_same_figures(form, tmp_path):
 def test_a_record_without_figures_gives_none():
     assert run_figures({}) == {} and run_figures(None) == {}
     assert run_figures({"metrics": {"format": 2, "run": FIGURES}}) == {}  # unknown format
+
+
+def test_the_state_in_memory_reads_against_its_limit_and_warns_from_80_percent():
+    limit = 2048 * 2**20
+    cases = {5_000_000: ("0.2%", None), 500_000: ("<0.1%", None),
+             int(0.79 * limit): ("79%", None), limit * 4 // 5 + 1: ("80%", "80%")}
+    for held, (share, warned) in cases.items():
+        headroom = MemoryHeadroom(3, held, limit)
+        assert headroom.text() == f"state in memory up to {held / 2**20:.1f} MiB (subtask 3, " \
+            f"{share} of its limit)"
+        warning = headroom.warning()
+        assert (warning is None) == (warned is None)
+        if warning:
+            assert warning.startswith(f"subtask 3 holds {held / 2**20:.1f} MiB of state in "
+                                      f"memory, {warned} of the limit of 2048.0 MiB per "
+                                      "subtask (--memory-limit-mb)") and "\n" not in warning
+        assert MemoryHeadroom.from_json(headroom.to_json()) == headroom
+    unbounded = MemoryHeadroom(0, 10, None)
+    assert unbounded.warning() is None and unbounded.text().endswith("(subtask 0)")
+    for garbage in ([], {"subtask": -1, "held_bytes": 1}, {"subtask": 0, "held_bytes": 1.5},
+                    {"subtask": 0, "held_bytes": 1, "limit_bytes": "9"}):
+        assert MemoryHeadroom.from_json(garbage) is None
