@@ -136,3 +136,14 @@ def assert_totals_equal(got: dict, want: dict) -> None:
 
 def dumps(obj) -> str:
     return json.dumps(obj, sort_keys=True, default=str)
+
+
+def check_totals_output(got: pd.DataFrame, want: pd.DataFrame) -> None:
+    assert list(got.columns) == ["key", "count", "sum", "min_ts", "max_ts", "run_id",
+                                 "checkpoint_id"]
+    got = got.set_index("key").sort_index()
+    assert got.index.is_unique and got["run_id"].nunique() == 1
+    pd.testing.assert_frame_equal(got[["count", "min_ts", "max_ts"]],
+                                  want[["count", "min_ts", "max_ts"]], check_dtype=False,
+                                  check_names=False)
+    assert ((got["sum"] - want["sum"]).abs() <= 1e-9 * want["sum"].abs().clip(lower=1)).all()

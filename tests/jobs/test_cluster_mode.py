@@ -206,3 +206,45 @@ def test_s3_input_on_the_cluster_equals_local_mode(standalone_cluster, s3_server
     # "auto" on local files: Spark's reader for Parquet, Arrow for (gzip) JSON lines
     assert readers == ["spark", "arrow"]
     assert dump_latest(local_url, "agg") == cluster_state
+
+
+@pytest.mark.slow
+def test_memory_backend_on_the_cluster_with_s3_equals_pandas(standalone_cluster, s3_server,
+                                                             tmp_path):
+    """The memory backend with its state in two executors' processes and its key-group
+    files on S3: runs, a rescale and a run after it, through ``ckpt`` against the
+    cluster; every executor restores its subtasks from S3 or its own live instance."""
+    from tests.conftest import S3_BUCKET
+
+    days = [generate_events(str(tmp_path / f"in{d}"), n_events=3000, n_keys=1200, seed=70 + d,
+                            start_ts_ms=1_800_000_000_000 + d * 86_400_000)
+            for d in range(3)]
+    s3_url = f"s3://{S3_BUCKET}/cluster-memory-{uuid.uuid4().hex[:8]}"
+    env = {**standalone_cluster.env, "PYTHONPATH": ROOT}
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL",
+                "AWS_DEFAULT_REGION"):
+        env[var] = os.environ[var]
+    ckpt = os.path.join(os.path.dirname(sys.executable), "ckpt")
+
+    def call(*args: str) -> dict:
+        done = subprocess.run([ckpt, *args, "--json"], env=env, capture_output=True, text=True,
+                              timeout=400, cwd=ROOT)
+        assert done.returncode == 0, done.stderr[-4000:]
+        return json.loads(done.stdout)
+
+    def run_day(d: int, *flags: str) -> dict:
+        return call("run", "jobs.keyed_aggregation:JOB", "--input", str(tmp_path / f"in{d}"),
+                    "--storage", s3_url, "--job", "agg", "--run-id", f"d{d}", "--output",
+                    str(tmp_path / "out"), "--master", standalone_cluster.master_url,
+                    "--engine", "spark", *flags)
+
+    first = run_day(0, "--parallelism", "3", "--backend", "memory")
+    second = run_day(1)
+    scaled = call("--storage", s3_url, "--job", "agg", "rescale", "-p", "2")
+    last = run_day(2)
+    assert (first["engine"], first["parallelism"], second["checkpoint_id"]) == ("spark", 3, 2)
+    assert set(second["restore_modes"]) <= {"download", "local-instance", "local-snapshot"}
+    assert (scaled["bytes_downloaded"], scaled["bytes_uploaded"]) == (0, 0)
+    assert (last["checkpoint_id"], last["parallelism"]) == (4, 2)
+    assert store_of(s3_url, "agg").latest().state_backend == "memory"
+    assert_state_equals(dump_latest(s3_url, "agg"), expected_totals(days))

@@ -33,6 +33,7 @@ from tests.jobs.run_reference import (
     activity_events,
     activity_reference,
     assert_totals_equal,
+    check_totals_output,
     final_state,
     read_output,
     totals_days,
@@ -96,17 +97,6 @@ def check_activity_output(got: pd.DataFrame, want: pd.DataFrame) -> None:
     got = got.set_index("user").sort_index()
     assert got.index.is_unique
     pd.testing.assert_frame_equal(got, want, check_dtype=False)
-
-
-def check_totals_output(got: pd.DataFrame, want: pd.DataFrame) -> None:
-    assert list(got.columns) == ["key", "count", "sum", "min_ts", "max_ts", "run_id",
-                                 "checkpoint_id"]
-    got = got.set_index("key").sort_index()
-    assert got.index.is_unique and got["run_id"].nunique() == 1
-    pd.testing.assert_frame_equal(got[["count", "min_ts", "max_ts"]],
-                                  want[["count", "min_ts", "max_ts"]], check_dtype=False,
-                                  check_names=False)
-    assert ((got["sum"] - want["sum"]).abs() <= 1e-9 * want["sum"].abs().clip(lower=1)).all()
 
 
 def activity_days(tmp_path) -> list[pd.DataFrame]:

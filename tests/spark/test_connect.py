@@ -26,12 +26,14 @@ from statebackend.lifecycle.registry import load_savepoint
 from statebackend.rescale.executor import rescale
 from statebackend.spark.dispatch import task_failure
 from statebackend.spark.session import get_spark
+from statebackend.state.external_store import ExternalStore
 from statebackend.storage import open_storage
 from tests.evolution.card_spend import VERSIONS, dumped, events
 from tests.evolution.test_evolution import same
 from tests.jobs import transform_data as data
 from tests.jobs.run_reference import (
     assert_totals_equal,
+    check_totals_output,
     final_state,
     read_output,
     totals_days,
@@ -340,3 +342,36 @@ def test_rescales_and_migrations_of_a_job_keep_a_connect_session_each(connect_se
         got = dumped(checkpoint_rows(target, load_savepoint(target, name)))
         assert set(got) == set(want) and all(same(got[s], want[s]) for s in got)
     assert sessions[0] == sessions[1] != session
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["memory", "external"])
+def test_the_other_backends_run_and_rescale_through_connect(connect_server, postgres_server,
+                                                            tmp_path, backend):
+    """A job on the memory or external backend runs as tasks of a Connect server (its
+    subtasks' state in the server's Python workers, or in the database), rescales
+    (key-group files change hands, or nothing moves) and runs on: equal to pandas."""
+    folder = str(tmp_path)
+    days = totals_days(folder, 3, seed=43)
+    store, out = f"file://{tmp_path}/store", f"{tmp_path}/out"
+    db = ["--state-db", postgres_server.url, "--state-table", "connect_agg"] \
+        if backend == "external" else []
+    first = _ckpt_json(connect_server, store, *_run_args(folder, 0, out), "--parallelism", "3",
+                       "--backend", backend, "--engine", "spark", *db)
+    second = _ckpt_json(connect_server, store, *_run_args(folder, 1, out), "--engine", "spark",
+                        *db)
+    scaled = _ckpt_json(connect_server, store, "rescale", "-p", "2", *db)
+    last = _ckpt_json(connect_server, store, *_run_args(folder, 2, out), "--engine", "spark",
+                      *db)
+    assert (first["engine"], first["parallelism"], second["checkpoint_id"]) == ("spark", 3, 2)
+    assert (scaled["to_parallelism"], scaled["bytes_downloaded"]) == (2, 0)
+    assert (last["checkpoint_id"], last["parallelism"], last["engine"]) == (4, 2, "spark")
+    meta = CheckpointStore(open_storage(store), "agg").latest()
+    assert meta.state_backend == backend
+    if backend == "memory":
+        assert first["state_memory"]["held_bytes"] > 0
+    state_db = ExternalStore(postgres_server.url, "connect_agg") if db else None
+    outputs, reference = totals_reference(days)
+    assert_totals_equal(final_state(store, "agg", state_db)["totals"], reference["totals"])
+    for day in range(3):
+        check_totals_output(read_output(out, f"run=day{day}"), outputs[day])
