@@ -2,11 +2,10 @@
 
 `TaskResult` is one subtask attempt's report (`statebackend.job.task`): its new
 handle (None: nothing changed, the parent's is carried forward), what it uploaded,
-counts, timings, the earliest due time per domain, and on the memory backend the
-state it held (as its limit counts it: `memory_headroom` warns before the limit fails a
-run). Its row form (`to_row`,
-`from_row`, `RESULT_SCHEMA`) is what a Spark task returns; the local engine hands
-the objects over as they are. `aggregate` sums a run's results into `RunTotals`
+counts, timings, the earliest due time per domain, and on the memory and external
+backends the state it held in memory, as the limit counts it (`memory_headroom`). Its
+row form (`to_row`, `from_row`, `RESULT_SCHEMA`) is what a Spark task returns; the
+local engine hands the objects over as they are. `aggregate` sums a run's results into `RunTotals`
 (pure); `run_metrics` is the ``extra["metrics"]`` of the commit record.
 """
 
@@ -61,7 +60,7 @@ class TaskResult:
     counters: Mapping[str, int] = field(default_factory=dict)  # the job's own counters
     next_times: Mapping[str, int | None] | None = None  # None: the state was not opened
     window: tuple[float, float] = (0.0, 0.0)  # epoch seconds the task started and ended
-    memory_bytes: int | None = None  # memory backend: state held at the end (else None)
+    memory_bytes: int | None = None  # memory, external backends: held at the end
 
     @property
     def bytes_uploaded(self) -> int:
@@ -110,8 +109,8 @@ class TaskResult:
 
 def memory_headroom(results: Sequence[TaskResult], limit_mb: int | None
                     ) -> MemoryHeadroom | None:
-    """The subtask of ``results`` holding the most memory-backend state (None: none
-    opened a memory backend), with the limit ``limit_mb`` (MiB per subtask) (pure)."""
+    """The subtask of ``results`` holding the most state in memory (None: none opened a
+    memory or external backend), with the limit ``limit_mb`` (MiB per subtask) (pure)."""
     held = [r for r in results if r.memory_bytes is not None]
     if not held:
         return None
