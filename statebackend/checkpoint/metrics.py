@@ -83,10 +83,20 @@ class MemoryHeadroom:
                 "(--memory-limit-mb): a run whose state grows past it fails; raise the "
                 "limit, add subtasks (ckpt rescale) or move the job to rocksdb")
 
+    def share_text(self) -> str | None:
+        """``80%``, ``0.2%``, ``<0.1%`` (a small share does not read as none); None:
+        unbounded."""
+        share = self.share
+        if share is None:
+            return None
+        if share >= 0.01:
+            return f"{share:.0%}"
+        return f"{share:.1%}" if share >= 0.001 else "<0.1%"
+
     def held(self) -> str:
         """``up to 4.8 MiB (subtask 0, 80% of its limit)``."""
-        share = self.share
-        of = "" if share is None else f", {_percent(share)} of its limit"
+        share = self.share_text()
+        of = "" if share is None else f", {share} of its limit"
         return f"up to {_mib(self.held_bytes)} (subtask {self.subtask}{of})"
 
     def text(self) -> str:
@@ -96,13 +106,6 @@ class MemoryHeadroom:
 
 def _count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _percent(share: float) -> str:
-    """``80%``, ``0.2%``, ``<0.1%``: a small share does not read as none."""
-    if share >= 0.01:
-        return f"{share:.0%}"
-    return f"{share:.1%}" if share >= 0.001 else "<0.1%"
 
 
 def _mib(n: int) -> str:

@@ -3,7 +3,8 @@
 A job is a folder of the root that holds something committed: a checkpoint
 (``chk-<id>/_metadata``) or a complete savepoint (``savepoints/<name>/_metadata``).
 Per job: committed checkpoints, the latest one's id, age, parallelism, state backend
-and size, savepoints and live leases. One job with unreadable metadata is reported in
+and size, the share of the memory limit its run's largest subtask held (memory and
+external backends), savepoints and live leases. One job with unreadable metadata is reported in
 its row (``error``), not as a failure of the listing.
 
 A folder with nothing committed (only leases, run history under ``runs/``, the
@@ -32,6 +33,7 @@ from statebackend.checkpoint.layout import (
     savepoint_metadata_path,
 )
 from statebackend.checkpoint.leases import live_leases
+from statebackend.checkpoint.metrics import MemoryHeadroom
 from statebackend.checkpoint.store import CheckpointStore, check_job_name
 from statebackend.cli.app import emit_json, json_flag
 from statebackend.errors import CkptError, StorageError, UsageError
@@ -63,14 +65,18 @@ class JobInfo:
     # without are shown only with --all.
     committed: bool | None = True
     backend: str | None = None  # the latest checkpoint's state backend
+    # memory and external backends: the latest checkpoint's run, its largest subtask's
+    # state in memory against the limit (statebackend.checkpoint.metrics.MemoryHeadroom)
+    state_memory: dict | None = None
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("jobs", parents=[json_flag()], help="list the jobs under a storage root",
                        description="List the jobs under --storage (folders with a committed "
                                    "checkpoint or a complete savepoint), with their latest "
-                                   "checkpoint's id, age, parallelism, backend and size. Needs no "
-                                   "--job.")
+                                   "checkpoint's id, age, parallelism, backend and size, and on "
+                                   "the memory and external backends the share of the memory "
+                                   "limit its run's largest subtask held. Needs no --job.")
     p.add_argument("--all", action="store_true",
                    help="also list folders with nothing committed (only leases, run history "
                         "or leftovers of failed runs), marked 'nothing committed'")
@@ -112,7 +118,9 @@ def job_info(storage: Storage, name: str) -> JobInfo | None:
                            parallelism=meta.parallelism,
                            max_parallelism=meta.max_parallelism,
                            bytes_referenced=meta.bytes_referenced,
-                           backend=meta.state_backend)
+                           backend=meta.state_backend,
+                           state_memory=None if (memory := meta.state_memory()) is None
+                           else memory.to_json())
     except CkptError as exc:
         return replace(info, error=str(exc))
     return info
@@ -146,16 +154,18 @@ def cmd_jobs(args: argparse.Namespace, storage: Storage) -> int:
             print(note)
         return 0
     print(f"{'job':24}  {'checkpoints':>11}  {'latest':>6}  {'created':>12}  {'P':>3}  "
-          f"{'backend':<8}  {'size':>10}  {'savepoints':>10}  {'leases':>6}")
+          f"{'backend':<8}  {'size':>10}  {'mem/limit':>9}  {'savepoints':>10}  {'leases':>6}")
     for j in jobs:
         if j.error:
             print(f"{j.job:24}  unreadable: {j.error}")
             continue
         latest = "-" if j.latest is None else str(j.latest)
         size = "-" if j.bytes_referenced is None else human_bytes(j.bytes_referenced)
+        memory = MemoryHeadroom.from_json(j.state_memory)
+        share = (memory.share_text() if memory is not None else None) or "-"
         print(f"{j.job:24}  {j.checkpoints:>11}  {latest:>6}  {age_of(j.created_at):>12}  "
               f"{j.parallelism if j.parallelism is not None else '-':>3}  "
-              f"{j.backend or '-':<8}  {size:>10}  "
+              f"{j.backend or '-':<8}  {size:>10}  {share:>9}  "
               f"{j.savepoints:>10}  {j.live_leases:>6}"
               + ("" if j.committed else f"  ({NOTHING_COMMITTED})"))
     if note:

@@ -40,7 +40,8 @@ def jobs(capsys, url, *flags) -> dict[str, dict]:
     code, out, err = ckpt(capsys, "--storage", url, "jobs", "--json", *flags)
     assert (code, err) == (0, ""), err
     rows = json.loads(out)
-    assert all(set(r) == OLD_KEYS | {"committed", "backend"} for r in rows)  # keys added
+    assert all(set(r) == OLD_KEYS | {"committed", "backend", "state_memory"}
+               for r in rows)  # keys added
     return {r["job"]: r for r in rows}
 
 
@@ -113,10 +114,38 @@ def test_committed_checkpoints_or_a_complete_savepoint_make_a_job(tmp_path, caps
     assert out.splitlines()[0].split()[5] == "backend"  # after P
     lines = {line.split()[0]: line for line in out.splitlines()[1:]}
     assert re.search(r"  2  rocksdb +\S+ KiB", lines["clicks"]), lines["clicks"]  # P=2
-    assert re.search(r"  -  - +- +1 +0$", lines["spare"]), lines["spare"]  # no checkpoint
+    assert re.search(r"  -  - +- +- +1 +0$", lines["spare"]), lines["spare"]  # no checkpoint
     assert rows["leased"]["committed"] is None and "malformed lease" in rows["leased"]["error"]
     everything = jobs(capsys, url, "--all")
     assert set(everything) == {"clicks", "spare", "leased", "attempt", "partial", "history"}
     assert [j for j, r in everything.items() if r["committed"] is False] == [
         "attempt", "history", "partial"]
     assert everything["partial"]["savepoints"] == 1
+
+
+def test_a_memory_backend_job_shows_the_share_of_its_limit(tmp_path, capsys):
+    """The latest run's largest subtask state against the memory limit, as `ckpt show`
+    records it; a RocksDB job shows none."""
+    from demo.sample_data import generate_events
+
+    generate_events(str(tmp_path / "in"), n_events=2000, n_keys=500, seed=3,
+                    start_ts_ms=1_800_000_000_000, fmt="parquet")
+    url = f"file://{tmp_path}/store"
+    for job, backend in (("in_memory", "memory"), ("on_disk", "rocksdb")):
+        code, _, err = ckpt(capsys, "--storage", url, "--job", job, "run",
+                            "jobs.keyed_aggregation:JOB", "--input", str(tmp_path / "in"),
+                            "--run-id", "r1", "--output", str(tmp_path / f"out-{job}"),
+                            "--engine", "local", "--backend", backend, "--memory-limit-mb", "1")
+        assert code == 0, err
+    rows = jobs(capsys, url)
+    _, shown, _ = ckpt(capsys, "--storage", url, "--job", "in_memory", "show", "--json")
+    recorded = json.loads(shown)["state_memory"]
+    assert rows["in_memory"]["state_memory"] == recorded and recorded["limit_bytes"] == 2**20
+    assert rows["on_disk"]["state_memory"] is None
+    share = f"{recorded['held_bytes'] / 2**20:.0%}"
+    _, out, _ = ckpt(capsys, "--storage", url, "jobs")
+    assert out.splitlines()[0].split()[7] == "mem/limit"  # after size
+    lines = {line.split()[0]: line for line in out.splitlines()[1:]}
+    assert re.search(rf"  memory +\S+ \S+ +{re.escape(share)} +0 +0$", lines["in_memory"]), \
+        lines["in_memory"]
+    assert re.search(r"  rocksdb +\S+ \S+ +- +0 +0$", lines["on_disk"]), lines["on_disk"]
