@@ -38,6 +38,7 @@ from statebackend.airflow.operators import (
 from statebackend.airflow.steps import (
     RUN_KEY_TEMPLATE,
     check_no_running_pipeline,
+    external_store_for,
     open_store,
     published_checkpoint,
     spark_submit_operator,
@@ -64,7 +65,11 @@ def checkpoint_asset(spec: JobSpec) -> Asset:
 
 
 def _storage(spec: JobSpec) -> dict:
-    return {"storage": spec.storage, "job": spec.name, "storage_conn_id": spec.storage_conn_id}
+    """Where the job's checkpoints are and, on the external backend, its database: every
+    operator's common arguments (its connections are read when the task runs)."""
+    return {"storage": spec.storage, "job": spec.name, "storage_conn_id": spec.storage_conn_id,
+            "state_db": spec.state_db, "state_db_conn_id": spec.state_db_conn_id,
+            "state_table": spec.state_table}
 
 
 def run_job_task(spec: JobSpec, task_id: str = "run_job"):
@@ -125,7 +130,8 @@ def build_reports_dag(spec: JobSpec) -> DAG:
         def render_report(triggering_asset_events=None) -> dict:
             store = open_store(spec)
             ref = published_checkpoint(triggering_asset_events, asset, store.checkpoint_ids())
-            return validate_store(store, ref=ref, job_ref=spec.job, report="now")
+            return validate_store(store, ref=ref, job_ref=spec.job, report="now",
+                                  state_db=external_store_for(spec))
 
         render_report()
     return dag
@@ -182,7 +188,7 @@ def build_rescale_dag(spec: JobSpec) -> DAG:
             if result.get("dry_run"):
                 return {"skipped": "dry run: nothing to validate"}
             return validate_store(open_store(spec), ref=result["checkpoint_id"],
-                                  job_ref=spec.job)
+                                  job_ref=spec.job, state_db=external_store_for(spec))
 
         no_running_pipeline() >> rescale
         # Airflow types a @task call with the function's own parameters; an XComArg is

@@ -9,7 +9,9 @@ so a task reads its connection once.
 The connection (an ``aws`` connection, see `statebackend.airflow.connection`)
 becomes storage options; without a connection id the storage opens with the
 worker's own AWS settings (its environment, profile or instance role), as s3fs
-does. Nothing is written into ``os.environ``.
+does. An external-backend job's database is ``state_db`` (a URL) or the postgres
+connection ``state_db_conn_id``, read when a task asks for it (`get_state_db`).
+Nothing is written into ``os.environ``.
 """
 
 from __future__ import annotations
@@ -19,8 +21,12 @@ from typing import Any
 
 from airflow.sdk import BaseHook
 
-from statebackend.airflow.connection import storage_options_from_connection
+from statebackend.airflow.connection import (
+    state_db_from_connection,
+    storage_options_from_connection,
+)
 from statebackend.checkpoint.store import CheckpointStore
+from statebackend.state.external_store import DEFAULT_TABLE, ExternalStore
 from statebackend.storage import Storage, open_storage
 
 
@@ -33,11 +39,16 @@ class CheckpointHook(BaseHook):
     hook_name = "Checkpoint storage (AWS connection)"
 
     def __init__(self, conn_id: str | None = None, *, storage: str, job: str,
-                 get_connection: Callable[[str], Any] | None = None) -> None:
+                 get_connection: Callable[[str], Any] | None = None,
+                 state_db: str | None = None, state_db_conn_id: str | None = None,
+                 state_table: str = DEFAULT_TABLE) -> None:
         super().__init__()
         self.conn_id = conn_id or None
         self.storage = storage
         self.job = job
+        self.state_db = state_db or None
+        self.state_db_conn_id = state_db_conn_id or None
+        self.state_table = state_table
         self._get_connection = get_connection
         self._options: dict | None = None
 
@@ -54,6 +65,17 @@ class CheckpointHook(BaseHook):
     def get_store(self) -> CheckpointStore:
         """The job's `CheckpointStore`."""
         return CheckpointStore(self.get_storage(), self.job)
+
+    def state_db_url(self) -> str | None:
+        """The external backend's database URL: ``state_db``, else its connection's
+        (None: neither given)."""
+        return self.state_db or state_db_from_connection(self.state_db_conn_id,
+                                                         self._get_connection)
+
+    def get_state_db(self) -> ExternalStore | None:
+        """The external backend's database and state table (None: not configured)."""
+        url = self.state_db_url()
+        return ExternalStore(url, self.state_table) if url else None
 
     def test_connection(self) -> tuple[bool, str]:
         """Airflow's "Test connection": can the storage root be listed?"""

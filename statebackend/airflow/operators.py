@@ -18,7 +18,9 @@ into the environment::
 runs (a built-in job name or ``pkg.module:attribute``), taken only from the DAG,
 never from storage.
 
-Every operator takes ``storage``, ``job`` and ``storage_conn_id``, then its own
+Every operator takes ``storage``, ``job`` and ``storage_conn_id`` (and, for a job on
+the external backend, ``state_db_conn_id`` or ``state_db``, and ``state_table``: the
+run writes to that database, validation reads it, retention vacuums it), then its own
 arguments (`ARGUMENTS` of its class: name -> default), then BaseOperator's
 (``task_id``, ``retries`` ...). ``CkptRunJobOperator``'s own arguments are the run
 options declared in `statebackend.run_options` (``input_path``, ``output_path``,
@@ -39,7 +41,6 @@ from typing import Any, ClassVar
 from airflow.sdk import BaseOperator
 
 from statebackend import defaults
-from statebackend.airflow.connection import state_db_from_connection
 from statebackend.airflow.hook import CheckpointHook
 from statebackend.airflow.steps import (
     RUN_KEY_TEMPLATE,
@@ -54,14 +55,15 @@ from statebackend.airflow.steps import (
 )
 from statebackend.run_options import RunOption, run_options
 from statebackend.settings import boolean
-from statebackend.state.external_store import DEFAULT_TABLE, ExternalStore
+from statebackend.state.external_store import DEFAULT_TABLE
 
 REQUIRED = object()  # an argument without a default
 # BaseOperator's own keyword arguments (task_id, retries, default_args ...), and the private
 # ones Airflow passes when it maps or validates an operator.
 BASE_ARGUMENTS = frozenset(name for name in inspect.signature(BaseOperator.__init__).parameters
                            if name not in ("self", "kwargs"))
-COMMON_ARGUMENTS = ("storage", "job", "storage_conn_id")
+COMMON_ARGUMENTS = ("storage", "job", "storage_conn_id", "state_db", "state_db_conn_id",
+                    "state_table")
 
 
 def _as_int(value: Any) -> Any:
@@ -72,20 +74,26 @@ def _as_int(value: Any) -> Any:
 
 
 class _CheckpointOperator(BaseOperator):
-    """Common arguments: the storage root, the job's folder, the storage connection; the
-    class's own arguments (`ARGUMENTS`) become attributes (templates render them)."""
+    """Common arguments: the storage root, the job's folder, the storage connection, and
+    an external-backend job's database (``state_db`` URL or ``state_db_conn_id``, a
+    postgres connection, and ``state_table``); the class's own arguments (`ARGUMENTS`)
+    become attributes (templates render them)."""
 
     ui_color = "#e8f1fb"
     ARGUMENTS: ClassVar[Mapping[str, Any]] = {}
 
     def __init__(self, *, storage: str, job: str, storage_conn_id: str | None = None,
-                 **kwargs: Any) -> None:
+                 state_db: str | None = None, state_db_conn_id: str | None = None,
+                 state_table: str = DEFAULT_TABLE, **kwargs: Any) -> None:
         own = {name: kwargs.pop(name) for name in list(kwargs) if name in self.ARGUMENTS}
         self._refuse_unknown(kwargs)
         super().__init__(**kwargs)
         self.storage = storage
         self.job = job
         self.storage_conn_id = storage_conn_id
+        self.state_db = state_db
+        self.state_db_conn_id = state_db_conn_id
+        self.state_table = state_table
         for name, default in self.ARGUMENTS.items():
             value = own.get(name, default)
             if value is REQUIRED:
@@ -128,8 +136,11 @@ class _CheckpointOperator(BaseOperator):
 
     @cached_property
     def hook(self) -> CheckpointHook:
-        """The job's checkpoint store through ``storage_conn_id`` (built once per task)."""
-        return CheckpointHook(self.storage_conn_id, storage=self.storage, job=self.job)
+        """The job's checkpoint store through ``storage_conn_id``, and its database
+        (built once per task; the connections are read when a task needs them)."""
+        return CheckpointHook(self.storage_conn_id, storage=self.storage, job=self.job,
+                              state_db=self.state_db, state_db_conn_id=self.state_db_conn_id,
+                              state_table=self.state_table)
 
     def yes_no(self, name: str) -> bool:
         """Yes/no argument ``name`` (a bool, or its text from a rendered template)."""
@@ -167,6 +178,7 @@ class CkptRunJobOperator(_CheckpointOperator):
         config = make_run_config({
             **values, "storage": self.storage, "job": self.job,
             "storage_options": self.hook.storage_options(),
+            "state_db": self.hook.state_db_url(), "state_table": self.state_table,
             "context": _airflow_context(context), "logical_time_ms": _interval_end_ms(context)})
         return run_job_once(self.job_ref, config, entry=self.job)
 
@@ -196,7 +208,8 @@ class CkptValidateOperator(_CheckpointOperator):
         level = self.level or ("deep" if self.yes_no("deep") else None)
         result = validate_store(self.hook.get_store(), run_id=self.run_key or None,
                                 ref=_as_int(self.checkpoint), level=level,
-                                job_ref=self.job_ref, report=self.report)
+                                job_ref=self.job_ref, report=self.report,
+                                state_db=self.hook.get_state_db())
         for asset in self.outlets or ():
             context["outlet_events"][asset].extra = publish_extra(result)
         return result
@@ -213,7 +226,7 @@ class CkptRetainOperator(_CheckpointOperator):
 
     def execute(self, context) -> dict:
         return retain_store(self.hook.get_store(), keep=_as_int(self.keep),
-                            dry_run=self.yes_no("dry_run"))
+                            dry_run=self.yes_no("dry_run"), state_db=self.hook.get_state_db())
 
 
 class CkptGcOperator(_CheckpointOperator):
@@ -243,7 +256,8 @@ class CkptRescaleOperator(_CheckpointOperator):
     def execute(self, context) -> dict:
         return rescale_store(self.hook.get_store(), parallelism=_as_int(self.parallelism),
                              checkpoint=_as_int(self.checkpoint),
-                             dry_run=self.yes_no("dry_run"), master=self.master)
+                             dry_run=self.yes_no("dry_run"), master=self.master,
+                             state_db=self.hook.get_state_db())
 
 
 class CkptMigrateOperator(_CheckpointOperator):
@@ -252,14 +266,13 @@ class CkptMigrateOperator(_CheckpointOperator):
     or a per-key function) into savepoint ``savepoint`` of ``target_ref``'s job, in the
     folder ``job`` (`ckpt migrate`); on Spark with ``master``. The result's
     ``start_from`` is what the new job's first run starts from. An external-backend
-    source is read from its database: ``state_db_conn_id`` (a postgres connection) or
-    ``state_db`` (a URL), and ``state_table``."""
+    source is read from its database (the common ``state_db_conn_id`` or ``state_db``,
+    and ``state_table``)."""
 
     ARGUMENTS: ClassVar[Mapping[str, Any]] = {
         "source": REQUIRED, "transform_ref": REQUIRED, "target_ref": REQUIRED,
         "savepoint": REQUIRED, "parallelism": None, "max_parallelism": None, "master": None,
-        "dry_run": False, "state_db": None, "state_db_conn_id": None,
-        "state_table": DEFAULT_TABLE}
+        "dry_run": False}
     template_fields: Sequence[str] = ("storage", "source", "savepoint", "parallelism",
                                       "dry_run")
     # the ARGUMENTS, set by the base's __init__ (templates render them to text)
@@ -270,20 +283,15 @@ class CkptMigrateOperator(_CheckpointOperator):
     parallelism: int | str | None
     max_parallelism: int | str | None
     master: str | None
-    state_db: str | None
-    state_db_conn_id: str | None
-    state_table: str
 
     def execute(self, context) -> dict:
         # the job package only when a task runs: DAG files import this module
         from statebackend.job.transform import TransformOptions
 
-        url = self.state_db or state_db_from_connection(self.state_db_conn_id)
         options = TransformOptions(
             target_job=self.job, parallelism=_as_int(self.parallelism) or None,
             max_parallelism=_as_int(self.max_parallelism) or None, master=self.master,
-            dry_run=self.yes_no("dry_run"),
-            state_db=ExternalStore(url, self.state_table) if url else None)
+            dry_run=self.yes_no("dry_run"), state_db=self.hook.get_state_db())
         return migrate_storage(self.hook.get_storage(), self.source, self.transform_ref,
                                self.target_ref, self.savepoint, options)
 

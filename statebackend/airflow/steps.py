@@ -133,6 +133,12 @@ def state_db_for(spec: JobSpec, get_connection: Callable[[str], Any] | None = No
     return spec.state_db or state_db_from_connection(spec.state_db_conn_id, get_connection)
 
 
+def external_store_for(spec: JobSpec) -> ExternalStore | None:
+    """`state_db_for` and the job's state table (None: no database configured)."""
+    url = state_db_for(spec)
+    return ExternalStore(url, spec.state_table) if url else None
+
+
 def open_store(spec: JobSpec, storage_options: Mapping[str, Any] | None = None, *,
                get_connection: Callable[[str], Any] | None = None):
     """The job's `CheckpointStore`; options from its connection unless given, and the
@@ -268,13 +274,14 @@ def _validation_dict(result) -> dict:
 
 def validate_store(store, *, run_id: str | None = None, ref: str | int = "latest",
                    level: str | None = None, job_ref: str | None = None,
-                   report: str = "now") -> dict:
+                   report: str = "now", state_db: ExternalStore | None = None) -> dict:
     """Validate the checkpoint committed by ``run_id`` (or ``ref``); raise if it fails.
 
     ``level``: "manifest" (default), "deep" or "full" (`ValidationOptions`).
     ``job_ref`` (the configured job) adds the job's expectations on its states.
     ``report="none"`` decides without importing Great Expectations (the scheduled
     pipeline: its verdict must not wait ~10 s for GE); maintenance renders the report.
+    ``state_db``: an external-backend job's database (the deep and full levels read it).
     """
     # checkpoint storage (fsspec) only when the task runs: DAG files import this module
     from statebackend.validation.options import ValidationOptions
@@ -282,9 +289,12 @@ def validate_store(store, *, run_id: str | None = None, ref: str | int = "latest
 
     checks = load_configured_job(job_ref, store.job).expectations if job_ref else None
     options = ValidationOptions(level=level or "manifest", report=report,
-                                state_checks=checks or None)
+                                state_checks=checks or None, state_db=state_db)
     if run_id is not None:
         meta = store.find_by_run_id(run_id)
+        retired = _retired_run(store, run_id) if meta is None else None
+        if retired is not None:
+            return retired
         if meta is None:
             raise CkptError(f"no checkpoint of job {store.job!r} was committed by run "
                             f"{run_id!r}; the job task did not finish or retention already "
@@ -300,12 +310,24 @@ def validate_store(store, *, run_id: str | None = None, ref: str | int = "latest
     return result
 
 
+def _retired_run(store, run_id: str) -> dict | None:
+    """The result of validating a re-run whose checkpoint retention has retired since its
+    run committed it (validated then): nothing is left to check, and nothing failed."""
+    done = store.find_run(run_id)
+    if done is None or done.checkpoint_id in store.checkpoint_ids():
+        return None
+    return {"success": True, "checkpoint_id": done.checkpoint_id,
+            "skipped": f"run {run_id!r} committed checkpoint {done.checkpoint_id}, since "
+                       "retired by retention: nothing left to validate"}
+
+
 def validate_step(spec: JobSpec, *, run_id: str | None = None, ref: str | int = "latest",
                   level: str | None = None,
                   storage_options: Mapping[str, Any] | None = None,
                   report: str = "now") -> dict:
     return validate_store(open_store(spec, storage_options), run_id=run_id, ref=ref,
-                          level=level, job_ref=spec.job, report=report)
+                          level=level, job_ref=spec.job, report=report,
+                          state_db=external_store_for(spec))
 
 
 # -- lifecycle -----------------------------------------------------------------------
@@ -323,10 +345,8 @@ def retain_store(store, *, keep: int = defaults.RETENTION_KEEP, dry_run: bool = 
 
 def retain_step(spec: JobSpec, *, keep: int | None = None, dry_run: bool = False,
                 storage_options: Mapping[str, Any] | None = None) -> dict:
-    url = state_db_for(spec)
-    state_db = ExternalStore(url, spec.state_table) if url else None
     return retain_store(open_store(spec, storage_options), keep=keep or spec.keep,
-                        dry_run=dry_run, state_db=state_db)
+                        dry_run=dry_run, state_db=external_store_for(spec))
 
 
 def gc_store(store, *, grace_seconds: float = defaults.GC_GRACE_SECONDS,
@@ -342,7 +362,10 @@ def gc_step(spec: JobSpec, *, grace_seconds: float | None = None, dry_run: bool 
 
 
 def rescale_store(store, *, parallelism: int, checkpoint: str | int = "latest",
-                  dry_run: bool = False, master: str | None = None, spark=None) -> dict:
+                  dry_run: bool = False, master: str | None = None, spark=None,
+                  state_db: ExternalStore | None = None) -> dict:
+    """Rescale ``checkpoint`` to ``parallelism``; ``state_db`` (an external checkpoint's
+    database, if configured) is checked to be the checkpoint's own (`RescaleOptions`)."""
     # Spark and RocksDB only when a rescale runs: DAG files import this module
     from statebackend.rescale.executor import RescaleOptions, rescale
 
@@ -353,7 +376,8 @@ def rescale_store(store, *, parallelism: int, checkpoint: str | int = "latest",
     check_parallelism(parallelism, max_parallelism)
     # The ref, not the id resolved above: rescale resolves it again under its lease.
     result = rescale(store, checkpoint, parallelism, spark=spark,
-                     options=RescaleOptions(master=master, dry_run=bool(dry_run)))
+                     options=RescaleOptions(master=master, dry_run=bool(dry_run),
+                                            state_db=state_db))
     if dry_run:
         print(result.get("plan_text", ""))
     return result
@@ -383,7 +407,7 @@ def rescale_step(spec: JobSpec, *, parallelism: int, checkpoint: str | int = "la
                         f"1..{spec.max_parallelism} (the job's max parallelism)")
     return rescale_store(open_store(spec, storage_options), parallelism=parallelism,
                          checkpoint=checkpoint, dry_run=dry_run, master=spec.spark.master,
-                         spark=spark)
+                         spark=spark, state_db=external_store_for(spec))
 
 
 def check_no_running_pipeline(dag_id: str | JobSpec, count_running: Callable[[str], int]

@@ -268,6 +268,15 @@ def test_the_state_database_comes_from_a_postgres_connection(tmp_path, monkeypat
     assert "pw-not-needed" not in caplog.text and "pw-not-needed" not in repr(spec)
     report = steps.retain_step(spec, keep=1)
     assert report["retired"] == [1] and report["vacuum"]["vacuumed"]
+    # a re-run of the first interval validates nothing (its checkpoint was retired) and
+    # fails nothing; the second's validates deep from the database
+    first = steps.run_key(datetime(2027, 1, 1, tzinfo=UTC), "scheduled__1")
+    assert steps.validate_step(spec, run_id=first, storage_options={}) == {
+        "success": True, "checkpoint_id": 1, "skipped": f"run {first!r} committed checkpoint "
+        "1, since retired by retention: nothing left to validate"}
+    second = steps.run_key(datetime(2027, 1, 2, tzinfo=UTC), "scheduled__2")
+    deep = steps.validate_step(spec, run_id=second, level="full", report="none")
+    assert deep["success"] and deep["checkpoint"]["id"] == 2
     state = final_state(spec.storage, "clicks", ExternalStore(server, "steps_conn"))["totals"]
     want = expected_totals(days)
     assert {k: v["count"] for (k, _), v in state.items()} == want["count"].to_dict()

@@ -78,6 +78,20 @@ def main() -> int:
                       ("activity_rerun_day1", day1), ("activity_day3", day3)):
         out[key] = run(folder, "activity_pipeline", when)
         out[f"after_{key}"] = checkpoints(activity)
+    # The same job on the memory and the external backend (test_dags_e2e.OTHER_BACKENDS).
+    for name in ("clicks_mem", "clicks_ext"):
+        other = find_spec(name)
+        got: dict = {}
+        for key, when in (("day1", day1), ("day2", day2), ("rerun_day1", day1)):
+            got[key] = run(folder, f"{name}_pipeline", when)
+            got[f"after_{key}"] = checkpoints(other)
+        got["rescale"] = run(folder, f"{name}_rescale_restore", conf={"parallelism": 3})
+        got["maintenance"] = run(folder, f"{name}_maintenance", day2)
+        got["after"] = [{**c, "backend": m.state_backend} for c, m in
+                        zip(checkpoints(other), open_store(other).load_all(), strict=True)]
+        other_store = open_store(other)
+        got["report"] = read_report_summary(other_store, other_store.latest().checkpoint_id)
+        out[name] = got
     store = open_store(spec)
     latest = store.latest()
     out["latest_report"] = read_report_summary(store, latest.checkpoint_id)

@@ -17,13 +17,22 @@ import os
 import subprocess
 import sys
 
+import psycopg
 import pytest
 
 from demo.sample_data import DAY_MS, expected_totals, generate_events
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.job.publish import run_dir_name
+from statebackend.state.external_store import ExternalStore
 from statebackend.storage import open_storage
-from tests.jobs.run_reference import activity_events, activity_reference, final_state, read_output
+from tests.jobs.run_reference import (
+    activity_events,
+    activity_reference,
+    assert_totals_equal,
+    final_state,
+    read_output,
+    totals_reference,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -39,8 +48,15 @@ def airflow_env(home: str, extra: dict) -> dict:
             "AIRFLOW__CORE__PARALLELISM": "4", "CKPT_JOBS_SKIP_VARIABLE": "1", **extra}
 
 
+# The same job and input on the two other state backends: their pipelines, a rescale
+# and maintenance (validation, retention with the database's vacuum, GC) under Airflow.
+OTHER_BACKENDS = {"clicks_mem": {"backend": "memory", "memory_limit_mb": 64},
+                  "clicks_ext": {"backend": "external", "state_db_conn_id": "ckpt_state",
+                                 "state_table": "e2e_clicks", "keep": 1}}
+
+
 @pytest.fixture(scope="module")
-def e2e(tmp_path_factory):
+def e2e(tmp_path_factory, postgres_server):
     base = tmp_path_factory.mktemp("e2e")
     home, data = base / "airflow_home", base / "data"
     frames = []
@@ -59,13 +75,21 @@ def e2e(tmp_path_factory):
                    "storage": f"file://{base}/store", "parallelism": 2, "keep": 5,
                    "start_date": "2027-01-01",  # after "now": manual runs must still run
                    "retries": 0},
+        **{name: {"input": f"{data}/events/day={{{{ ds }}}}",
+                  "output": f"{data}/{name}_out/day={{{{ ds }}}}",
+                  "storage": f"file://{base}/store", "parallelism": 2, "keep": 5,
+                  "start_date": "2027-01-01", "retries": 0, **settings}
+           for name, settings in OTHER_BACKENDS.items()},
         "activity": {"job": "examples.user_activity:job",
                      "options": {"normalize_case": False},
                      "input": f"{data}/activity/day={{{{ ds }}}}",
                      "output": f"{data}/activity_out", "storage": f"file://{base}/store",
                      "parallelism": 3, "start_date": "2027-01-01", "retries": 0,
                      "engine": "spark"}}}))
-    env = airflow_env(str(home), {"CKPT_JOBS_FILE": str(config)})
+    # the external backend's credentials: an Airflow connection (here from Airflow's own
+    # environment variable form), never an option of the job
+    env = airflow_env(str(home), {"CKPT_JOBS_FILE": str(config),
+                                  "AIRFLOW_CONN_CKPT_STATE": postgres_server.url})
     subprocess.run([os.path.join(os.path.dirname(sys.executable), "airflow"), "db", "migrate"],
                    env=env, check=True, capture_output=True, timeout=300)
     log_path, result_path = base / "driver.log", base / "result.json"
@@ -81,6 +105,12 @@ def e2e(tmp_path_factory):
                           "storage": f"file://{base}/store"}
     result["engines"] = {job: CheckpointStore(open_storage(f"file://{base}/store"), job)
                          .load(1).extra.get("engine") for job in ("clicks", "activity")}
+    result["other_backends"] = {
+        name: final_state(f"file://{base}/store", name, ExternalStore(
+            postgres_server.url, settings["state_table"]) if "state_table" in settings else None)
+        for name, settings in OTHER_BACKENDS.items()}
+    with psycopg.connect(postgres_server.url) as conn:  # what retention left of the rows
+        result["external_rows"] = conn.execute("SELECT count(*) FROM e2e_clicks").fetchone()[0]
     return result, frames
 
 
@@ -172,3 +202,25 @@ def test_user_job_runs_through_its_pipeline_dag_like_the_pandas_reference(e2e):
         for column in want.columns:
             assert got[column].tolist() == want[column].tolist(), (d, column)
     assert final_state(act["storage"], "activity") == want_state
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_BACKENDS))
+def test_the_other_backends_through_their_dags_like_the_pandas_reference(e2e, name):
+    """On the memory and the external backend (its database from an Airflow connection):
+    two intervals, a re-run, a rescale to 3 and maintenance all succeed; the final state
+    equals pandas."""
+    out, frames = e2e
+    got = out[name]
+    for key in ("day1", "day2", "rerun_day1", "rescale", "maintenance"):
+        assert got[key]["state"] == "success", (name, key, got[key], out["log"])
+        assert set(got[key]["tasks"].values()) == {"success"}, (name, key, got[key])
+    backend = OTHER_BACKENDS[name]["backend"]
+    assert [(c["id"], c["kind"], c["parallelism"], c["backend"]) for c in got["after"]][-1] \
+        == (3, "rescale", 3, backend)
+    assert [c["id"] for c in got["after_day2"]] == [1, 2] if backend == "memory" else [2]
+    assert got["report"]["success"] is True and got["report"]["level"] == "full", got["report"]
+    want = totals_reference(frames)[1]["totals"]
+    assert_totals_equal(out["other_backends"][name]["totals"], want)
+    if backend == "external":  # keep 1: the tasks' retention vacuumed the database down
+        assert out["external_rows"] == len(want)  # to the latest version's, one per key
+        assert [c["id"] for c in got["after"]] == [3]
