@@ -24,6 +24,16 @@ from tests.jobs.helpers import assert_state_equals, dump_latest, store_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+def cluster_env(cluster) -> dict:
+    """The environment of a driver process of ``cluster``: this repository importable and
+    the moto server's S3 settings (the client reads them; nothing is written back)."""
+    env = {**cluster.env, "PYTHONPATH": ROOT}
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL",
+                "AWS_DEFAULT_REGION"):
+        env[var] = os.environ[var]
+    return env
+
+
 DRIVER = """
 import json, sys
 from jobs.keyed_aggregation import JobConfig, run
@@ -47,10 +57,7 @@ def test_cluster_with_s3_equals_local_mode(standalone_cluster, s3_server, spark,
                             bad_fraction=0.002 if d == 1 else 0.0)
             for d in range(3)]
     s3_url = f"s3://{S3_BUCKET}/cluster-{uuid.uuid4().hex[:8]}"
-    env = {**standalone_cluster.env, "PYTHONPATH": ROOT}
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL",
-                "AWS_DEFAULT_REGION"):
-        env[var] = os.environ[var]
+    env = cluster_env(standalone_cluster)
     master = standalone_cluster.master_url
 
     submit = subprocess.run(
@@ -107,11 +114,8 @@ def test_example_job_through_submit_script_on_the_cluster(standalone_cluster, s3
             for d in range(2)]
     expected, state = activity_reference(days)
     s3_url = f"s3://{S3_BUCKET}/example-{uuid.uuid4().hex[:8]}"
-    env = {**standalone_cluster.env, "PYTHONPATH": ROOT}
+    env = cluster_env(standalone_cluster)
     env.pop("CKPT_ENGINE", None)  # the user's default: under spark-submit, Spark
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL",
-                "AWS_DEFAULT_REGION"):
-        env[var] = os.environ[var]
 
     def submit(d: int) -> dict:
         proc = subprocess.run(
@@ -220,10 +224,7 @@ def test_memory_backend_on_the_cluster_with_s3_equals_pandas(standalone_cluster,
                             start_ts_ms=1_800_000_000_000 + d * 86_400_000)
             for d in range(3)]
     s3_url = f"s3://{S3_BUCKET}/cluster-memory-{uuid.uuid4().hex[:8]}"
-    env = {**standalone_cluster.env, "PYTHONPATH": ROOT}
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL",
-                "AWS_DEFAULT_REGION"):
-        env[var] = os.environ[var]
+    env = cluster_env(standalone_cluster)
     ckpt = os.path.join(os.path.dirname(sys.executable), "ckpt")
 
     def call(*args: str) -> dict:
