@@ -70,6 +70,13 @@ def storage_options_from_connection(conn_id: str | None,
 POSTGRES_CONN_TYPES = ("postgres", "postgresql")
 
 
+def state_db_url(state_db: str | None, conn_id: str | None,
+                 get_connection: Callable[[str], Any] | None = None) -> str | None:
+    """An external-backend job's database URL: ``state_db`` if given, else that of
+    postgres connection ``conn_id`` (None: neither)."""
+    return state_db or state_db_from_connection(conn_id, get_connection)
+
+
 def state_db_from_connection(conn_id: str | None,
                              get_connection: Callable[[str], Any] | None = None) -> str | None:
     """The external backend's database URL (``postgresql://login:password@host:port/

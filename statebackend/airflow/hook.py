@@ -21,10 +21,7 @@ from typing import Any
 
 from airflow.sdk import BaseHook
 
-from statebackend.airflow.connection import (
-    state_db_from_connection,
-    storage_options_from_connection,
-)
+from statebackend.airflow.connection import state_db_url, storage_options_from_connection
 from statebackend.checkpoint.store import CheckpointStore
 from statebackend.state.external_store import DEFAULT_TABLE, ExternalStore
 from statebackend.storage import Storage, open_storage
@@ -69,8 +66,7 @@ class CheckpointHook(BaseHook):
     def state_db_url(self) -> str | None:
         """The external backend's database URL: ``state_db``, else its connection's
         (None: neither given)."""
-        return self.state_db or state_db_from_connection(self.state_db_conn_id,
-                                                         self._get_connection)
+        return state_db_url(self.state_db, self.state_db_conn_id, self._get_connection)
 
     def get_state_db(self) -> ExternalStore | None:
         """The external backend's database and state table (None: not configured)."""

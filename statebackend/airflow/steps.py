@@ -48,7 +48,7 @@ from statebackend import defaults
 from statebackend.airflow.config import SPEC_RUN_OPTIONS, JobSpec, resolve_job_ref
 from statebackend.airflow.connection import (
     index_key_from_connection,
-    state_db_from_connection,
+    state_db_url,
     storage_options_from_connection,
 )
 from statebackend.checkpoint.store import CheckpointStore
@@ -130,7 +130,7 @@ def storage_options_for(spec: JobSpec, get_connection: Callable[[str], Any] | No
 def state_db_for(spec: JobSpec, get_connection: Callable[[str], Any] | None = None
                  ) -> str | None:
     """The external backend's database URL: ``state_db``, else its connection's."""
-    return spec.state_db or state_db_from_connection(spec.state_db_conn_id, get_connection)
+    return state_db_url(spec.state_db, spec.state_db_conn_id, get_connection)
 
 
 def external_store_for(spec: JobSpec) -> ExternalStore | None:
