@@ -85,6 +85,8 @@ from statebackend.worker_processes import worker_pool
 # of 7 interleaved rounds: 4 -> 8 took 0.44 s with one task per core, 0.33 s with two,
 # 0.32 s with four; 8 -> 3 0.31, 0.31 and 0.26 s).
 TASKS_PER_CORE = 2
+# Backends whose rescale regroups the record and runs no task (rescale/memory.py)
+IN_MEMORY_BACKENDS = ("memory", "external")
 # A local rescale exports its imports in worker processes (statebackend.worker_processes)
 # from this many bytes of imported files when this process's workers run already, and
 # from the second figure when they would have to start: their start, paid once per
@@ -135,7 +137,7 @@ def rescale(store: CheckpointStore, ref: str | int | None = "latest",
     plan = plan_rescale(meta, parallelism)  # fail fast, before taking any lease
     if options.state_db is not None:
         external_read(meta, options.state_db)  # its own database, else one line
-    in_memory = meta.state_backend in ("memory", "external")
+    in_memory = meta.state_backend in IN_MEMORY_BACKENDS
     if options.dry_run:
         return {"dry_run": True, "job": store.job, "source_checkpoint_id": meta.checkpoint_id,
                 "from_parallelism": plan.from_parallelism, "to_parallelism": parallelism,
@@ -188,7 +190,13 @@ def _require_latest(store: CheckpointStore, meta: CheckpointMetadata,
 
 def choose_rescale_engine(store: CheckpointStore, meta: CheckpointMetadata,
                           options: RescaleOptions, spark=None) -> EngineChoice:
-    """Where the new subtasks run (`statebackend.engines.choose_engine`)."""
+    """Where the new subtasks run (`statebackend.engines.choose_engine`): a memory or
+    external checkpoint's in this process whatever was asked, since it runs no task
+    (key-group files change hands, or nothing moves): a Spark session would be started
+    for nothing."""
+    if meta.state_backend in IN_MEMORY_BACKENDS:
+        return EngineChoice("local", f"a {meta.state_backend}-backend rescale runs no "
+                                     "task: it regroups the record in this process")
     return choose_engine(options.engine, _master(options, spark), Workload(
         state_bytes=meta.bytes_referenced,
         storage_in_process=store.root_storage.url if store.storage.process_local else None))

@@ -342,7 +342,8 @@ def test_commit_records_metrics_context_and_run_history(spark, tmp_path):
 
 
 def test_a_run_reports_the_state_it_holds_in_memory_and_warns_near_the_limit(spark, tmp_path,
-                                                                              capsys):
+                                                                              capsys,
+                                                                              monkeypatch):
     """The memory backend's summary names its largest subtask's state as the limit counts
     it (the same on Spark): a limit just under that figure fails the same run from
     scratch, one just over it commits with one warning line (the next growth would fail)."""
@@ -371,6 +372,19 @@ def test_a_run_reports_the_state_it_holds_in_memory_and_warns_near_the_limit(spa
     assert held > 4 * 2**20  # the limits below are whole MiB: one over it is within 80%
     assert_totals_equal(final_state(f"file://{tmp_path}/roomy", "keyed_aggregation")["totals"],
                         want)
+    # a rescale of it runs no task: asked for Spark, it starts none (it would take
+    # seconds to regroup a record in milliseconds)
+    def no_spark(*_a, **_kw):
+        raise AssertionError("a memory-backend rescale started a Spark session")
+
+    monkeypatch.setattr("statebackend.cli.rescale.rescale_spark", no_spark)
+    code, out, err = cli.main(["--storage", f"file://{tmp_path}/roomy", "--job",
+                               "keyed_aggregation", "rescale", "-p", "3", "--engine", "spark",
+                               "--json"]), *capsys.readouterr()
+    scaled = json.loads(out)
+    assert code == 0 and (scaled["engine"], scaled["bytes_uploaded"]) == ("local", 0), err
+    assert scaled["rows"] == len(want)
+    monkeypatch.undo()
     on_spark = run_job(ka.JOB, RunConfig(
         input=str(tmp_path / "in"), storage=f"file://{tmp_path}/spark", run_id="d0",
         output=str(tmp_path / "out-spark"), parallelism=2, backend="memory"), spark)
