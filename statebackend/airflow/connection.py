@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
 from statebackend.errors import UsageError
 from statebackend.lifecycle.index_signing import checked_key
+from statebackend.state.external_store import DEFAULT_TABLE, ExternalStore
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +72,25 @@ def storage_options_from_connection(conn_id: str | None,
 POSTGRES_CONN_TYPES = ("postgres", "postgresql")
 
 
-def state_db_url(state_db: str | None, conn_id: str | None,
-                 get_connection: Callable[[str], Any] | None = None) -> str | None:
-    """An external-backend job's database URL: ``state_db`` if given, else that of
-    postgres connection ``conn_id`` (None: neither)."""
-    return state_db or state_db_from_connection(conn_id, get_connection)
+@dataclass(frozen=True)
+class StateDatabase:
+    """Where an external-backend job's state lives, as configured: ``url`` (``state_db``)
+    or the postgres connection ``conn_id`` (``state_db_conn_id``), and the ``table``.
+    The connection is read when asked (`url_now`), never while a DAG file is parsed."""
+
+    url: str | None = None
+    conn_id: str | None = None
+    table: str = DEFAULT_TABLE
+
+    def url_now(self, get_connection: Callable[[str], Any] | None = None) -> str | None:
+        """The database URL: ``url`` if given, else the connection's (None: neither)."""
+        return self.url or state_db_from_connection(self.conn_id, get_connection)
+
+    def store(self, get_connection: Callable[[str], Any] | None = None
+              ) -> ExternalStore | None:
+        """The database and state table (None: not configured)."""
+        url = self.url_now(get_connection)
+        return ExternalStore(url, self.table) if url else None
 
 
 def state_db_from_connection(conn_id: str | None,

@@ -38,12 +38,12 @@ from statebackend.airflow.operators import (
 from statebackend.airflow.steps import (
     RUN_KEY_TEMPLATE,
     check_no_running_pipeline,
-    external_store_for,
     open_store,
     published_checkpoint,
     spark_submit_operator,
     spec_run_values,
     validate_store,
+    validation_options,
 )
 
 CHECKPOINT_PATTERN = r"^(latest|chk-[0-9]+|[0-9]+)$"
@@ -130,8 +130,8 @@ def build_reports_dag(spec: JobSpec) -> DAG:
         def render_report(triggering_asset_events=None) -> dict:
             store = open_store(spec)
             ref = published_checkpoint(triggering_asset_events, asset, store.checkpoint_ids())
-            return validate_store(store, ref=ref, job_ref=spec.job, report="now",
-                                  state_db=external_store_for(spec))
+            return validate_store(store, validation_options(spec, report="now"), ref=ref,
+                                  job_ref=spec.job)
 
         render_report()
     return dag
@@ -187,8 +187,8 @@ def build_rescale_dag(spec: JobSpec) -> DAG:
         def validate(result: dict) -> dict:
             if result.get("dry_run"):
                 return {"skipped": "dry run: nothing to validate"}
-            return validate_store(open_store(spec), ref=result["checkpoint_id"],
-                                  job_ref=spec.job, state_db=external_store_for(spec))
+            return validate_store(open_store(spec), validation_options(spec),
+                                  ref=result["checkpoint_id"], job_ref=spec.job)
 
         no_running_pipeline() >> rescale
         # Airflow types a @task call with the function's own parameters; an XComArg is

@@ -9,8 +9,8 @@ so a task reads its connection once.
 The connection (an ``aws`` connection, see `statebackend.airflow.connection`)
 becomes storage options; without a connection id the storage opens with the
 worker's own AWS settings (its environment, profile or instance role), as s3fs
-does. An external-backend job's database is ``state_db`` (a URL) or the postgres
-connection ``state_db_conn_id``, read when a task asks for it (`get_state_db`).
+does. An external-backend job's database is ``state_db`` (a `StateDatabase`: a URL or
+a postgres connection), read when a task asks for it (`get_state_db`).
 Nothing is written into ``os.environ``.
 """
 
@@ -21,9 +21,9 @@ from typing import Any
 
 from airflow.sdk import BaseHook
 
-from statebackend.airflow.connection import state_db_url, storage_options_from_connection
+from statebackend.airflow.connection import StateDatabase, storage_options_from_connection
 from statebackend.checkpoint.store import CheckpointStore
-from statebackend.state.external_store import DEFAULT_TABLE, ExternalStore
+from statebackend.state.external_store import ExternalStore
 from statebackend.storage import Storage, open_storage
 
 
@@ -37,15 +37,12 @@ class CheckpointHook(BaseHook):
 
     def __init__(self, conn_id: str | None = None, *, storage: str, job: str,
                  get_connection: Callable[[str], Any] | None = None,
-                 state_db: str | None = None, state_db_conn_id: str | None = None,
-                 state_table: str = DEFAULT_TABLE) -> None:
+                 state_db: StateDatabase | None = None) -> None:
         super().__init__()
         self.conn_id = conn_id or None
         self.storage = storage
         self.job = job
-        self.state_db = state_db or None
-        self.state_db_conn_id = state_db_conn_id or None
-        self.state_table = state_table
+        self.state_db = state_db or StateDatabase()
         self._get_connection = get_connection
         self._options: dict | None = None
 
@@ -64,14 +61,12 @@ class CheckpointHook(BaseHook):
         return CheckpointStore(self.get_storage(), self.job)
 
     def state_db_url(self) -> str | None:
-        """The external backend's database URL: ``state_db``, else its connection's
-        (None: neither given)."""
-        return state_db_url(self.state_db, self.state_db_conn_id, self._get_connection)
+        """The external backend's database URL (None: not configured)."""
+        return self.state_db.url_now(self._get_connection)
 
     def get_state_db(self) -> ExternalStore | None:
         """The external backend's database and state table (None: not configured)."""
-        url = self.state_db_url()
-        return ExternalStore(url, self.state_table) if url else None
+        return self.state_db.store(self._get_connection)
 
     def test_connection(self) -> tuple[bool, str]:
         """Airflow's "Test connection": can the storage root be listed?"""

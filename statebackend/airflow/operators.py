@@ -41,6 +41,7 @@ from typing import Any, ClassVar
 from airflow.sdk import BaseOperator
 
 from statebackend import defaults
+from statebackend.airflow.connection import StateDatabase
 from statebackend.airflow.hook import CheckpointHook
 from statebackend.airflow.steps import (
     RUN_KEY_TEMPLATE,
@@ -62,8 +63,11 @@ REQUIRED = object()  # an argument without a default
 # ones Airflow passes when it maps or validates an operator.
 BASE_ARGUMENTS = frozenset(name for name in inspect.signature(BaseOperator.__init__).parameters
                            if name not in ("self", "kwargs"))
-COMMON_ARGUMENTS = ("storage", "job", "storage_conn_id", "state_db", "state_db_conn_id",
-                    "state_table")
+# An external-backend job's database: arguments every operator takes beside the common
+# ones (read into the hook's `StateDatabase`)
+DATABASE_ARGUMENTS: Mapping[str, Any] = {"state_db": None, "state_db_conn_id": None,
+                                         "state_table": DEFAULT_TABLE}
+COMMON_ARGUMENTS = ("storage", "job", "storage_conn_id", *DATABASE_ARGUMENTS)
 
 
 def _as_int(value: Any) -> Any:
@@ -81,20 +85,21 @@ class _CheckpointOperator(BaseOperator):
 
     ui_color = "#e8f1fb"
     ARGUMENTS: ClassVar[Mapping[str, Any]] = {}
+    # the DATABASE_ARGUMENTS, set by __init__
+    state_db: str | None
+    state_db_conn_id: str | None
+    state_table: str
 
     def __init__(self, *, storage: str, job: str, storage_conn_id: str | None = None,
-                 state_db: str | None = None, state_db_conn_id: str | None = None,
-                 state_table: str = DEFAULT_TABLE, **kwargs: Any) -> None:
-        own = {name: kwargs.pop(name) for name in list(kwargs) if name in self.ARGUMENTS}
+                 **kwargs: Any) -> None:
+        arguments = {**DATABASE_ARGUMENTS, **self.ARGUMENTS}
+        own = {name: kwargs.pop(name) for name in list(kwargs) if name in arguments}
         self._refuse_unknown(kwargs)
         super().__init__(**kwargs)
         self.storage = storage
         self.job = job
         self.storage_conn_id = storage_conn_id
-        self.state_db = state_db
-        self.state_db_conn_id = state_db_conn_id
-        self.state_table = state_table
-        for name, default in self.ARGUMENTS.items():
+        for name, default in arguments.items():
             value = own.get(name, default)
             if value is REQUIRED:
                 raise TypeError(f"{type(self).__name__} (task_id {self.task_id!r}): missing "
@@ -115,7 +120,8 @@ class _CheckpointOperator(BaseOperator):
         base = inspect.signature(_CheckpointOperator.__init__).parameters
         own = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
                                  default=inspect.Parameter.empty if default is REQUIRED
-                                 else default) for name, default in cls.ARGUMENTS.items()]
+                                 else default)
+               for name, default in {**DATABASE_ARGUMENTS, **cls.ARGUMENTS}.items()]
         params = [*list(base.values())[:-1], *own, base["kwargs"]]
         __init__.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
         __init__.__qualname__ = f"{cls.__qualname__}.__init__"
@@ -139,8 +145,8 @@ class _CheckpointOperator(BaseOperator):
         """The job's checkpoint store through ``storage_conn_id``, and its database
         (built once per task; the connections are read when a task needs them)."""
         return CheckpointHook(self.storage_conn_id, storage=self.storage, job=self.job,
-                              state_db=self.state_db, state_db_conn_id=self.state_db_conn_id,
-                              state_table=self.state_table)
+                              state_db=StateDatabase(self.state_db, self.state_db_conn_id,
+                                                     self.state_table))
 
     def yes_no(self, name: str) -> bool:
         """Yes/no argument ``name`` (a bool, or its text from a rendered template)."""
@@ -205,11 +211,14 @@ class CkptValidateOperator(_CheckpointOperator):
     report: str
 
     def execute(self, context) -> dict:
-        level = self.level or ("deep" if self.yes_no("deep") else None)
-        result = validate_store(self.hook.get_store(), run_id=self.run_key or None,
-                                ref=_as_int(self.checkpoint), level=level,
-                                job_ref=self.job_ref, report=self.report,
-                                state_db=self.hook.get_state_db())
+        # the validation package when a task runs: DAG files import this module
+        from statebackend.validation.options import ValidationOptions
+
+        level = self.level or ("deep" if self.yes_no("deep") else "manifest")
+        options = ValidationOptions(level=level, report=self.report,
+                                    state_db=self.hook.get_state_db())
+        result = validate_store(self.hook.get_store(), options, run_id=self.run_key or None,
+                                ref=_as_int(self.checkpoint), job_ref=self.job_ref)
         for asset in self.outlets or ():
             context["outlet_events"][asset].extra = publish_extra(result)
         return result
@@ -254,10 +263,14 @@ class CkptRescaleOperator(_CheckpointOperator):
     master: str | None
 
     def execute(self, context) -> dict:
-        return rescale_store(self.hook.get_store(), parallelism=_as_int(self.parallelism),
-                             checkpoint=_as_int(self.checkpoint),
-                             dry_run=self.yes_no("dry_run"), master=self.master,
-                             state_db=self.hook.get_state_db())
+        # Spark and RocksDB when a rescale runs: DAG files import this module
+        from statebackend.rescale.executor import RescaleOptions
+
+        options = RescaleOptions(master=self.master, dry_run=self.yes_no("dry_run"),
+                                 state_db=self.hook.get_state_db())
+        return rescale_store(self.hook.get_store(), options,
+                             parallelism=_as_int(self.parallelism),
+                             checkpoint=_as_int(self.checkpoint))
 
 
 class CkptMigrateOperator(_CheckpointOperator):

@@ -47,8 +47,8 @@ from urllib.parse import urlsplit
 from statebackend import defaults
 from statebackend.airflow.config import SPEC_RUN_OPTIONS, JobSpec, resolve_job_ref
 from statebackend.airflow.connection import (
+    StateDatabase,
     index_key_from_connection,
-    state_db_url,
     storage_options_from_connection,
 )
 from statebackend.checkpoint.store import CheckpointStore
@@ -130,13 +130,17 @@ def storage_options_for(spec: JobSpec, get_connection: Callable[[str], Any] | No
 def state_db_for(spec: JobSpec, get_connection: Callable[[str], Any] | None = None
                  ) -> str | None:
     """The external backend's database URL: ``state_db``, else its connection's."""
-    return state_db_url(spec.state_db, spec.state_db_conn_id, get_connection)
+    return state_database(spec).url_now(get_connection)
+
+
+def state_database(spec: JobSpec) -> StateDatabase:
+    """Where ``spec``'s external-backend state lives, as configured."""
+    return StateDatabase(spec.state_db, spec.state_db_conn_id, spec.state_table)
 
 
 def external_store_for(spec: JobSpec) -> ExternalStore | None:
     """`state_db_for` and the job's state table (None: no database configured)."""
-    url = state_db_for(spec)
-    return ExternalStore(url, spec.state_table) if url else None
+    return state_database(spec).store()
 
 
 def open_store(spec: JobSpec, storage_options: Mapping[str, Any] | None = None, *,
@@ -272,24 +276,23 @@ def _validation_dict(result) -> dict:
             "data_docs_index": result.data_docs_index}
 
 
-def validate_store(store, *, run_id: str | None = None, ref: str | int = "latest",
-                   level: str | None = None, job_ref: str | None = None,
-                   report: str = "now", state_db: ExternalStore | None = None) -> dict:
+def validate_store(store, options=None, *, run_id: str | None = None,
+                   ref: str | int = "latest", job_ref: str | None = None) -> dict:
     """Validate the checkpoint committed by ``run_id`` (or ``ref``); raise if it fails.
 
-    ``level``: "manifest" (default), "deep" or "full" (`ValidationOptions`).
-    ``job_ref`` (the configured job) adds the job's expectations on its states.
-    ``report="none"`` decides without importing Great Expectations (the scheduled
-    pipeline: its verdict must not wait ~10 s for GE); maintenance renders the report.
-    ``state_db``: an external-backend job's database (the deep and full levels read it).
+    ``options``: a `ValidationOptions` (default: the manifest level, the report now):
+    its ``level`` ("manifest", "deep" or "full"), ``report`` (``"none"`` decides without
+    importing Great Expectations: the scheduled pipeline's verdict must not wait ~10 s
+    for GE; maintenance renders the report) and ``state_db`` (an external-backend job's
+    database: the deep and full levels read it). ``job_ref`` (the configured job) adds
+    the job's expectations on its states.
     """
     # checkpoint storage (fsspec) only when the task runs: DAG files import this module
     from statebackend.validation.options import ValidationOptions
     from statebackend.validation.validate import validate_checkpoint
 
     checks = load_configured_job(job_ref, store.job).expectations if job_ref else None
-    options = ValidationOptions(level=level or "manifest", report=report,
-                                state_checks=checks or None, state_db=state_db)
+    options = replace(options or ValidationOptions(), state_checks=checks or None)
     if run_id is not None:
         meta = store.find_by_run_id(run_id)
         retired = _retired_run(store, run_id) if meta is None else None
@@ -321,13 +324,21 @@ def _retired_run(store, run_id: str) -> dict | None:
                        "retired by retention: nothing left to validate"}
 
 
+def validation_options(spec: JobSpec, level: str = "manifest", report: str = "now"):
+    """The `ValidationOptions` of a validation of ``spec``'s checkpoints (its database
+    on the external backend)."""
+    from statebackend.validation.options import ValidationOptions  # as validate_store
+
+    return ValidationOptions(level=level, report=report, state_db=external_store_for(spec))
+
+
 def validate_step(spec: JobSpec, *, run_id: str | None = None, ref: str | int = "latest",
                   level: str | None = None,
                   storage_options: Mapping[str, Any] | None = None,
                   report: str = "now") -> dict:
-    return validate_store(open_store(spec, storage_options), run_id=run_id, ref=ref,
-                          level=level, job_ref=spec.job, report=report,
-                          state_db=external_store_for(spec))
+    return validate_store(open_store(spec, storage_options),
+                          validation_options(spec, level or "manifest", report),
+                          run_id=run_id, ref=ref, job_ref=spec.job)
 
 
 # -- lifecycle -----------------------------------------------------------------------
@@ -361,13 +372,15 @@ def gc_step(spec: JobSpec, *, grace_seconds: float | None = None, dry_run: bool 
     return gc_store(open_store(spec, storage_options), grace_seconds=grace, dry_run=dry_run)
 
 
-def rescale_store(store, *, parallelism: int, checkpoint: str | int = "latest",
-                  dry_run: bool = False, master: str | None = None, spark=None,
-                  state_db: ExternalStore | None = None) -> dict:
-    """Rescale ``checkpoint`` to ``parallelism``; ``state_db`` (an external checkpoint's
-    database, if configured) is checked to be the checkpoint's own (`RescaleOptions`)."""
+def rescale_store(store, options=None, *, parallelism: int, checkpoint: str | int = "latest",
+                  spark=None) -> dict:
+    """Rescale ``checkpoint`` to ``parallelism``. ``options``: a `RescaleOptions` (its
+    ``master``, ``dry_run``, and ``state_db``: an external checkpoint's database, if
+    configured, checked to be the checkpoint's own)."""
     # Spark and RocksDB only when a rescale runs: DAG files import this module
     from statebackend.rescale.executor import RescaleOptions, rescale
+
+    options = options or RescaleOptions()
 
     max_parallelism = store.resolve(checkpoint).max_parallelism
     if not isinstance(parallelism, int) or isinstance(parallelism, bool):
@@ -375,10 +388,8 @@ def rescale_store(store, *, parallelism: int, checkpoint: str | int = "latest",
                          f"1..{max_parallelism} (the job's max parallelism)")
     check_parallelism(parallelism, max_parallelism)
     # The ref, not the id resolved above: rescale resolves it again under its lease.
-    result = rescale(store, checkpoint, parallelism, spark=spark,
-                     options=RescaleOptions(master=master, dry_run=bool(dry_run),
-                                            state_db=state_db))
-    if dry_run:
+    result = rescale(store, checkpoint, parallelism, spark=spark, options=options)
+    if options.dry_run:
         print(result.get("plan_text", ""))
     return result
 
@@ -405,9 +416,12 @@ def rescale_step(spec: JobSpec, *, parallelism: int, checkpoint: str | int = "la
     if not isinstance(parallelism, int) or not 1 <= parallelism <= spec.max_parallelism:
         raise CkptError(f"parallelism {parallelism!r} must be an integer in "
                         f"1..{spec.max_parallelism} (the job's max parallelism)")
-    return rescale_store(open_store(spec, storage_options), parallelism=parallelism,
-                         checkpoint=checkpoint, dry_run=dry_run, master=spec.spark.master,
-                         spark=spark, state_db=external_store_for(spec))
+    from statebackend.rescale.executor import RescaleOptions  # as rescale_store
+
+    options = RescaleOptions(master=spec.spark.master, dry_run=bool(dry_run),
+                             state_db=external_store_for(spec))
+    return rescale_store(open_store(spec, storage_options), options, parallelism=parallelism,
+                         checkpoint=checkpoint, spark=spark)
 
 
 def check_no_running_pipeline(dag_id: str | JobSpec, count_running: Callable[[str], int]
