@@ -109,6 +109,7 @@ class RecordTable(MemoryTable):
         return rows
 
     def _release(self, held: Any) -> None:
+        """``held`` (a row number, or bytes) left ``data``: its row is free again."""
         self._key_column = None
         if held.__class__ is bytes:
             self._odd -= 1

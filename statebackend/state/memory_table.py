@@ -39,6 +39,11 @@ _first, _second = itemgetter(0), itemgetter(1)
 _key_group_of = itemgetter(slice(0, 2))  # a key's 2-byte key-group prefix
 
 
+def _entry_bytes(keys: Sequence[bytes]) -> int:
+    """What ``keys`` count beside their values: the keys and `ENTRY_OVERHEAD` each."""
+    return sum(map(len, keys)) + ENTRY_OVERHEAD * len(keys)
+
+
 class StateMemoryLimitError(UsageError):
     """The memory backend's state grew past its configured limit."""
 
@@ -114,7 +119,7 @@ class MemoryTable:
         for prefix in changed:
             self._sorted.pop(prefix, None)
         self._in_order = False
-        return sum(map(len, keys)) + ENTRY_OVERHEAD * len(keys)
+        return _entry_bytes(keys)
 
     def write_many(self, puts: Iterable[tuple[bytes, bytes]], deletes: Iterable[bytes] = ()
                    ) -> None:
@@ -170,8 +175,11 @@ class MemoryTable:
         for prefix in set(prefixes):
             self._sorted.pop(prefix, None)
         self._account.changed.update(prefixes)
-        self._account.bytes -= (sum(map(len, keys)) + self._held_size(olds)
-                                + ENTRY_OVERHEAD * len(keys))
+        self._forget(keys, olds)
+
+    def _forget(self, keys: Sequence[bytes], olds: Sequence[Any]) -> None:
+        """``keys`` and what they held (``olds``) left ``data``: uncounted, released."""
+        self._account.bytes -= _entry_bytes(keys) + self._held_size(olds)
         self._released(olds)
 
     # What ``data`` holds per key: the value here; a subclass may hold something else
@@ -183,11 +191,8 @@ class MemoryTable:
     def _held_size(self, held: Iterable[Any]) -> int:
         return sum(map(len, held))
 
-    def _release(self, held: Any) -> None:
-        """``held`` left ``data`` (deleted or replaced by a restore)."""
-
     def _released(self, held: Iterable[Any]) -> None:
-        """`_release` of each of ``held``."""
+        """``held`` left ``data`` (deleted or replaced by a restore)."""
 
     def delete_range(self, lower: bytes, upper: bytes) -> None:
         """Delete every key in [lower, upper)."""
@@ -297,9 +302,7 @@ class MemoryTable:
         data, account = self.data, self._account
         self._mutations += 1
         gone = list(self.parts.pop(prefix, ()))
-        olds = list(map(data.pop, gone))
-        account.bytes -= sum(map(len, gone)) + self._held_size(olds) + ENTRY_OVERHEAD * len(gone)
-        self._released(olds)
+        self._forget(gone, list(map(data.pop, gone)))
         if not keys:
             self._sorted.pop(prefix, None)
             return
@@ -307,7 +310,7 @@ class MemoryTable:
         self._in_order = False
         self.parts[prefix] = set(keys)
         self._sorted[prefix] = list(keys)
-        account.bytes += sum(map(len, keys)) + value_bytes + ENTRY_OVERHEAD * len(keys)
+        account.bytes += _entry_bytes(keys) + value_bytes
         account.check()
 
     def drop_part(self, prefix: bytes) -> None:

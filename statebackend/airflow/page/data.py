@@ -26,7 +26,7 @@ from urllib.parse import quote, urlencode
 
 from statebackend.checkpoint.layout import HISTORY_DIR, REPORTS_DIR, chk_id_of
 from statebackend.checkpoint.leases import list_leases
-from statebackend.checkpoint.metrics import MemoryHeadroom, run_figures
+from statebackend.checkpoint.metrics import run_figures
 from statebackend.errors import CkptError
 from statebackend.formatting import parse_time
 from statebackend.lifecycle.savepoint import list_savepoints
@@ -104,8 +104,8 @@ def run_metrics(meta) -> RunMetrics:
         "phases": phases,
         "source": "metrics" if run else ("legacy" if "events_read" in extra else None),
         "events_per_s": events / duration if events is not None and duration else None,
-        "state_memory": headroom.text() if (headroom := MemoryHeadroom.from_json(
-            run.get("state_memory"))) is not None else None,
+        "state_memory": memory.text() if (memory := meta.state_memory()) is not None
+        else None,
     }
 
 
