@@ -82,6 +82,15 @@ def local_master_cores(master: str | None) -> int:
     return int(m.group(2))
 
 
+def machine_memory_bytes() -> int:
+    """This machine's physical memory (0: unknown): what the local engine's one process
+    shares with everything else on it."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 0
+
+
 def auto_limit() -> int:
     """Input bytes (decompressed) up to which ``auto`` runs the local engine."""
     return min(settings.byte_count(MAX_BYTES_ENV), settings.byte_count(MAX_MEMORY_ENV))

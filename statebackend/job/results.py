@@ -110,13 +110,16 @@ class TaskResult:
 def memory_headroom(results: Sequence[TaskResult], limit_mb: int | None
                     ) -> MemoryHeadroom | None:
     """The subtask of ``results`` holding the most state in memory (None: none opened a
-    memory or external backend), with the limit ``limit_mb`` (MiB per subtask) (pure)."""
+    memory or external backend), with the limit ``limit_mb`` (MiB per subtask), and
+    every subtask's together (pure)."""
     held = [r for r in results if r.memory_bytes is not None]
     if not held:
         return None
     top = max(held, key=lambda r: (r.memory_bytes, -r.subtask))
     return MemoryHeadroom(top.subtask, int(top.memory_bytes or 0),
-                          None if limit_mb is None else int(limit_mb) * 2**20)
+                          None if limit_mb is None else int(limit_mb) * 2**20,
+                          total_bytes=sum(int(r.memory_bytes or 0) for r in held),
+                          subtasks=len(held))
 
 
 @dataclass(frozen=True)

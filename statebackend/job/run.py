@@ -50,6 +50,7 @@ from statebackend.engines import (
     choose_engine,
     is_local_master,
     local_master_cores,
+    machine_memory_bytes,
     requested_engine,
 )
 from statebackend.errors import (
@@ -330,9 +331,13 @@ class _JobRun:
                    totals: RunTotals, timeline: RunTimeline) -> RunSummary:
         files, clock = plan.files, plan.clock
         warnings = list(plan.warnings)
-        near_limit = totals.memory.warning() if totals.memory is not None else None
-        if near_limit:
-            warn(warnings, near_limit)
+        if (memory := totals.memory) is not None:
+            # the local engine's process holds every subtask's state: its sum against
+            # the machine (on Spark each executor's memory bounds its own subtasks)
+            machine = machine_memory_bytes() if plan.choice.engine == "local" else 0
+            for near_limit in (memory.warning(), memory.machine_warning(machine)):
+                if near_limit:
+                    warn(warnings, near_limit)
         return self._summary(
             meta.checkpoint_id, plan.parallelism, plan.started, totals=totals,
             bytes_uploaded=meta.bytes_uploaded,

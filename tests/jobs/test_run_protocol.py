@@ -370,6 +370,8 @@ def test_a_run_reports_the_state_it_holds_in_memory_and_warns_near_the_limit(spa
     assert code == 0 and err == "" and "warnings" not in summary
     assert mem["limit_bytes"] == 2048 * 2**20 and mem["share"] == round(held / 2**31, 4)
     assert held > 4 * 2**20  # the limits below are whole MiB: one over it is within 80%
+    total = mem["total_bytes"]
+    assert mem["subtasks"] == 2 and held < total < 2 * held
     assert_totals_equal(final_state(f"file://{tmp_path}/roomy", "keyed_aggregation")["totals"],
                         want)
     # a rescale of it runs no task: asked for Spark, it starts none (it would take
@@ -403,12 +405,13 @@ def test_a_run_reports_the_state_it_holds_in_memory_and_warns_near_the_limit(spa
         "(--memory-limit-mb)"
     assert err.splitlines() == [err.splitlines()[0]] and line in err, err
     clause = f"state in memory up to {held / 2**20:.1f} MiB (subtask {mem['subtask']}, " \
-        f"{held / (over * 2**20):.0%} of its limit)"
+        f"{held / (over * 2**20):.0%} of its limit), {total / 2**20:.1f} MiB in all 2 subtasks"
     assert out.rstrip().endswith("; " + clause), out
     # the commit record keeps it: per subtask, and the run's line on the Checkpoints page
     meta = CheckpointStore(open_storage(f"file://{tmp_path}/near"), "keyed_aggregation").latest()
     metrics = meta.extra["metrics"]
     assert max(s["memory_bytes"] for s in metrics["subtasks"]) == held
+    assert sum(s["memory_bytes"] for s in metrics["subtasks"]) == total
     assert metrics["run"]["state_memory"] == {**mem, "limit_bytes": over * 2**20,
                                               "share": round(held / (over * 2**20), 4)}
     assert page_run_metrics(meta)["state_memory"] == clause
@@ -425,3 +428,14 @@ def test_a_run_reports_the_state_it_holds_in_memory_and_warns_near_the_limit(spa
         assert page_run_metrics(tampered)["state_memory"] is None
     assert_totals_equal(final_state(f"file://{tmp_path}/near", "keyed_aggregation")["totals"],
                         want)
+    # every subtask's limit holds, but the local engine's one process holds them all: on a
+    # machine of 1.5 times their sum the run commits and says so in one line
+    monkeypatch.setattr("statebackend.job.run.machine_memory_bytes", lambda: total * 3 // 2)
+    code, out, err = run("crowded")
+    assert code == 0 and err.splitlines() == [
+        f"ckpt run: warning: the local engine's process holds {total / 2**20:.1f} MiB of state "
+        f"in memory over 2 subtasks, 67% of this machine's {total * 1.5 / 2**20:.1f} MiB: a "
+        "run whose state grows further may be killed for lack of memory; run it on Spark "
+        "(--engine spark) or move the job to rocksdb"], err
+    assert_totals_equal(final_state(f"file://{tmp_path}/crowded",
+                                    "keyed_aggregation")["totals"], want)

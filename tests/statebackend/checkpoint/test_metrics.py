@@ -61,5 +61,30 @@ def test_the_state_in_memory_reads_against_its_limit_and_warns_from_80_percent()
     unbounded = MemoryHeadroom(0, 10, None)
     assert unbounded.warning() is None and unbounded.text().endswith("(subtask 0)")
     for garbage in ([], {"subtask": -1, "held_bytes": 1}, {"subtask": 0, "held_bytes": 1.5},
-                    {"subtask": 0, "held_bytes": 1, "limit_bytes": "9"}):
+                    {"subtask": 0, "held_bytes": 1, "limit_bytes": "9"},
+                    {"subtask": 0, "held_bytes": 9, "total_bytes": 8, "subtasks": 2},
+                    {"subtask": 0, "held_bytes": 1, "total_bytes": 8},
+                    {"subtask": 0, "held_bytes": 1, "total_bytes": 8, "subtasks": -2}):
         assert MemoryHeadroom.from_json(garbage) is None
+
+
+def test_the_state_of_all_subtasks_together_is_said_and_warned_of_against_the_machine():
+    """The limit is per subtask; the local engine's one process holds their sum."""
+    limit = 2048 * 2**20
+    one = MemoryHeadroom(1, 3 * 2**20, limit, total_bytes=5 * 2**20, subtasks=2)
+    assert one.text() == "state in memory up to 3.0 MiB (subtask 1, 0.1% of its limit), " \
+        "5.0 MiB in all 2 subtasks"
+    assert MemoryHeadroom.from_json(one.to_json()) == one
+    # a single subtask's total is its own figure; an older record has none
+    assert MemoryHeadroom(0, 2**20, None, 2**20, 1).text() == \
+        "state in memory up to 1.0 MiB (subtask 0)"
+    legacy = {"subtask": 0, "held_bytes": 7, "limit_bytes": None, "share": None}
+    assert MemoryHeadroom.from_json(legacy) == MemoryHeadroom(0, 7, None)
+    assert MemoryHeadroom(0, 7, None).machine_warning(10) is None
+    # from half the machine's memory on
+    assert one.machine_warning(11 * 2**20) is None and one.machine_warning(0) is None
+    warning = one.machine_warning(10 * 2**20)
+    assert warning == ("the local engine's process holds 5.0 MiB of state in memory over 2 "
+                       "subtasks, 50% of this machine's 10.0 MiB: a run whose state grows "
+                       "further may be killed for lack of memory; run it on Spark (--engine "
+                       "spark) or move the job to rocksdb")
