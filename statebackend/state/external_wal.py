@@ -31,7 +31,7 @@ database; a savepoint exports the state as memory-backend files instead.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,18 +39,17 @@ import pyarrow as pa
 
 from statebackend.errors import MetadataError, StateDatabaseError, UsageError
 from statebackend.state.external_store import (
+    ROWS_SCHEMA,
     ExternalRead,
     ExternalStore,
-    Row,
     RowGroup,
     connection,
+    copy_rows,
     table_sql,
 )
 
 WAL_PREFIX = "wal-"  # a WAL file's local name (`wal_name`)
-WAL_SCHEMA = pa.schema([
-    ("key_group", pa.int32()), ("state", pa.string()), ("key", pa.binary()),
-    ("user_key", pa.binary()), ("value", pa.binary())], metadata={b"ckpt_wal": b"1"})
+WAL_SCHEMA = ROWS_SCHEMA.with_metadata({b"ckpt_wal": b"1"})
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS {t}_kv (
@@ -93,15 +92,12 @@ def is_wal_file(local_name: str) -> bool:
     return local_name.startswith(WAL_PREFIX)
 
 
-def write_wal(path: str, rows: Iterable[Row]) -> int:
-    """Write ``rows`` (a subtask's changes in one epoch) as a WAL file; returns the rows."""
-    columns: list[Any] = list(zip(*rows, strict=True)) or [[], [], [], [], []]  # transposed
-    table = pa.Table.from_arrays(
-        [pa.array(c, type=f.type) for c, f in zip(columns, WAL_SCHEMA, strict=True)],
-        schema=WAL_SCHEMA)
+def write_wal(path: str, rows: pa.Table) -> int:
+    """Write ``rows`` (`ROWS_SCHEMA`: a subtask's changes in one epoch) as a WAL file;
+    returns the rows."""
     with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, WAL_SCHEMA) as writer:
-        writer.write_table(table)
-    return int(table.num_rows)
+        writer.write_table(rows.replace_schema_metadata(WAL_SCHEMA.metadata))
+    return int(rows.num_rows)
 
 
 def read_wal(data: bytes, where: str) -> pa.Table:
@@ -171,11 +167,8 @@ def apply(store: ExternalStore, conn: Any, commit: WalCommit, wals: Sequence[pa.
                 f"{current}: nothing applied (restore from a savepoint to go back)")
         conn.execute("CREATE TEMP TABLE ckpt_wal (key_group integer, state text, key bytea, "
                      "user_key bytea, value bytea) ON COMMIT DROP")
-        with conn.cursor() as cur, cur.copy("COPY ckpt_wal FROM STDIN (FORMAT BINARY)") as cp:
-            cp.set_types(["int4", "text", "bytea", "bytea", "bytea"])
-            for wal in wals:
-                for row in zip(*(wal.column(i).to_pylist() for i in range(5)), strict=True):
-                    cp.write_row(row)
+        for wal in wals:
+            copy_rows(conn, "COPY ckpt_wal FROM STDIN (FORMAT BINARY)", wal)
         params = {"job": job, "epoch": commit.epoch, "checkpoint": commit.checkpoint_id}
         for statement in _APPLY:
             conn.execute(table_sql(store, statement), params if "%(" in statement else None)

@@ -33,6 +33,7 @@ from statebackend.state.external_store import (
     ensure_schema,
     load_range,
     newest,
+    rows_table,
     vacuum,
     write_epoch,
 )
@@ -89,11 +90,11 @@ def test_versions_read_their_chain_and_vacuum_keeps_what_retained_versions_read(
     store = table
     with store.connect() as conn:
         ensure_schema(store, conn)
-        write_epoch(store, conn, JOB, 1, (0, 127), [(0, "s", b"a", b"", b"1"),
-                                                    (5, "s", b"b", b"", b"1")])
+        write_epoch(store, conn, JOB, 1, (0, 127), rows_table([(0, "s", b"a", b"", b"1"),
+                                                               (5, "s", b"b", b"", b"1")]))
         commit_version(store, conn, JOB, 1, None)
-        write_epoch(store, conn, JOB, 2, (0, 127), [(0, "s", b"a", b"", b"2"),
-                                                    (5, "s", b"b", b"", None)])
+        write_epoch(store, conn, JOB, 2, (0, 127), rows_table([(0, "s", b"a", b"", b"2"),
+                                                               (5, "s", b"b", b"", None)]))
         assert _rows(store, conn, 1) == {("s", b"a", b""): b"1", ("s", b"b", b""): b"1"}
         with pytest.raises(UsageError, match="version 2 .* is not committed"):
             _rows(store, conn, 2)  # pre-committed only
@@ -101,11 +102,12 @@ def test_versions_read_their_chain_and_vacuum_keeps_what_retained_versions_read(
         assert not commit_version(store, conn, JOB, 2, 1)  # idempotent: applied once
         assert _rows(store, conn, 2) == {("s", b"a", b""): b"2"}
         # a branch from version 1 (a restore of checkpoint 1) does not see version 2
-        write_epoch(store, conn, JOB, 3, (0, 127), [(5, "s", b"c", b"u", b"3")])
+        write_epoch(store, conn, JOB, 3, (0, 127), rows_table([(5, "s", b"c", b"u", b"3")]))
         commit_version(store, conn, JOB, 3, 1)
         assert _rows(store, conn, 3) == {("s", b"a", b""): b"1", ("s", b"b", b""): b"1",
                                          ("s", b"c", b"u"): b"3"}
-        write_epoch(store, conn, JOB, 4, (0, 63), [(1, "s", b"x", b"", b"9")])  # a failure
+        # a failure
+        write_epoch(store, conn, JOB, 4, (0, 63), rows_table([(1, "s", b"x", b"", b"9")]))
         assert discard_uncommitted(store, conn, JOB) == 1
         before = {v: _rows(store, conn, v) for v in (2, 3)}
         result = vacuum(store, conn, JOB, {2: 1, 3: 1})
@@ -113,7 +115,7 @@ def test_versions_read_their_chain_and_vacuum_keeps_what_retained_versions_read(
         assert {v: _rows(store, conn, v) for v in (2, 3)} == before
         # version 5 (over 3) is recorded in _metadata but its commit was cut short: the
         # vacuum keeps its chain through the parent the record names, and its rows
-        write_epoch(store, conn, JOB, 5, (0, 127), [(0, "s", b"a", b"", b"5")])
+        write_epoch(store, conn, JOB, 5, (0, 127), rows_table([(0, "s", b"a", b"", b"5")]))
         result = vacuum(store, conn, JOB, {5: 3})  # checkpoint 2 retired; head (3) kept
         assert (result.rows_deleted, result.versions_deleted) == (2, (2,))
         assert _rows(store, conn, 3) == before[3]

@@ -36,7 +36,7 @@ from statebackend.lifecycle.savepoint import create_savepoint
 from statebackend.rescale.executor import rescale
 from statebackend.state import external_wal
 from statebackend.state.external import ExternalStateBackend
-from statebackend.state.external_store import ExternalRead, ExternalStore, newest
+from statebackend.state.external_store import ExternalRead, ExternalStore, newest, rows_table
 from statebackend.state.external_wal import (
     WalCommit,
     apply,
@@ -97,12 +97,13 @@ def _rows(store, conn, epoch, kgs=(0, 127)) -> dict:
 def test_apply_is_idempotent_by_epoch_and_refuses_another_base(tmp_path, table):
     store = table
     path = str(tmp_path / "wal-1.arrow")
-    assert write_wal(path, [(0, "s", b"a", b"", b"1"), (5, "s", b"b", b"u", b"1")]) == 2
+    assert write_wal(path, rows_table([(0, "s", b"a", b"", b"1"),
+                                       (5, "s", b"b", b"u", b"1")])) == 2
     data = open(path, "rb").read()
     with pytest.raises(MetadataError, match="WAL here is not a readable WAL file"):
         read_wal(data[: len(data) // 2], "here")
     first = read_wal(data, "here")
-    write_wal(path, [(0, "s", b"a", b"", b"2"), (5, "s", b"b", b"u", None)])
+    write_wal(path, rows_table([(0, "s", b"a", b"", b"2"), (5, "s", b"b", b"u", None)]))
     second = read_wal(open(path, "rb").read(), "there")
     with store.connect() as conn:
         ensure_wal_schema(store, conn)
