@@ -160,7 +160,8 @@ CREATE TABLE IF NOT EXISTS {t} (
   job text NOT NULL, key_group integer NOT NULL, state text NOT NULL, key bytea NOT NULL,
   user_key bytea NOT NULL DEFAULT '', value bytea, epoch bigint NOT NULL,
   PRIMARY KEY (job, state, key, user_key, epoch));
-CREATE INDEX IF NOT EXISTS {t}_by_group ON {t} (job, key_group, epoch);
+CREATE INDEX IF NOT EXISTS {t}_by_epoch ON {t} (job, epoch, key_group);
+DROP INDEX IF EXISTS {t}_by_group;
 CREATE TABLE IF NOT EXISTS {t}_versions (
   job text NOT NULL, version bigint NOT NULL, parent bigint,
   committed_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (job, version));
@@ -321,13 +322,29 @@ def commit_version(store: ExternalStore, conn: Any, job: str, version: int,
     return bool(added)
 
 
+# The distinct epochs of a job's rows, one probe of ``{t}_by_epoch`` each (a loose index
+# scan: PostgreSQL has no skip scan), those no committed version names
+_UNCOMMITTED_EPOCHS = """
+WITH RECURSIVE epochs(epoch) AS (
+  SELECT min(epoch) FROM {t} WHERE job = %(job)s
+  UNION ALL
+  SELECT (SELECT min(s.epoch) FROM {t} s WHERE s.job = %(job)s AND s.epoch > e.epoch)
+  FROM epochs e WHERE e.epoch IS NOT NULL)
+SELECT e.epoch FROM epochs e WHERE e.epoch IS NOT NULL AND NOT EXISTS (
+  SELECT 1 FROM {t}_versions v WHERE v.job = %(job)s AND v.version = e.epoch)"""
+
+
 def discard_uncommitted(store: ExternalStore, conn: Any, job: str) -> int:
-    """Delete the rows of epochs no committed version names; returns the rows deleted."""
+    """Delete the rows of epochs no committed version names; returns the rows deleted.
+    Before every run: its cost is the job's epochs and the rows deleted, not the rows
+    kept (a scan of every row took 0.15 s a run at 1.2M rows)."""
     with conn.transaction():
-        return int(conn.execute(table_sql(store, """
-            DELETE FROM {t} s WHERE s.job = %(job)s AND NOT EXISTS (
-              SELECT 1 FROM {t}_versions v WHERE v.job = %(job)s AND v.version = s.epoch)"""),
-            {"job": job}).rowcount)
+        epochs = [int(row[0]) for row in conn.execute(
+            table_sql(store, _UNCOMMITTED_EPOCHS), {"job": job}).fetchall()]
+        if not epochs:
+            return 0
+        return int(conn.execute(table_sql(
+            store, "DELETE FROM {t} WHERE job = %s AND epoch = ANY(%s)"), (job, epochs)).rowcount)
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,35 @@ def test_versions_read_their_chain_and_vacuum_keeps_what_retained_versions_read(
         assert _rows(store, conn, 5) == pending
 
 
+def test_discard_finds_every_uncommitted_epoch_through_the_index_and_old_tables_migrate(table):
+    """The epochs no version names, wherever they fall among the committed ones (one
+    probe of the (job, epoch) index each, no scan of the rows kept), of this job only;
+    a table of an older release gets that index instead of its (job, key_group) one."""
+    store = table
+    with store.connect() as conn:
+        ensure_schema(store, conn)
+        conn.execute(f"DROP INDEX {store.table}_by_epoch")  # as an older release made it
+        conn.execute(f"CREATE INDEX {store.table}_by_group ON {store.table} "
+                     "(job, key_group, epoch)")
+        ensure_schema(store, conn)
+        indexes = {r[0] for r in conn.execute(
+            "SELECT indexname FROM pg_indexes WHERE tablename = %s", (store.table,))}
+        assert indexes == {f"{store.table}_pkey", f"{store.table}_by_epoch"}
+        rows = {e: rows_table([(e % 128, "s", f"k{i}".encode(), b"", b"v")
+                               for i in range(e)]) for e in range(1, 9)}
+        for epoch, parent in ((1, None), (3, 1), (6, 3), (8, 6)):
+            write_epoch(store, conn, JOB, epoch, (0, 127), rows[epoch])
+            commit_version(store, conn, JOB, epoch, parent)
+        for epoch in (2, 4, 5, 7):  # failed or fenced attempts, before and after the head
+            write_epoch(store, conn, JOB, epoch, (0, 127), rows[epoch])
+        write_epoch(store, conn, "another_job", 4, (0, 127), rows[4])
+        assert discard_uncommitted(store, conn, JOB) == 2 + 4 + 5 + 7
+        assert discard_uncommitted(store, conn, JOB) == 0
+        left = conn.execute(f"SELECT job, epoch, count(*) FROM {store.table} "
+                            "GROUP BY job, epoch ORDER BY job, epoch").fetchall()
+        assert left == [("another_job", 4, 4), *((JOB, e, e) for e in (1, 3, 6, 8))]
+
+
 def _days(tmp_path, n: int, keys: int = 400, events: int = 3000):
     return [generate_events(str(tmp_path / f"in{d}"), n_events=events, n_keys=keys,
                             seed=70 + d, start_ts_ms=DEFAULT_START_TS_MS + d * DAY_MS)
