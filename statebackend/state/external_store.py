@@ -343,8 +343,12 @@ def discard_uncommitted(store: ExternalStore, conn: Any, job: str) -> int:
             table_sql(store, _UNCOMMITTED_EPOCHS), {"job": job}).fetchall()]
         if not epochs:
             return 0
-        return int(conn.execute(table_sql(
-            store, "DELETE FROM {t} WHERE job = %s AND epoch = ANY(%s)"), (job, epochs)).rowcount)
+        # (the versions checked again: one committed meanwhile keeps its rows)
+        return int(conn.execute(table_sql(store, """
+            DELETE FROM {t} s WHERE s.job = %(job)s AND s.epoch = ANY(%(epochs)s)
+              AND NOT EXISTS (SELECT 1 FROM {t}_versions v WHERE v.job = %(job)s
+                              AND v.version = s.epoch)"""),
+            {"job": job, "epochs": epochs}).rowcount)
 
 
 @dataclass(frozen=True)
