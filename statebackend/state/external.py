@@ -37,8 +37,8 @@ import pyarrow.compute as pc
 from statebackend.errors import UsageError
 from statebackend.state.backend import LocalSnapshot
 from statebackend.state.codecs import map_key_suffix, split_map_key
+from statebackend.state.external_rows import ROWS_SCHEMA
 from statebackend.state.external_store import (
-    ROWS_SCHEMA,
     ExternalRead,
     ExternalStore,
     database_errors,

@@ -40,24 +40,17 @@ import re
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
-import pyarrow as pa
-
 from statebackend.errors import StateDatabaseError, UsageError
-from statebackend.state.pg_copy import Constant, copy_data
+
+if TYPE_CHECKING:  # Arrow only where rows are written: DAG files import this module
+    import pyarrow as pa
 
 DEFAULT_TABLE = "ckpt_state"
 _TABLE = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
 SCHEMES = ("postgresql", "postgres")
-# Rows are (key_group, state, key, user_key, value): the COPY columns after job and epoch.
-Row = tuple[int, str, bytes, bytes, bytes | None]
-# A subtask's changed entries as columns, one row each (value null: deleted): what a
-# pre-commit writes and a WAL file holds
-ROWS_SCHEMA = pa.schema([("key_group", pa.int32()), ("state", pa.string()),
-                         ("key", pa.binary()), ("user_key", pa.binary()),
-                         ("value", pa.binary())])
 # One key group's rows of one state in one epoch: (key_group, state, keys, user_keys,
 # values), the lists aligned (what `load_range` reads).
 RowGroup = tuple[int, str, list[bytes], list[bytes], list[bytes | None]]
@@ -272,29 +265,15 @@ def newest(groups: Iterable[RowGroup], entry_keys: EntryKeys = _pairs
     return tables
 
 
-def rows_table(rows: Iterable[Row]) -> pa.Table:
-    """``rows`` as a `ROWS_SCHEMA` table."""
-    columns: list[Any] = list(zip(*rows, strict=True)) or [[]] * len(ROWS_SCHEMA)
-    return pa.Table.from_arrays([pa.array(c, type=f.type) for c, f in
-                                 zip(columns, ROWS_SCHEMA, strict=True)], schema=ROWS_SCHEMA)
-
-
-def copy_rows(conn: Any, sql: str, rows: pa.Table, *,
-              before: Iterable[Constant] = (), after: Iterable[Constant] = ()) -> None:
-    """``COPY ... FROM STDIN (FORMAT BINARY)`` (``sql``) of ``rows`` (`ROWS_SCHEMA`),
-    with ``before`` and ``after`` as columns of the same value on every row: built a
-    column at a time (`statebackend.state.pg_copy`), sent in one write."""
-    data = copy_data([*before, *rows.columns, *after], rows.num_rows)
-    with conn.cursor() as cur, cur.copy(sql) as copy:
-        copy.write(data)
-
-
 def write_epoch(store: ExternalStore, conn: Any, job: str, epoch: int,
                 key_groups: tuple[int, int], rows: pa.Table) -> int:
     """Pre-commit: replace what ``epoch`` holds in key groups [start, end] with ``rows``
     (`ROWS_SCHEMA`; a retried subtask overwrites its earlier attempt), in one
     transaction; returns the rows written. Invisible to readers until `commit_version`
     names the epoch."""
+    from statebackend.state.external_rows import copy_rows
+    from statebackend.state.pg_copy import Constant
+
     with conn.transaction():
         conn.execute(table_sql(store, "DELETE FROM {t} WHERE job = %s AND epoch = %s AND "
                                       "key_group BETWEEN %s AND %s"),

@@ -38,13 +38,12 @@ from typing import Any
 import pyarrow as pa
 
 from statebackend.errors import MetadataError, StateDatabaseError, UsageError
+from statebackend.state.external_rows import ROWS_SCHEMA, copy_rows
 from statebackend.state.external_store import (
-    ROWS_SCHEMA,
     ExternalRead,
     ExternalStore,
     RowGroup,
     connection,
-    copy_rows,
     table_sql,
 )
 

@@ -25,6 +25,7 @@ from statebackend.errors import UsageError
 from statebackend.job import JobRunError, RunConfig, external_commit, run_job
 from statebackend.rescale.executor import RescaleOptions, rescale
 from statebackend.state.external import ExternalStateBackend
+from statebackend.state.external_rows import rows_table
 from statebackend.state.external_store import (
     ExternalRead,
     ExternalStore,
@@ -33,7 +34,6 @@ from statebackend.state.external_store import (
     ensure_schema,
     load_range,
     newest,
-    rows_table,
     vacuum,
     write_epoch,
 )
