@@ -271,6 +271,7 @@ def write_epoch(store: ExternalStore, conn: Any, job: str, epoch: int,
     (`ROWS_SCHEMA`; a retried subtask overwrites its earlier attempt), in one
     transaction; returns the rows written. Invisible to readers until `commit_version`
     names the epoch."""
+    # Arrow and NumPy only where rows are written (DAG files import this module)
     from statebackend.state.external_rows import copy_rows
     from statebackend.state.pg_copy import Constant
 
