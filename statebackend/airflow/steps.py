@@ -295,10 +295,9 @@ def validate_store(store, options=None, *, run_id: str | None = None,
     options = replace(options or ValidationOptions(), state_checks=checks or None)
     if run_id is not None:
         meta = store.find_by_run_id(run_id)
-        retired = _retired_run(store, run_id) if meta is None else None
-        if retired is not None:
-            return retired
         if meta is None:
+            if (retired := _retired_run(store, run_id)) is not None:
+                return retired
             raise CkptError(f"no checkpoint of job {store.job!r} was committed by run "
                             f"{run_id!r}; the job task did not finish or retention already "
                             "removed it")

@@ -27,7 +27,6 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterable, Sequence
-from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -49,9 +48,7 @@ from statebackend.state.external_store import (
 from statebackend.state.external_wal import is_wal_file, load_current, wal_name, write_wal
 from statebackend.state.keygroups import key_group_prefix
 from statebackend.state.memory import MemoryStateBackend
-from statebackend.state.memory_table import MemoryTable
-
-_KEY_GROUP = itemgetter(slice(0, 2))  # a backend key's 2-byte key-group prefix
+from statebackend.state.memory_table import MemoryTable, key_group_prefix_of
 
 
 class ExternalTable(MemoryTable):
@@ -208,7 +205,7 @@ class ExternalStateBackend(MemoryStateBackend):
             if not table.written:
                 continue
             raw = sorted(table.written)
-            groups = np.frombuffer(b"".join(map(_KEY_GROUP, raw)), ">u2").astype(np.int32)
+            groups = np.frombuffer(b"".join(map(key_group_prefix_of, raw)), ">u2").astype(np.int32)
             if self._is_map(table.name):
                 keys, user_keys = (pa.array(c, pa.binary()) for c in
                                    zip(*(_split(k, True) for k in raw), strict=True))

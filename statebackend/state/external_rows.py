@@ -17,20 +17,10 @@ import pyarrow as pa
 
 from statebackend.state.pg_copy import Constant, copy_data
 
-# (key_group, state, key, user_key, value): a row of `ROWS_SCHEMA` (the COPY's columns
-# after the job's name and the epoch)
-Row = tuple[int, str, bytes, bytes, bytes | None]
-
+# One row per entry written since the last snapshot; ``value`` null: deleted
 ROWS_SCHEMA = pa.schema([("key_group", pa.int32()), ("state", pa.string()),
                          ("key", pa.binary()), ("user_key", pa.binary()),
                          ("value", pa.binary())])
-
-
-def rows_table(rows: Iterable[Row]) -> pa.Table:
-    """``rows`` as a `ROWS_SCHEMA` table."""
-    columns: list[Any] = list(zip(*rows, strict=True)) or [[]] * len(ROWS_SCHEMA)
-    return pa.Table.from_arrays([pa.array(c, type=f.type) for c, f in
-                                 zip(columns, ROWS_SCHEMA, strict=True)], schema=ROWS_SCHEMA)
 
 
 def copy_rows(conn: Any, sql: str, rows: pa.Table, *,

@@ -36,7 +36,7 @@ from statebackend.errors import UsageError
 ENTRY_OVERHEAD = 120
 _EMPTY: set[bytes] = set()
 _first, _second = itemgetter(0), itemgetter(1)
-_key_group_of = itemgetter(slice(0, 2))  # a key's 2-byte key-group prefix
+key_group_prefix_of = itemgetter(slice(0, 2))  # a key's 2-byte key-group prefix
 
 
 def _entry_bytes(keys: Sequence[bytes]) -> int:
@@ -111,7 +111,7 @@ class MemoryTable:
     def _added_many(self, keys: Sequence[bytes]) -> int:
         """Distinct new ``keys`` join their key groups' key sets (out of order now); their
         bytes beyond the values'. In the sets' own loops: timers are new keys every run."""
-        prefixes = list(map(_key_group_of, keys))
+        prefixes = list(map(key_group_prefix_of, keys))
         parts, changed = self.parts, set(prefixes)
         for prefix in changed.difference(parts):
             parts[prefix] = set()
@@ -145,7 +145,7 @@ class MemoryTable:
         self._mutations += 1
         self._last_read = None
         data.update(zip(keys, values, strict=True))
-        account.changed.update(map(_key_group_of, keys))
+        account.changed.update(map(key_group_prefix_of, keys))
         # A key written twice in one batch counts its first old value twice: the count
         # is an estimate (ENTRY_OVERHEAD), kept exact for the state kinds' batches,
         # which write each key once.
@@ -170,7 +170,7 @@ class MemoryTable:
             keys, olds = list(compress(keys, present)), list(compress(olds, present))
             if not keys:
                 return
-        prefixes = list(map(_key_group_of, keys))
+        prefixes = list(map(key_group_prefix_of, keys))
         deque(map(set.discard, map(self.parts.__getitem__, prefixes), keys), maxlen=0)
         for prefix in set(prefixes):
             self._sorted.pop(prefix, None)

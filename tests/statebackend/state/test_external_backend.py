@@ -15,6 +15,7 @@ import socket
 import threading
 
 import psycopg
+import pyarrow as pa
 import pytest
 
 from demo.sample_data import DAY_MS, DEFAULT_START_TS_MS, expected_totals, generate_events
@@ -25,7 +26,7 @@ from statebackend.errors import UsageError
 from statebackend.job import JobRunError, RunConfig, external_commit, run_job
 from statebackend.rescale.executor import RescaleOptions, rescale
 from statebackend.state.external import ExternalStateBackend
-from statebackend.state.external_rows import rows_table
+from statebackend.state.external_rows import ROWS_SCHEMA
 from statebackend.state.external_store import (
     ExternalRead,
     ExternalStore,
@@ -78,6 +79,13 @@ def table(postgres_server, request):
         for suffix in ("", "_versions", "_head"):
             conn.execute(f"DROP TABLE IF EXISTS {store.table}{suffix}")
     return store
+
+
+def rows_table(rows) -> pa.Table:
+    """(key_group, state, key, user_key, value) tuples as a pre-commit's table."""
+    columns = list(zip(*rows, strict=True)) or [[]] * len(ROWS_SCHEMA)
+    return pa.Table.from_arrays([pa.array(c, type=f.type) for c, f in
+                                 zip(columns, ROWS_SCHEMA, strict=True)], schema=ROWS_SCHEMA)
 
 
 def _rows(store, conn, version, kgs=(0, 127), parent=None):

@@ -36,7 +36,6 @@ from statebackend.lifecycle.savepoint import create_savepoint
 from statebackend.rescale.executor import rescale
 from statebackend.state import external_wal
 from statebackend.state.external import ExternalStateBackend
-from statebackend.state.external_rows import rows_table
 from statebackend.state.external_store import ExternalRead, ExternalStore, newest
 from statebackend.state.external_wal import (
     WalCommit,
@@ -57,6 +56,7 @@ from tests.statebackend.state.test_external_backend import (
     _summary,
     _want,
     assert_reads_are_committed_states,
+    rows_table,
 )
 
 
