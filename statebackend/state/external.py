@@ -71,7 +71,7 @@ class ExternalTable(MemoryTable):
         super().delete_many(keys)
 
     def drop_part(self, prefix: bytes) -> None:
-        self.written.update(self.parts.get(prefix, ()))
+        self.written.update(self.sorted_keys(prefix))
         super().drop_part(prefix)
 
 
@@ -122,7 +122,7 @@ class ExternalStateBackend(MemoryStateBackend):
         not a change); returns the entries read. Local state is replaced."""
         self.attach(read.store, read.job, mode=read.mode)
         for table in self._cfs.values():
-            for prefix in list(table.parts):
+            for prefix in table.key_group_prefixes():
                 table.load(prefix, (), ())
         kgr = self.key_group_range
         entries = 0

@@ -274,7 +274,7 @@ class MemoryStateBackend(KeyedStateBackend):
             if getattr(table, "dtype", None) == self._record_dtype(name):
                 continue
             out[name] = fresh = self._new_table(name)
-            for prefix in sorted(table.parts):
+            for prefix in table.key_group_prefixes():
                 keys = list(table.sorted_keys(prefix))
                 values = table.get(keys)
                 table.drop_part(prefix)  # first: one account counts each entry once
@@ -307,7 +307,7 @@ class MemoryStateBackend(KeyedStateBackend):
             return
         self._states.pop(name, None)
         self._cf_names.remove(name)
-        for prefix in list(table.parts):
+        for prefix in table.key_group_prefixes():
             table.drop_part(prefix)
             self.account.changed.add(prefix)
         self._dirty = True

@@ -1,13 +1,13 @@
 """A record value state of the memory backend, held as rows of one NumPy array.
 
-A `RecordTable` is a `MemoryTable` (the same byte-key contract, key-group parts, order
-and accounting) for a value state whose codec is a fixed-width `RecordCodec` and which
-has no TTL: ``data`` maps each key to its row in ``rows`` (a structured array of the
-codec's dtype, format byte first) instead of to a bytes object. The job API's columnar
-calls (`ValueBatch.value_columns` / `update_columns`) then read and write whole
-columns (`read_records`, `write_records`): one dictionary lookup per key (none for a
-write right after the read of the same keys) and NumPy gathers and scatters; no bytes
-object per value, no encoding or decoding, no Python step per changed key group.
+A `RecordTable` is a `MemoryTable` (the same byte-key contract, order and accounting)
+for a value state whose codec is a fixed-width `RecordCodec` and which has no TTL:
+``data`` maps each key to its row in ``rows`` (a structured array of the codec's dtype,
+format byte first) instead of to a bytes object. The job API's columnar calls
+(`ValueBatch.value_columns` / `update_columns`) then read and write whole columns
+(`read_records`, `write_records`): one dictionary lookup per key (none for a write right
+after the read of the same keys) and NumPy gathers and scatters; no bytes object per
+value, no encoding or decoding, no Python step per changed key group.
 
 A snapshot gets the rows of its key groups in key order (one NumPy gather, written as
 byte planes: `memory_files`' layout 1) and the key column from a cache kept while the
@@ -254,8 +254,9 @@ class RecordTable(MemoryTable):
         if self._key_column is None or self._appended:
             self._key_column = self._sorted_key_column()
         key_column, rows, key_groups = self._key_column
-        counts = {p: len(self.parts[p]) for p in prefixes if self.parts.get(p)}
-        if len(counts) != sum(1 for part in self.parts.values() if part):
+        per_group = np.bincount(key_groups, minlength=1 << 16)
+        counts = {p: n for p in prefixes if (n := int(per_group[key_group_of_rocks_key(p)]))}
+        if sum(counts.values()) != len(rows):
             wanted = np.isin(key_groups, list(map(key_group_of_rocks_key, counts)))
             key_column, rows = key_column.filter(pa.array(wanted)), rows[wanted]
         return key_column, self.rows[rows].view(np.uint8).reshape(len(rows), self.width), \

@@ -56,8 +56,17 @@ def _random_key(rng: random.Random) -> bytes:
     return kg.to_bytes(2, "big") + bytes(rng.randrange(256) for _ in range(rng.randint(0, 4)))
 
 
-def test_memory_table_reads_like_a_rocksdb_column_family(tmp_path):
-    rng = random.Random(7)
+def _group_bounds(kg: int) -> tuple[bytes, bytes | None]:
+    return kg.to_bytes(2, "big"), (kg + 1).to_bytes(2, "big") if kg < 65535 else None
+
+
+@pytest.mark.parametrize("seed, check_every", [(7, 100), (8, 3), (9, 1)])
+def test_memory_table_reads_like_a_rocksdb_column_family(tmp_path, seed, check_every):
+    """Random writes, deletes, range deletes and key-group loads, and between them (every
+    step to every 100th) scans, counts, edge keys, ordered entries and multi-gets, equal
+    to a RocksDB column family's: the table's ordered key list, kept across deletes and
+    a few inserts, and made again after more, answers like RocksDB's order."""
+    rng = random.Random(seed)
     db = Rdict(str(tmp_path / "ref"), Options(raw_mode=True))
     account = MemoryAccount(None, "test")
     table = MemoryTable("t", account)
@@ -71,21 +80,31 @@ def test_memory_table_reads_like_a_rocksdb_column_family(tmp_path):
         elif op < 0.6:  # the state kinds' batch write: puts, then deletes
             # each key once, as the state kinds write (the byte count is exact for those)
             pairs = list({_random_key(rng): bytes([step % 256])
-                          for _ in range(rng.randint(0, 5))}.items())
+                          for _ in range(rng.randint(0, 5 if rng.random() < 0.9 else 90))
+                          }.items())
             gone = [_random_key(rng) for _ in range(rng.randint(0, 2))]
             for k, v in pairs:
                 db.put(k, v)
             for k in gone:
                 db.delete(k)
             table.write_many(pairs, gone)
-        elif op < 0.9:
+        elif op < 0.88:
             db.delete(key)
             table.delete(key)
+        elif op < 0.9:  # a restore's load of one key group (sorted keys), or its drop
+            kg = int.from_bytes(key[:2], "big")
+            lower, upper = _group_bounds(kg)
+            loaded = sorted({kg.to_bytes(2, "big") + bytes([rng.randrange(256)])
+                             for _ in range(rng.randint(0, 6))})
+            db.delete_range(lower, upper or b"\xff" * 3)
+            for k in loaded:
+                db.put(k, b"L")
+            table.load(lower, loaded, [b"L"] * len(loaded))
         else:
             lo, hi = sorted((key, _random_key(rng)))
             db.delete_range(lo, hi)
             table.delete_range(lo, hi)
-        if step % 100 == 0:
+        if step % check_every == 0:
             lo, hi = sorted((_random_key(rng), _random_key(rng)))
             for bounds in ((None, None), (lo, None), (None, hi), (lo, hi)):
                 assert list(checked_scan(table, "t", *bounds)) == \
@@ -93,6 +112,21 @@ def test_memory_table_reads_like_a_rocksdb_column_family(tmp_path):
                 assert checked_count(table, "t", *bounds) == checked_count(db, "db", *bounds)
                 assert checked_entries(table, "t", *bounds, values=False)[0] == \
                     checked_entries(db, "db", *bounds, values=False)[0]
+            everything = list(db.items())
+            groups = sorted({k[:2] for k, _ in everything})
+            assert table.key_group_prefixes() == groups
+            assert table.edge_keys() == ((everything[0][0], everything[-1][0])
+                                         if everything else None)
+            for prefix in groups:
+                mine = [k for k, _ in everything if k[:2] == prefix]
+                assert table.edge_keys(prefix) == (mine[0], mine[-1])
+            if rng.random() < 0.3:  # a snapshot: some key groups' entries in key order
+                wanted = sorted(rng.sample(groups, min(len(groups), rng.randint(1, 4))))
+                rows = [(k, v) for k, v in everything if k[:2] in wanted]
+                keys_out, values_out, counts = table.ordered_entries(wanted)
+                assert list(zip(keys_out, values_out, strict=True)) == rows
+                assert counts == {p: n for p in wanted
+                                  if (n := sum(1 for k, _ in rows if k[:2] == p))}
             probe = [_random_key(rng) for _ in range(50)]
             assert multi_get(table, probe) == multi_get(db, probe)
             # the bytes held, kept by every put and delete, as counted from scratch
