@@ -342,8 +342,8 @@ class MemoryTable:
         data, account = self.data, self._account
         self._mutations += 1
         self._last_read = None
-        if prefix in self._groups:
-            gone = self.sorted_keys(prefix)
+        gone = self.sorted_keys(prefix) if prefix in self._groups else []
+        if gone:
             self._forget(gone, list(map(data.pop, gone)))
             self._holes = self._order is not None
         if not keys:
