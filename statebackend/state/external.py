@@ -81,6 +81,7 @@ class ExternalStateBackend(MemoryStateBackend):
     kind = "external"
     table_class = ExternalTable
     record_tables = False  # every table remembers its written keys (ExternalTable)
+    timer_keys_index = False  # and so does ``_timer_keys``: its rows are the database's
 
     def _open_instance(self, read_only: bool) -> None:
         self.store: ExternalStore | None = None

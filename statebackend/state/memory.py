@@ -62,11 +62,12 @@ from statebackend.errors import CorruptStateError, UsageError
 from statebackend.state import memory_files
 from statebackend.state.backend import KeyedStateBackend, LocalSnapshot
 from statebackend.state.codecs import RecordCodec
-from statebackend.state.families import INTERNAL_STATES
+from statebackend.state.families import INTERNAL_STATES, TIMER_KEYS, TIMERS
 from statebackend.state.keygroups import key_group_prefix
 from statebackend.state.kinds import internal_descriptor
 from statebackend.state.memory_records import RecordTable
 from statebackend.state.memory_table import MemoryAccount, MemoryTable, MemoryWriteBatch
+from statebackend.state.memory_timer_keys import TimerKeysIndex
 
 FILES_DIR = "files"
 SUFFIX = ".kgs"
@@ -155,12 +156,13 @@ class MemoryStateBackend(KeyedStateBackend):
     files_dir = FILES_DIR
     table_class: type[MemoryTable] = MemoryTable  # one per column family
     record_tables = True  # a record value state without TTL: a RecordTable (its rows)
+    timer_keys_index = True  # ``_timer_keys`` derived from ``_timers`` until read
 
     def _open_instance(self, read_only: bool) -> None:
         del read_only  # nothing on disk is opened: a read-only instance just never snapshots
         self.account = MemoryAccount(None, self.label)
-        self._cf_names = sorted(self.descriptors)
-        self._cfs = {n: self._new_table(n) for n in self._cf_names}
+        self._cfs = self._new_tables(self.descriptors, {})
+        self._cf_names = sorted(self._cfs)
         self._handles = self._cfs
         self.compression: str | None = None
         self._db = None
@@ -244,9 +246,7 @@ class MemoryStateBackend(KeyedStateBackend):
 
     def ensure_family(self, name: str) -> None:
         if name not in self._cfs:
-            if name in INTERNAL_STATES:
-                self.descriptors.setdefault(name, internal_descriptor(name))
-            self._cfs[name] = self._new_table(name)
+            self._cfs = self._new_tables([name], self._cfs)
             self._cf_names = sorted(self._cfs)
 
     def _record_dtype(self, name: str) -> np.dtype | None:
@@ -257,7 +257,21 @@ class MemoryStateBackend(KeyedStateBackend):
             return desc.codec.dtype
         return None
 
-    def _new_table(self, name: str) -> MemoryTable:
+    def _new_tables(self, names: Iterable[str], tables: dict[str, MemoryTable]
+                    ) -> dict[str, MemoryTable]:
+        """``tables`` and a new table for each of ``names``: the timers' index after the
+        timers' table, which it reads (`TimerKeysIndex`)."""
+        out = dict(tables)
+        wanted = set(names) | ({TIMERS} if TIMER_KEYS in names else set())
+        for name in sorted(wanted - out.keys(), key=lambda n: n == TIMER_KEYS):
+            out[name] = self._new_table(name, out)
+            if name in INTERNAL_STATES:
+                self.descriptors.setdefault(name, internal_descriptor(name))
+        return out
+
+    def _new_table(self, name: str, tables: Mapping[str, MemoryTable]) -> MemoryTable:
+        if name == TIMER_KEYS and self.timer_keys_index:
+            return TimerKeysIndex(name, self.account, tables[TIMERS])
         dtype = self._record_dtype(name)
         if dtype is None:
             return self.table_class(name, self.account)
@@ -267,13 +281,11 @@ class MemoryStateBackend(KeyedStateBackend):
         """A live instance's tables as this backend's states want them: the job may have
         changed since (a state added; a record layout changed, which the migration
         rewrites next): a table of the wrong kind moves its entries into a new one."""
-        out = dict(tables)
-        for name in self.descriptors.keys() - out.keys():
-            out[name] = self._new_table(name)
+        out = self._new_tables(self.descriptors, tables)
         for name, table in tables.items():
             if getattr(table, "dtype", None) == self._record_dtype(name):
                 continue
-            out[name] = fresh = self._new_table(name)
+            out[name] = fresh = self._new_table(name, out)
             for prefix in table.key_group_prefixes():
                 keys = list(table.sorted_keys(prefix))
                 values = table.get(keys)

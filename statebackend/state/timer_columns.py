@@ -4,12 +4,13 @@
 column-wise: NumPy writes the fixed-width parts (key group, domain, time, key length)
 as rows, Arrow joins them with the keys and tags. `parse_timer_key_columns` splits a
 batch of ``_timers`` keys into the columns a timer handler gets (`FIRED_SCHEMA`) and
-builds their ``_timer_keys`` keys from the same bytes. No Python step per timer, where
+builds their ``_timer_keys`` keys from the same bytes; `reverse_key_column` builds
+those alone, for a column of ``_timers`` keys. No Python step per timer, where
 `timer_key`, `reverse_key` and `parse_timer_key` take one each (a microsecond or two:
 registering, deleting and firing were most of a columnar job's run).
 
-Both give the bytes of the per-timer functions (tested against them). A batch the
-parser does not take (a key that does not fit the layout, a tag, a key that is not
+They give the bytes of the per-timer functions (tested against them). A batch they
+do not take (a key that does not fit the layout, a tag, a key that is not
 UTF-8) comes back as None: the caller parses it a timer at a time, whose errors name
 the bytes at fault.
 """
@@ -66,13 +67,8 @@ def parse_timer_key_columns(timer_keys: list[bytes], *, reverse: bool = True
     docstring)."""
     n = len(timer_keys)
     keys = pa.array(timer_keys, pa.binary())
-    offsets = np.frombuffer(keys.buffers()[1], np.int32, n + 1)
-    lengths = np.diff(offsets)
-    if not n or (lengths < _WIDTH).any():
-        return None
-    data = np.frombuffer(keys.buffers()[2], np.uint8)
-    head = np.ascontiguousarray(data[offsets[:-1, None] + np.arange(_WIDTH)]).view(_HEAD)[:, 0]
-    if (head["length"].astype(np.int64) + _WIDTH != lengths).any():  # a tag, or no fit
+    head = _tagless_heads(keys)
+    if head is None:
         return None
     domains = np.unique(head["domain"])
     if not set(domains.tolist()) <= DOMAIN_NAMES.keys():
@@ -88,10 +84,44 @@ def parse_timer_key_columns(timer_keys: list[bytes], *, reverse: bool = True
                       pa.array(head["key_group"].astype(np.int32))], schema=FIRED_SCHEMA)
     if not reverse:
         return table, []
-    reverse_keys = pc.binary_join_element_wise(
+    return table, _reordered(keys).to_pylist()
+
+
+def reverse_key_column(timer_keys: pa.Array) -> pa.Array | None:
+    """The ``_timer_keys`` keys of ``_timers`` keys ``timer_keys`` (Arrow binary, in
+    their order), or None unless every one is a timer without a tag that fits the
+    layout (take them a timer at a time)."""
+    keys = timer_keys.cast(pa.binary())
+    if not len(keys):
+        return keys
+    if keys.offset:  # a slice: its buffers start before it
+        keys = pa.concat_arrays([keys])
+    return _reordered(keys) if _tagless_heads(keys) is not None else None
+
+
+def _tagless_heads(keys: pa.Array) -> np.ndarray | None:
+    """The fixed-width heads of ``_timers`` keys (an unsliced Arrow binary array), or
+    None unless each key is its head, the framed key and no tag (none: an empty array)."""
+    n = len(keys)
+    if not n:
+        return None
+    offsets = np.frombuffer(keys.buffers()[1], np.int32, n + 1)
+    lengths = np.diff(offsets)
+    if (lengths < _WIDTH).any():
+        return None
+    data = np.frombuffer(keys.buffers()[2], np.uint8)
+    head = np.ascontiguousarray(data[offsets[:-1, None] + np.arange(_WIDTH)]).view(_HEAD)[:, 0]
+    if (head["length"].astype(np.int64) + _WIDTH != lengths).any():  # a tag, or no fit
+        return None
+    return head
+
+
+def _reordered(keys: pa.Array) -> pa.Array:
+    """Tagless ``_timers`` keys as ``_timer_keys`` keys: the same bytes, the framed key
+    moved before the domain and time."""
+    return pc.binary_join_element_wise(
         pc.binary_slice(keys, 0, 2), pc.binary_slice(keys, 11, _END),
         pc.binary_slice(keys, 2, 11), pa.scalar(b"", pa.binary()))
-    return table, reverse_keys.to_pylist()
 
 
 def _as_binary(rows: np.ndarray, kind: pa.DataType) -> pa.Array:
