@@ -506,6 +506,12 @@ class KeyedStateBackend:
         backend takes the two lists as they are)."""
         self.write_pairs(handle, zip(keys, values, strict=True), (), changes)
 
+    @property
+    def keeps_timer_keys(self) -> bool:
+        """Whether timer writes go to ``_timer_keys`` too (the memory backend derives it
+        from ``_timers`` until it is read: `memory_timer_keys`)."""
+        return True
+
     def write_keys(self, families: Sequence[tuple[ColumnFamily, Sequence[bytes]]], *,
                    delete: bool = False) -> None:
         """One write of keys with empty values (``delete``: their deletion) in each of

@@ -244,6 +244,11 @@ class MemoryStateBackend(KeyedStateBackend):
     def is_shared_file(self, name: str) -> bool:
         return name.endswith(SUFFIX)
 
+    @property
+    def keeps_timer_keys(self) -> bool:
+        index = self._cfs.get(TIMER_KEYS)
+        return not isinstance(index, TimerKeysIndex) or index.built
+
     def ensure_family(self, name: str) -> None:
         if name not in self._cfs:
             self._cfs = self._new_tables([name], self._cfs)

@@ -39,10 +39,11 @@ _END = 1 << 30  # binary_slice's "to the end" (its default stop fails on pyarrow
 
 
 def timer_key_columns(key_groups: np.ndarray, key_bytes: pa.Array, times: np.ndarray,
-                      domain: bytes, tags: Sequence[str] | None) -> tuple[list[bytes],
-                                                                          list[bytes]]:
-    """(``_timers`` keys, ``_timer_keys`` keys) of the timers (key group, serialized key,
-    time as int64, tag; no tags: every tag empty), in their order."""
+                      domain: bytes, tags: Sequence[str] | None, *, reverse: bool = True
+                      ) -> tuple[list[bytes], list[bytes]]:
+    """(``_timers`` keys, ``_timer_keys`` keys; none with ``reverse=False``) of the timers
+    (key group, serialized key, time as int64, tag; no tags: every tag empty), in their
+    order."""
     n = len(key_bytes)
     head = np.empty(n, _HEAD)
     head["key_group"] = key_groups
@@ -54,6 +55,8 @@ def timer_key_columns(key_groups: np.ndarray, key_bytes: pa.Array, times: np.nda
     tail = [] if tags is None else [pa.array(tags, pa.string()).cast(kind)]
     joined = pa.scalar(b"", kind)
     fwd = pc.binary_join_element_wise(_as_binary(rows, kind), key_bytes, *tail, joined)
+    if not reverse:
+        return fwd.to_pylist(), []
     rev = pc.binary_join_element_wise(_as_binary(rows[:, _KEY_GROUP_AND_LENGTH], kind),
                                       key_bytes, _as_binary(rows[:, _DOMAIN_AND_TIME], kind),
                                       *tail, joined)

@@ -20,6 +20,7 @@ from statebackend.state.state_table import TIMER_SCHEMA, StateRead, read_span
 from statebackend.state.timer_columns import (
     FIRED_SCHEMA,
     parse_timer_key_columns,
+    reverse_key_column,
     timer_key_columns,
 )
 from statebackend.state.timers import (
@@ -51,6 +52,13 @@ def test_built_keys_equal_the_per_timer_layout(timers, domain, tags):
             for i, (kg, k, t) in enumerate(timers)]
     assert fwd == [timer_key(*e) for e in each]
     assert rev == [reverse_key(*e) for e in each]
+    # a backend that derives the reverse lookup asks for the queue's keys alone
+    assert timer_key_columns(kgs, key_bytes, times, dom, tags, reverse=False) == (fwd, [])
+    derived = reverse_key_column(pa.array(fwd, pa.binary()))
+    if tags is None or not any(tags):  # tagless: column-wise; a tag: a timer at a time
+        assert derived is not None and derived.to_pylist() == rev
+    else:
+        assert derived is None
 
 
 @settings(max_examples=200, deadline=None)
@@ -74,14 +82,21 @@ def test_parsed_columns_equal_the_per_timer_parse(timers, domain):
 
 
 def test_what_the_parser_does_not_take_is_left_to_the_per_timer_parse():
+    """The parser refuses what does not fit the layout, a tag, an unknown domain and a
+    key that is not UTF-8; the reverse keys' builder (which reorders bytes and reads
+    neither the domain nor the key as text) refuses the first three."""
     good = timer_key(3, b"\x00", 5, b"user", "")
     assert parse_timer_key_columns([good]) is not None
-    for bad in (timer_key(3, b"\x00", 5, b"user", "tag"),  # a tag
-                good[:14],  # shorter than the head
-                good[:-1],  # the key is shorter than its length says
-                good[:2] + b"\x07" + good[3:],  # an unknown time domain
-                timer_key(3, b"\x00", 5, b"\xff\xfe", "")):  # a key that is not UTF-8
+    assert reverse_key_column(pa.array([good], pa.binary())).to_pylist() == \
+        [reverse_key(3, b"\x00", 5, b"user", "")]
+    for bad, reversible in ((timer_key(3, b"\x00", 5, b"user", "tag"), False),  # a tag
+                            (good[:14], False),  # shorter than the head
+                            (good[:-1], False),  # the key is shorter than its length says
+                            (good[:2] + b"\x07" + good[3:], True),  # an unknown time domain
+                            (timer_key(3, b"\x00", 5, b"\xff\xfe", ""), True)):  # not UTF-8
         assert parse_timer_key_columns([good, bad]) is None
+        assert (reverse_key_column(pa.array([good, bad], pa.binary())) is not None) == \
+            reversible
 
 
 @pytest.mark.parametrize("kind", ["rocksdb", "memory"])
