@@ -4,8 +4,8 @@ Every timer is one ``_timers`` key and one ``_timer_keys`` key, the same parts i
 another order (`statebackend.state.timers`). RocksDB writes both. In memory the second
 doubles each timer's hash-table steps (registered, moved, fired): about 16% of a
 sessionization run at 100,000 users, for an index that a run reads only to list one
-key's timers (`timers_of`, the job API's ``Timers.list``), and the state's readers
-(dump, validation, conversion) read afterwards.
+key's timers (`timers_of`, the job API's ``Timers.list``), and that the state's readers
+(validation, conversion to another backend) read afterwards; dumps leave it out.
 
 So `TimerKeysIndex` holds nothing until something reads it:
 
