@@ -25,6 +25,7 @@ from statebackend.job import (
 from statebackend.job.core import SubtaskProcessor
 from statebackend.job.spark_direct import max_event_time_read
 from statebackend.state.backend import KeyedStateBackend
+from statebackend.state.backend_kinds import new_backend
 from statebackend.state.keygroups import KeyGroupRange
 from statebackend.state.timers import iter_timers
 from statebackend.state.ttl import StateTtl
@@ -60,8 +61,9 @@ def job_with(handler, **inp) -> Job:
                on_timer=handler)
 
 
-def processor(tmp_path, job: Job, **time) -> tuple[KeyedStateBackend, SubtaskProcessor]:
-    be = KeyedStateBackend(str(tmp_path / "db"), job.descriptors, M, KeyGroupRange(0, M - 1))
+def processor(tmp_path, job: Job, kind: str = "rocksdb", **time
+              ) -> tuple[KeyedStateBackend, SubtaskProcessor]:
+    be = new_backend(kind, str(tmp_path / "db"), job.descriptors, M, KeyGroupRange(0, M - 1))
     return be, SubtaskProcessor(job, be, **time)
 
 
@@ -94,11 +96,14 @@ def _per_key_handler(key: str, timers: list, state) -> list[dict]:
     return rows
 
 
-def test_per_key_handler_once_per_key_per_chunk(tmp_path):
+# memory: the handler's list of its timers builds the memory backend's derived reverse
+# lookup in the middle of a firing pass (statebackend.state.memory_timer_keys)
+@pytest.mark.parametrize("kind", ["rocksdb", "memory"])
+def test_per_key_handler_once_per_key_per_chunk(tmp_path, kind):
     job = Job(name="t", input=Input(SCHEMA, "k", event_time="ts"), states=(value_state("n"),),
               outputs=(OUT,), logic=Vectorized(_logic_register),
               on_timer=PerKey(_per_key_handler))
-    be, proc = processor(tmp_path, job, new_watermark=25)
+    be, proc = processor(tmp_path, job, kind, new_watermark=25)
     proc.process(pa.table({"k": ["a", "a", "a", "b"], "ts": [9, 1, 30, 2]}, schema=SCHEMA))
     result = proc.finish()
     fired = result.outputs["fired"].to_pylist()
@@ -107,6 +112,7 @@ def test_per_key_handler_once_per_key_per_chunk(tmp_path):
     # a: its chunk (11, 19), then the pass its handler started (21); b: once
     assert result.counters == {"calls": 3} and result.timers_fired == 4
     assert list(iter_timers(be)) == []  # 40 deleted by the handler
+    assert be.keeps_timer_keys  # memory: the handler's list built the reverse lookup
     be.close()
 
 
