@@ -51,10 +51,22 @@ def _entry_bytes(keys: Sequence[bytes]) -> int:
     return sum(map(len, keys)) + ENTRY_OVERHEAD * len(keys)
 
 
-def _after_group(prefix: bytes) -> bytes | None:
-    """The first key-group prefix after ``prefix`` (None: it is the last)."""
-    n = int.from_bytes(prefix, "big") + 1
-    return n.to_bytes(2, "big") if n < 1 << 16 else None
+def _group_bounds(order: list[bytes], prefix: bytes, lower: bytes | None = None,
+                  upper: bytes | None = None) -> tuple[int, int]:
+    """Where key group ``prefix``'s keys in [lower, upper) lie in sorted ``order``."""
+    start = bisect_left(order, lower if lower and lower > prefix else prefix)
+    if upper is None or upper[:2] != prefix:
+        n = int.from_bytes(prefix, "big") + 1  # up to the next key group's first key
+        upper = n.to_bytes(2, "big") if n < 1 << 16 else None
+    return start, bisect_left(order, upper, start) if upper is not None else len(order)
+
+
+def _pieces(items: list[Any], spans: list[tuple[int, int]]) -> list[Any]:
+    """``items[a:b]`` of each (a, b) of ``spans``, joined (list slices: no step per item)."""
+    out: list[Any] = []
+    for start, end in spans:
+        out += items[start:end]
+    return out
 
 
 class StateMemoryLimitError(UsageError):
@@ -151,9 +163,8 @@ class MemoryTable:
     def write_columns(self, keys: Sequence[bytes], values: Sequence[bytes]) -> None:
         """`put` of ``keys[i]`` -> ``values[i]``. Updates of existing keys take no Python
         step per entry (the dictionary's own loops; what the keys held comes from the
-        multi-get of this very key list just before, if there was one); a new key joins
-        its key group's key set and puts the table out of key order. The limit is
-        checked once."""
+        multi-get of this very key list just before, if there was one); a new key puts
+        the table out of key order. The limit is checked once."""
         data, account = self.data, self._account
         last = self._last_read
         if last is not None and last[0] is keys and last[2] == self._mutations:
@@ -234,9 +245,8 @@ class MemoryTable:
     def _span(self, prefix: bytes, lower: bytes | None, upper: bytes | None) -> list[bytes]:
         """Key group ``prefix``'s keys in [lower, upper), in order (a new list)."""
         order = self._ordered()
-        start = bisect_left(order, lower if lower and lower > prefix else prefix)
-        stop = upper if upper is not None and upper[:2] == prefix else _after_group(prefix)
-        span = order[start:bisect_left(order, stop, start) if stop is not None else None]
+        start, end = _group_bounds(order, prefix, lower, upper)
+        span = order[start:end]
         return list(filter(self.data.__contains__, span)) if self._holes else span
 
     def sorted_keys(self, prefix: bytes) -> list[bytes]:
@@ -245,32 +255,36 @@ class MemoryTable:
 
     def key_group_prefixes(self) -> list[bytes]:
         """The prefixes of the key groups holding keys, in order."""
-        self._groups = {p for p in self._groups if self.sorted_keys(p)}
-        return sorted(self._groups)
+        held = [p for p in self._prefixes(None, None) if self.sorted_keys(p)]
+        self._groups = set(held)
+        return held
 
     def ordered_entries(self, prefixes: Sequence[bytes]
                         ) -> tuple[list[bytes], list[bytes], dict[bytes, int]]:
         """Keys and values of key groups ``prefixes`` (sorted) in key order, and the
         entries of each non-empty one. ``data`` is kept in key order (sorted again after
         keys were added), so the values come from one pass over it, not a lookup each."""
-        data = self._in_key_order()
-        keys, values = list(data), list(data.values())
-        bounds = {}
-        for prefix in prefixes:
-            start = bisect_left(keys, prefix)
-            stop = _after_group(prefix)
-            end = bisect_left(keys, stop, start) if stop is not None else len(keys)
-            if end > start:
-                bounds[prefix] = (start, end)
-        counts = {p: end - start for p, (start, end) in bounds.items()}
-        if sum(counts.values()) == len(keys):
+        keys, spans, counts = self._selected(prefixes)
+        values = list(self.data.values())
+        if spans is None:
             return keys, values, counts
-        out_keys: list[bytes] = []
-        out_values: list[bytes] = []
-        for start, end in sorted(bounds.values()):
-            out_keys += keys[start:end]
-            out_values += values[start:end]
-        return out_keys, out_values, counts
+        return _pieces(keys, spans), _pieces(values, spans), counts
+
+    def ordered_keys(self, prefixes: Sequence[bytes]) -> tuple[list[bytes], dict[bytes, int]]:
+        """`ordered_entries` without the values."""
+        keys, spans, counts = self._selected(prefixes)
+        return (keys if spans is None else _pieces(keys, spans)), counts
+
+    def _selected(self, prefixes: Sequence[bytes]
+                  ) -> tuple[list[bytes], list[tuple[int, int]] | None, dict[bytes, int]]:
+        """Every key in key order (``data`` put in key order), the spans of it that key
+        groups ``prefixes`` hold (None: all of it) and the entries of each non-empty one."""
+        keys = list(self._in_key_order())
+        bounds = {p: _group_bounds(keys, p) for p in prefixes}
+        counts = {p: end - start for p, (start, end) in bounds.items() if end > start}
+        if sum(counts.values()) == len(keys):
+            return keys, None, counts
+        return keys, sorted(bounds[p] for p in counts), counts
 
     def _in_key_order(self) -> dict[bytes, Any]:
         """``data``, iterating in key order (sorted again if keys were added since)."""

@@ -25,7 +25,7 @@ tagless timers only, the rest would cost a Python step per timer at every snapsh
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -57,7 +57,7 @@ class TimerKeysIndex(MemoryTable):
         """The index's keys of key groups ``prefixes`` in key order, and the entries of
         each (the ``_timers`` table's: one index entry per timer); None when
         ``columns_only`` and a timer takes a Python step (a tag)."""
-        timer_keys, _, counts = self.timers.ordered_entries(prefixes)
+        timer_keys, counts = self.timers.ordered_keys(prefixes)
         keys = reverse_key_column(pa.array(timer_keys, pa.binary()))
         if keys is None:
             if columns_only:
@@ -114,34 +114,16 @@ class TimerKeysIndex(MemoryTable):
     def __len__(self) -> int:
         return super().__len__() if self.built else len(self.timers)
 
+    # Every other read passes through one of these three: a point read, the key groups
+    # a scan visits, the ordered key list
     def get(self, key: Any) -> Any:
         self.build()
         return super().get(key)
 
-    def scan(self, lower: bytes | None = None, upper: bytes | None = None, *,
-             values: bool = True) -> Iterator[Any]:
+    def _prefixes(self, lower: bytes | None, upper: bytes | None) -> list[bytes]:
         self.build()
-        return super().scan(lower, upper, values=values)
+        return super()._prefixes(lower, upper)
 
-    def entries(self, lower: bytes | None = None, upper: bytes | None = None
-                ) -> tuple[list[bytes], list[bytes]]:
+    def _ordered(self) -> list[bytes]:
         self.build()
-        return super().entries(lower, upper)
-
-    def count(self, lower: bytes | None = None, upper: bytes | None = None) -> int:
-        if lower is None and upper is None:
-            return len(self)
-        self.build()
-        return super().count(lower, upper)
-
-    def edge_keys(self, prefix: bytes | None = None) -> tuple[bytes, bytes] | None:
-        self.build()
-        return super().edge_keys(prefix)
-
-    def sorted_keys(self, prefix: bytes) -> list[bytes]:
-        self.build()
-        return super().sorted_keys(prefix)
-
-    def key_group_prefixes(self) -> list[bytes]:
-        self.build()
-        return super().key_group_prefixes()
+        return super()._ordered()

@@ -252,16 +252,14 @@ def _set_timers(backend: KeyedStateBackend, keys: Sequence[str], times: Sequence
     if not len(kbs):
         return
     at = _times_array(times)
-    keeps_reverse = backend.keeps_timer_keys
-    fwd, rev = timer_key_columns(kgs, kbs, at, dom, tags, reverse=keeps_reverse)
+    # (no reverse keys where the backend derives them: rev is empty, its write a no-op)
+    fwd, rev = timer_key_columns(kgs, kbs, at, dom, tags, reverse=backend.keeps_timer_keys)
     firing = backend.timer_firings.get(domain) if register else None
     if firing is not None:
         for i in np.flatnonzero(at <= firing.up_to).tolist():
             firing.offer(fwd[i], int(at[i]))
-    families = [(backend.column_family_handle(TIMERS), fwd)]
-    if keeps_reverse:
-        families.append((backend.column_family_handle(TIMER_KEYS), rev))
-    backend.write_keys(families, delete=not register)
+    backend.write_keys(((backend.column_family_handle(TIMERS), fwd),
+                        (backend.column_family_handle(TIMER_KEYS), rev)), delete=not register)
 
 
 def _times_array(times: Sequence[int]) -> np.ndarray:
@@ -453,11 +451,9 @@ class TimerFiring:
             seen.update(fresh)
             due.extend(tk for tk, stored in zip(fresh, multi_get(self._cf, fresh),
                                                  strict=True) if stored is not None)
-        keeps_reverse = self.backend.keeps_timer_keys
-        table, reverse = fired_timers(due, reverse=keeps_reverse)
+        table, reverse = fired_timers(due, reverse=self.backend.keeps_timer_keys)
         if due:
-            self.backend.write_keys(((self._fwd, due), (self._rev, reverse))
-                                    if keeps_reverse else ((self._fwd, due),), delete=True)
+            self.backend.write_keys(((self._fwd, due), (self._rev, reverse)), delete=True)
         self.stats.fired += len(due)
         if len(due) < n:
             self.close()

@@ -88,7 +88,7 @@ def _backends(tmp_path, seed: int, steps: int, tagged: bool = False
 
 
 def _reverse_entries(backend: KeyedStateBackend) -> list[bytes]:
-    return [k for k in backend.iter_raw(TIMER_KEYS, values=False)]
+    return list(backend.iter_raw(TIMER_KEYS, values=False))
 
 
 def _index(backend: KeyedStateBackend) -> TimerKeysIndex:
